@@ -1,0 +1,154 @@
+"""Gradient sums over torch.distributed point-to-point messages (gloo).
+
+Every function here takes ONE flat, contiguous tensor, the same size on every rank, and
+replaces it in place with the element-wise sum over all ranks. Every rank ends with
+bit-identical values: each element is added up in one place, in one order, and then only
+copied. `average_()` divides by the world size afterwards; that is what training calls.
+
+    two_pass_ring_sum  the original protocol (default): a chain, then the total forwarded.
+    ring_sum           bandwidth-optimal reduce-scatter + all-gather.
+    gloo_sum           dist.all_reduce, the reference.
+
+Timeouts: gloo applies the process group's timeout (init_process_group(timeout=...)) to every
+send and receive, so a silent peer turns into an exception instead of a hang.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+CHUNK_BYTES = 256 * 1024  # auto-pipelining: about this much per message
+MAX_CHUNKS = 64
+
+
+def auto_chunks(numel, element_size=4):
+    """How many pieces the two-pass ring streams a buffer of `numel` elements in."""
+    return max(1, min(MAX_CHUNKS, math.ceil(numel * element_size / CHUNK_BYTES)))
+
+
+def two_pass_ring_sum(flat, chunks=1):
+    """Sum `flat` over all ranks with the two-pass chain, in place.
+
+    Pass 1 (reduce along the chain; the last rank closes the loop to rank 0):
+
+        rank 0 ──g0──▶ rank 1 ──g0+g1──▶ rank 2 ── ... ──▶ rank N-1
+          ▲                                                  │
+          └──────────────── total = g0+...+gN-1 ─────────────┘
+
+    Pass 2 (rank 0 forwards the total down the chain; rank N-1 already has it):
+
+        rank 0 ──total──▶ rank 1 ──total──▶ ... ──total──▶ rank N-2
+
+    With chunks=K the buffer is cut into K pieces that stream through the same chain one
+    after another: piece c takes exactly the route above, so rank r can add and forward
+    piece c while piece c+1 is still arriving. Each message has its own tag
+    (pass 1: c, pass 2: K + c). The sum order is the same for any K: g0 + g1 + ... + gN-1.
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return flat
+    k = max(1, min(chunks, flat.numel()))
+    own = torch.tensor_split(flat, k)
+    partial = torch.empty_like(flat)   # pass-1 sums arriving from rank-1
+    total = torch.empty_like(flat)     # the finished total
+    partials, totals = torch.tensor_split(partial, k), torch.tensor_split(total, k)
+    last = n - 1
+    pending = []                       # sends still in flight
+
+    if rank == 0:
+        receives = [dist.irecv(totals[c], last, tag=k + c) for c in range(k)]
+        pending += [dist.isend(own[c], 1, tag=c) for c in range(k)]
+        for c in range(k):
+            receives[c].wait()
+            if n > 2:                  # pass 2 starts here
+                pending.append(dist.isend(totals[c], 1, tag=k + c))
+    else:
+        receives = [dist.irecv(partials[c], rank - 1, tag=c) for c in range(k)]
+        for c in range(k):
+            receives[c].wait()
+            partials[c].add_(own[c])
+            pending.append(dist.isend(partials[c], (rank + 1) % n, tag=c if rank < last else k + c))
+        if rank == last:
+            total = partial            # pass 1 ended here with the total
+        else:
+            receives = [dist.irecv(totals[c], rank - 1, tag=k + c) for c in range(k)]
+            for c in range(k):
+                receives[c].wait()
+                if rank < n - 2:       # pass 2 stops at rank N-2
+                    pending.append(dist.isend(totals[c], rank + 1, tag=k + c))
+    for work in pending:
+        work.wait()
+    flat.copy_(total)
+    return flat
+
+
+def ring_sum(flat):
+    """Sum `flat` over all ranks, in place: reduce-scatter, then all-gather.
+
+    The buffer is cut into N segments. Every step, each rank sends one segment to its right
+    neighbour and receives another from its left, both at once:
+
+        reduce-scatter, N-1 steps: receive a partial sum, add own part, pass it on.
+        After it, rank r holds segment r+1 fully summed.
+
+          step 0:   r0 ─s0─▶ r1 ─s1─▶ r2 ─s2─▶ r0      (segment index = sender's rank - step)
+          step 1:   r0 ─s2─▶ r1 ─s0─▶ r2 ─s1─▶ r0      (each now carries two ranks' sum)
+
+        all-gather, N-1 steps: pass the finished segments round the same ring, copying.
+
+    Each rank sends 2(N-1)/N of the buffer, the least any all-reduce can. Segment j is
+    summed in one fixed order along the ring, so every rank ends with the same bits.
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return flat
+    segments = torch.tensor_split(flat, n)
+    incoming = torch.empty_like(segments[0])
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def exchange(send_index, recv_into):
+        # Segments are empty when the buffer is smaller than N; both ends know, both skip.
+        works = []
+        if segments[send_index].numel():
+            works.append(dist.isend(segments[send_index], right))
+        if recv_into.numel():
+            works.append(dist.irecv(recv_into, left))
+        for work in works:
+            work.wait()
+
+    for step in range(n - 1):
+        send_index, recv_index = (rank - step) % n, (rank - step - 1) % n
+        buffer = incoming[: segments[recv_index].numel()]
+        exchange(send_index, buffer)
+        segments[recv_index].add_(buffer)
+    for step in range(n - 1):
+        send_index, recv_index = (rank + 1 - step) % n, (rank - step) % n
+        exchange(send_index, segments[recv_index])
+    return flat
+
+
+def gloo_sum(flat):
+    """Sum `flat` over all ranks with gloo's own all_reduce (the reference)."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+    return flat
+
+
+ALGORITHMS = ("two-pass", "ring", "gloo")
+
+
+def sum_(flat, algorithm="two-pass", chunks=1):
+    """Sum `flat` over all ranks in place with the named algorithm."""
+    if algorithm == "two-pass":
+        return two_pass_ring_sum(flat, chunks)
+    if algorithm == "ring":
+        return ring_sum(flat)
+    if algorithm == "gloo":
+        return gloo_sum(flat)
+    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+
+
+def average_(flat, algorithm="two-pass", chunks=1):
+    """Average `flat` over all ranks in place: the sum, divided by the world size."""
+    sum_(flat, algorithm, chunks)
+    return flat.div_(dist.get_world_size())
