@@ -1,0 +1,619 @@
+#!/usr/bin/env python3
+"""All-reduce benchmark for utils/ring.py, in the style of nccl-tests.
+
+Measures, side by side in one run, the all-reduce (sum) of one flat float32 buffer with
+
+    gloo                 dist.all_reduce (the reference)
+    two-pass             the original chain, chunks=1 (the textbook, unpipelined version)
+    two-pass-pipelined   the same chain streamed in auto_chunks(numel) pieces (or --chunks K)
+    ring                 reduce-scatter + all-gather
+
+for world sizes N (default 2,3,4) and buffer sizes from 4 KiB to 16 MiB, including the
+trainer's gradient ("model", --model-numel float32 values).
+
+Two ways to run it (the driver starts N real rank processes of this same file, --worker):
+
+    python3 bench/allreduce.py                          # loopback, 127.0.0.1
+    python3 bench/allreduce.py --cluster --rate 200mbit # emulated hosts (scripts/cluster.py),
+                                                        # one rank per host, egress capped
+
+Timing. Per size, every repetition runs every algorithm once (the order rotates from one
+repetition to the next), so drift hits all of them alike. One repetition of one algorithm is
+    restore the input; dist.barrier(); t0; all-reduce; t1
+on every rank; its time is the MAX over ranks of t1 - t0 (an all-reduce is done when its
+slowest rank is). After --warmup discarded repetitions, --iters are timed (fewer for the
+biggest sizes, see --big-iters); the table shows the MEDIAN.
+
+Columns (nccl-tests conventions; S = buffer bytes, t = median time, MB = 1e6 bytes):
+    algbw = S / t        busbw = algbw * 2(N-1)/N
+    limit = 2(N-1)/N * S / B  when a per-host egress rate B is known (--cluster --rate):
+            the least time ANY all-reduce can take, as every host must send 2(N-1)/N * S
+            (payload bytes only; TCP/IP/Ethernet headers cost ~4.6% more on the wire at
+            MTU 1500, while tbf's initial burst can give ~10 ms free). At the limit, busbw = B.
+    xlimit = t / limit   xgloo = t / t(gloo)
+
+Correctness. Rank r's input is float32 N(0,1) from seed (--seed, r), so every rank can build
+every input and the float64 reference sum. Every result (warm-up ones too) must be within
+(N-1) * 2^-24 * sum_r |x_r| of the reference, element-wise (the worst-case float32 rounding
+of N-1 additions in any order), and must be bit-identical on all ranks (blake2b digests).
+Any failure: a message naming N, size, algorithm and repetition, and a non-zero exit.
+
+Output: a markdown table on stdout, then the issue targets with PASS/MISS, and
+bench/results/allreduce-<mode>.{json,png,md} (mode: loopback or cluster), written atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+
+ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
+DEFAULT_MODEL_NUMEL = 421642          # the trainer's parameter count (float32 gradient)
+ELEMENT = 4                           # bytes per float32
+MB = 1e6                              # bandwidth unit, as in nccl-tests (GB/s = 1e9 B/s)
+
+# Issue targets (benchmark goals on the capped cluster, not tests):
+#   (name, algorithm, world sizes, min bytes, metric, bound)
+TARGETS = (
+    ("ring <= 1.05x limit, >= 1 MiB", "ring", (2, 3, 4), 1 << 20, "ratio_limit", 1.05),
+    ("ring no slower than gloo, >= 1 MiB", "ring", (2, 3, 4), 1 << 20, "ratio_gloo", 1.00),
+    ("two-pass-pipelined <= 1.5x limit, >= 4 MiB", "two-pass-pipelined", (4,), 4 << 20, "ratio_limit", 1.50),
+)
+
+
+# --------------------------------------------------------------------------- helpers
+def parse_size(text: str, model_numel: int) -> tuple[str, int]:
+    """'4K' / '16M' / '1048576' / 'model' -> (label, bytes); K/M/G are binary (KiB, MiB, GiB)."""
+    t = text.strip()
+    if t.lower() == "model":
+        return "model", model_numel * ELEMENT
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+    num = t.rstrip("BbKkMmGgIi")
+    unit = t[len(num):].upper()
+    if not num.isdigit() or unit not in units:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4K, 1M, 16M, 65536 or 'model'")
+    nbytes = int(num) * units[unit]
+    if nbytes < ELEMENT or nbytes % ELEMENT:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a positive multiple of {ELEMENT} bytes")
+    return human(nbytes), nbytes
+
+
+def human(nbytes: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return f"{nbytes}B" if nbytes < 1024 else f"{nbytes / 1024:.1f}K"
+
+
+def pretty_bytes(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def parse_rate(rate: str) -> int:
+    """tc-style rate ('200mbit', '1gbit', '10mbps' = megaBYTES/s) -> bits per second."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad rate {rate!r}; use e.g. 200mbit, 1gbit")
+    base = 1024 if m[2].endswith("i") else 1000
+    return int(float(m[1]) * base ** " kmgt".index(m[2][:1] or " ") * (8 if m[3] == "bps" else 1))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder + rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: int) -> float:
+    """Rough bandwidth-bound time of one all-reduce (used for timeouts and sanity only)."""
+    s = nbytes / rate_bytes
+    if alg in ("gloo", "ring"):
+        return 2 * (n - 1) / n * s
+    if alg == "two-pass" or chunks <= 1:
+        return (n + max(0, n - 2)) * s              # N hops of pass 1, N-2 of pass 2, one after another
+    return 2 * s + (2 * n - 2) * s / chunks         # busiest link carries 2S; plus pipeline fill
+
+
+# --------------------------------------------------------------------------- worker
+def worker(args) -> int:
+    cfg = json.loads(Path(args.config).read_text())
+    rank, n = args.rank, cfg["world_size"]
+
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, str(REPO))
+    from utils import ring
+
+    torch.set_num_threads(1)     # N ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    say(f"  N={n}: {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME="
+        f"{os.environ.get('GLOO_SOCKET_IFNAME', '-')}, torch {torch.__version__})")
+
+    def make_input(r: int, numel: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + r)
+        return torch.randn(numel, generator=g, dtype=torch.float32)
+
+    def run(alg: str, buf: torch.Tensor, chunks: int) -> None:
+        if alg == "gloo":
+            ring.gloo_sum(buf)
+        elif alg == "ring":
+            ring.ring_sum(buf)
+        else:
+            ring.two_pass_ring_sum(buf, chunks)
+
+    out = {"world_size": n, "sizes": []}
+    failures = []
+    for size in cfg["sizes"]:
+        numel = size["bytes"] // ELEMENT
+        reps_warm, reps_timed = size["warmup"], size["iters"]
+        inputs = [make_input(r, numel) for r in range(n)]
+        mine = inputs[rank]
+        ref = torch.zeros(numel, dtype=torch.float64)
+        abs_sum = torch.zeros(numel, dtype=torch.float64)
+        for x in inputs:
+            ref += x.double()
+            abs_sum += x.double().abs()
+        bound = abs_sum.mul_((n - 1) * 2.0 ** -24).add_(1e-30)   # worst-case float32 rounding
+        del inputs, abs_sum
+        buf = torch.empty_like(mine)
+        plan = {alg: (1 if alg == "two-pass" else
+                      (cfg["chunks"] or ring.auto_chunks(numel)) if alg == "two-pass-pipelined" else 0)
+                for alg in cfg["algorithms"]}
+        times = {alg: [] for alg in plan}        # this rank's t1 - t0, timed repetitions
+        digests = {alg: [] for alg in plan}      # per repetition (warm-up included)
+        errors = {alg: [] for alg in plan}       # max |err| / bound per repetition
+        algs = list(plan)
+        for rep in range(reps_warm + reps_timed):
+            for alg in algs[rep % len(algs):] + algs[:rep % len(algs)]:   # rotate the order
+                buf.copy_(mine)
+                dist.barrier()
+                t0 = time.perf_counter()
+                run(alg, buf, plan[alg])
+                t1 = time.perf_counter()
+                if cfg["fault"] and alg == cfg["algorithms"][-1]:     # self-test of the checks below
+                    if cfg["fault"] == "wrong":
+                        buf[numel // 2] += 1.0                      # same wrong value on every rank
+                    elif rank == n - 1:                             # "diverge": one rank 1 ulp off
+                        buf[numel // 2] = torch.nextafter(buf[numel // 2], torch.tensor(math.inf))
+                if rep >= reps_warm:
+                    times[alg].append(t1 - t0)
+                err = (buf.double() - ref).abs_().div_(bound).max().item() if numel else 0.0
+                errors[alg].append(err if math.isfinite(err) else float("inf"))
+                digests[alg].append(hashlib.blake2b(buf.numpy().tobytes(), digest_size=16).hexdigest())
+        everyone = [None] * n
+        dist.all_gather_object(everyone, {"times": times, "digests": digests, "errors": errors})
+
+        rows = []
+        for alg in algs:
+            per_rank = [e["times"][alg] for e in everyone]
+            t_max = [max(ts) for ts in zip(*per_rank)]           # slowest rank, per repetition
+            worst_err = max(max(e["errors"][alg]) for e in everyone)
+            mismatched = [rep for rep in range(reps_warm + reps_timed)
+                          if len({e["digests"][alg][rep] for e in everyone}) != 1]
+            problems = []
+            if worst_err > 1.0:
+                bad = [(r, rep) for r, e in enumerate(everyone)
+                       for rep, v in enumerate(e["errors"][alg]) if v > 1.0]
+                problems.append(f"wrong sum: error up to {worst_err:.3g}x the float32 rounding bound "
+                                f"(rank, repetition incl. warm-up: {bad[:6]})")
+            if mismatched:
+                problems.append(f"ranks disagree bit-wise in repetitions {mismatched[:6]} (incl. warm-up)")
+            for p in problems:
+                failures.append(f"N={n} size={size['label']} algorithm={alg}: {p}")
+            rows.append({"algorithm": alg, "chunks": plan[alg] or None, "times_s": t_max,
+                         "rank_median_s": [statistics.median(ts) for ts in per_rank],
+                         "max_error_over_bound": worst_err, "bit_identical": not mismatched,
+                         "correct": not problems, "problems": problems})
+        out["sizes"].append({**size, "numel": numel, "rows": rows})
+        say(f"  N={n} {size['label']:>6} ({reps_timed} iters): " + "  ".join(
+            f"{r['algorithm']} {statistics.median(r['times_s']) * 1e3:.2f}ms"
+            + ("" if r["correct"] else " WRONG") for r in rows))
+        del ref, bound, buf
+
+    out["failures"] = failures
+    if rank == 0:
+        write_atomic(Path(cfg["out"]), json.dumps(out).encode())
+    dist.barrier()
+    dist.destroy_process_group()
+    return 3 if failures else 0
+
+
+# --------------------------------------------------------------------------- driver
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the child's process group (children run in their own sessions); only while unreaped."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            p.kill()
+
+
+def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout: float,
+           timeout: float) -> dict:
+    """Run one world of n ranks; return rank 0's raw results. Kills every child on any exit."""
+    cfg_path, out_path = tmp / f"config-{n}.json", tmp / f"result-{n}.json"
+    host0 = cl.addr(0) if cl else "127.0.0.1"
+    cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
+           "seed": args.seed, "chunks": args.chunks, "fault": args.self_test_fault, "algorithms": args.algorithms,
+           "sizes": sizes, "out": str(out_path)}
+    cfg_path.write_text(json.dumps(cfg))
+    procs, logs = [], []
+    try:
+        for r in range(n):
+            argv = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker",
+                    "--rank", str(r), "--config", str(cfg_path)]
+            env = {"GLOO_SOCKET_IFNAME": cl.nic(r) if cl else "lo", "OMP_NUM_THREADS": "1",
+                   "PYTHONUNBUFFERED": "1"}
+            log = open(tmp / f"rank{r}-n{n}.log", "wb")
+            logs.append(log)
+            kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
+            if cl:
+                procs.append(cl.popen(r, argv, env=env, **kw))
+            else:
+                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **kw))
+        deadline, grace_end = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise LaunchError(f"N={n}: timed out after {timeout:.0f}s (--timeout); killed all ranks")
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, 3)]
+            if failed and grace_end is None:
+                grace_end = now + 5.0          # the others get 5 s to notice, then are killed
+            if grace_end is not None and now > grace_end:
+                break
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        if all(c in (0, 3) for c in codes) and out_path.exists():
+            return json.loads(out_path.read_text())
+        tails = []
+        for r in range(n):
+            text = (tmp / f"rank{r}-n{n}.log").read_text(errors="replace").strip().splitlines()
+            tails.append(f"--- rank {r} (exit {codes[r]}), last lines of its stderr:\n" + "\n".join(text[-15:]))
+        raise LaunchError(f"N={n}: ranks exited with {codes}\n" + "\n".join(tails))
+    finally:
+        for p in procs:
+            kill_group(p)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
+
+
+def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
+    """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
+    records = []
+    n = raw["world_size"]
+    for size in raw["sizes"]:
+        gloo_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "gloo"), None)
+        for row in size["rows"]:
+            t = statistics.median(row["times_s"])
+            algbw = size["bytes"] / t
+            limit = 2 * (n - 1) / n * size["bytes"] / rate_bytes if rate_bytes else None
+            records.append({
+                "world_size": n, "size": size["label"], "bytes": size["bytes"], "numel": size["numel"],
+                "algorithm": row["algorithm"], "chunks": row["chunks"], "iters": len(row["times_s"]),
+                "warmup": size["warmup"], "times_ms": [x * 1e3 for x in row["times_s"]],
+                "median_ms": t * 1e3, "min_ms": min(row["times_s"]) * 1e3, "max_ms": max(row["times_s"]) * 1e3,
+                "rank_median_ms": [x * 1e3 for x in row["rank_median_s"]],
+                "algbw_MBps": algbw / MB, "busbw_MBps": algbw * 2 * (n - 1) / n / MB,
+                "limit_ms": limit * 1e3 if limit else None, "ratio_limit": t / limit if limit else None,
+                "ratio_gloo": t / gloo_t if gloo_t else None,
+                "correct": row["correct"], "bit_identical": row["bit_identical"],
+                "max_error_over_bound": row["max_error_over_bound"], "problems": row["problems"]})
+    return records
+
+
+def fmt(x, spec="{:.2f}", none="-"):
+    return none if x is None else spec.format(x)
+
+
+def table(records: list[dict]) -> str:
+    head = ("| N | size | bytes | algorithm | chunks | iters | time ms | spread | algbw MB/s | busbw MB/s "
+            "| limit ms | x limit | x gloo | ok |")
+    align = ["--:", ":--", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", ":-:"]
+    lines = [head, "|" + "|".join(align) + "|"]
+    for r in records:
+        spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
+        lines.append("| " + " | ".join([
+            str(r["world_size"]), r["size"], str(r["bytes"]), r["algorithm"], fmt(r["chunks"], "{}"),
+            str(r["iters"]), fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}"),
+            f"{spread:.0f}%", fmt(r["algbw_MBps"]), fmt(r["busbw_MBps"]),
+            fmt(r["limit_ms"], "{:.2f}"), fmt(r["ratio_limit"], "{:.3f}"), fmt(r["ratio_gloo"], "{:.2f}"),
+            "yes" if r["correct"] else "**NO**"]) + " |")
+    return "\n".join(lines)
+
+
+def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
+    out = []
+    for name, alg, worlds, min_bytes, metric, bound in TARGETS:
+        for n in worlds:
+            rows = [r for r in records if r["algorithm"] == alg and r["world_size"] == n
+                    and r["bytes"] >= min_bytes and r[metric] is not None]
+            if mode != "cluster" or not rows:
+                why = "targets are for --cluster --rate" if mode != "cluster" else "not measured"
+                out.append({"target": name, "world_size": n, "status": "N/A", "why": why})
+                continue
+            worst = max(rows, key=lambda r: r[metric])
+            out.append({"target": name, "world_size": n, "bound": bound, "metric": metric,
+                        "status": "PASS" if worst[metric] <= bound else "MISS",
+                        "worst_ratio": worst[metric], "worst_size": worst["size"],
+                        "per_size": {r["size"]: round(r[metric], 4) for r in rows}})
+    return out
+
+
+def target_lines(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        if t["status"] == "N/A":
+            lines.append(f"N/A   {t['target']:<44} N={t['world_size']}  ({t['why']})")
+            continue
+        sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
+        lines.append(f"{t['status']:<5} {t['target']:<44} N={t['world_size']}  worst {t['worst_ratio']:.3f}x "
+                     f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import io
+
+    worlds = sorted({r["world_size"] for r in records})
+    fig, axes = plt.subplots(2, len(worlds), figsize=(5.2 * len(worlds), 8.2), squeeze=False, sharex=True)
+    style = {"gloo": ("k", "o", "-"), "two-pass": ("tab:red", "s", "--"),
+             "two-pass-pipelined": ("tab:orange", "^", "-"), "ring": ("tab:blue", "D", "-")}
+    for col, n in enumerate(worlds):
+        top, bottom = axes[0][col], axes[1][col]
+        for alg in ALGORITHMS:
+            rows = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == alg),
+                          key=lambda r: r["bytes"])
+            if not rows:
+                continue
+            c, m, ls = style[alg]
+            x = [r["bytes"] for r in rows]
+            top.plot(x, [r["median_ms"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
+            top.fill_between(x, [r["min_ms"] for r in rows], [r["max_ms"] for r in rows], color=c, alpha=0.12)
+            bottom.plot(x, [r["busbw_MBps"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
+        xs = sorted({r["bytes"] for r in records if r["world_size"] == n})
+        if rate_bytes:
+            top.plot(xs, [2 * (n - 1) / n * s / rate_bytes * 1e3 for s in xs], color="0.5", ls=":",
+                     lw=2, label="bandwidth limit")
+            bottom.axhline(rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"limit = rate {rate_bytes / MB:g} MB/s")
+        for r in records:
+            if r["size"] == "model" and r["world_size"] == n:
+                for ax in (top, bottom):
+                    ax.axvline(r["bytes"], color="tab:green", lw=0.8, alpha=0.6)
+                top.annotate("model", (r["bytes"], 0.02), xycoords=("data", "axes fraction"),
+                             color="tab:green", fontsize=8, rotation=90, ha="right", va="bottom")
+                break
+        top.set_xscale("log", base=2)
+        top.set_yscale("log")
+        top.set_title(f"N = {n} ranks")
+        top.set_ylabel("time per all-reduce, ms (median; band = min..max)")
+        bottom.set_ylabel("busbw, MB/s  (= S/t * 2(N-1)/N)")
+        bottom.set_xlabel("buffer size")
+        bottom.set_ylim(bottom=0)
+        ticks = [s for s in xs if s & (s - 1) == 0]
+        bottom.set_xticks(ticks)
+        bottom.set_xticklabels([human(s) for s in ticks])
+        for ax in (top, bottom):
+            ax.grid(True, which="major", alpha=0.3)
+        if col == 0:
+            top.legend(fontsize=8, loc="upper left")
+            bottom.legend(fontsize=8, loc="upper left")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+def driver(args) -> int:
+    mode = "cluster" if args.cluster else "loopback"
+    if args.rate and not args.cluster:
+        print("allreduce.py: --rate only applies with --cluster (loopback is not capped)", file=sys.stderr)
+        return 2
+    rate_bits = parse_rate(args.rate) if args.cluster and args.rate else None
+    rate_bytes = rate_bits / 8 if rate_bits else None
+    worlds = args.world_sizes
+    sizes = {}
+    for label, nbytes in args.sizes:       # one row per byte count; "model" keeps its name
+        sizes[nbytes] = label if label == "model" else sizes.get(nbytes, label)
+    sizes = sorted(sizes.items())
+    plan = []
+    for nbytes, label in sizes:
+        big = nbytes >= args.big_from
+        plan.append({"label": label, "bytes": nbytes, "iters": args.big_iters if big else args.iters,
+                     "warmup": args.big_warmup if big else args.warmup})
+
+    # Time budget per world (the hard timeout) and per-operation timeout of the process group.
+    sys.path.insert(0, str(REPO))
+    from utils.ring import auto_chunks
+    est = {n: sum((p["iters"] + p["warmup"]) * expected_seconds(
+                      a, n, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT))
+                  for p in plan for a in args.algorithms)
+           for n in worlds}
+    op_timeout = max(60.0, 20 * max(expected_seconds("two-pass", n, plan[-1]["bytes"], rate_bytes or 50e6, 1)
+                                     for n in worlds))
+    print(f"# all-reduce benchmark: mode={mode}" + (f", egress cap {args.rate} per host" if rate_bits else "")
+          + f", N={','.join(map(str, worlds))}, algorithms={','.join(args.algorithms)}")
+    labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
+    print(f"# sizes: {', '.join(labels)}")
+    iters_note = f"{args.iters} timed + {args.warmup} warm-up repetitions"
+    if any(p["bytes"] >= args.big_from for p in plan):
+        iters_note += (f"; sizes >= {human(args.big_from)}: {args.big_iters} timed + {args.big_warmup} warm-up "
+                       f"(fewer, to keep the run short)")
+    print(f"# {iters_note}; time = max over ranks, median over repetitions")
+    print(f"# bandwidth-bound estimate: " + ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
+          + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
+    sys.stdout.flush()
+
+    cl = None
+    records, started = [], time.time()
+    with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        os.chmod(tmp, 0o755)
+        stack = None
+        try:
+            if args.cluster:
+                sys.path.insert(0, str(REPO / "scripts"))
+                import cluster
+                stack = cluster.Cluster(hosts=max(worlds), rate=args.rate)
+                cl = stack.__enter__()
+                print(f"# cluster: {cl.hosts} hosts {', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}"
+                      + (f"; tbf rate {rate_bits} bit/s, burst {cluster.tbf_burst(rate_bits)} B, "
+                         f"latency {cluster.TBF_LATENCY}" if rate_bits else ""))
+            for i, n in enumerate(worlds):
+                timeout = args.timeout or (120 + 3 * est[n])
+                port = (29500 + 10 * i + os.getpid() % 7) if cl else free_port()
+                t = time.time()
+                raw = launch(n, args, plan, cl, tmp, port, op_timeout, timeout)
+                print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
+                records += summarize(raw, rate_bytes)
+        except LaunchError as e:
+            print(f"allreduce.py: FAILED: {e}", file=sys.stderr)
+            return 2
+        finally:
+            if stack is not None:
+                stack.__exit__(None, None, None)
+
+    failures = [f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: {p}"
+                for r in records for p in r["problems"]]
+    targets = evaluate_targets(records, mode)
+    title = (f"all-reduce, {mode}" + (f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)")
+             + f"; {platform.node()}, torch {__import__('torch').__version__}")
+    md = (f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "") + "\n\n"
+          f"`{' '.join(['python3', 'bench/allreduce.py'] + sys.argv[1:])}`  \n{iters_note}.\n\n"
+          + table(records) + "\n\n```\n" + target_lines(targets) + "\n```\n")
+    result = {
+        "mode": mode, "rate": args.rate if rate_bits else None, "rate_bits_per_s": rate_bits,
+        "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
+        "world_sizes": worlds, "sizes": plan, "algorithms": args.algorithms, "chunks_override": args.chunks,
+        "model_numel": args.model_numel, "seed": args.seed,
+        "timing": "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
+                  "median over timed repetitions; algorithms interleaved per repetition, order rotated",
+        "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": __import__("torch").__version__, "kernel": platform.release()},
+        "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "correct": not failures, "failures": failures, "targets": targets, "results": records,
+    }
+    out_dir = Path(args.results_dir)
+    write_atomic(out_dir / f"allreduce-{mode}.json", (json.dumps(result, indent=1) + "\n").encode())
+    write_atomic(out_dir / f"allreduce-{mode}.md", md.encode())
+    plot(records, out_dir / f"allreduce-{mode}.png", title, rate_bytes)
+
+    print()
+    print(table(records))
+    print()
+    print("Targets" + ("" if mode == "cluster" else " (only evaluated with --cluster --rate)") + ":")
+    print(target_lines(targets))
+    print(f"\nwrote {out_dir / f'allreduce-{mode}.json'}, .md, .png  ({time.time() - started:.0f}s)")
+    if failures:
+        print("\nallreduce.py: CORRECTNESS FAILURE:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--cluster", action="store_true", help="run each rank on its own emulated host (root)")
+    ap.add_argument("--rate", help="per-host egress cap in --cluster mode, tc syntax, e.g. 200mbit")
+    ap.add_argument("--world-sizes", default="2,3,4", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (K/M binary, 'model'); default {DEFAULT_SIZES}")
+    ap.add_argument("--model-numel", type=int, default=DEFAULT_MODEL_NUMEL,
+                    help="float32 parameters of the trainer's model: the 'model' row")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","))
+    ap.add_argument("--chunks", type=int, default=0, help="pieces for two-pass-pipelined (default: auto_chunks)")
+    ap.add_argument("--iters", type=int, default=7, help="timed repetitions")
+    ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions first")
+    ap.add_argument("--big-from", default="8M", help="sizes from here use --big-iters/--big-warmup")
+    ap.add_argument("--big-iters", type=int, default=5)
+    ap.add_argument("--big-warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--timeout", type=float, default=0, help="hard limit per world size in s (default: from the plan)")
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--self-test-fault", choices=("wrong", "diverge"), help=argparse.SUPPRESS)  # tests only
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    try:
+        args.sizes = [parse_size(s, args.model_numel) for s in args.sizes.split(",") if s.strip()]
+        args.big_from = parse_size(args.big_from, args.model_numel)[1]
+        if args.rate:
+            parse_rate(args.rate)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    bad = [a for a in args.algorithms if a not in ALGORITHMS]
+    if bad or not args.algorithms:
+        ap.error(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)}")
+    if any(n < 2 for n in args.world_sizes):
+        ap.error("world sizes must be >= 2")
+    if min(args.iters, args.big_iters) < 1 or min(args.warmup, args.big_warmup) < 0 or args.chunks < 0:
+        ap.error("--iters/--big-iters must be >= 1, --warmup/--big-warmup and --chunks >= 0")
+
+    def on_term(signum, frame):          # SIGTERM/SIGHUP: unwind like Ctrl-C, so children die and the cluster goes
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    try:
+        return driver(args)
+    except KeyboardInterrupt:
+        print("allreduce.py: interrupted; killed all ranks", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+#!/usr/bin/env python3
+"""Emulate a small cluster of servers on one Linux machine.
+
+Users run one trainer rank per server, and every server names its NIC
+differently (eth0, ens3, enp1s0, ...).  To prove train.py works like that
+without real hardware, each emulated "host" is a network namespace with one
+veth NIC renamed to a server-like name and addressed in a private test subnet;
+the other ends of the veths hang off one Linux bridge, which plays the switch.
+Optionally each host's egress is capped with a tbf qdisc (netem is not
+available on every kernel; tbf is).
+
+Usable both as a module (tests and benchmarks: ``Cluster``, ``train``,
+``cleanup_stale``) and as a CLI (``train``, ``exec``, ``cleanup``).  Standard
+library only; shells out to ``ip`` and ``tc`` (iproute2).  Needs root
+(CAP_NET_ADMIN + CAP_SYS_ADMIN).  Every external call has a timeout, and
+teardown always runs, so nothing is left behind; leftovers of runs that were
+SIGKILLed carry their owner's pid in their names and are removed by the next
+run (or ``cluster.py cleanup``).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_NICS = ["eth0", "ens3", "enp1s0", "eno1", "eth1", "ens4", "enp2s0", "eno2"]
+PREFIX = "mnr"              # every namespace / bridge / veth we create starts with this
+SUBNET = "10.213"           # 10.213.X.0/24 per cluster; only ever configured inside our namespaces
+IP_TIMEOUT = 15             # seconds for any single ip/tc call
+GRACE = 5.0                 # seconds the other ranks get after one rank failed
+TBF_LATENCY = "50ms"        # tbf queue length, expressed as time at the capped rate
+NEEDS_ROOT = "needs root (CAP_NET_ADMIN) to create network namespaces; run it with sudo"
+
+# <prefix><owner pid, base36>-<cluster counter><kind><rank>; kind: b=bridge, v=veth, h=namespace.
+# Base36 keeps interface names within Linux's 15 characters (e.g. "mnr2ievk-99v252").
+_NAME_RE = re.compile(rf"^{PREFIX}([0-9a-z]+)-(\d+)([bvh])(\d*)$")
+_counter = itertools.count()
+_counter_lock = threading.Lock()
+_live_tags: set[str] = set()    # clusters of this process that are up right now
+
+
+class ClusterError(RuntimeError):
+    """Setting up or using the emulated cluster failed (also: not root)."""
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
+
+
+def _cmd(argv: list[str], check: bool = True, timeout: float = IP_TIMEOUT) -> str:
+    """Run one ip/tc command with a hard timeout; raise ClusterError on failure."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"timed out after {timeout}s: {' '.join(argv)}") from None
+    except FileNotFoundError:
+        raise ClusterError(f"{argv[0]} not found; install iproute2") from None
+    if check and r.returncode != 0:
+        raise ClusterError(f"{' '.join(argv)} failed: {r.stderr.strip()}")
+    return r.stdout
+
+
+def _check_privileges() -> None:
+    """Namespaces need CAP_SYS_ADMIN, links/qdiscs CAP_NET_ADMIN (bits 21 and 12)."""
+    if sys.platform != "linux":
+        raise ClusterError("network namespaces need Linux")
+    try:
+        caps = int(re.search(r"^CapEff:\s*([0-9a-f]+)", Path("/proc/self/status").read_text(), re.M)[1], 16)
+    except (OSError, TypeError):
+        caps = ~0 if os.geteuid() == 0 else 0
+    if not (caps >> 12) & 1 or not (caps >> 21) & 1:
+        raise ClusterError(NEEDS_ROOT)
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ClusterError(f"'{tool}' not found; install iproute2")
+
+
+def parse_rate(rate: str) -> int:
+    """tc-style rate ("1gbit", "200mbit", "10mbps") -> bits per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise ClusterError(f"bad rate {rate!r}; use e.g. 1gbit, 200mbit, 50mbit")
+    num, mult, unit = float(m[1]), m[2], m[3] or "bit"
+    base = 1024 if mult.endswith("i") else 1000
+    bits = num * base ** (" kmgt".index(mult[:1] or " ")) * (8 if unit == "bps" else 1)
+    if bits < 8000:
+        raise ClusterError(f"rate {rate!r} is too low")
+    return int(bits)
+
+
+def tbf_burst(rate_bits: int) -> int:
+    """Bucket size in bytes for a tbf at `rate_bits`.
+
+    The bucket must hold what the rate delivers in one timer tick (HZ is 100..1000;
+    10 ms covers all) or tbf undershoots, and at least one 64 KiB GSO super-packet
+    so veth's big segments pass without being split in software.  The initial
+    burst this allows is <= 10 ms of traffic (plus 64 KiB), negligible for transfers
+    of a few MB.
+    """
+    return max(rate_bits // 8 // 100, 64 * 1024)
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")    # unreaped zombies count as dead
+
+
+def _netns_pids(ns: str) -> list[int]:
+    return [int(p) for p in _cmd(["ip", "netns", "pids", ns], check=False).split()]
+
+
+def _kill_netns(ns: str, timeout: float = 5.0) -> None:
+    """SIGKILL every process inside namespace `ns`, until none is left (or timeout)."""
+    deadline = time.monotonic() + timeout
+    while (pids := _netns_pids(ns)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
+def _our_objects() -> tuple[list[str], list[str]]:
+    """(namespaces, links) whose names carry our prefix."""
+    nss = [l.split()[0] for l in _cmd(["ip", "netns", "list"], check=False).splitlines() if l.strip()]
+    links = [l.split(":")[1].strip().split("@")[0] for l in _cmd(["ip", "-o", "link"], check=False).splitlines()]
+    return [n for n in nss if _NAME_RE.match(n)], [l for l in links if _NAME_RE.match(l)]
+
+
+def cleanup_stale() -> list[str]:
+    """Remove namespaces/bridges/veths left by earlier runs whose owner is dead.
+
+    The owner pid is encoded in every name, so a run that was SIGKILLed (no
+    teardown) is recognised; clusters of live processes are left alone.  Returns
+    the names removed.  Called by every Cluster.__enter__.
+    """
+    _check_privileges()
+
+    def stale(name: str) -> bool:
+        m = _NAME_RE.match(name)
+        pid = int(m[1], 36)
+        if pid == os.getpid():
+            return f"{PREFIX}{m[1]}-{m[2]}" not in _live_tags
+        return _pid_dead(pid)
+
+    nss, links = _our_objects()
+    nss, links = [n for n in nss if stale(n)], [l for l in links if stale(l)]
+    for ns in nss:
+        _kill_netns(ns)
+    # veths first (deleting one end deletes the pair), then bridges, then namespaces
+    for name in sorted(links, key=lambda l: _NAME_RE.match(l)[3] == "b"):
+        _cmd(["ip", "link", "del", name], check=False)
+    for ns in nss:
+        _cmd(["ip", "netns", "del", ns], check=False)
+    return nss + links
+
+
+class Cluster:
+    """`hosts` emulated servers: one namespace + renamed veth NIC each, one bridge.
+
+    Use as a context manager; __exit__ always kills every process in the
+    namespaces and deletes everything, also when the body raised.
+    """
+
+    def __init__(self, hosts: int, rate: str | None = None, nics: list[str] | None = None):
+        if not 1 <= hosts <= 253:
+            raise ClusterError(f"hosts must be 1..253, got {hosts}")
+        nics = list(nics or DEFAULT_NICS)
+        for n in nics:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", n) or n == "lo":
+                raise ClusterError(f"bad NIC name {n!r}")
+        self.hosts = hosts
+        self.rate = rate
+        self.rate_bits = parse_rate(rate) if rate else None
+        self.nics = [nics[i % len(nics)] for i in range(hosts)]     # short lists cycle
+        with _counter_lock:
+            seq = next(_counter)
+        self.tag = f"{PREFIX}{_b36(os.getpid())}-{seq % 100}"
+        self.subnet = f"{SUBNET}.{seq % 256}"
+        self.bridge = f"{self.tag}b"
+        self.veths = [f"{self.tag}v{r}" for r in range(hosts)]     # bridge-side ends
+        self.names = [f"{self.tag}h{r}" for r in range(hosts)]     # namespaces
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+
+    # -- addressing ---------------------------------------------------------
+    def nic(self, rank: int) -> str:
+        return self.nics[rank]
+
+    def addr(self, rank: int) -> str:
+        return f"{self.subnet}.{rank + 1}"
+
+    def train_argv(self, rank: int, port: int, extra: list[str]) -> list[str]:
+        """Exactly the command the README tells users to run on server `rank`."""
+        return [sys.executable, "-u", str(REPO / "train.py"),
+                "--init-method", f"tcp://{self.addr(0)}:{port}",
+                "--rank", str(rank), "--world-size", str(self.hosts),
+                "--gloo_socket_ifname", self.nic(rank), *extra]
+
+    # -- lifecycle ----------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        _check_privileges()
+        cleanup_stale()
+        _live_tags.add(self.tag)
+        try:
+            self._create()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _create(self) -> None:
+        _cmd(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _cmd(["ip", "link", "set", self.bridge, "up"])
+        for r, (ns, veth, nic) in enumerate(zip(self.names, self.veths, self.nics)):
+            _cmd(["ip", "netns", "add", ns])
+            # the peer is created directly inside the namespace, so "eth0" cannot clash with ours
+            _cmd(["ip", "link", "add", veth, "type", "veth", "peer", "name", nic, "netns", ns])
+            _cmd(["ip", "link", "set", veth, "master", self.bridge])
+            _cmd(["ip", "link", "set", veth, "up"])
+            _cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _cmd(["ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", nic])
+            _cmd(["ip", "-n", ns, "link", "set", nic, "up"])
+            if self.rate_bits:
+                _cmd(["tc", "-n", ns, "qdisc", "add", "dev", nic, "root", "tbf",
+                      "rate", f"{self.rate_bits}bit", "burst", str(tbf_burst(self.rate_bits)),
+                      "latency", TBF_LATENCY])
+        for r in range(self.hosts):
+            self._wait_carrier(r)
+
+    def _wait_carrier(self, rank: int, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while "LOWER_UP" not in _cmd(["ip", "-n", self.names[rank], "-o", "link", "show", self.nic(rank)]):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{self.nic(rank)} in {self.names[rank]} has no carrier after {timeout}s")
+            time.sleep(0.02)
+
+    def teardown(self) -> None:
+        """Kill all processes in our namespaces, then delete veths, bridge, namespaces. Idempotent."""
+        with self._lock:
+            procs, self._procs = self._procs, []
+        for p in procs:
+            self.kill(p)
+        existing, _ = _our_objects()
+        for ns in self.names:
+            if ns in existing:
+                _kill_netns(ns)
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for veth in self.veths:
+            _cmd(["ip", "link", "del", veth], check=False)
+        _cmd(["ip", "link", "del", self.bridge], check=False)
+        for ns in self.names:
+            if ns in existing:
+                _cmd(["ip", "netns", "del", ns], check=False)
+        _live_tags.discard(self.tag)
+
+    # -- processes ----------------------------------------------------------
+    def popen(self, rank: int, argv: list[str], env: dict | None = None, **popen_kwargs) -> subprocess.Popen:
+        """Start argv inside host `rank`, in its own session so it can be killed as a group.
+
+        `env` is laid over os.environ (None: inherit).  The process is tracked and
+        killed at teardown.
+        """
+        if env is not None:
+            env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+        p = subprocess.Popen(["ip", "netns", "exec", self.names[rank], *argv], env=env,
+                             start_new_session=True, **popen_kwargs)
+        with self._lock:
+            self._procs.append(p)
+        return p
+
+    def run_on(self, rank: int, argv: list[str], timeout: float, input=None,
+               capture_output: bool = True, check: bool = False, **kw) -> subprocess.CompletedProcess:
+        """Like subprocess.run(argv) but inside host `rank`; kills the group on timeout."""
+        if capture_output:
+            kw.setdefault("stdout", subprocess.PIPE)
+            kw.setdefault("stderr", subprocess.PIPE)
+        if input is not None:
+            kw.setdefault("stdin", subprocess.PIPE)
+        p = self.popen(rank, argv, **kw)
+        try:
+            out, err = p.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(p)
+            p.communicate(timeout=5)
+            raise
+        r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        if check:
+            r.check_returncode()
+        return r
+
+    @staticmethod
+    def kill(p: subprocess.Popen) -> None:
+        """SIGKILL p's whole process group (only while p is unreaped, so the pgid is surely ours)."""
+        if p.returncode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    # -- faults -------------------------------------------------------------
+    def link_down(self, rank: int) -> None:
+        """Unplug host `rank`: its switch port goes down, so packets vanish both ways (no RST)."""
+        _cmd(["ip", "link", "set", self.veths[rank], "down"])
+
+    def link_up(self, rank: int) -> None:
+        _cmd(["ip", "link", "set", self.veths[rank], "up"])
+        self._wait_carrier(rank)
+
+
+def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_output: bool = True,
+             grace: float = GRACE) -> int:
+    """Start argvs[r] on host r, stream output, and supervise; see train()."""
+    out_lock = threading.Lock()
+
+    def pump(rank: int, stream) -> None:
+        prefix = f"[host{rank} {cluster.nic(rank)}] ".encode()
+        for line in iter(stream.readline, b""):
+            with out_lock:
+                sys.stdout.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                sys.stdout.flush()
+
+    pipe = subprocess.PIPE if prefix_output else None
+    procs = [cluster.popen(r, argv, stdin=subprocess.DEVNULL, stdout=pipe,
+                           stderr=subprocess.STDOUT if prefix_output else None)
+             for r, argv in enumerate(argvs)]
+    pumps = [threading.Thread(target=pump, args=(r, p.stdout), daemon=True)
+             for r, p in enumerate(procs) if prefix_output]
+    for t in pumps:
+        t.start()
+    deadline, kill_at, result = time.monotonic() + timeout, None, 0
+    while any([p.poll() is None for p in procs]):     # a list: poll every one, every round
+        now = time.monotonic()
+        if now > deadline:
+            print(f"cluster.py: timeout after {timeout}s; killing all hosts", file=sys.stderr, flush=True)
+            result = 124
+            break
+        if kill_at is not None and now > kill_at:
+            print("cluster.py: grace period over; killing remaining hosts", file=sys.stderr, flush=True)
+            break
+        for r, p in enumerate(procs):
+            if p.returncode not in (None, 0) and result == 0:
+                rc = p.returncode
+                result = rc if rc > 0 else 128 - rc      # killed by signal N -> 128+N
+                kill_at = now + grace
+                print(f"cluster.py: host{r} ({cluster.nic(r)}) exited with {rc}; "
+                      f"killing the others in {grace:g}s", file=sys.stderr, flush=True)
+        time.sleep(0.05)
+    for p in procs:
+        cluster.kill(p)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass                            # teardown's namespace sweep gets it
+    for t in pumps:
+        t.join(timeout=5)
+    if result == 0:
+        for p in procs:
+            if p.returncode != 0:
+                rc = p.returncode
+                return rc if rc > 0 else 128 - rc
+    return result
+
+
+def train(hosts: int, extra_args: list[str], rate: str | None = None, nics: list[str] | None = None,
+          port: int = 29500, timeout: float = 600, prefix_output: bool = True, grace: float = GRACE) -> int:
+    """Run train.py on every emulated host, as users would on real servers.
+
+    Output is streamed per line, prefixed "[host1 ens3] ".  If a rank fails the
+    others get `grace` seconds, then are killed.  Returns 0 only if every rank
+    returned 0; else the first failing rank's code, or 124 on timeout.
+    """
+    with Cluster(hosts, rate=rate, nics=nics) as c:
+        return _run_all(c, [c.train_argv(r, port, extra_args) for r in range(hosts)],
+                        timeout, prefix_output, grace)
+
+
+def exec_all(hosts: int, template: list[str], rate: str | None = None, nics: list[str] | None = None,
+             timeout: float = 600, prefix_output: bool = True, grace: float = GRACE) -> int:
+    """Run a command template on every host at once (see the CLI's `exec`)."""
+    if len(template) == 1:                  # one word: a shell command line, like ssh
+        template = ["sh", "-c", template[0]]
+    with Cluster(hosts, rate=rate, nics=nics) as c:
+        argvs = []
+        for r in range(hosts):
+            fields = dict(rank=r, world_size=hosts, addr=c.addr(r), addr0=c.addr(0), nic=c.nic(r))
+            try:
+                argvs.append([word.format_map(fields) for word in template])
+            except (KeyError, IndexError, ValueError) as e:
+                raise ClusterError(f"bad command template ({e!r}); fields: {', '.join(fields)}; "
+                                   "write {{ }} for literal braces") from None
+        return _run_all(c, argvs, timeout, prefix_output, grace)
+
+
+# -- CLI --------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"cluster.py: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class _Signalled(BaseException):
+    """Raised in the main thread on SIGTERM/SIGHUP so `with Cluster` tears down."""
+
+
+def _on_signal(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # don't let a second signal interrupt teardown
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    raise _Signalled(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    ap = _Parser(prog="cluster.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    for name, help_ in (("train", "run train.py on every host: cluster.py train --hosts 3 -- --epochs 1"),
+                        ("exec", "run a command on every host; template fields {rank} {world_size} "
+                                 "{addr} {addr0} {nic}: cluster.py exec --hosts 2 -- hostname -I")):
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--hosts", type=int, required=True)
+        p.add_argument("--rate", help="egress cap per host, tc syntax, e.g. 1gbit, 200mbit")
+        p.add_argument("--nics", help=f"comma separated NIC names (default {','.join(DEFAULT_NICS)})")
+        p.add_argument("--timeout", type=float, default=600, help="hard limit in seconds (exit 124)")
+        p.add_argument("--grace", type=float, default=GRACE, help="seconds the others get after a failure")
+        if name == "train":
+            p.add_argument("--port", type=int, default=29500)
+    sub.add_parser("cleanup", help="remove leftovers of crashed runs")
+    args = ap.parse_args(argv)
+    if args.cmd == "exec" and not rest:
+        ap.error("exec needs a command after --")
+
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, _on_signal)
+    try:
+        if args.cmd == "cleanup":
+            for name in cleanup_stale():
+                print(f"removed {name}")
+            return 0
+        nics = args.nics.split(",") if args.nics else None
+        if args.cmd == "train":
+            return train(args.hosts, rest, args.rate, nics, args.port, args.timeout, grace=args.grace)
+        return exec_all(args.hosts, rest, args.rate, nics, args.timeout, grace=args.grace)
+    except ClusterError as e:
+        print(f"cluster.py: {e}", file=sys.stderr)
+        return 2
+    except _Signalled as e:
+        print(f"cluster.py: got signal {e.args[0]}; torn down", file=sys.stderr)
+        return 128 + e.args[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Data-parallel MNIST training across servers, gradients summed by a hand-written gloo ring.
+
+On each server (one rank per server):
+    nohup python3 -u train.py --init-method tcp://192.168.0.1:23456 --epoch 1200 --rank 0 \
+        --world-size 2 --gloo_socket_ifname eth0 --model_path model_state_dict.pth
+
+On one machine, all ranks over loopback:   python train.py
+Under torchrun:                             torchrun --nproc-per-node 2 train.py
+Evaluate a saved model:                     python train.py --eval --model_path model_state_dict.pth
+
+This file sets up (arguments, NIC, process group, data, model); utils/run.py trains.
+"""
+import argparse
+import datetime
+import hashlib
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from utils.checkpoint import load_model_state  # noqa: E402
+from utils.data import load_mnist  # noqa: E402
+from utils.errors import PeerError, UsageError  # noqa: E402
+from utils.model import Net  # noqa: E402
+from utils.ring import ALGORITHMS, auto_chunks  # noqa: E402
+from utils.run import first_line, run, test_model  # noqa: E402
+
+PROG = "train.py"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {text!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        return value
+    return parse
+
+
+def chunk_count(text):
+    return "auto" if text == "auto" else positive(int)(text)
+
+
+def parse_args(argv):
+    p = OneLineParser(prog=PROG, description="Data-parallel MNIST over a hand-written gloo ring.")
+    p.add_argument("--rank", type=int, help="this server's rank, 0..world size-1 (omit to run every rank here)")
+    p.add_argument("--world-size", "--world_size", dest="world_size", type=int, help="number of ranks (servers)")
+    p.add_argument("--init-method", "--init_method", dest="init_method",
+                   help="rendezvous address of rank 0, e.g. tcp://192.168.0.1:23456")
+    p.add_argument("--gloo_socket_ifname", "--gloo-socket-ifname", dest="ifname",
+                   help="network card gloo uses on this server, e.g. eth0")
+    p.add_argument("--epoch", "--epochs", dest="epochs", type=positive(int), default=2, help="epochs (default 2)")
+    p.add_argument("--model_path", "--model-path", dest="model_path", help="state dict to start from (rank 0 reads it)")
+    p.add_argument("--save-path", default=os.path.join("runs", "model_state_dict.pth"),
+                   help="where rank 0 writes the state dict after every epoch (default runs/model_state_dict.pth)")
+    p.add_argument("--metrics", default=os.path.join("runs", "metrics.jsonl"),
+                   help="rank 0 appends one JSON line per epoch here ('' to turn off)")
+    p.add_argument("--lr", type=positive(float), default=4e-3, help="peak learning rate (default 0.004)")
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive(int), default=32,
+                   help="images per step on each rank (default 32)")
+    p.add_argument("--seed", type=int, default=1, help="seed for the model and the data order (default 1)")
+    p.add_argument("--timeout", type=positive(float), default=120.0,
+                   help="seconds to wait for rendezvous and for any send/recv (default 120)")
+    p.add_argument("--allreduce", choices=ALGORITHMS, default="two-pass", help="gradient sum (default two-pass)")
+    p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
+    p.add_argument("--nproc", type=positive(int), default=2, help="ranks to start when running on this machine alone")
+    p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
+    p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
+    p.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
+    return p.parse_args(argv)
+
+
+def check_init_method(url):
+    if url == "env://":
+        return
+    match = re.fullmatch(r"tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d+)", url)
+    if match is None:
+        raise UsageError(f"malformed --init-method {url!r}; expected tcp://HOST:PORT, e.g. tcp://192.168.0.1:23456")
+    if not 1 <= int(match.group(2)) <= 65535:
+        raise UsageError(f"port {match.group(2)} in --init-method is out of range (1-65535)")
+
+
+def check_interface(name):
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise UsageError(f"network interface {name!r} not found on this host; it has: {', '.join(names)}")
+
+
+def loopback_interface():
+    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
+
+
+def validate(args):
+    if args.rank is not None or args.world_size is not None:
+        if args.rank is None or args.world_size is None:
+            raise UsageError("--rank and --world-size go together")
+        if args.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
+        if not 0 <= args.rank < args.world_size:
+            raise UsageError(f"--rank must be between 0 and {args.world_size - 1} (world size {args.world_size}), got {args.rank}")
+        if args.init_method is None:
+            raise UsageError("--init-method is required with --rank, e.g. --init-method tcp://192.168.0.1:23456")
+    if args.init_method is not None:
+        check_init_method(args.init_method)
+    if args.ifname is not None:
+        check_interface(args.ifname)
+    if args.eval and not args.model_path:
+        raise UsageError("--eval needs --model_path")
+    if args.model_path and args.save_path and os.path.abspath(args.model_path) == os.path.abspath(args.save_path):
+        pass  # continuing a model in place is the user's explicit choice
+
+
+# --- running every rank on this machine ------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent():
+    """In a child: get SIGTERM if the launcher dies, even by SIGKILL (Linux only)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch_local(args, argv):
+    """Start args.nproc ranks of this program over loopback and wait for all of them."""
+    n, port, lo = args.nproc, free_port(), loopback_interface()
+    threads = max(1, (os.cpu_count() or 1) // n)
+    print(f"running {n} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    procs = [subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--rank", str(r),
+                               "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}",
+                               "--gloo_socket_ifname", lo], env=env, preexec_fn=die_with_parent)
+             for r in range(n)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    failed, deadline = 0, None
+    try:
+        while any(p.poll() is None for p in procs):
+            if not failed:
+                failed = next((p.returncode for p in procs if p.returncode), 0)
+                if failed:  # the others should notice within --timeout; don't wait longer than that
+                    deadline = time.time() + args.timeout + 15
+            if deadline and time.time() > deadline:
+                break
+            time.sleep(0.2)
+        return failed or next((p.returncode for p in procs if p.returncode), 0)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+
+
+# --- one rank --------------------------------------------------------------------------------
+
+def init_distributed(args):
+    """Join the process group. Returns (rank, world_size)."""
+    if args.rank is None:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        args.rank, args.world_size, args.init_method = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
+    if args.ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = args.ifname  # gloo reads it when the group starts
+    where = args.init_method if args.init_method != "env://" else \
+        f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:
+        dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=args.world_size,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    except (RuntimeError, ValueError) as e:
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise UsageError(f"port of {where} is already in use on this host; choose another port") from None
+        if args.rank == 0:
+            raise PeerError(f"not every rank joined at {where} within {args.timeout:g} s "
+                            f"(are all {args.world_size} started, with the same --init-method?)") from None
+        raise UsageError(f"could not reach rank 0 at {where} within {args.timeout:g} s "
+                         f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}") from None
+
+
+def check_same_settings(args, model):
+    """Every rank must train the same thing: compare the settings that must match, by name."""
+    mine = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
+            "batch-size": args.batch_size, "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
+            "allreduce": args.allreduce, "chunks": args.chunks, "train-subset": args.train_subset}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        for name, value in mine.items():
+            if theirs[name] != everyone[0][name]:
+                raise UsageError(f"ranks were started with different --{name}: rank 0 has {everyone[0][name]}, "
+                                 f"rank {rank} has {theirs[name]}")
+
+
+def broadcast_parameters(model):
+    """Copy rank 0's parameters to every rank, then prove all ranks hold the same bits."""
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    dist.broadcast(flat, src=0)
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise PeerError(f"parameters differ between ranks after the broadcast: {digests}")
+
+
+def evaluate(args, data):
+    model = Net()
+    load_model_state(model, args.model_path)
+    accuracy = test_model(model, data[2], data[3])
+    print(f"test accuracy {accuracy:.2%} ({args.model_path}, {len(data[3])} images)")
+
+
+def train(args, data):
+    torch.manual_seed(args.seed)
+    model = Net()
+    if args.chunks == "auto":
+        args.chunks = auto_chunks(sum(p.numel() for p in model.parameters()))
+    rank = args.rank if args.rank is not None else int(os.environ["RANK"])
+    if args.model_path and rank == 0:
+        load_model_state(model, args.model_path)  # before rendezvous: a bad file fails fast
+    init_distributed(args)
+    try:
+        check_same_settings(args, model)
+        broadcast_parameters(model)
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
+    if rank == 0:
+        print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+              f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
+              f"all-reduce {args.allreduce} ({args.chunks} chunk(s))", flush=True)
+    run(model, data, args)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    rank = "?"
+    try:
+        args = parse_args(argv)
+        validate(args)
+        local = not args.eval and args.rank is None and "RANK" not in os.environ
+        if local:
+            return launch_local(args, argv)
+        rank = args.rank if args.rank is not None else os.environ.get("RANK", 0)
+        torch.use_deterministic_algorithms(True)
+        data = load_mnist(args.data_dir)
+        if args.train_subset:
+            data = (data[0][:args.train_subset], data[1][:args.train_subset], data[2], data[3])
+        if args.eval:
+            evaluate(args, data)
+        else:
+            train(args, data)
+        return 0
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except PeerError as e:
+        print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: rank {rank}: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Saving without ever leaving half a file, and loading only what is safe to load."""
+import os
+import pickle
+import tempfile
+import zipfile
+
+import torch
+
+from utils.errors import UsageError
+
+
+def atomic_save(obj, path):
+    """torch.save to a temp file in the same folder, fsync, then rename over `path`.
+
+    A crash at any moment leaves either the old file or the new one, never a mix.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def safe_load(path, what="file"):
+    """torch.load with weights_only=True; every way it can fail becomes one UsageError line."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{what} {path} does not exist")
+    if os.path.getsize(path) == 0:
+        raise UsageError(f"{what} {path} is empty")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{what} {path} was refused by the weights-only loader ({first[:160]})")
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as e:
+        raise UsageError(f"{what} {path} is not a readable PyTorch file (truncated or corrupt: {str(e).splitlines()[0][:160]})")
+
+
+def load_model_state(model, path):
+    """Load a state dict saved by this program into `model`, or explain in one line why not."""
+    state = safe_load(path, "model file")
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]  # a full training checkpoint also carries the model
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UsageError(f"model file {path} does not hold a state dict (it holds a {type(state).__name__})")
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        detail = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
+                  else f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, expected {tuple(expected[wrong[0]].shape)}")
+        raise UsageError(f"model file {path} is for a different architecture ({detail})")
+    model.load_state_dict(state)

@@ -1,0 +1,94 @@
+"""MNIST as four in-memory tensors, and each rank's share of an epoch.
+
+The repository ships the original IDX files gzip-compressed in data/MNIST/raw/. They are
+decompressed once (atomically, so ranks starting together don't trip over each other),
+checked against the published md5 sums, and read with torchvision.datasets.MNIST. Only when
+data/ has none of them does torchvision try to download them.
+"""
+import gzip
+import hashlib
+import os
+import shutil
+
+import torch
+from torchvision.datasets import MNIST
+
+from utils.errors import UsageError
+
+MD5 = {
+    "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+    "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+    "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+    "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
+}
+MEAN, STD = 0.1307, 0.3081
+
+
+def _md5(path):
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _decompress(gz_path, path):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with gzip.open(gz_path, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, path)
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise UsageError(f"damaged data file {gz_path} ({e}); restore it with `git checkout -- {gz_path}`")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def prepare_raw_files(root):
+    """Make data/MNIST/raw/ hold the four verified IDX files. Returns False if none are there."""
+    raw = os.path.join(root, "MNIST", "raw")
+    present = [n for n in MD5 if os.path.exists(os.path.join(raw, n)) or os.path.exists(os.path.join(raw, n + ".gz"))]
+    if not present:
+        return False
+    for name, md5 in MD5.items():
+        path = os.path.join(raw, name)
+        if not os.path.exists(path):
+            if not os.path.exists(path + ".gz"):
+                raise UsageError(f"missing data file {path}.gz; restore it with `git checkout -- {raw}`")
+            _decompress(path + ".gz", path)
+        if _md5(path) != md5:
+            os.remove(path)  # a bad copy; the next start decompresses it again from the .gz
+            source = path + ".gz" if os.path.exists(path + ".gz") else path
+            raise UsageError(f"damaged data file {source} (md5 mismatch); restore it with `git checkout -- {raw}`")
+    return True
+
+
+def normalize(images_uint8):
+    """uint8 images (N, 28, 28) -> float32 (N, 1, 28, 28), standardised like the MNIST example."""
+    return ((images_uint8.float() / 255.0 - MEAN) / STD).unsqueeze(1)
+
+
+def load_mnist(root="data"):
+    """Return (train_images, train_labels, test_images, test_labels) as tensors."""
+    have_files = prepare_raw_files(root)
+    try:
+        train = MNIST(root, train=True, download=not have_files)
+        test = MNIST(root, train=False, download=not have_files)
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"MNIST is not in {root}/MNIST/raw and could not be downloaded ({e})")
+    return normalize(train.data), train.targets, normalize(test.data), test.targets
+
+
+def epoch_indices(num_examples, epoch, rank, world_size, seed):
+    """This rank's sample indices for `epoch`.
+
+    Every rank draws the same permutation (seeded by seed and epoch) and takes every
+    world_size-th entry starting at its rank, so the ranks' shares are disjoint and together
+    cover the data once. The tail that doesn't divide evenly is dropped so all ranks take the
+    same number of steps.
+    """
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    permutation = torch.randperm(num_examples, generator=generator)
+    per_rank = num_examples // world_size
+    return permutation[rank::world_size][:per_rank]

@@ -1,0 +1,9 @@
+"""The two ways this program stops early, each reported as one line."""
+
+
+class UsageError(Exception):
+    """Bad input from the user: an argument, a file, the data. Exit code 2."""
+
+
+class PeerError(Exception):
+    """The job broke off: a peer died, fell silent or never came. Exit code 1."""

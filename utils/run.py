@@ -1,0 +1,150 @@
+"""Training: the epoch loop, one step at a time, with the gradients summed over the ring.
+
+    train_model()  one epoch: forward, loss.backward(), sum_gradients(), optimizer.step()
+    test_model()   accuracy on the 10,000 test images
+    run()          the epoch loop: train, evaluate (rank 0), log, save
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from utils import ring
+from utils.checkpoint import atomic_save
+from utils.data import epoch_indices
+from utils.errors import PeerError
+
+
+def sum_gradients(params, algorithm="two-pass", chunks=1):
+    """Replace every rank's gradients by their average over all ranks.
+
+    The gradients travel as one flat buffer, so each hop of the ring is one message.
+    """
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    ring.average_(flat, algorithm, chunks)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def make_optimizer(model, args, steps_per_epoch):
+    """Adam with a one-cycle learning rate over the whole run (warm up, then anneal)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch, pct_start=0.15)
+    return optimizer, scheduler
+
+
+def steps_per_epoch(num_examples, world_size, batch_size):
+    per_rank = num_examples // world_size
+    return -(-per_rank // batch_size)
+
+
+class Progress:
+    """tqdm on a terminal; under nohup (not a terminal), a plain line every tenth of the epoch."""
+
+    def __init__(self, epoch, total, enabled):
+        self.epoch, self.total, self.enabled = epoch, total, enabled
+        self.bar = tqdm(total=total, desc=f"epoch {epoch}", leave=False) if enabled and sys.stderr.isatty() else None
+        self.start, self.next_report = time.time(), total // 10
+
+    def update(self, step, mean_loss):
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
+        elif self.enabled and step >= self.next_report and step < self.total:
+            print(f"  epoch {self.epoch}: {step}/{self.total} steps, mean loss {mean_loss:.4f}, "
+                  f"{time.time() - self.start:.0f} s", flush=True)
+            self.next_report += max(1, self.total // 10)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_model(model, optimizer, scheduler, images, labels, indices, args, epoch):
+    """Train one epoch on this rank's `indices`. Returns (mean loss, comm seconds, step seconds)."""
+    model.train()
+    params = [p for p in model.parameters()]
+    batches = torch.split(indices, args.batch_size)
+    progress = Progress(epoch, len(batches), enabled=dist.get_rank() == 0)
+    loss_sum, comm_seconds, step_seconds = 0.0, 0.0, 0.0
+    try:
+        for step, batch in enumerate(batches, start=1):
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(images[batch]), labels[batch])
+            loss.backward()
+            comm_start = time.perf_counter()
+            try:
+                sum_gradients(params, args.allreduce, args.chunks)
+            except RuntimeError as e:  # gloo reports a dead or silent peer this way
+                raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): "
+                                f"{first_line(e)}") from None
+            comm_seconds += time.perf_counter() - comm_start
+            optimizer.step()
+            scheduler.step()
+            step_seconds += time.perf_counter() - start
+            loss_sum += loss.item()
+            progress.update(step, loss_sum / step)
+    finally:
+        progress.close()
+    return loss_sum / len(batches), comm_seconds, step_seconds
+
+
+@torch.no_grad()
+def test_model(model, images, labels, batch_size=1000):
+    """Fraction of `images` classified correctly."""
+    model.eval()
+    correct = sum((model(x).argmax(1) == y).sum().item()
+                  for x, y in zip(images.split(batch_size), labels.split(batch_size)))
+    return correct / len(labels)
+
+
+def first_line(error):
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def run(model, data, args):
+    """Train for args.epochs epochs; rank 0 evaluates, logs and saves after each."""
+    train_images, train_labels, test_images, test_labels = data
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optimizer, scheduler = make_optimizer(model, args, steps_per_epoch(len(train_labels), world_size, args.batch_size))
+    accuracy = None
+    for epoch in range(1, args.epochs + 1):
+        start = time.time()
+        indices = epoch_indices(len(train_labels), epoch, rank, world_size, args.seed)
+        loss, comm_seconds, step_seconds = train_model(
+            model, optimizer, scheduler, train_images, train_labels, indices, args, epoch)
+        if rank != 0:
+            continue
+        accuracy = test_model(model, test_images, test_labels)
+        seconds = time.time() - start
+        comm_share = comm_seconds / step_seconds if step_seconds else 0.0
+        print(f"epoch {epoch}/{args.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
+              f"time {seconds:.1f} s  comm {comm_share:.0%} of step time", flush=True)
+        atomic_save(model.state_dict(), args.save_path)
+        if args.metrics:
+            append_metrics(args.metrics, dict(epoch=epoch, train_loss=loss, test_accuracy=accuracy,
+                                              seconds=seconds, comm_share=comm_share, world_size=world_size,
+                                              allreduce=args.allreduce))
+    try:
+        dist.barrier()  # nobody reports success before rank 0 has saved
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer at the end of training: {first_line(e)}") from None
+    if rank == 0:
+        print(f"saved the model to {args.save_path}", flush=True)
+    return accuracy
+
+
+def append_metrics(path, row):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
