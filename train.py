@@ -12,7 +12,6 @@ This file sets up (arguments, NIC, process group, data, model); utils/run.py tra
 """
 import argparse
 import datetime
-import hashlib
 import math
 import os
 import re
@@ -33,9 +32,10 @@ from utils.data import load_mnist  # noqa: E402
 from utils.errors import PeerError, UsageError  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.ring import ALGORITHMS, auto_chunks  # noqa: E402
-from utils.run import first_line, run, test_model  # noqa: E402
+from utils.run import check_identical_parameters, first_line, run, test_model  # noqa: E402
 
 PROG = "train.py"
+LOCAL_GRACE_SECONDS = 5
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -161,9 +161,10 @@ def launch_local(args, argv):
         while any(p.poll() is None for p in procs):
             if not failed:
                 failed = next((p.returncode for p in procs if p.returncode), 0)
-                if failed:  # the others should notice within --timeout; don't wait longer than that
-                    deadline = time.time() + args.timeout + 15
+                if failed:  # the job is lost: let the others say what they saw, then stop them
+                    deadline = time.time() + LOCAL_GRACE_SECONDS
             if deadline and time.time() > deadline:
+                print(f"{PROG}: a rank failed (exit code {failed}); stopped the other ranks", file=sys.stderr)
                 break
             time.sleep(0.2)
         return failed or next((p.returncode for p in procs if p.returncode), 0)
@@ -220,11 +221,7 @@ def broadcast_parameters(model):
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     dist.broadcast(flat, src=0)
     torch.nn.utils.vector_to_parameters(flat, model.parameters())
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) != 1:
-        raise PeerError(f"parameters differ between ranks after the broadcast: {digests}")
+    check_identical_parameters(model)
 
 
 def evaluate(args, data):
@@ -264,6 +261,8 @@ def main(argv=None):
         validate(args)
         local = not args.eval and args.rank is None and "RANK" not in os.environ
         if local:
+            if args.model_path:
+                load_model_state(Net(), args.model_path)  # one error line here, not one per rank
             return launch_local(args, argv)
         rank = args.rank if args.rank is not None else os.environ.get("RANK", 0)
         torch.use_deterministic_algorithms(True)

@@ -152,7 +152,13 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
     sys.path.insert(0, str(REPO))
-    from utils import ring
+    if cfg["ring_file"]:                    # benchmark another copy of ring.py (e.g. a proposed patch)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("ring_under_test", cfg["ring_file"])
+        ring = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ring)
+    else:
+        from utils import ring
 
     torch.set_num_threads(1)     # N ranks share the machine's cores
     dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n,
@@ -276,7 +282,8 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
     cfg_path, out_path = tmp / f"config-{n}.json", tmp / f"result-{n}.json"
     host0 = cl.addr(0) if cl else "127.0.0.1"
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
-           "seed": args.seed, "chunks": args.chunks, "fault": args.self_test_fault, "algorithms": args.algorithms,
+           "seed": args.seed, "chunks": args.chunks, "fault": args.self_test_fault,
+           "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None, "algorithms": args.algorithms,
            "sizes": sizes, "out": str(out_path)}
     cfg_path.write_text(json.dumps(cfg))
     procs, logs = [], []
@@ -483,7 +490,8 @@ def driver(args) -> int:
     op_timeout = max(60.0, 20 * max(expected_seconds("two-pass", n, plan[-1]["bytes"], rate_bytes or 50e6, 1)
                                      for n in worlds))
     print(f"# all-reduce benchmark: mode={mode}" + (f", egress cap {args.rate} per host" if rate_bits else "")
-          + f", N={','.join(map(str, worlds))}, algorithms={','.join(args.algorithms)}")
+          + f", N={','.join(map(str, worlds))}, algorithms={','.join(args.algorithms)}"
+          + (f", ring.py under test: {args.ring_file}" if args.ring_file else ""))
     labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
     print(f"# sizes: {', '.join(labels)}")
     iters_note = f"{args.iters} timed + {args.warmup} warm-up repetitions"
@@ -537,6 +545,7 @@ def driver(args) -> int:
         "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
         "world_sizes": worlds, "sizes": plan, "algorithms": args.algorithms, "chunks_override": args.chunks,
         "model_numel": args.model_numel, "seed": args.seed,
+        "ring_file": args.ring_file or "utils/ring.py",
         "timing": "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
                   "median over timed repetitions; algorithms interleaved per repetition, order rotated",
         "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -579,6 +588,7 @@ def main(argv=None) -> int:
     ap.add_argument("--big-iters", type=int, default=5)
     ap.add_argument("--big-warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (e.g. a proposed patch)")
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world size in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--self-test-fault", choices=("wrong", "diverge"), help=argparse.SUPPRESS)  # tests only

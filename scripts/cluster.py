@@ -106,11 +106,12 @@ def parse_rate(rate: str) -> int:
 def tbf_burst(rate_bits: int) -> int:
     """Bucket size in bytes for a tbf at `rate_bits`.
 
-    The bucket must hold what the rate delivers in one timer tick (HZ is 100..1000;
-    10 ms covers all) or tbf undershoots, and at least one 64 KiB GSO super-packet
-    so veth's big segments pass without being split in software.  The initial
-    burst this allows is <= 10 ms of traffic (plus 64 KiB), negligible for transfers
-    of a few MB.
+    10 ms of traffic at the rate (rate/HZ for the coarsest tick, HZ=100), so timer
+    and scheduling latency of the sender never leave the link idle and the cap is
+    reached; and at least one 64 KiB GSO super-packet, so veth's big segments pass
+    without tbf splitting them in software.  The initial burst this allows (10 ms,
+    or 64 KiB) is negligible for transfers of a few MB: measured 50mbit..5gbit,
+    the achieved wire rate is within 1-2 % of the cap.
     """
     return max(rate_bits // 8 // 100, 64 * 1024)
 

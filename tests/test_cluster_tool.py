@@ -226,7 +226,7 @@ def test_teardown_leaves_nothing(body_raises):
 
 @pytest.mark.timeout(30)
 def test_failed_setup_leaves_nothing(monkeypatch):
-    monkeypatch.setattr(cluster, "TBF_LATENCY", "not-a-time")     # the tc call of host 1 fails
+    monkeypatch.setattr(cluster, "TBF_LATENCY", "not-a-time")     # the tc call of host 0 fails
     c = cluster.Cluster(2, rate="1gbit")
     with pytest.raises(cluster.ClusterError, match="tc -n"):
         with c:

@@ -1,7 +1,9 @@
 """Saving without ever leaving half a file, and loading only what is safe to load."""
 import os
 import pickle
+import re
 import tempfile
+import warnings
 import zipfile
 
 import torch
@@ -40,10 +42,13 @@ def safe_load(path, what="file"):
     if os.path.getsize(path) == 0:
         raise UsageError(f"{what} {path} is empty")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols; the error below says enough
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{what} {path} was refused by the weights-only loader ({first[:160]})")
+        reason = re.search(r"Unsupported [^\n.]*", str(e))
+        raise UsageError(f"{what} {path} was refused by the weights-only loader: it holds more than tensors"
+                         f"{f' ({reason.group(0)})' if reason else ''}; load only files you trust")
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as e:
         raise UsageError(f"{what} {path} is not a readable PyTorch file (truncated or corrupt: {str(e).splitlines()[0][:160]})")
 

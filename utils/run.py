@@ -4,6 +4,7 @@
     test_model()   accuracy on the 10,000 test images
     run()          the epoch loop: train, evaluate (rank 0), log, save
 """
+import hashlib
 import json
 import os
 import sys
@@ -135,13 +136,26 @@ def run(model, data, args):
             append_metrics(args.metrics, dict(epoch=epoch, train_loss=loss, test_accuracy=accuracy,
                                               seconds=seconds, comm_share=comm_share, world_size=world_size,
                                               allreduce=args.allreduce))
-    try:
-        dist.barrier()  # nobody reports success before rank 0 has saved
+    try:  # also a barrier: nobody reports success before rank 0 has saved
+        digest = check_identical_parameters(model)
     except RuntimeError as e:
         raise PeerError(f"lost a peer at the end of training: {first_line(e)}") from None
     if rank == 0:
-        print(f"saved the model to {args.save_path}", flush=True)
+        print(f"saved the model to {args.save_path}; parameters identical on all {world_size} ranks "
+              f"(sha256 {digest})", flush=True)
     return accuracy
+
+
+def check_identical_parameters(model):
+    """Compare a sha256 of every rank's parameters; returns it, or raises if any rank differs."""
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise PeerError("parameters differ between ranks: " +
+                        ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests)))
+    return digest
 
 
 def append_metrics(path, row):

@@ -1,0 +1,74 @@
+"""Starting real processes from tests, with a hard timeout that kills them all."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run(argv, timeout, cwd=None, env=None):
+    """Run argv in its own process group; on timeout kill the whole group and fail."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"{argv} did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        kill_group(proc)  # anything it left behind
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def train(args, timeout=300, cwd=None, env=None):
+    """python train.py ARGS (the local launcher unless ARGS name a rank)."""
+    return run([sys.executable, TRAIN, *args], timeout, cwd=cwd, env=env)
+
+
+def start_ranks(world_size, args, port=None):
+    """Start every rank of a loopback job as its own process; returns the Popen list."""
+    port = port or free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), "--world-size", str(world_size),
+                              "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+            for r in range(world_size)]
+
+
+def wait_all(procs, timeout):
+    """Wait for every process; kill all at the deadline. Returns [(returncode, stdout, stderr)]."""
+    import time
+    deadline = time.time() + timeout
+    results = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    kill_group(q)
+                out, err = p.communicate()
+                raise AssertionError(f"a rank did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            kill_group(p)
+    return results

@@ -1,0 +1,37 @@
+"""One rank of the ring test: sums known inputs with every algorithm, saves what it got."""
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from utils import ring  # noqa: E402
+
+
+def inputs(rank, size):
+    return torch.randn(size, generator=torch.Generator().manual_seed(1000 * rank + size))
+
+
+def cases(world_size):
+    sizes = sorted({1, 7, 1000, 1_000_003, max(1, world_size - 1), world_size + 1, 13, 9973})
+    yield from ((size, "two-pass", 1) for size in sizes)
+    yield from ((size, "two-pass", 4) for size in sizes)
+    yield from ((size, "two-pass", "auto") for size in sizes)
+    yield from ((size, "ring", 1) for size in sizes)
+    yield from ((size, "gloo", 1) for size in sizes)
+
+
+if __name__ == "__main__":
+    rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for size, algorithm, chunks in cases(world_size):
+        flat = inputs(rank, size)
+        ring.sum_(flat, algorithm, ring.auto_chunks(size) if chunks == "auto" else chunks)
+        results[f"{size}/{algorithm}/{chunks}"] = flat
+    torch.save(results, out)
+    dist.destroy_process_group()

@@ -1,0 +1,118 @@
+"""Bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+import procs
+from procs import REPO
+
+SHIPPED = os.path.join(REPO, "model_state_dict.pth")
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def rank_args(rank=0, world_size=1, port=None, nic="lo"):
+    return ["--init-method", f"tcp://127.0.0.1:{port or procs.free_port()}", "--rank", str(rank),
+            "--world-size", str(world_size), "--gloo_socket_ifname", nic]
+
+
+CASES = {
+    "rank >= world size": (rank_args(rank=2, world_size=2), ["--rank"]),
+    "negative rank": (rank_args(rank=-1, world_size=2), ["--rank"]),
+    "world size 0": (rank_args(rank=0, world_size=0), ["--world-size"]),
+    "unknown NIC": (rank_args(nic="nosuchnic0"), ["nosuchnic0", "lo"]),
+    "malformed init method": (["--init-method", "192.168.0.1:23456", "--rank", "0", "--world-size", "1"],
+                              ["malformed --init-method"]),
+    "port out of range": (["--init-method", "tcp://127.0.0.1:70000", "--rank", "0", "--world-size", "1"], ["port"]),
+    "non-numeric epochs": (["--epochs", "ten"], ["--epoch"]),
+    "zero epochs": (["--epochs", "0"], ["--epoch"]),
+    "negative lr": (["--lr", "-0.1"], ["--lr"]),
+    "nan lr": (["--lr", "nan"], ["--lr"]),
+    "zero batch size": (["--batch-size", "0"], ["--batch-size"]),
+    "zero timeout": (["--timeout", "0"], ["--timeout"]),
+    "unknown algorithm": (["--allreduce", "tree"], ["--allreduce"]),
+    "missing model file": (["--model_path", "/nonexistent/model.pth"], ["does not exist"]),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_arguments(case, tmp_path):
+    args, needles = CASES[case]
+    result = procs.train([*args, "--save-path", str(tmp_path / "m.pth")], timeout=50)
+    assert_one_line_error(result, *needles)
+    assert not (tmp_path / "m.pth").exists()
+
+
+def bad_model_files(tmp_path):
+    good = torch.load(SHIPPED, weights_only=True)
+    files = {}
+    files["empty"] = tmp_path / "empty.pth"
+    files["empty"].write_bytes(b"")
+    files["truncated"] = tmp_path / "truncated.pth"
+    files["truncated"].write_bytes(open(SHIPPED, "rb").read()[:5000])
+    files["garbage"] = tmp_path / "garbage.pth"
+    files["garbage"].write_bytes(os.urandom(4096))
+    files["not a state dict"] = tmp_path / "list.pth"
+    torch.save([1, 2, 3], files["not a state dict"])
+    files["other architecture"] = tmp_path / "other.pth"
+    torch.save({k.replace("fc1", "fc9"): v for k, v in good.items()}, files["other architecture"])
+    files["wrong shapes"] = tmp_path / "shapes.pth"
+    torch.save({k: v[..., :1] if v.dim() > 1 else v for k, v in good.items()}, files["wrong shapes"])
+    return files
+
+
+@pytest.mark.timeout(200)
+def test_bad_model_files(tmp_path):
+    for name, path in bad_model_files(tmp_path).items():
+        for mode in (["--eval"], rank_args()):
+            result = procs.train([*mode, "--model_path", str(path), "--save-path", str(tmp_path / "out.pth")],
+                                 timeout=50)
+            assert_one_line_error(result, str(path))
+    assert not (tmp_path / "out.pth").exists()
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.timeout(60)
+def test_a_pickle_that_runs_code_is_refused_and_does_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pth"
+    torch.save({"fc1.weight": RunsCode(marker)}, evil, pickle_protocol=2)
+    with open(tmp_path / "plain.pkl", "wb") as f:
+        pickle.dump(RunsCode(marker), f)
+    for path in (evil, tmp_path / "plain.pkl"):
+        result = procs.train(["--eval", "--model_path", str(path)], timeout=50)
+        assert_one_line_error(result, "weights-only")
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(120)
+def test_damaged_and_missing_data_files(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(REPO, "data"), data, ignore=shutil.ignore_patterns("*-ubyte"))
+    raw = data / "MNIST" / "raw"
+    blob = bytearray((raw / "t10k-labels-idx1-ubyte.gz").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (raw / "t10k-labels-idx1-ubyte.gz").write_bytes(bytes(blob))
+    result = procs.train(["--eval", "--model_path", SHIPPED, "--data-dir", str(data)], timeout=100)
+    assert_one_line_error(result, "t10k-labels-idx1-ubyte")
+    (raw / "t10k-labels-idx1-ubyte.gz").unlink()
+    result = procs.train(["--eval", "--model_path", SHIPPED, "--data-dir", str(data)], timeout=100)
+    assert_one_line_error(result, "missing data file", "t10k-labels-idx1-ubyte")

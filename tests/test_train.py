@@ -1,0 +1,91 @@
+"""The trainer end to end: real processes, gloo over loopback TCP."""
+import hashlib
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+import procs
+from procs import REPO
+
+sys.path.insert(0, REPO)
+from utils.model import Net  # noqa: E402
+
+SMALL = ["--epochs", "1", "--train-subset", "2000", "--metrics", ""]
+
+
+def digest_of(path):
+    model = Net()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def accuracy_of(stdout):
+    found = re.findall(r"test accuracy ([\d.]+)%", stdout)
+    assert found, stdout
+    return float(found[-1])
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_learn_and_end_identical(tmp_path):
+    save = tmp_path / "model.pth"
+    result = procs.train([*SMALL, "--save-path", str(save)], timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert accuracy_of(result.stdout) > 80.0  # chance is 10%
+    digest = re.search(r"identical on all 2 ranks \(sha256 ([0-9a-f]{64})\)", result.stdout).group(1)
+    assert digest == digest_of(save)  # the file rank 0 saved is what every rank ended with
+
+
+@pytest.mark.timeout(200)
+def test_ranks_started_by_hand_agree(tmp_path):
+    ranks = procs.start_ranks(3, [*SMALL, "--train-subset", "900", "--save-path", str(tmp_path / "m.pth")])
+    results = procs.wait_all(ranks, timeout=180)
+    assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
+    assert "identical on all 3 ranks" in results[0][1]
+    assert results[1][1] == "" and results[2][1] == ""  # ranks other than 0 stay quiet
+
+
+@pytest.mark.timeout(300)
+def test_model_path_continues_from_a_saved_model(tmp_path):
+    first, second = tmp_path / "first.pth", tmp_path / "second.pth"
+    assert procs.train([*SMALL, "--save-path", str(first)], timeout=180).returncode == 0
+    # A tiny learning rate barely moves the weights: the result must sit next to `first`,
+    # which a model trained from scratch would not.
+    result = procs.train([*SMALL, "--train-subset", "64", "--lr", "1e-9", "--model_path", str(first),
+                          "--save-path", str(second)], timeout=180)
+    assert result.returncode == 0, result.stderr
+    a, b = torch.load(first, weights_only=True), torch.load(second, weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert accuracy_of(result.stdout) > 80.0
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_needs_no_flags(tmp_path):
+    result = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(procs.free_port()), procs.TRAIN, *SMALL,
+                        "--save-path", str(tmp_path / "m.pth")], timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "identical on all 2 ranks" in result.stdout
+    assert accuracy_of(result.stdout) > 80.0
+
+
+@pytest.mark.timeout(60)
+def test_shipped_model_scores_at_least_99_3_percent():
+    result = procs.train(["--eval", "--model_path", os.path.join(REPO, "model_state_dict.pth")], timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert accuracy_of(result.stdout) >= 99.3
+
+
+@pytest.mark.timeout(60)
+def test_original_flag_spellings_are_accepted(tmp_path):
+    # The original README's command line, with a NIC this host has and a rank that is alone.
+    result = procs.train(["--init-method", f"tcp://127.0.0.1:{procs.free_port()}", "--epoch", "1",
+                          "--rank", "0", "--world-size", "1", "--gloo_socket_ifname", "lo",
+                          "--model_path", os.path.join(REPO, "model_state_dict.pth"),
+                          "--train-subset", "64", "--save-path", str(tmp_path / "m.pth"), "--metrics", ""],
+                         timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "m.pth").exists()
