@@ -15,6 +15,7 @@ import datetime
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.checkpoint import load_model_state  # noqa: E402
+from utils.checkpoint import load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import load_mnist  # noqa: E402
 from utils.errors import PeerError, UsageError  # noqa: E402
 from utils.model import Net  # noqa: E402
@@ -55,6 +56,10 @@ def positive(kind):
     return parse
 
 
+def non_negative_int(text):
+    return 0 if text.strip() == "0" else positive(int)(text)
+
+
 def chunk_count(text):
     return "auto" if text == "auto" else positive(int)(text)
 
@@ -71,6 +76,12 @@ def parse_args(argv):
     p.add_argument("--model_path", "--model-path", dest="model_path", help="state dict to start from (rank 0 reads it)")
     p.add_argument("--save-path", default=os.path.join("runs", "model_state_dict.pth"),
                    help="where rank 0 writes the state dict after every epoch (default runs/model_state_dict.pth)")
+    p.add_argument("--checkpoint", default=os.path.join("runs", "checkpoint.pt"),
+                   help="rank 0's full training checkpoint, written every epoch (default runs/checkpoint.pt)")
+    p.add_argument("--save-every", type=non_negative_int, default=0,
+                   help="also write the checkpoint every K steps within an epoch (default 0: per epoch only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint if it exists (mid-epoch included), else start afresh")
     p.add_argument("--metrics", default=os.path.join("runs", "metrics.jsonl"),
                    help="rank 0 appends one JSON line per epoch here ('' to turn off)")
     p.add_argument("--lr", type=positive(float), default=4e-3, help="peak learning rate (default 0.004)")
@@ -150,7 +161,7 @@ def launch_local(args, argv):
     n, port, lo = args.nproc, free_port(), loopback_interface()
     threads = max(1, (os.cpu_count() or 1) // n)
     print(f"running {n} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), RING_RESUME_COMMAND=resume_command(argv))
     procs = [subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--rank", str(r),
                                "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}",
                                "--gloo_socket_ifname", lo], env=env, preexec_fn=die_with_parent)
@@ -164,7 +175,8 @@ def launch_local(args, argv):
                 if failed:  # the job is lost: let the others say what they saw, then stop them
                     deadline = time.time() + LOCAL_GRACE_SECONDS
             if deadline and time.time() > deadline:
-                print(f"{PROG}: a rank failed (exit code {failed}); stopped the other ranks", file=sys.stderr)
+                if failed != 2:  # bad input was already explained in one line
+                    print(f"{PROG}: a rank failed (exit code {failed}); stopped the other ranks", file=sys.stderr)
                 break
             time.sleep(0.2)
         return failed or next((p.returncode for p in procs if p.returncode), 0)
@@ -231,26 +243,78 @@ def evaluate(args, data):
     print(f"test accuracy {accuracy:.2%} ({args.model_path}, {len(data[3])} images)")
 
 
+CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}
+
+
+def load_checkpoint(args):
+    """Rank 0: the checkpoint to resume from, checked against this run's settings, or None."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
+    if not (args.resume or restarted) or not os.path.exists(args.checkpoint):
+        if args.resume:
+            print(f"no checkpoint at {args.checkpoint}; starting afresh", flush=True)
+        return None
+    checkpoint = safe_load(args.checkpoint, "checkpoint")
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= set(checkpoint):
+        raise UsageError(f"checkpoint {args.checkpoint} is not a training checkpoint of this program")
+    for name, value in checkpoint["settings"].items():
+        if args.checkpoint_settings.get(name) != value:
+            raise UsageError(f"checkpoint {args.checkpoint} was made with --{name} {value}, this run has "
+                             f"{args.checkpoint_settings.get(name)}; resume with the same settings, or "
+                             f"start afresh without --resume")
+    print(f"resuming from {args.checkpoint}: epoch {checkpoint['epoch']}, after step {checkpoint['step']}",
+          flush=True)
+    return checkpoint
+
+
+def set_aside_old_checkpoint(args):
+    """A fresh start keeps the previous run's checkpoint as <checkpoint>.prev instead of losing it."""
+    if os.path.exists(args.checkpoint):
+        os.replace(args.checkpoint, args.checkpoint + ".prev")
+        print(f"starting afresh; the earlier checkpoint is kept as {args.checkpoint}.prev", flush=True)
+
+
 def train(args, data):
     torch.manual_seed(args.seed)
     model = Net()
     if args.chunks == "auto":
         args.chunks = auto_chunks(sum(p.numel() for p in model.parameters()))
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
-    if args.model_path and rank == 0:
-        load_model_state(model, args.model_path)  # before rendezvous: a bad file fails fast
+    world_size = args.world_size if args.world_size is not None else int(os.environ["WORLD_SIZE"])
+    args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
+                                "world-size": world_size, "batch-size": args.batch_size, "lr": args.lr,
+                                "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset}
+    checkpoint = None
+    if rank == 0:  # before rendezvous, so that a bad file fails fast
+        remove_stale_temps(args.checkpoint)
+        checkpoint = load_checkpoint(args)
+        if checkpoint is None and args.model_path:
+            load_model_state(model, args.model_path)
     init_distributed(args)
     try:
         check_same_settings(args, model)
+        shared = [checkpoint]
+        dist.broadcast_object_list(shared, src=0)  # the other servers need not have the file
+        checkpoint = shared[0]
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])
         broadcast_parameters(model)
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if rank == 0:
+        if checkpoint is None:
+            set_aside_old_checkpoint(args)
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
               f"all-reduce {args.allreduce} ({args.chunks} chunk(s))", flush=True)
-    run(model, data, args)
+    run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
+
+
+def resume_command(argv):
+    """The command that continues this job from its checkpoint."""
+    if os.environ.get("RING_RESUME_COMMAND"):  # set by the local launcher: its command, not ours
+        return os.environ["RING_RESUME_COMMAND"]
+    return shlex.join(["python3", "-u", PROG, *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 def main(argv=None):
@@ -278,7 +342,7 @@ def main(argv=None):
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except PeerError as e:
-        print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)
+        print(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: rank {rank}: interrupted", file=sys.stderr, flush=True)

@@ -267,6 +267,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_ticks() -> dict[int, tuple[int, str]]:
+    """{pid: (utime + stime clock ticks, command name)} of every process now."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            head, tail = stat.rsplit(")", 1)
+            fields = tail.split()
+            out[int(d)] = (int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
+    return out
+
+
+def foreign_cpu(before: dict, after: dict, ours: set[int], seconds: float) -> tuple[float, list[str]]:
+    """Cores used by processes other than ours between two cpu_ticks() snapshots (approximate:
+    processes that ended in between are missed), and the biggest of them."""
+    hz = os.sysconf("SC_CLK_TCK")
+    used = {pid: (t - before.get(pid, (0, ""))[0], name) for pid, (t, name) in after.items()
+            if pid not in ours and pid != os.getpid()}
+    top = sorted(((d, name, pid) for pid, (d, name) in used.items() if d > 0), reverse=True)
+    total = sum(d for d, _, _ in top) / hz / max(seconds, 1e-9)
+    return total, [f"{name}[{pid}] {d / hz / max(seconds, 1e-9):.2f}" for d, name, pid in top[:4]]
+
+
 def kill_group(p: subprocess.Popen) -> None:
     """SIGKILL the child's process group (children run in their own sessions); only while unreaped."""
     if p.poll() is None:
@@ -287,6 +313,7 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
            "sizes": sizes, "out": str(out_path)}
     cfg_path.write_text(json.dumps(cfg))
     procs, logs = [], []
+    cpu_before, t_start = cpu_ticks(), time.monotonic()
     try:
         for r in range(n):
             argv = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker",
@@ -313,7 +340,13 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
             time.sleep(0.05)
         codes = [p.returncode for p in procs]
         if all(c in (0, 3) for c in codes) and out_path.exists():
-            return json.loads(out_path.read_text())
+            raw = json.loads(out_path.read_text())
+            cores, top = foreign_cpu(cpu_before, cpu_ticks(), {p.pid for p in procs}, time.monotonic() - t_start)
+            raw["foreign_cpu_cores"], raw["foreign_cpu_top"] = round(cores, 2), top
+            if cores > 0.1:
+                print(f"  WARNING N={n}: other processes used {cores:.2f} of {os.cpu_count()} cores during the "
+                      f"run ({', '.join(top)}); timings may be inflated", flush=True)
+            return raw
         tails = []
         for r in range(n):
             text = (tmp / f"rank{r}-n{n}.log").read_text(errors="replace").strip().splitlines()
@@ -504,7 +537,7 @@ def driver(args) -> int:
     sys.stdout.flush()
 
     cl = None
-    records, started = [], time.time()
+    records, started, load = [], time.time(), {}
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir:
         tmp = Path(tmpdir)
         os.chmod(tmp, 0o755)
@@ -525,6 +558,7 @@ def driver(args) -> int:
                 raw = launch(n, args, plan, cl, tmp, port, op_timeout, timeout)
                 print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
                 records += summarize(raw, rate_bytes)
+                load[n] = {"foreign_cpu_cores": raw["foreign_cpu_cores"], "top": raw["foreign_cpu_top"]}
         except LaunchError as e:
             print(f"allreduce.py: FAILED: {e}", file=sys.stderr)
             return 2
@@ -552,6 +586,7 @@ def driver(args) -> int:
                  "torch": __import__("torch").__version__, "kernel": platform.release()},
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1),
+        "other_load": {str(n): v for n, v in load.items()},
         "correct": not failures, "failures": failures, "targets": targets, "results": records,
     }
     out_dir = Path(args.results_dir)

@@ -20,6 +20,7 @@ def atomic_save(obj, path):
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; give it a normal file's mode
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -33,6 +34,22 @@ def atomic_save(obj, path):
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temps(path):
+    """Delete temp files that a save killed half-way left next to `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        prefix = os.path.basename(path) + "."
+        for name in os.listdir(folder):
+            if name.startswith(prefix) and name.endswith(".tmp"):
+                os.remove(os.path.join(folder, name))
 
 
 def safe_load(path, what="file"):

@@ -2,11 +2,12 @@
 
     train_model()  one epoch: forward, loss.backward(), sum_gradients(), optimizer.step()
     test_model()   accuracy on the 10,000 test images
-    run()          the epoch loop: train, evaluate (rank 0), log, save
+    run()          the epoch loop: train, evaluate (rank 0), log, save state dict and checkpoint
 """
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -42,18 +43,21 @@ def make_optimizer(model, args, steps_per_epoch):
     return optimizer, scheduler
 
 
-def steps_per_epoch(num_examples, world_size, batch_size):
-    per_rank = num_examples // world_size
-    return -(-per_rank // batch_size)
+def batches_of_epoch(num_examples, epoch, args):
+    """This rank's batches of `epoch`: the same list on every run with the same settings."""
+    indices = epoch_indices(num_examples, epoch, dist.get_rank(), dist.get_world_size(), args.seed)
+    return torch.split(indices, args.batch_size)
 
 
 class Progress:
     """tqdm on a terminal; under nohup (not a terminal), a plain line every tenth of the epoch."""
 
-    def __init__(self, epoch, total, enabled):
+    def __init__(self, epoch, first_step, total, enabled):
         self.epoch, self.total, self.enabled = epoch, total, enabled
-        self.bar = tqdm(total=total, desc=f"epoch {epoch}", leave=False) if enabled and sys.stderr.isatty() else None
-        self.start, self.next_report = time.time(), total // 10
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            self.bar = tqdm(total=total, initial=first_step, desc=f"epoch {epoch}", leave=False)
+        self.start, self.next_report = time.time(), first_step + max(1, total // 10)
 
     def update(self, step, mean_loss):
         if self.bar is not None:
@@ -69,15 +73,22 @@ class Progress:
             self.bar.close()
 
 
-def train_model(model, optimizer, scheduler, images, labels, indices, args, epoch):
-    """Train one epoch on this rank's `indices`. Returns (mean loss, comm seconds, step seconds)."""
+class EpochStats:
+    """What an epoch's log line reports; carried in mid-epoch checkpoints."""
+
+    def __init__(self, loss_sum=0.0, steps=0, comm_seconds=0.0, step_seconds=0.0):
+        self.loss_sum, self.steps = loss_sum, steps
+        self.comm_seconds, self.step_seconds = comm_seconds, step_seconds
+
+
+def train_model(model, optimizer, scheduler, images, labels, batches, args, epoch, first_step, stats, save):
+    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every args.save_every steps."""
     model.train()
-    params = [p for p in model.parameters()]
-    batches = torch.split(indices, args.batch_size)
-    progress = Progress(epoch, len(batches), enabled=dist.get_rank() == 0)
-    loss_sum, comm_seconds, step_seconds = 0.0, 0.0, 0.0
+    params = list(model.parameters())
+    progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
     try:
-        for step, batch in enumerate(batches, start=1):
+        for step in range(first_step + 1, len(batches) + 1):
+            batch = batches[step - 1]
             start = time.perf_counter()
             optimizer.zero_grad()
             loss = F.cross_entropy(model(images[batch]), labels[batch])
@@ -88,15 +99,17 @@ def train_model(model, optimizer, scheduler, images, labels, indices, args, epoc
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): "
                                 f"{first_line(e)}") from None
-            comm_seconds += time.perf_counter() - comm_start
+            stats.comm_seconds += time.perf_counter() - comm_start
             optimizer.step()
             scheduler.step()
-            step_seconds += time.perf_counter() - start
-            loss_sum += loss.item()
-            progress.update(step, loss_sum / step)
+            stats.step_seconds += time.perf_counter() - start
+            stats.loss_sum += loss.item()
+            stats.steps += 1
+            progress.update(step, stats.loss_sum / stats.steps)
+            if args.save_every and step % args.save_every == 0 and step < len(batches):
+                save(epoch, step, stats)
     finally:
         progress.close()
-    return loss_sum / len(batches), comm_seconds, step_seconds
 
 
 @torch.no_grad()
@@ -109,33 +122,56 @@ def test_model(model, images, labels, batch_size=1000):
 
 
 def first_line(error):
-    text = str(error).strip()
+    """The gist of an exception: its first line, without gloo's [source.cc:123] prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
-def run(model, data, args):
-    """Train for args.epochs epochs; rank 0 evaluates, logs and saves after each."""
+def run(model, data, args, resume_from=None):
+    """Train for args.epochs epochs; rank 0 evaluates, logs and saves after each.
+
+    `resume_from`: a checkpoint dict (the same on every rank) to continue exactly where it left off.
+    """
     train_images, train_labels, test_images, test_labels = data
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    optimizer, scheduler = make_optimizer(model, args, steps_per_epoch(len(train_labels), world_size, args.batch_size))
+    steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, args))
+    optimizer, scheduler = make_optimizer(model, args, steps_per_epoch)
+    first_epoch, first_step, stats = 1, 0, EpochStats()
+    if resume_from is not None:
+        optimizer.load_state_dict(resume_from["optimizer"])
+        scheduler.load_state_dict(resume_from["scheduler"])
+        torch.set_rng_state(resume_from["rng"])
+        first_epoch, first_step = resume_from["epoch"], resume_from["step"]
+        stats = EpochStats(**resume_from["epoch_stats"])
+
+    def save_checkpoint(epoch, step, stats):
+        """Rank 0 writes everything needed to continue after `step` of `epoch`."""
+        if rank == 0:
+            atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                         "epoch": epoch, "step": step, "epoch_stats": vars(stats),
+                         "settings": args.checkpoint_settings}, args.checkpoint)
+
     accuracy = None
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(first_epoch, args.epochs + 1):
         start = time.time()
-        indices = epoch_indices(len(train_labels), epoch, rank, world_size, args.seed)
-        loss, comm_seconds, step_seconds = train_model(
-            model, optimizer, scheduler, train_images, train_labels, indices, args, epoch)
-        if rank != 0:
-            continue
-        accuracy = test_model(model, test_images, test_labels)
-        seconds = time.time() - start
-        comm_share = comm_seconds / step_seconds if step_seconds else 0.0
-        print(f"epoch {epoch}/{args.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
-              f"time {seconds:.1f} s  comm {comm_share:.0%} of step time", flush=True)
-        atomic_save(model.state_dict(), args.save_path)
-        if args.metrics:
-            append_metrics(args.metrics, dict(epoch=epoch, train_loss=loss, test_accuracy=accuracy,
-                                              seconds=seconds, comm_share=comm_share, world_size=world_size,
-                                              allreduce=args.allreduce))
+        batches = batches_of_epoch(len(train_labels), epoch, args)
+        train_model(model, optimizer, scheduler, train_images, train_labels, batches, args,
+                    epoch, first_step, stats, save_checkpoint)
+        if rank == 0:
+            accuracy = test_model(model, test_images, test_labels)
+            seconds = time.time() - start
+            loss = stats.loss_sum / max(1, stats.steps)
+            comm_share = stats.comm_seconds / stats.step_seconds if stats.step_seconds else 0.0
+            print(f"epoch {epoch}/{args.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
+                  f"time {seconds:.1f} s  comm {comm_share:.0%} of step time", flush=True)
+            atomic_save(model.state_dict(), args.save_path)
+            if args.metrics:
+                append_metrics(args.metrics, dict(epoch=epoch, train_loss=loss, test_accuracy=accuracy,
+                                                  seconds=seconds, comm_share=comm_share, world_size=world_size,
+                                                  allreduce=args.allreduce))
+        first_step, stats = 0, EpochStats()
+        save_checkpoint(epoch + 1, 0, stats)
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
     except RuntimeError as e:

@@ -1,0 +1,52 @@
+"""bench/allreduce.py end to end on loopback: it runs, writes its results, and its checks bite."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench", "allreduce.py")
+ALGORITHMS = {"gloo", "two-pass", "two-pass-pipelined", "ring"}
+QUICK = ["--world-sizes", "2", "--sizes", "4K,64K", "--iters", "2", "--warmup", "1", "--timeout", "90"]
+
+
+def bench(tmp_path, *extra):
+    # The benchmark kills its own ranks on every exit path; the outer timeout is a last resort.
+    return subprocess.run([sys.executable, BENCH, *QUICK, "--results-dir", str(tmp_path), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+
+
+@pytest.mark.timeout(120)
+def test_loopback_run_writes_every_algorithm_and_passes_correctness(tmp_path):
+    r = bench(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "allreduce-loopback.json").read_text())
+    assert data["correct"] is True and data["failures"] == []
+    rows = data["results"]
+    assert {row["algorithm"] for row in rows} == ALGORITHMS
+    assert {(row["size"], row["bytes"]) for row in rows} == {("4K", 4096), ("64K", 65536)}
+    for row in rows:
+        assert row["world_size"] == 2 and row["iters"] == 2 and len(row["times_ms"]) == 2
+        assert row["correct"] and row["bit_identical"] and row["max_error_over_bound"] <= 1.0
+        assert row["median_ms"] > 0 and row["busbw_MBps"] == pytest.approx(row["algbw_MBps"])  # N=2: 2(N-1)/N = 1
+    pipelined = {row["size"]: row["chunks"] for row in rows if row["algorithm"] == "two-pass-pipelined"}
+    assert pipelined == {"4K": 1, "64K": 1}      # auto_chunks: one 256 KiB piece covers both
+    assert (tmp_path / "allreduce-loopback.png").stat().st_size > 10_000
+    assert "| N | size |" in r.stdout and "| 2 | 64K | 65536 | ring |" in r.stdout
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault, message", [("wrong", "wrong sum"), ("diverge", "ranks disagree bit-wise")])
+def test_a_wrong_or_diverging_result_fails_the_run(tmp_path, fault, message):
+    # --self-test-fault spoils the last algorithm's result after the timed call: "wrong" on
+    # every rank alike (only the reference check can see it), "diverge" by one ulp on one rank
+    # (inside the rounding bound, so only the bit-identity check can see it).
+    r = bench(tmp_path, "--self-test-fault", fault)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "CORRECTNESS FAILURE" in r.stderr and f"algorithm=ring: {message}" in r.stderr
+    data = json.loads((tmp_path / "allreduce-loopback.json").read_text())
+    assert data["correct"] is False
+    assert {row["algorithm"] for row in data["results"] if not row["correct"]} == {"ring"}

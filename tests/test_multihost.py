@@ -1,0 +1,230 @@
+"""Multi-host for real: train.py on emulated servers (scripts/cluster.py), one rank per server.
+
+Each emulated server is a network namespace whose only NIC has a server-like name
+(eth0, ens3, enp1s0), so gloo can only talk over the NIC it was told to use.  The
+ranks are started exactly as the README tells users (Cluster.train_argv).
+
+They need root (CAP_NET_ADMIN); in CI (CI=true) they run as root and must not skip.
+Every test has a pytest timeout and its own hard deadlines; leaving a `with Cluster`
+block (also by an exception) kills every process in the namespaces and deletes them.
+"""
+import hashlib
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO))
+import cluster  # noqa: E402
+from utils.model import Net  # noqa: E402
+
+PY = sys.executable
+NICS = ["eth0", "ens3", "enp1s0"]
+ENV = {"OMP_NUM_THREADS": "1"}                     # 2 cores shared by all ranks
+GRADIENT_BYTES = sum(p.numel() for p in Net().parameters()) * 4
+SHA_LINE = r"saved the model to (\S+); parameters identical on all {n} ranks \(sha256 ([0-9a-f]{{64}})\)"
+
+_created = []      # every namespace / veth / bridge name a cluster of this module had
+
+
+@pytest.fixture(autouse=True)
+def _needs_root():
+    try:
+        cluster._check_privileges()
+    except cluster.ClusterError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"multi-host tests must run as root in CI: {e}")
+        pytest.skip(f"not root: {e}")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def remember(c):
+    _created.extend([*c.names, *c.veths, c.bridge])
+    return c
+
+
+def existing_names():
+    """Names of all network namespaces and links (root namespace) on this machine right now."""
+    nss = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=15, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=15, check=True).stdout
+    return ({line.split()[0] for line in nss.splitlines() if line.strip()} |
+            {line.split(":")[1].strip().split("@")[0] for line in links.splitlines()})
+
+
+def left_of(names):
+    return sorted(set(names) & existing_names())
+
+
+def digest_of(path):
+    model = Net()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def nic_bytes(c, rank, nic=None):
+    """(rx, tx) byte counters of `nic` (default: the host's NIC), read inside host `rank`."""
+    nic = nic or c.nic(rank)
+    stats = f"/sys/class/net/{nic}/statistics"
+    r = c.run_on(rank, ["cat", f"{stats}/rx_bytes", f"{stats}/tx_bytes"], timeout=10, text=True, check=True)
+    rx, tx = map(int, r.stdout.split())
+    return rx, tx
+
+
+def start_ranks(c, argvs, logdir):
+    """Start argvs[r] on host r, stdout/stderr to files (no pipes to fill up)."""
+    procs = []
+    for r, argv in enumerate(argvs):
+        with open(logdir / f"rank{r}.out", "wb") as out, open(logdir / f"rank{r}.err", "wb") as err:
+            procs.append(c.popen(r, argv, env=ENV, stdin=subprocess.DEVNULL, stdout=out, stderr=err))
+    return procs
+
+
+def wait_ranks(c, procs, logdir, timeout):
+    """Wait until every rank exited, at most `timeout` s (then kill all and fail).
+
+    Returns [(returncode, stdout, stderr, seconds until it exited)].
+    """
+    start, exited = time.monotonic(), {}
+    while len(exited) < len(procs):
+        for r, p in enumerate(procs):
+            if r not in exited and p.poll() is not None:
+                exited[r] = time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            for p in procs:
+                c.kill(p)
+            break
+        time.sleep(0.05)
+    results = [(p.wait(timeout=10), (logdir / f"rank{r}.out").read_text(), (logdir / f"rank{r}.err").read_text(),
+                exited.get(r)) for r, p in enumerate(procs)]
+    missing = [r for r in range(len(procs)) if r not in exited]
+    assert not missing, f"ranks {missing} still running after {timeout} s; killed\n" + report(results)
+    return results
+
+
+def report(results):
+    return "\n".join(f"--- rank {r}: exit {code} after {secs} s\nstdout:\n{out}\nstderr:\n{err}"
+                     for r, (code, out, err, secs) in enumerate(results))
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path):
+    subset, world = 1500, 3
+    saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]   # one filesystem: a path each
+    with remember(cluster.Cluster(world, nics=NICS)) as c:
+        assert [c.nic(r) for r in range(world)] == NICS
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", str(subset), "--metrics", "",
+                                         "--save-path", str(saves[r]), "--timeout", "60"])
+                 for r in range(world)]
+        before = [nic_bytes(c, r) for r in range(world)]
+        lo_before = [nic_bytes(c, r, "lo") for r in range(world)]
+        results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=90)
+        after = [nic_bytes(c, r) for r in range(world)]
+        lo_after = [nic_bytes(c, r, "lo") for r in range(world)]
+    assert left_of(_created[-(2 * world + 1):]) == []
+
+    assert [code for code, *_ in results] == [0] * world, report(results)
+    out0 = results[0][1]
+    for code, out, err, _ in results:
+        assert "Traceback" not in out + err, report(results)
+    assert [out for _, out, _, _ in results[1:]] == [""] * (world - 1), report(results)   # others stay quiet
+
+    # bit-identical parameters on every rank: rank 0 compared all ranks' sha256; the file has them
+    m = re.search(SHA_LINE.format(n=world), out0)
+    assert m, out0
+    assert Path(m[1]) == saves[0]
+    assert digest_of(saves[0]) == m[2]
+    assert not saves[1].exists() and not saves[2].exists()      # only rank 0 writes
+
+    # well above chance (10 %), and the saved model scores exactly what rank 0 reported
+    reported = re.findall(r"test accuracy ([\d.]+)%", out0)
+    assert len(reported) == 1 and float(reported[0]) > 60.0, out0
+    ev = subprocess.run([PY, str(REPO / "train.py"), "--eval", "--model_path", str(saves[0])],
+                        capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
+    assert ev.returncode == 0, ev.stderr
+    assert re.findall(r"test accuracy ([\d.]+)%", ev.stdout) == reported, (ev.stdout, out0)
+
+    # gloo used each host's NIC: every step each rank sends and receives at least one full
+    # gradient on it (two-pass ring: rank 0 sends twice, rank 1 receives twice)
+    steps = math.ceil(subset // world / 32)         # each rank's share, in batches of 32 (the default)
+    least = steps * GRADIENT_BYTES
+    for r in range(world):
+        rx, tx = (a - b for a, b in zip(after[r], before[r]))
+        assert rx >= least and tx >= least, f"{c.nic(r)} on host {r}: rx {rx:,} tx {tx:,} B < {least:,} B"
+        lo = sum(lo_after[r]) - sum(lo_before[r])
+        assert lo < GRADIENT_BYTES, f"host {r} moved {lo:,} B over lo"   # no gradient took a shortcut
+
+
+@pytest.mark.timeout(90)
+def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
+    save = tmp_path / "model.pth"
+    argv = [PY, str(SCRIPTS / "cluster.py"), "train", "--hosts", "2", "--timeout", "70", "--",
+            "--epochs", "1", "--train-subset", "600", "--metrics", "", "--save-path", str(save)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    ours = f"{cluster.PREFIX}{cluster._b36(proc.pid)}-"       # the names this CLI run creates
+    try:
+        out, err = proc.communicate(timeout=80)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate(timeout=10)
+        cluster.cleanup_stale()                                 # its owner is dead now
+        pytest.fail(f"cluster.py train did not finish within 80 s\n{out}\n{err}")
+    _created.extend(n for n in existing_names() if n.startswith(ours))   # (none, if all went well)
+    assert not [n for n in existing_names() if n.startswith(ours)]
+
+    assert proc.returncode == 0, out + err
+    assert err == ""
+    lines = out.splitlines()
+    assert lines and all(re.match(r"\[host0 eth0\] |\[host1 ens3\] ", line) for line in lines), out
+    assert re.search(r"^\[host0 eth0\] epoch 1/1 .* test accuracy [\d.]+%", out, re.M), out
+    m = re.search(r"^\[host0 eth0\] " + SHA_LINE.format(n=2), out, re.M)
+    assert m, out
+    assert digest_of(save) == m[2]
+
+
+@pytest.mark.timeout(90)
+def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
+    world, timeout = 3, 20
+    with remember(cluster.Cluster(world, nics=NICS)) as c:
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", "600", "--metrics", "",
+                                         "--save-path", str(tmp_path / f"m{r}.pth"), "--timeout", str(timeout)])
+                 for r in range(world)]
+        argvs[1][argvs[1].index("--gloo_socket_ifname") + 1] = "wlan9"
+        results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=timeout + 30)
+    assert left_of(_created[-(2 * world + 1):]) == []
+
+    code, out, err, _ = results[1]
+    assert code == 2, report(results)
+    assert out == ""
+    assert err.strip().splitlines() == [
+        "train.py: error: network interface 'wlan9' not found on this host; it has: lo, ens3"], report(results)
+    # the others notice within --timeout (plus start-up) and stop by themselves
+    for r in (0, 2):
+        code, out, err, seconds = results[r]
+        assert code != 0, report(results)
+        assert seconds <= timeout + 15, report(results)
+        assert "Traceback" not in err, report(results)
+    assert not any((tmp_path / f"m{r}.pth").exists() for r in range(world))
+
+
+@pytest.mark.timeout(60)
+def test_no_namespace_veth_or_bridge_is_left():
+    if not _created:            # run on its own: make (and tear down) a cluster with a process in it
+        with remember(cluster.Cluster(2, nics=NICS)) as c:
+            assert left_of(_created) == sorted(_created)
+            c.popen(1, ["sleep", "300"])
+    assert left_of(_created) == []
+    assert not any(Path(f"/run/netns/{n}").exists() for n in _created)     # no namespace mount either
