@@ -24,6 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors with stack traces; we report them in one line
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -207,7 +208,7 @@ def init_distributed(args):
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             raise UsageError(f"port of {where} is already in use on this host; choose another port") from None
-        if args.rank == 0:
+        if args.rank == 0 or "wait timeout" in text:  # we reached rank 0, but not everyone came
             raise PeerError(f"not every rank joined at {where} within {args.timeout:g} s "
                             f"(are all {args.world_size} started, with the same --init-method?)") from None
         raise UsageError(f"could not reach rank 0 at {where} within {args.timeout:g} s "

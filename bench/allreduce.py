@@ -649,10 +649,12 @@ def main(argv=None) -> int:
     if min(args.iters, args.big_iters) < 1 or min(args.warmup, args.big_warmup) < 0 or args.chunks < 0:
         ap.error("--iters/--big-iters must be >= 1, --warmup/--big-warmup and --chunks >= 0")
 
-    def on_term(signum, frame):          # SIGTERM/SIGHUP: unwind like Ctrl-C, so children die and the cluster goes
+    def on_term(signum, frame):          # unwind, so every rank is killed and the cluster torn down
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)                     # a second signal must not cut teardown short
         raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGINT too: shells start background jobs ignoring it
+        signal.signal(sig, on_term)
     try:
         return driver(args)
     except KeyboardInterrupt:

@@ -130,7 +130,7 @@ def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path)
                  for r in range(world)]
         before = [nic_bytes(c, r) for r in range(world)]
         lo_before = [nic_bytes(c, r, "lo") for r in range(world)]
-        results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=90)
+        results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=70)
         after = [nic_bytes(c, r) for r in range(world)]
         lo_after = [nic_bytes(c, r, "lo") for r in range(world)]
     assert left_of(_created[-(2 * world + 1):]) == []
@@ -152,18 +152,20 @@ def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path)
     reported = re.findall(r"test accuracy ([\d.]+)%", out0)
     assert len(reported) == 1 and float(reported[0]) > 60.0, out0
     ev = subprocess.run([PY, str(REPO / "train.py"), "--eval", "--model_path", str(saves[0])],
-                        capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
+                        capture_output=True, text=True, timeout=40, env={**os.environ, **ENV})
     assert ev.returncode == 0, ev.stderr
     assert re.findall(r"test accuracy ([\d.]+)%", ev.stdout) == reported, (ev.stdout, out0)
 
     # gloo used each host's NIC: every step each rank sends and receives at least one full
-    # gradient on it (two-pass ring: rank 0 sends twice, rank 1 receives twice)
+    # gradient on it (default two-pass ring: rank 0 sends twice, rank 1 receives twice, rank 2
+    # sends and receives once - its tx is barely above the bound, as veth counts GSO frames)
     steps = math.ceil(subset // world / 32)         # each rank's share, in batches of 32 (the default)
     least = steps * GRADIENT_BYTES
     for r in range(world):
         rx, tx = (a - b for a, b in zip(after[r], before[r]))
         assert rx >= least and tx >= least, f"{c.nic(r)} on host {r}: rx {rx:,} tx {tx:,} B < {least:,} B"
         lo = sum(lo_after[r]) - sum(lo_before[r])
+        print(f"host {r} {c.nic(r)}: rx {rx:,} B, tx {tx:,} B (at least {least:,}); lo {lo:,} B")
         assert lo < GRADIENT_BYTES, f"host {r} moved {lo:,} B over lo"   # no gradient took a shortcut
 
 
@@ -212,6 +214,7 @@ def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
     assert err.strip().splitlines() == [
         "train.py: error: network interface 'wlan9' not found on this host; it has: lo, ens3"], report(results)
     # the others notice within --timeout (plus start-up) and stop by themselves
+    print("exit codes", [res[0] for res in results], "after", [f"{res[3]:.1f} s" for res in results])
     for r in (0, 2):
         code, out, err, seconds = results[r]
         assert code != 0, report(results)

@@ -1,0 +1,206 @@
+"""Faults: dead or missing peers, kills during saving, exact resume, mismatched ranks."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import procs
+
+SUBSET = ["--train-subset", "1200", "--metrics", "", "--epochs", "2"]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def checkpoint_position(path):
+    try:
+        checkpoint = torch.load(path, weights_only=True)
+    except Exception:
+        return None
+    return checkpoint["epoch"], checkpoint["step"]
+
+
+def final_digest(stdout):
+    match = re.search(r"sha256 ([0-9a-f]{64})", stdout)
+    assert match, stdout
+    return match.group(1)
+
+
+def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    common = [*SUBSET, "--save-every", "3"]
+    straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
+                           timeout=200)
+    assert straight.returncode == 0, straight.stderr
+
+    checkpoint = tmp_path / "b.pt"
+    args = [*common, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")]
+    job = subprocess.Popen([sys.executable, procs.TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:  # kill the whole job in the middle of epoch 1, just after a mid-epoch checkpoint
+        wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
+        procs.kill_group(job)
+        job.communicate(timeout=30)
+    finally:
+        procs.kill_group(job)
+    epoch, step = checkpoint_position(checkpoint)
+    assert epoch == 1 and 0 < step < 18, (epoch, step)  # 1200 images / 2 ranks / 32 = 19 steps per epoch
+
+    resumed = procs.train([*args, "--resume"], timeout=200)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {checkpoint}: epoch 1, after step" in resumed.stdout
+    assert final_digest(resumed.stdout) == final_digest(straight.stdout)
+
+
+def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
+    checkpoint = tmp_path / "c.pt"
+    args = ["--train-subset", "4000", "--metrics", "", "--epochs", "1", "--save-every", "1",
+            "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth")]
+    positions = []
+    for attempt in range(6):
+        job = subprocess.Popen([sys.executable, procs.TRAIN, *args, *(["--resume"] if attempt else [])],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            before = checkpoint_position(checkpoint) or (0, 0)
+            wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) > before, 120, "a new checkpoint")
+            time.sleep(0.05 + 0.07 * attempt)  # land the kill at different points of a save (one per step)
+            procs.kill_group(job)
+            job.communicate(timeout=30)
+        finally:
+            procs.kill_group(job)
+        position = checkpoint_position(checkpoint)
+        assert position is not None, "the checkpoint did not load after a kill"
+        positions.append(position)
+    assert positions == sorted(positions) and positions[-1] > positions[0]
+    # and the run still finishes from where the last kill left it
+    done = procs.train([*args, "--resume"], timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("victim", ["first", "middle", "last"])
+def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, tmp_path):
+    timeout = 10
+    ranks = procs.start_ranks(3, ["--train-subset", "30000", "--epochs", "1", "--metrics", "", "--timeout",
+                                  str(timeout), "--save-every", "2", "--checkpoint", str(tmp_path / "c.pt"),
+                                  "--save-path", str(tmp_path / "m.pth")])
+    try:
+        wait_for(lambda: checkpoint_position(tmp_path / "c.pt") is not None, 120, "training to start")
+        index = {"first": 0, "middle": 1, "last": 2}[victim]
+        os.kill(ranks[index].pid, signal.SIGKILL)
+        killed_at = time.time()
+        results = procs.wait_all(ranks, timeout=timeout + 30)
+        took = time.time() - killed_at
+    finally:
+        for r in ranks:
+            procs.kill_group(r)
+    assert took < timeout + 10
+    for rank, (code, out, err) in enumerate(results):
+        if rank == index:
+            assert code == -signal.SIGKILL
+            continue
+        assert code == 1, (rank, code, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith(f"train.py: rank {rank}: lost a peer"), lines[0]
+        assert "to resume: python3 -u train.py" in lines[0] and lines[0].endswith("--resume"), lines[0]
+
+
+def test_a_rank_that_never_shows_up(tmp_path):
+    port = procs.free_port()
+    args = ["--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "3", "--gloo_socket_ifname", "lo",
+            "--timeout", "8", "--metrics", "", "--save-path", str(tmp_path / "m.pth")]
+    started = time.time()
+    ranks = [subprocess.Popen([sys.executable, procs.TRAIN, "--rank", str(r), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in (0, 1)]
+    results = procs.wait_all(ranks, timeout=60)
+    assert time.time() - started < 8 + 10 + 10  # + start-up (imports, data)
+    assert results[0][0] == 1 and "not every rank joined" in results[0][2], results[0]
+    assert results[1][0] != 0
+    for code, out, err in results:
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("setting,values", [("lr", ("0.004", "0.001")), ("batch-size", ("32", "16")),
+                                            ("allreduce", ("two-pass", "ring")), ("seed", ("1", "2"))])
+def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_path):
+    port = procs.free_port()
+    ranks = [subprocess.Popen([sys.executable, procs.TRAIN, "--rank", str(r), "--world-size", "2",
+                               "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo",
+                               f"--{setting}", values[r], "--timeout", "20", "--metrics", "",
+                               "--save-path", str(tmp_path / f"m{r}.pth")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r in (0, 1)]
+    for code, out, err in procs.wait_all(ranks, timeout=60):
+        assert code == 2, err
+        assert f"different --{setting}" in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_port_in_use_and_unreachable_master(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = procs.train(["--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0", "--world-size", "2",
+                              "--timeout", "5", "--metrics", "", "--save-path", str(tmp_path / "m.pth")], timeout=60)
+    assert result.returncode == 2 and "already in use" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = procs.train(["--init-method", f"tcp://127.0.0.1:{procs.free_port()}", "--rank", "1",
+                          "--world-size", "2", "--timeout", "5", "--metrics", ""], timeout=60)
+    assert result.returncode == 2 and "could not reach rank 0" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_resume_refuses_a_different_world_size(tmp_path):
+    args = ["--train-subset", "600", "--epochs", "1", "--metrics", "", "--checkpoint", str(tmp_path / "c.pt"),
+            "--save-path", str(tmp_path / "m.pth")]
+    assert procs.train(args, timeout=120).returncode == 0
+    before = (tmp_path / "c.pt").read_bytes()
+    result = procs.train([*args, "--resume", "--nproc", "3"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "made with --world-size 2, this run has 3" in result.stderr
+    assert (tmp_path / "c.pt").read_bytes() == before
+
+
+def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path):
+    common = [*SUBSET, "--save-every", "3"]
+    straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
+                           timeout=200)
+    assert straight.returncode == 0, straight.stderr
+    checkpoint = tmp_path / "b.pt"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--max-restarts", "1", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
+                            "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
+        workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker(pid, checkpoint)]
+        assert len(workers) == 2, workers
+        os.kill(max(workers), signal.SIGKILL)
+        out, err = job.communicate(timeout=200)
+    finally:
+        procs.kill_group(job)
+    assert job.returncode == 0, err[-3000:]
+    assert f"resuming from {checkpoint}" in out
+    assert final_digest(out) == final_digest(straight.stdout)
+
+
+def _is_worker(pid, marker):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except OSError:
+        return False
+    return str(marker).encode() in cmdline and b"torch.distributed.run" not in cmdline
