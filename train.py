@@ -93,6 +93,9 @@ def parse_args(argv):
                    help="seconds to wait for rendezvous and for any send/recv (default 120)")
     p.add_argument("--allreduce", choices=ALGORITHMS, default="two-pass", help="gradient sum (default two-pass)")
     p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="sum gradient buckets during backward (default on; --no-overlap: backward, then sum)")
+    p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
     p.add_argument("--nproc", type=positive(int), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
@@ -219,7 +222,8 @@ def check_same_settings(args, model):
     """Every rank must train the same thing: compare the settings that must match, by name."""
     mine = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
             "batch-size": args.batch_size, "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
-            "allreduce": args.allreduce, "chunks": args.chunks, "train-subset": args.train_subset}
+            "allreduce": args.allreduce, "chunks": args.chunks, "overlap": args.overlap,
+            "bucket-mb": args.bucket_mb, "train-subset": args.train_subset}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):

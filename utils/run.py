@@ -20,6 +20,7 @@ from utils import ring
 from utils.checkpoint import atomic_save
 from utils.data import epoch_indices
 from utils.errors import PeerError
+from utils.overlap import OverlappedGradientSum
 
 
 def sum_gradients(params, algorithm="two-pass", chunks=1):
@@ -33,6 +34,27 @@ def sum_gradients(params, algorithm="two-pass", chunks=1):
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+class GradientSum:
+    """The training loop's one call between backward and step: `sum()` averages the gradients.
+
+    Plain: backward first, then the whole sum. Overlapped (utils/overlap.py): buckets are summed
+    during backward, and `sum()` only waits for the last of them.
+    """
+
+    def __init__(self, model, args):
+        self.params, self.args = list(model.parameters()), args
+        self.overlapped = None
+        if args.overlap:
+            self.overlapped = OverlappedGradientSum(self.params, args.allreduce, args.chunks,
+                                                    int(args.bucket_mb * 2**20))
+
+    def sum(self):
+        if self.overlapped is not None:
+            self.overlapped.wait()
+        else:
+            sum_gradients(self.params, self.args.allreduce, self.args.chunks)
 
 
 def make_optimizer(model, args, steps_per_epoch):
@@ -81,10 +103,10 @@ class EpochStats:
         self.comm_seconds, self.step_seconds = comm_seconds, step_seconds
 
 
-def train_model(model, optimizer, scheduler, images, labels, batches, args, epoch, first_step, stats, save):
-    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every args.save_every steps."""
+def train_model(model, optimizer, scheduler, gradient_sum, images, labels, batches, epoch, first_step, stats,
+                save_every=0, save=None):
+    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps."""
     model.train()
-    params = list(model.parameters())
     progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
     try:
         for step in range(first_step + 1, len(batches) + 1):
@@ -95,7 +117,7 @@ def train_model(model, optimizer, scheduler, images, labels, batches, args, epoc
             loss.backward()
             comm_start = time.perf_counter()
             try:
-                sum_gradients(params, args.allreduce, args.chunks)
+                gradient_sum.sum()
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): "
                                 f"{first_line(e)}") from None
@@ -106,7 +128,7 @@ def train_model(model, optimizer, scheduler, images, labels, batches, args, epoc
             stats.loss_sum += loss.item()
             stats.steps += 1
             progress.update(step, stats.loss_sum / stats.steps)
-            if args.save_every and step % args.save_every == 0 and step < len(batches):
+            if save_every and step % save_every == 0 and step < len(batches):
                 save(epoch, step, stats)
     finally:
         progress.close()
@@ -136,6 +158,7 @@ def run(model, data, args, resume_from=None):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, args))
     optimizer, scheduler = make_optimizer(model, args, steps_per_epoch)
+    gradient_sum = GradientSum(model, args)
     first_epoch, first_step, stats = 1, 0, EpochStats()
     if resume_from is not None:
         optimizer.load_state_dict(resume_from["optimizer"])
@@ -156,8 +179,8 @@ def run(model, data, args, resume_from=None):
     for epoch in range(first_epoch, args.epochs + 1):
         start = time.time()
         batches = batches_of_epoch(len(train_labels), epoch, args)
-        train_model(model, optimizer, scheduler, train_images, train_labels, batches, args,
-                    epoch, first_step, stats, save_checkpoint)
+        train_model(model, optimizer, scheduler, gradient_sum, train_images, train_labels, batches,
+                    epoch, first_step, stats, args.save_every, save_checkpoint)
         if rank == 0:
             accuracy = test_model(model, test_images, test_labels)
             seconds = time.time() - start
