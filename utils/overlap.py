@@ -12,6 +12,7 @@ Buckets are always summed in the same order (0, 1, 2, ...) on every rank, whatev
 hooks fire in, so the ranks' messages always match up.
 """
 import threading
+import time
 
 import torch
 
@@ -42,6 +43,7 @@ class OverlappedGradientSum:
         self.missing = [len(b) for b in self.buckets]
         self.ready = [threading.Event() for _ in self.buckets]
         self.done, self.error = threading.Event(), None
+        self.busy_seconds = 0.0  # time the comm thread spent summing, for bandwidth figures
         self.lock = threading.Lock()
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.bucket_of]
         threading.Thread(target=self._communicate, name="gradient-sum", daemon=True).start()
@@ -59,6 +61,7 @@ class OverlappedGradientSum:
                 for i, bucket in enumerate(self.buckets):
                     self.ready[i].wait()
                     self.ready[i].clear()
+                    start = time.perf_counter()
                     flat = torch.cat([p.grad.reshape(-1) for p in bucket])
                     chunks = ring.auto_chunks(flat.numel()) if self.chunks == "auto" else self.chunks
                     ring.average_(flat, self.algorithm, chunks)
@@ -66,6 +69,7 @@ class OverlappedGradientSum:
                     for p in bucket:
                         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
+                    self.busy_seconds += time.perf_counter() - start
                 self.done.set()
         except Exception as e:  # a dead peer: hand the error to the training thread
             self.error = e

@@ -51,10 +51,14 @@ class GradientSum:
                                                     int(args.bucket_mb * 2**20))
 
     def sum(self):
+        """Average the gradients; returns seconds the communication itself took (for bandwidth)."""
         if self.overlapped is not None:
+            busy_before = self.overlapped.busy_seconds
             self.overlapped.wait()
-        else:
-            sum_gradients(self.params, self.args.allreduce, self.args.chunks)
+            return self.overlapped.busy_seconds - busy_before
+        start = time.perf_counter()
+        sum_gradients(self.params, self.args.allreduce, self.args.chunks)
+        return time.perf_counter() - start
 
 
 def make_optimizer(model, args, steps_per_epoch):
@@ -98,9 +102,11 @@ class Progress:
 class EpochStats:
     """What an epoch's log line reports; carried in mid-epoch checkpoints."""
 
-    def __init__(self, loss_sum=0.0, steps=0, comm_seconds=0.0, step_seconds=0.0):
+    def __init__(self, loss_sum=0.0, steps=0, comm_seconds=0.0, step_seconds=0.0, busy_seconds=0.0):
         self.loss_sum, self.steps = loss_sum, steps
-        self.comm_seconds, self.step_seconds = comm_seconds, step_seconds
+        self.comm_seconds = comm_seconds    # the step waited for communication this long
+        self.busy_seconds = busy_seconds    # communication ran this long (hidden or not)
+        self.step_seconds = step_seconds
 
 
 def train_model(model, optimizer, scheduler, gradient_sum, images, labels, batches, epoch, first_step, stats,
@@ -117,7 +123,7 @@ def train_model(model, optimizer, scheduler, gradient_sum, images, labels, batch
             loss.backward()
             comm_start = time.perf_counter()
             try:
-                gradient_sum.sum()
+                stats.busy_seconds += gradient_sum.sum()
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): "
                                 f"{first_line(e)}") from None
@@ -186,13 +192,17 @@ def run(model, data, args, resume_from=None):
             seconds = time.time() - start
             loss = stats.loss_sum / max(1, stats.steps)
             comm_share = stats.comm_seconds / stats.step_seconds if stats.step_seconds else 0.0
+            gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            busbw = (stats.steps * gradient_bytes * 2 * (world_size - 1) / world_size / stats.busy_seconds / 1e9
+                     if stats.busy_seconds else 0.0)  # nccl-tests' bus bandwidth, GB/s
             print(f"epoch {epoch}/{args.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
-                  f"time {seconds:.1f} s  comm {comm_share:.0%} of step time", flush=True)
+                  f"time {seconds:.1f} s  comm {comm_share:.0%} of step time  busbw {busbw:.2f} GB/s", flush=True)
             atomic_save(model.state_dict(), args.save_path)
             if args.metrics:
                 append_metrics(args.metrics, dict(epoch=epoch, train_loss=loss, test_accuracy=accuracy,
-                                                  seconds=seconds, comm_share=comm_share, world_size=world_size,
-                                                  allreduce=args.allreduce))
+                                                  seconds=seconds, comm_share=comm_share, busbw_gbps=busbw,
+                                                  world_size=world_size, allreduce=args.allreduce,
+                                                  overlap=args.overlap))
         first_step, stats = 0, EpochStats()
         save_checkpoint(epoch + 1, 0, stats)
     try:  # also a barrier: nobody reports success before rank 0 has saved
