@@ -38,6 +38,7 @@ from utils.run import check_identical_parameters, first_line, run, test_model  #
 
 PROG = "train.py"
 LOCAL_GRACE_SECONDS = 5
+GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks share them
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -86,8 +87,8 @@ def parse_args(argv):
     p.add_argument("--metrics", default=os.path.join("runs", "metrics.jsonl"),
                    help="rank 0 appends one JSON line per epoch here ('' to turn off)")
     p.add_argument("--lr", type=positive(float), default=4e-3, help="peak learning rate (default 0.004)")
-    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive(int), default=32,
-                   help="images per step on each rank (default 32)")
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive(int),
+                   help=f"images per step on each rank (default {GLOBAL_BATCH} / world size)")
     p.add_argument("--seed", type=int, default=1, help="seed for the model and the data order (default 1)")
     p.add_argument("--timeout", type=positive(float), default=120.0,
                    help="seconds to wait for rendezvous and for any send/recv (default 120)")
@@ -285,6 +286,7 @@ def train(args, data):
         args.chunks = auto_chunks(sum(p.numel() for p in model.parameters()))
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
     world_size = args.world_size if args.world_size is not None else int(os.environ["WORLD_SIZE"])
+    args.batch_size = args.batch_size or max(1, GLOBAL_BATCH // world_size)
     args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
                                 "world-size": world_size, "batch-size": args.batch_size, "lr": args.lr,
                                 "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset}

@@ -282,15 +282,30 @@ def cpu_ticks() -> dict[int, tuple[int, str]]:
     return out
 
 
-def foreign_cpu(before: dict, after: dict, ours: set[int], seconds: float) -> tuple[float, list[str]]:
-    """Cores used by processes other than ours between two cpu_ticks() snapshots (approximate:
-    processes that ended in between are missed), and the biggest of them."""
-    hz = os.sysconf("SC_CLK_TCK")
-    used = {pid: (t - before.get(pid, (0, ""))[0], name) for pid, (t, name) in after.items()
-            if pid not in ours and pid != os.getpid()}
-    top = sorted(((d, name, pid) for pid, (d, name) in used.items() if d > 0), reverse=True)
-    total = sum(d for d, _, _ in top) / hz / max(seconds, 1e-9)
-    return total, [f"{name}[{pid}] {d / hz / max(seconds, 1e-9):.2f}" for d, name, pid in top[:4]]
+def load_snapshot() -> dict:
+    """What the machine's CPUs are doing: all processes' CPU ticks, /proc/stat totals, our
+    reaped children's CPU seconds, a clock."""
+    import resource
+    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"procs": cpu_ticks(), "busy": sum(cpu) - cpu[3] - cpu[4], "total": sum(cpu),
+            "children": ru.ru_utime + ru.ru_stime, "t": time.monotonic()}
+
+
+def other_load(before: dict, after: dict, ours: set[int]) -> dict:
+    """How busy the machine was besides our ranks between two snapshots (taken after our ranks
+    were reaped). busy_cores: all CPUs (kernel networking included); ours_cores: our ranks;
+    others_cores: other processes alive at the end (processes that came and went are missed)."""
+    hz, wall = os.sysconf("SC_CLK_TCK"), max(after["t"] - before["t"], 1e-9)
+    used = sorted(((t - before["procs"].get(pid, (0, ""))[0], name, pid)
+                   for pid, (t, name) in after["procs"].items() if pid not in ours and pid != os.getpid()),
+                  reverse=True)
+    used = [u for u in used if u[0] > 0]
+    return {"busy_cores": round((after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1)
+                                * os.cpu_count(), 2),
+            "ours_cores": round((after["children"] - before["children"]) / wall, 2),
+            "others_cores": round(sum(u[0] for u in used) / hz / wall, 2),
+            "others_top": [f"{name}[{pid}] {d / hz / wall:.2f}" for d, name, pid in used[:4]]}
 
 
 def kill_group(p: subprocess.Popen) -> None:
@@ -313,7 +328,7 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
            "sizes": sizes, "out": str(out_path)}
     cfg_path.write_text(json.dumps(cfg))
     procs, logs = [], []
-    cpu_before, t_start = cpu_ticks(), time.monotonic()
+    load_before = load_snapshot()
     try:
         for r in range(n):
             argv = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker",
@@ -341,11 +356,12 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
         codes = [p.returncode for p in procs]
         if all(c in (0, 3) for c in codes) and out_path.exists():
             raw = json.loads(out_path.read_text())
-            cores, top = foreign_cpu(cpu_before, cpu_ticks(), {p.pid for p in procs}, time.monotonic() - t_start)
-            raw["foreign_cpu_cores"], raw["foreign_cpu_top"] = round(cores, 2), top
-            if cores > 0.1:
-                print(f"  WARNING N={n}: other processes used {cores:.2f} of {os.cpu_count()} cores during the "
-                      f"run ({', '.join(top)}); timings may be inflated", flush=True)
+            raw["load"] = load = other_load(load_before, load_snapshot(), {p.pid for p in procs})
+            if load["others_cores"] > 0.1 or load["busy_cores"] - load["ours_cores"] > 0.6:
+                print(f"  WARNING N={n}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
+                      f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
+                      f"{load['others_cores']:.2f} ({', '.join(load['others_top'])}); timings may be inflated",
+                      flush=True)
             return raw
         tails = []
         for r in range(n):
@@ -435,6 +451,15 @@ def target_lines(targets: list[dict]) -> str:
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
         lines.append(f"{t['status']:<5} {t['target']:<44} N={t['world_size']}  worst {t['worst_ratio']:.3f}x "
                      f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]")
+    return "\n".join(lines)
+
+
+def load_lines(load: dict) -> str:
+    lines = []
+    for n, v in load.items():
+        busy = v["others_cores"] > 0.1 or v["busy_cores"] - v["ours_cores"] > 0.6
+        lines.append(f"load  N={n}: {v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}, "
+                     f"other processes {v['others_cores']:.2f}" + ("  <- NOT QUIET, timings may be inflated" if busy else ""))
     return "\n".join(lines)
 
 
@@ -558,7 +583,7 @@ def driver(args) -> int:
                 raw = launch(n, args, plan, cl, tmp, port, op_timeout, timeout)
                 print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
                 records += summarize(raw, rate_bytes)
-                load[n] = {"foreign_cpu_cores": raw["foreign_cpu_cores"], "top": raw["foreign_cpu_top"]}
+                load[n] = raw["load"]
         except LaunchError as e:
             print(f"allreduce.py: FAILED: {e}", file=sys.stderr)
             return 2
@@ -573,7 +598,7 @@ def driver(args) -> int:
              + f"; {platform.node()}, torch {__import__('torch').__version__}")
     md = (f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "") + "\n\n"
           f"`{' '.join(['python3', 'bench/allreduce.py'] + sys.argv[1:])}`  \n{iters_note}.\n\n"
-          + table(records) + "\n\n```\n" + target_lines(targets) + "\n```\n")
+          + table(records) + "\n\n```\n" + target_lines(targets) + "\n" + load_lines(load) + "\n```\n")
     result = {
         "mode": mode, "rate": args.rate if rate_bits else None, "rate_bits_per_s": rate_bits,
         "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
@@ -590,16 +615,18 @@ def driver(args) -> int:
         "correct": not failures, "failures": failures, "targets": targets, "results": records,
     }
     out_dir = Path(args.results_dir)
-    write_atomic(out_dir / f"allreduce-{mode}.json", (json.dumps(result, indent=1) + "\n").encode())
-    write_atomic(out_dir / f"allreduce-{mode}.md", md.encode())
-    plot(records, out_dir / f"allreduce-{mode}.png", title, rate_bytes)
+    stem = f"allreduce-{mode}" + (f"-{Path(args.ring_file).stem}" if args.ring_file else "")  # never overwrite
+    write_atomic(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
+    write_atomic(out_dir / f"{stem}.md", md.encode())
+    plot(records, out_dir / f"{stem}.png", title, rate_bytes)
 
     print()
     print(table(records))
     print()
     print("Targets" + ("" if mode == "cluster" else " (only evaluated with --cluster --rate)") + ":")
     print(target_lines(targets))
-    print(f"\nwrote {out_dir / f'allreduce-{mode}.json'}, .md, .png  ({time.time() - started:.0f}s)")
+    print(load_lines(load))
+    print(f"\nwrote {out_dir / f'{stem}.json'}, .md, .png  ({time.time() - started:.0f}s)")
     if failures:
         print("\nallreduce.py: CORRECTNESS FAILURE:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
@@ -611,11 +638,13 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--cluster", action="store_true", help="run each rank on its own emulated host (root)")
     ap.add_argument("--rate", help="per-host egress cap in --cluster mode, tc syntax, e.g. 200mbit")
-    ap.add_argument("--world-sizes", default="2,3,4", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--world-sizes", default="2,3,4", type=lambda s: [int(x) for x in s.split(",")],
+                    help="comma list of N, one launch each (default 2,3,4)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (K/M binary, 'model'); default {DEFAULT_SIZES}")
     ap.add_argument("--model-numel", type=int, default=DEFAULT_MODEL_NUMEL,
                     help="float32 parameters of the trainer's model: the 'model' row")
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","))
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","),
+                    help=f"comma list from {','.join(ALGORITHMS)} (default: all)")
     ap.add_argument("--chunks", type=int, default=0, help="pieces for two-pass-pipelined (default: auto_chunks)")
     ap.add_argument("--iters", type=int, default=7, help="timed repetitions")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions first")

@@ -82,11 +82,14 @@ def nic_bytes(c, rank, nic=None):
 
 
 def start_ranks(c, argvs, logdir):
-    """Start argvs[r] on host r, stdout/stderr to files (no pipes to fill up)."""
+    """Start argvs[r] on host r in its own directory logdir/host<r> (the hosts share one
+    filesystem; default paths such as runs/checkpoint.pt are relative), stdout/stderr to files."""
     procs = []
     for r, argv in enumerate(argvs):
+        home = logdir / f"host{r}"
+        home.mkdir(exist_ok=True)
         with open(logdir / f"rank{r}.out", "wb") as out, open(logdir / f"rank{r}.err", "wb") as err:
-            procs.append(c.popen(r, argv, env=ENV, stdin=subprocess.DEVNULL, stdout=out, stderr=err))
+            procs.append(c.popen(r, argv, env=ENV, cwd=home, stdin=subprocess.DEVNULL, stdout=out, stderr=err))
     return procs
 
 
@@ -174,7 +177,7 @@ def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
     save = tmp_path / "model.pth"
     argv = [PY, str(SCRIPTS / "cluster.py"), "train", "--hosts", "2", "--timeout", "70", "--",
             "--epochs", "1", "--train-subset", "600", "--metrics", "", "--save-path", str(save)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**os.environ, **ENV}, start_new_session=True)
     ours = f"{cluster.PREFIX}{cluster._b36(proc.pid)}-"       # the names this CLI run creates
     try:
@@ -202,7 +205,7 @@ def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
     world, timeout = 3, 20
     with remember(cluster.Cluster(world, nics=NICS)) as c:
         argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", "600", "--metrics", "",
-                                         "--save-path", str(tmp_path / f"m{r}.pth"), "--timeout", str(timeout)])
+                                         "--save-path", str(tmp_path / f"host{r}" / "m.pth"), "--timeout", str(timeout)])
                  for r in range(world)]
         argvs[1][argvs[1].index("--gloo_socket_ifname") + 1] = "wlan9"
         results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=timeout + 30)
@@ -220,7 +223,7 @@ def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
         assert code != 0, report(results)
         assert seconds <= timeout + 15, report(results)
         assert "Traceback" not in err, report(results)
-    assert not any((tmp_path / f"m{r}.pth").exists() for r in range(world))
+    assert not any((tmp_path / f"host{r}" / "m.pth").exists() for r in range(world))
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,41 @@
+"""bench/train_step.py end to end on loopback: it runs every configuration and writes its results."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench", "train_step.py")
+CONFIGS = {"compute-alone", "compute", "two-pass", "two-pass+overlap", "ring", "ring+overlap",
+           "gloo", "gloo+overlap", "ddp"}
+
+
+@pytest.mark.timeout(180)
+def test_loopback_run_measures_every_configuration(tmp_path):
+    # The benchmark kills its own ranks on every exit path (and has its own --timeout per world);
+    # the outer timeout is a last resort.
+    r = subprocess.run([sys.executable, BENCH, "--loopback", "--world-sizes", "2", "--warmup", "1", "--iters", "3",
+                        "--timeout", "150", "--results-dir", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "train_step-loopback.json").read_text())
+    rows = data["results"]
+    assert {row["config"] for row in rows} == CONFIGS
+    assert len(rows) == len(CONFIGS)
+    for row in rows:
+        assert row["world_size"] == 2 and row["iters"] == 3 and len(row["step_ms"]) == 3
+        assert row["median_ms"] > 0 and all(t > 0 for t in row["step_ms"]), row
+        assert row["images_per_s_per_rank"] > 0
+        if row["kind"] != "compute":       # every summed configuration ends bit-identical on all ranks
+            assert row["params_identical"] is True, row["config"]
+    by = {row["config"]: row for row in rows}
+    assert by["two-pass"]["chunks"] == 7 and by["two-pass+overlap"]["chunks"] == "auto"   # auto_chunks(421,642)
+    assert by["gloo+overlap"]["overlap"] is True and by["gloo"]["overlap"] is False
+    assert data["params_identical"] is True and data["batch_size"] == 32
+    assert any(t["target"] == "best >= DDP throughput" and t["status"] == "info" for t in data["targets"])
+    png = (tmp_path / "train_step-loopback.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "| rate | N | configuration |" in r.stdout and "| loopback | 2 | ddp |" in r.stdout
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
