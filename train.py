@@ -214,7 +214,8 @@ def init_distributed(args):
             raise UsageError(f"port of {where} is already in use on this host; choose another port") from None
         if args.rank == 0 or "wait timeout" in text:  # we reached rank 0, but not everyone came
             raise PeerError(f"not every rank joined at {where} within {args.timeout:g} s "
-                            f"(are all {args.world_size} started, with the same --init-method?)") from None
+                            f"(are all {args.world_size} started, with the same --init-method?)",
+                            resumable=False) from None
         raise UsageError(f"could not reach rank 0 at {where} within {args.timeout:g} s "
                          f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}") from None
 
@@ -349,7 +350,8 @@ def main(argv=None):
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except PeerError as e:
-        print(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}", file=sys.stderr, flush=True)
+        hint = f"; to resume: {resume_command(argv)}" if e.resumable else ""
+        print(f"{PROG}: rank {rank}: {e}{hint}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: rank {rank}: interrupted", file=sys.stderr, flush=True)

@@ -348,7 +348,9 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
                 sys.stdout.flush()
 
     pipe = subprocess.PIPE if prefix_output else None
-    procs = [cluster.popen(r, argv, stdin=subprocess.DEVNULL, stdout=pipe,
+    # the emulated hosts share this machine's cores: split them, as train.py's local launcher does
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(argvs))))}
+    procs = [cluster.popen(r, argv, env=threads, stdin=subprocess.DEVNULL, stdout=pipe,
                            stderr=subprocess.STDOUT if prefix_output else None)
              for r, argv in enumerate(argvs)]
     pumps = [threading.Thread(target=pump, args=(r, p.stdout), daemon=True)

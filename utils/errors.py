@@ -7,3 +7,7 @@ class UsageError(Exception):
 
 class PeerError(Exception):
     """The job broke off: a peer died, fell silent or never came. Exit code 1."""
+
+    def __init__(self, message, resumable=True):
+        super().__init__(message)
+        self.resumable = resumable  # False before training started: there is nothing to resume
