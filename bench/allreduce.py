@@ -159,6 +159,13 @@ def worker(args) -> int:
         spec.loader.exec_module(ring)
     else:
         from utils import ring
+    candidates = {}                         # "ring:<stem>": another ring_sum, measured interleaved
+    for path in cfg["candidates"]:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(f"candidate_{len(candidates)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        candidates[f"ring:{Path(path).stem}"] = module.ring_sum
 
     torch.set_num_threads(1)     # N ranks share the machine's cores
     dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n,
@@ -176,6 +183,8 @@ def worker(args) -> int:
             ring.gloo_sum(buf)
         elif alg == "ring":
             ring.ring_sum(buf)
+        elif alg in candidates:
+            candidates[alg](buf)
         else:
             ring.two_pass_ring_sum(buf, chunks)
 
@@ -196,7 +205,7 @@ def worker(args) -> int:
         buf = torch.empty_like(mine)
         plan = {alg: (1 if alg == "two-pass" else
                       (cfg["chunks"] or ring.auto_chunks(numel)) if alg == "two-pass-pipelined" else 0)
-                for alg in cfg["algorithms"]}
+                for alg in cfg["algorithms"] + list(candidates)}
         times = {alg: [] for alg in plan}        # this rank's t1 - t0, timed repetitions
         digests = {alg: [] for alg in plan}      # per repetition (warm-up included)
         errors = {alg: [] for alg in plan}       # max |err| / bound per repetition
@@ -208,7 +217,7 @@ def worker(args) -> int:
                 t0 = time.perf_counter()
                 run(alg, buf, plan[alg])
                 t1 = time.perf_counter()
-                if cfg["fault"] and alg == cfg["algorithms"][-1]:     # self-test of the checks below
+                if cfg["fault"] and alg == "ring":                  # self-test of the checks below
                     if cfg["fault"] == "wrong":
                         buf[numel // 2] += 1.0                      # same wrong value on every rank
                     elif rank == n - 1:                             # "diverge": one rank 1 ulp off
@@ -325,6 +334,7 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
            "seed": args.seed, "chunks": args.chunks, "fault": args.self_test_fault,
            "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None, "algorithms": args.algorithms,
+           "candidates": [str(Path(f).resolve()) for f in args.candidate],
            "sizes": sizes, "out": str(out_path)}
     cfg_path.write_text(json.dumps(cfg))
     procs, logs = [], []
@@ -426,7 +436,10 @@ def table(records: list[dict]) -> str:
 
 def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
     out = []
-    for name, alg, worlds, min_bytes, metric, bound in TARGETS:
+    candidates = sorted({r["algorithm"] for r in records if r["algorithm"].startswith("ring:")})
+    targets = list(TARGETS) + [(name.replace("ring", c, 1) + " [candidate]", c, *rest)
+                               for c in candidates for name, alg, *rest in TARGETS if alg == "ring"]
+    for name, alg, worlds, min_bytes, metric, bound in targets:
         for n in worlds:
             rows = [r for r in records if r["algorithm"] == alg and r["world_size"] == n
                     and r["bytes"] >= min_bytes and r[metric] is not None]
@@ -475,12 +488,13 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) 
              "two-pass-pipelined": ("tab:orange", "^", "-"), "ring": ("tab:blue", "D", "-")}
     for col, n in enumerate(worlds):
         top, bottom = axes[0][col], axes[1][col]
-        for alg in ALGORITHMS:
+        extra = sorted({r["algorithm"] for r in records} - set(ALGORITHMS))
+        for alg in [*ALGORITHMS, *extra]:
             rows = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == alg),
                           key=lambda r: r["bytes"])
             if not rows:
                 continue
-            c, m, ls = style[alg]
+            c, m, ls = style.get(alg, ("tab:purple", "v", "-."))
             x = [r["bytes"] for r in rows]
             top.plot(x, [r["median_ms"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
             top.fill_between(x, [r["min_ms"] for r in rows], [r["max_ms"] for r in rows], color=c, alpha=0.12)
@@ -543,13 +557,14 @@ def driver(args) -> int:
     from utils.ring import auto_chunks
     est = {n: sum((p["iters"] + p["warmup"]) * expected_seconds(
                       a, n, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT))
-                  for p in plan for a in args.algorithms)
+                  for p in plan for a in args.algorithms + ["ring"] * len(args.candidate))
            for n in worlds}
     op_timeout = max(60.0, 20 * max(expected_seconds("two-pass", n, plan[-1]["bytes"], rate_bytes or 50e6, 1)
                                      for n in worlds))
     print(f"# all-reduce benchmark: mode={mode}" + (f", egress cap {args.rate} per host" if rate_bits else "")
           + f", N={','.join(map(str, worlds))}, algorithms={','.join(args.algorithms)}"
-          + (f", ring.py under test: {args.ring_file}" if args.ring_file else ""))
+          + (f", ring.py under test: {args.ring_file}" if args.ring_file else "")
+          + "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate))
     labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
     print(f"# sizes: {', '.join(labels)}")
     iters_note = f"{args.iters} timed + {args.warmup} warm-up repetitions"
@@ -604,7 +619,7 @@ def driver(args) -> int:
         "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
         "world_sizes": worlds, "sizes": plan, "algorithms": args.algorithms, "chunks_override": args.chunks,
         "model_numel": args.model_numel, "seed": args.seed,
-        "ring_file": args.ring_file or "utils/ring.py",
+        "ring_file": args.ring_file or "utils/ring.py", "candidates": args.candidate,
         "timing": "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
                   "median over timed repetitions; algorithms interleaved per repetition, order rotated",
         "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -653,6 +668,9 @@ def main(argv=None) -> int:
     ap.add_argument("--big-warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (e.g. a proposed patch)")
+    ap.add_argument("--candidate", action="append", default=[], metavar="RING_PY",
+                    help="also measure this file's ring_sum, interleaved with the others, as 'ring:<file stem>' "
+                         "(e.g. a proposed patch of utils/ring.py); repeatable")
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world size in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--self-test-fault", choices=("wrong", "diverge"), help=argparse.SUPPRESS)  # tests only

@@ -17,13 +17,19 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
                       summed on a comm thread during backward (utils/overlap.py); chunks
                       are passed as given ("auto": per bucket)
     ddp               torch.nn.parallel.DistributedDataParallel (gloo), defaults: the reference
+    <alg>+deferred    only with --deferred and an --overlap-file that has DeferredGradientSum
+                      (a proposal: each bucket's optimizer update is applied when the next
+                      forward first needs it, so the sums also overlap the next forward). Its
+                      pending sums are flushed at the end of each round, inside the timing.
 
 Timing. Every round runs every configuration once (the order rotates from one round to the
-next, so drift hits all alike). One step of one configuration is
-    dist.barrier(); t0; step; t1
-on every rank; its time is the MAX over ranks of t1 - t0 (a synchronous step is done when its
-slowest rank is). After --warmup discarded rounds, --iters are timed; tables show the MEDIAN.
-images/s per rank = batch / step time. Each configuration trains its own copy of the model
+next, so drift hits all alike), each for --steps-per-sample consecutive steps:
+    dist.barrier(); t0; K training steps; t1          ms/step of the round = (t1 - t0) / K
+on every rank, taking the MAX over ranks (a synchronous step is done when its slowest rank
+is). After --warmup discarded rounds, --iters are timed; tables show the MEDIAN over rounds.
+images/s per rank = batch / step time. fwd+bwd, sum/wait and opt are the parts of the step
+(forward+backward, the sum or wait after backward, optimizer+scheduler), likewise per step;
+cpu/rank is the CPU time of a rank's process (all its threads, user+sys) per step. Each configuration trains its own copy of the model
 (same seed); at the end every comm configuration must hold bit-identical parameters on all
 ranks (checked with sha256), else the run fails.
 
@@ -96,29 +102,40 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def make_configs(args) -> list[dict]:
     """The configurations, in the order they are listed (the run rotates the order per round)."""
-    from_chunks = args.chunks
-    plain_chunks = None
-    if from_chunks == "auto":
+    if args.chunks == "auto":
         sys.path.insert(0, str(REPO))
         from utils.ring import auto_chunks
-        plain_chunks = auto_chunks(MODEL_NUMEL)
+        plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL), "auto"     # as train.py / OverlappedGradientSum
     else:
-        plain_chunks = int(from_chunks)
+        plain_chunks = bucket_chunks = int(args.chunks)
     configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
                {"name": "compute", "kind": "compute", "alone": False}]
     for alg in args.algorithms:
         configs.append({"name": alg, "kind": "sum", "allreduce": alg, "overlap": False,
                         "chunks": plain_chunks if alg == "two-pass" else None, "bucket_mb": None})
-        for mb in args.bucket_mb:
-            suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
-            configs.append({"name": f"{alg}+overlap{suffix}", "kind": "sum", "allreduce": alg, "overlap": True,
-                            "chunks": (from_chunks if from_chunks == "auto" else int(from_chunks))
-                            if alg == "two-pass" else None, "bucket_mb": mb})
+        for mode in ("overlap", "deferred") if args.deferred else ("overlap",):
+            for mb in args.bucket_mb:
+                suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
+                configs.append({"name": f"{alg}+{mode}{suffix}", "kind": "sum" if mode == "overlap" else "deferred",
+                                "allreduce": alg, "overlap": True,
+                                "chunks": bucket_chunks if alg == "two-pass" else None, "bucket_mb": mb})
     configs.append({"name": "ddp", "kind": "ddp"})
     if args.only:
         keep = set(args.only) | {"compute", "compute-alone", "ddp"}
         configs = [c for c in configs if c["name"] in keep]
     return configs
+
+
+def load_module_from(name: str, path: str):
+    """Import the file `path` as module `name` (e.g. utils.ring), before anything imports the original."""
+    import importlib.util
+    import utils
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    setattr(utils, name.split(".")[-1], mod)
+    return mod
 
 
 # --------------------------------------------------------------------------- worker
@@ -130,22 +147,21 @@ def worker(args) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
     sys.path.insert(0, str(REPO))
-    if cfg.get("overlap_file"):           # benchmark another copy of overlap.py (a proposed patch)
-        import importlib.util
-        import utils
-        spec = importlib.util.spec_from_file_location("utils.overlap", cfg["overlap_file"])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["utils.overlap"] = mod
-        spec.loader.exec_module(mod)
-        utils.overlap = mod
+    if cfg.get("ring_file"):              # benchmark other copies of utils/ (a proposed patch)
+        load_module_from("utils.ring", cfg["ring_file"])
+    if cfg.get("overlap_file"):
+        load_module_from("utils.overlap", cfg["overlap_file"])
+    from utils import overlap as overlap_module
     from utils import run as trainer_run
     from utils.data import epoch_indices, load_mnist
     from utils.model import Net
 
     torch.set_num_threads(1)              # as every rank of train.py on a shared machine
+    if cfg.get("switch_interval"):
+        sys.setswitchinterval(cfg["switch_interval"])      # GIL hand-over experiment (default 5 ms)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
+    timeout = datetime.timedelta(seconds=cfg["op_timeout"])
+    dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n, timeout=timeout)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     prefix = f"  [{cfg['label']} N={n}]"
     say(f"{prefix} {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME="
@@ -154,28 +170,44 @@ def worker(args) -> int:
     train_images, train_labels, _, _ = load_mnist(str(REPO / "data"))
     indices = epoch_indices(len(train_labels), 1, rank, n, cfg["seed"])
     batches = torch.split(indices, cfg["batch_size"])
+    k_steps = cfg["steps_per_sample"]
     rounds = cfg["warmup"] + cfg["iters"]
 
     class Runner:
+        """One configuration: its own model (same seed), optimizer, schedule and gradient sum."""
+
         def __init__(self, spec):
-            self.spec, self.gsum, self.skip = spec, None, spec.get("alone") and rank != 0
+            self.spec, self.gsum, self.deferred = spec, None, None
+            self.skip = spec.get("alone") and rank != 0
             torch.manual_seed(cfg["seed"])
             self.model = Net()
             self.forward = self.model
             if spec["kind"] == "ddp":
                 self.forward = torch.nn.parallel.DistributedDataParallel(self.model)
             opt_args = argparse.Namespace(lr=4e-3, epochs=1)
-            self.optimizer, self.scheduler = trainer_run.make_optimizer(self.model, opt_args, rounds + 1)
+            self.optimizer, self.scheduler = trainer_run.make_optimizer(self.model, opt_args, rounds * k_steps + 1)
             if spec["kind"] == "sum":
                 self.gsum = trainer_run.GradientSum(self.model, argparse.Namespace(
                     allreduce=spec["allreduce"], chunks=spec["chunks"] or 1, overlap=spec["overlap"],
                     bucket_mb=spec["bucket_mb"] or 1.0))
+            elif spec["kind"] == "deferred":
+                self.deferred = overlap_module.DeferredGradientSum(
+                    self.model, self.optimizer, spec["allreduce"], spec["chunks"] or 1,
+                    int(spec["bucket_mb"] * 2**20), timeout=timeout)
 
         def step(self, batch):
-            """One training step, as utils/run.train_model; (total, fwd+bwd, sum, opt) seconds."""
-            if self.skip:
-                return (0.0, 0.0, 0.0, 0.0)
+            """One training step, as utils/run.train_model: (total, fwd+bwd, sum, opt) seconds."""
             t0 = time.perf_counter()
+            if self.deferred is not None:     # the proposal: updates applied during the next forward
+                self.deferred.zero_grad()
+                loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
+                loss.backward()
+                t1 = time.perf_counter()
+                self.deferred.step()
+                t2 = time.perf_counter()
+                self.scheduler.step()
+                loss.item()
+                return (time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
             self.optimizer.zero_grad()
             loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
             loss.backward()
@@ -189,20 +221,39 @@ def worker(args) -> int:
             t3 = time.perf_counter()
             return (t3 - t0, t1 - t0, t2 - t1, t3 - t2)
 
+        def sample(self, first_batch):
+            """k_steps consecutive steps (after a barrier): per-step (total, fb, sum, opt, process CPU) seconds."""
+            if self.skip:
+                return (0.0, 0.0, 0.0, 0.0, 0.0)
+            c0, t0 = time.process_time(), time.perf_counter()   # CPU: all threads of this rank, user + sys
+            parts = [0.0, 0.0, 0.0]
+            for s in range(k_steps):
+                _, fb, sm, op = self.step(batches[(first_batch + s) % len(batches)])
+                parts[0] += fb
+                parts[1] += sm
+                parts[2] += op
+            if self.deferred is not None:     # nothing may run on into the next configuration's time
+                f0 = time.perf_counter()
+                self.deferred.flush()
+                parts[2] += time.perf_counter() - f0
+            total, cpu = time.perf_counter() - t0, time.process_time() - c0
+            return (total / k_steps, parts[0] / k_steps, parts[1] / k_steps, parts[2] / k_steps, cpu / k_steps)
+
         def close(self):
             if self.gsum is not None and self.gsum.overlapped is not None:
                 self.gsum.overlapped.close()
+            if self.deferred is not None:
+                self.deferred.close()
 
     runners = [Runner(spec) for spec in cfg["configs"]]
-    times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt)
+    times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, cpu)
     order = list(range(len(runners)))
     t_start = time.time()
     for rnd in range(rounds):
         k = rnd % len(order)
-        batch = batches[rnd % len(batches)]
         for i in order[k:] + order[:k]:
             dist.barrier()
-            t = runners[i].step(batch)
+            t = runners[i].sample(rnd * k_steps)     # every configuration sees the same batches
             if rnd >= cfg["warmup"]:
                 times[i].append(t)
         if rnd + 1 == cfg["warmup"]:
@@ -217,13 +268,21 @@ def worker(args) -> int:
     dist.all_gather_object(everyone, {"times": times, "digests": digests})
     if rank == 0:
         out = {"world_size": n, "configs": []}
+        plain = {s.get("allreduce"): i for i, s in enumerate(cfg["configs"]) if s["kind"] == "sum" and not s["overlap"]}
         for i, spec in enumerate(cfg["configs"]):
             per_rank = [e["times"][i] for e in everyone]               # [rank][round] -> tuple
             rows = [tuple(max(x) for x in zip(*(pr[j] for pr in per_rank))) for j in range(cfg["iters"])]
+            ranks_run = [pr for pr in per_rank if not (spec.get("alone") and pr[0][0] == 0)]
+            same = None
+            if spec["kind"] in ("sum", "deferred") and spec["overlap"] and spec.get("allreduce") in plain:
+                same = digests[i] == digests[plain[spec["allreduce"]]]
             out["configs"].append({**spec, "step_s": [r[0] for r in rows], "fb_s": [r[1] for r in rows],
                                    "sum_s": [r[2] for r in rows], "opt_s": [r[3] for r in rows],
+                                   "cpu_s": [statistics.mean(pr[j][4] for pr in ranks_run)
+                                             for j in range(cfg["iters"])],
                                    "rank_median_s": [statistics.median(t[0] for t in pr) for pr in per_rank],
-                                   "params_identical": len({e["digests"][i] for e in everyone}) == 1})
+                                   "params_identical": len({e["digests"][i] for e in everyone}) == 1,
+                                   "same_bits_as_plain": same})
         write_atomic(Path(cfg["out"]), json.dumps(out).encode())
     for r in runners:
         r.close()
@@ -301,6 +360,11 @@ def kill_group(p: subprocess.Popen) -> None:
             p.kill()
 
 
+def batch_for(args, n: int) -> int:
+    """Images per step per rank in a world of n ranks."""
+    return max(1, args.global_batch // n) if args.global_batch else args.batch_size
+
+
 def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], rounds: int, batch: int) -> float:
     """Rough run time of one world (start-up + rounds), for the hard timeout."""
     cores = os.cpu_count() or 1
@@ -317,8 +381,10 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
     cfg_path, out_path = tmp / f"config-{tag}-{n}.json", tmp / f"result-{tag}-{n}.json"
     host0 = cl.addr(0) if cl else "127.0.0.1"
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
-           "seed": args.seed, "batch_size": args.batch_size, "warmup": args.warmup, "iters": args.iters,
-           "configs": configs, "out": str(out_path), "label": label,
+           "seed": args.seed, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
+           "steps_per_sample": args.steps_per_sample,
+           "configs": configs, "out": str(out_path), "label": label, "switch_interval": args.switch_interval,
+           "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None,
            "overlap_file": str(Path(args.overlap_file).resolve()) if args.overlap_file else None}
     cfg_path.write_text(json.dumps(cfg))
     procs, logs = [], []
@@ -395,16 +461,19 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
         recs.append({
             "rate": rate, "rate_bits_per_s": rate_bits, "world_size": n, "config": c["name"],
             "kind": c["kind"], "allreduce": c.get("allreduce"), "overlap": c.get("overlap", False),
+            "deferred": c["kind"] == "deferred",
             "chunks": c.get("chunks"), "bucket_mb": c.get("bucket_mb"), "iters": len(ms),
             "step_ms": ms, "median_ms": med, "p25_ms": q(ms, 0.25), "p75_ms": q(ms, 0.75),
             "min_ms": min(ms), "max_ms": max(ms),
             "fwd_bwd_ms": statistics.median(x * 1e3 for x in c["fb_s"]),
             "sum_wait_ms": statistics.median(x * 1e3 for x in c["sum_s"]),
             "opt_ms": statistics.median(x * 1e3 for x in c["opt_s"]),
+            "cpu_ms": statistics.median(x * 1e3 for x in c["cpu_s"]),
             "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
             "images_per_s_per_rank": batch / (med / 1e3),
             "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
-            "params_identical": c["params_identical"] if c["kind"] != "compute" else None})
+            "params_identical": c["params_identical"] if c["kind"] != "compute" else None,
+            "same_bits_as_plain": c.get("same_bits_as_plain"), "batch_size": batch})
     base = {r["config"]: r["median_ms"] for r in recs}
     for r in recs:
         r["x_compute"] = r["median_ms"] / base["compute"] if "compute" in base else None
@@ -418,17 +487,19 @@ def fmt(x, spec="{:.2f}", none="-"):
 
 
 def table(records: list[dict], mode: str) -> str:
-    head = ("| rate | N | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
-            "| img/s/rank | x compute | x DDP | identical |")
-    align = [":--", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", ":-:"]
+    head = ("| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
+            "| cpu/rank | img/s/rank | x compute | x DDP | identical |")
+    align = [":--", "--:", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:",
+             ":-:"]
     lines = [head, "|" + "|".join(align) + "|"]
     for r in records:
         lines.append("| " + " | ".join([
-            r["rate"] or mode, str(r["world_size"]), r["config"], fmt(r["chunks"], "{}"), fmt(r["bucket_mb"], "{:g}"),
+            r["rate"] or mode, str(r["world_size"]), str(r["batch_size"]), r["config"], fmt(r["chunks"], "{}"), fmt(r["bucket_mb"], "{:g}"),
             f"{r['median_ms']:.1f}", f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}",
-            f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}", f"{r['images_per_s_per_rank']:.0f}",
+            f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['images_per_s_per_rank']:.0f}",
             fmt(r["x_compute"]), fmt(r["x_ddp"]),
-            {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]]) + " |")
+            {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
+            + {None: "", True: ", = plain", False: ""}[r["same_bits_as_plain"]]]) + " |")
     return "\n".join(lines)
 
 
@@ -439,16 +510,27 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
         for n in worlds:
             rows = [r for r in records if r["rate"] == rate and r["world_size"] == n]
             by = {r["config"]: r for r in rows}
-            ours = [r for r in rows if r["kind"] == "sum"]
+            ours = [r for r in rows if r["kind"] == "sum"]          # what the trainer can run today
             if not ours or "ddp" not in by:
                 continue
+            proposal = [r for r in rows if r["kind"] == "deferred"]
+            if proposal:                                           # reported, never counted as PASS
+                p = min(proposal, key=lambda r: r["median_ms"])
+                out.append({"target": "proposal", "rate": rate, "world_size": n, "status": "info",
+                            "best": p["config"], "best_ms": p["median_ms"], "ddp_ms": by["ddp"]["median_ms"],
+                            "compute_ms": by["compute"]["median_ms"] if "compute" in by else None,
+                            "ratio": p["median_ms"] / by["ddp"]["median_ms"],
+                            "ratio_compute": p["median_ms"] / by["compute"]["median_ms"] if "compute" in by else None})
             best = min(ours, key=lambda r: r["median_ms"])
             ddp = by["ddp"]
             ratio = best["median_ms"] / ddp["median_ms"]
+            paired = [a / b for a, b in zip(best["step_ms"], ddp["step_ms"])]   # same round, same conditions
             out.append({"target": "best >= DDP throughput", "rate": rate, "world_size": n,
                         "status": "PASS" if ratio <= DDP_TOLERANCE else "MISS",
                         "best": best["config"], "best_ms": best["median_ms"], "ddp_ms": ddp["median_ms"],
-                        "ratio": ratio, "bound": DDP_TOLERANCE})
+                        "ratio": ratio, "bound": DDP_TOLERANCE,
+                        "paired_median_ratio": statistics.median(paired),
+                        "rounds_faster": sum(x < 1 for x in paired), "rounds": len(paired)})
             rate_bits = rows[0]["rate_bits_per_s"]
             if n == 2 and rate_bits == 10 ** 9 and "compute" in by:
                 ratio_c = best["median_ms"] / by["compute"]["median_ms"]
@@ -468,10 +550,15 @@ def target_lines(targets: list[dict]) -> str:
     lines = []
     for t in targets:
         where = f"{t['rate'] or 'loopback'} N={t['world_size']}"
+        if t["target"] == "proposal":
+            lines.append(f"info  proposal (not a target config)  {where:<14} best {t['best']} {t['best_ms']:.1f} ms = "
+                         f"{t['ratio']:.3f}x DDP" + (f", {t['ratio_compute']:.3f}x compute" if t["ratio_compute"] else ""))
+            continue
         if "ddp_ms" in t:
             lines.append(f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs ddp {t['ddp_ms']:.1f} ms = {t['ratio']:.3f}x "
-                         f"(bound {t['bound']:.2f}x)")
+                         f"(bound {t['bound']:.2f}x; paired per round: median {t['paired_median_ratio']:.3f}x, "
+                         f"faster in {t['rounds_faster']}/{t['rounds']} rounds)")
         else:
             alone = (f"; vs compute-alone {t['ratio_compute_alone']:.3f}x"
                      if t.get("ratio_compute_alone") else "")
@@ -509,6 +596,8 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
                 if r["overlap"]:
                     b.set_hatch("//")
                 # the part of the step spent in sum()/wait() after backward (exposed communication)
+                if r["kind"] == "deferred":
+                    b.set_hatch("xx")
                 if r["kind"] == "sum" and r["sum_wait_ms"] > 0:
                     ax.bar(b.get_x() + b.get_width() / 2, min(r["sum_wait_ms"], r["median_ms"]),
                            bottom=max(0.0, r["median_ms"] - r["sum_wait_ms"]), width=b.get_width() * 0.35,
@@ -528,12 +617,16 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
                            label=f"DDP ({by['ddp']['median_ms']:.1f} ms)")
             ax.set_xticks(list(x))
             ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-            ax.set_ylabel("ms per step (median; bar = p25..p75)")
+            ax.set_ylabel("ms per step (median; whiskers p25..p75)")
             ax.set_title(f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks")
-            ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.18)
+            ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.45)
             ax.grid(True, axis="y", alpha=0.3)
             handles, labels = ax.get_legend_handles_labels()
-            handles += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)"),
+            handles += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)")]
+            if any(r["kind"] == "deferred" for r in rows):
+                handles.append(Patch(facecolor="0.6", hatch="xx", edgecolor="white",
+                                     label="+deferred (proposal; cross-hatched)"))
+            handles += [
                         Patch(facecolor="white", edgecolor="0.5", alpha=0.55,
                               label="thin white: time in sum()/wait() after backward")]
             ax.legend(handles=handles, fontsize=7, loc="upper left")
@@ -551,19 +644,24 @@ def driver(args) -> int:
     worlds = args.world_sizes
     configs = make_configs(args)
     rounds = args.warmup + args.iters
+    batch_note = (f"global batch {args.global_batch} = {', '.join(f'{batch_for(args, n)}/rank at N={n}' for n in worlds)}"
+                  if args.global_batch else f"batch {args.batch_size} per rank")
     rate_bits = {r: parse_rate(r) for r in rates if r}
-    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, rounds, args.batch_size)
+    steps = rounds * args.steps_per_sample
+    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n))
            for r in rates for n in worlds}
-    op_timeout = max(60.0, 20 * max(estimate_seconds(n, rate_bits.get(r), configs, 1, args.batch_size)
+    op_timeout = max(60.0, 20 * max(estimate_seconds(n, rate_bits.get(r), configs, 1, batch_for(args, n))
                                     for r in rates for n in worlds))
     print(f"# training-step benchmark: mode={mode}"
           + (f", egress cap per host {', '.join(rates)}" if not args.loopback else " (127.0.0.1, no cap)")
-          + f", N={','.join(map(str, worlds))}, batch {args.batch_size} per rank, 1 torch thread per rank, "
+          + f", N={','.join(map(str, worlds))}, {batch_note}, 1 torch thread per rank, "
             f"{os.cpu_count()} CPU cores on this machine"
-          + (f", overlap.py under test: {args.overlap_file}" if args.overlap_file else ""))
+          + (f", overlap.py under test: {args.overlap_file}" if args.overlap_file else "")
+          + (f", ring.py under test: {args.ring_file}" if args.ring_file else ""))
     print(f"# configurations: {', '.join(c['name'] for c in configs)}")
-    print(f"# {args.warmup} warm-up + {args.iters} timed rounds; configurations interleaved, order rotated "
-          f"per round; step time = max over ranks (barrier before each step), median over rounds")
+    print(f"# {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive steps per "
+          f"configuration; configurations interleaved, order rotated per round; ms/step = (time from a barrier to "
+          f"the end of the round's steps) / steps, max over ranks, median over rounds")
     print(f"# compute-only is measured twice: rank 0 alone ('compute-alone') and all N ranks at once "
           f"without communication ('compute', the fair baseline: N ranks share {os.cpu_count()} cores)")
     print(f"# load average now {loadavg():.2f}; estimate " +
@@ -592,7 +690,7 @@ def driver(args) -> int:
                         raw = launch(n, args, configs, cl, rate or "loopback", tmp, port, op_timeout, timeout)
                         print(f"  {rate or 'loopback'} N={n}: done in {time.time() - t:.0f}s "
                               f"(hard timeout {timeout:.0f}s)", flush=True)
-                        records += summarize(raw, rate, rate_bits.get(rate), args.batch_size)
+                        records += summarize(raw, rate, rate_bits.get(rate), batch_for(args, n))
                         load[f"{rate or 'loopback'} N={n}"] = raw["load"]
                 finally:
                     if stack is not None:
@@ -613,7 +711,8 @@ def driver(args) -> int:
     title = (f"training step, {mode}; batch {args.batch_size}/rank, 1 thread/rank, {os.cpu_count()} cores; "
              f"{platform.node()}, torch {torch.__version__}")
     command = " ".join(["python3", "bench/train_step.py"] + sys.argv[1:])
-    notes = (f"{args.warmup} warm-up + {args.iters} timed rounds, configurations interleaved; step time = max over "
+    notes = (f"{batch_note}; {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive "
+             f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
              f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
              f"(fair baseline on {os.cpu_count()} cores); 'compute-alone' = rank 0 alone. "
              f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks).")
@@ -623,9 +722,11 @@ def driver(args) -> int:
           + table(records, mode) + "\n\n```\n" + target_lines(targets) + "\n```\n")
     result = {
         "mode": mode, "rates": rates, "world_sizes": worlds, "command": command,
-        "batch_size": args.batch_size, "warmup": args.warmup, "iters": args.iters, "seed": args.seed,
+        "batch_size": {str(n): batch_for(args, n) for n in worlds}, "global_batch": args.global_batch,
+        "warmup": args.warmup, "iters": args.iters, "steps_per_sample": args.steps_per_sample, "seed": args.seed,
         "threads_per_rank": 1, "chunks": args.chunks, "bucket_mb": args.bucket_mb,
-        "overlap_file": args.overlap_file or "utils/overlap.py",
+        "overlap_file": args.overlap_file or "utils/overlap.py", "ring_file": args.ring_file or "utils/ring.py",
+        "switch_interval": args.switch_interval or None,
         "configs": configs,
         "timing": "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
                   "rank; step time = max over ranks; median over timed rounds",
@@ -677,8 +778,13 @@ def main(argv=None) -> int:
                     help="per-host egress caps of the cluster, tc syntax (default 1gbit,200mbit)")
     ap.add_argument("--world-sizes", default="2,4", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--batch-size", type=positive_int, default=32, help="images per step per rank (default 32)")
-    ap.add_argument("--warmup", type=int, default=5, help="discarded rounds first (default 5)")
-    ap.add_argument("--iters", type=positive_int, default=30, help="timed rounds (default 30)")
+    ap.add_argument("--global-batch", type=positive_int,
+                    help="images per step over all ranks instead: batch per rank = this // N (train.py's "
+                         "default is 64)")
+    ap.add_argument("--warmup", type=int, default=3, help="discarded rounds first (default 3)")
+    ap.add_argument("--iters", type=positive_int, default=20, help="timed rounds (default 20)")
+    ap.add_argument("--steps-per-sample", type=positive_int, default=3,
+                    help="consecutive training steps per configuration and round, timed together (default 3)")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","))
     ap.add_argument("--chunks", type=chunks, default="auto",
                     help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)")
@@ -687,6 +793,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=lambda s: s.split(","),
                     help="only these configurations (compute, compute-alone and ddp are always kept)")
     ap.add_argument("--overlap-file", help="benchmark this copy of utils/overlap.py instead (a proposed patch)")
+    ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (a proposed patch)")
+    ap.add_argument("--deferred", action="store_true",
+                    help="also <alg>+deferred: overlap.DeferredGradientSum (updates applied during the next "
+                         "forward); needs an --overlap-file that has it")
+    ap.add_argument("--switch-interval", type=float, default=0,
+                    help="sys.setswitchinterval() in every rank, seconds (experiment; default: Python's 0.005)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))
@@ -712,8 +824,11 @@ def main(argv=None) -> int:
                 parse_rate(r)
             except argparse.ArgumentTypeError as e:
                 ap.error(str(e))
-    if args.overlap_file and not Path(args.overlap_file).is_file():
-        ap.error(f"--overlap-file {args.overlap_file}: no such file")
+    for flag, path in (("--overlap-file", args.overlap_file), ("--ring-file", args.ring_file)):
+        if path and not Path(path).is_file():
+            ap.error(f"{flag} {path}: no such file")
+    if args.deferred and "DeferredGradientSum" not in Path(args.overlap_file or REPO / "utils" / "overlap.py").read_text():
+        ap.error("--deferred needs an overlap.py with DeferredGradientSum (--overlap-file)")
 
     def on_term(signum, frame):          # unwind, so every rank is killed and the cluster torn down
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -5,7 +5,7 @@
 
 train.py (rank 0) appends one JSON line per epoch to runs/metrics.jsonl:
     {"epoch": 1, "train_loss": 0.15, "test_accuracy": 0.9909, "seconds": 34.5,
-     "comm_share": 0.24, "world_size": 2, "allreduce": "two-pass", "busbw_gbps": 0.11}
+     "comm_share": 0.24, "world_size": 2, "allreduce": "two-pass", "busbw_gbps": 0.11, "overlap": true}
 epoch, train_loss and test_accuracy are required; the others are optional.
 
 The PNG has test accuracy and train loss against epoch (one line per run), and below them
@@ -13,9 +13,9 @@ the seconds per epoch and, when the log has it, the achieved bus bandwidth of th
 sums (busbw_gbps, GB/s; otherwise the share of step time spent communicating).
 
 One file can hold several runs, as train.py appends: a line with epoch 1, an epoch lower than
-the one before, or another world size / algorithm starts a new run; the same epoch again (a
-resumed run repeating an epoch) replaces the earlier line. Lines are labelled by file name
-plus world size and algorithm (and "run k" when a file holds several).
+the one before, or another world size / algorithm / overlap setting starts a new run; the same
+epoch again (a resumed run repeating an epoch) replaces the earlier line. Lines are labelled by file name
+plus world size, algorithm and overlap (and "run k" when a file holds several).
 
 The PNG is written atomically (temporary file + rename). A missing, unreadable, empty or
 malformed file: one line on stderr, exit code 2.
@@ -84,12 +84,13 @@ def read_runs(path: str) -> list[dict]:
                  "test_accuracy": number(row["test_accuracy"], "test_accuracy", where, allow_none=True)}
         for key in ("seconds", "comm_share", "busbw_gbps"):
             clean[key] = number(row[key], key, where, allow_none=True) if key in row else None
-        ident = (row.get("world_size"), row.get("allreduce"))
+        ident = (row.get("world_size"), row.get("allreduce"), row.get("overlap"))
         last = runs[-1] if runs else None
         prev = last["rows"][-1]["epoch"] if last else None
-        if (last is None or ident != (last["world_size"], last["allreduce"]) or clean["epoch"] < prev
+        if (last is None or ident != last["ident"] or clean["epoch"] < prev
                 or (clean["epoch"] == prev and clean["epoch"] <= 1)):
-            runs.append({"world_size": ident[0], "allreduce": ident[1], "rows": [clean]})
+            runs.append({"ident": ident, "world_size": ident[0], "allreduce": ident[1], "overlap": ident[2],
+                         "rows": [clean]})
         elif clean["epoch"] == prev:
             last["rows"][-1] = clean                  # a resumed run repeated this epoch: keep the later line
         else:
@@ -113,6 +114,8 @@ def label(name: str, run: dict, k: int, total: int) -> str:
         parts.append(f"N={run['world_size']}")
     if run["allreduce"]:
         parts.append(str(run["allreduce"]))
+    if run["overlap"] is not None:
+        parts.append("overlap" if run["overlap"] else "no overlap")
     return name + (f" run {k + 1}" if total > 1 else "") + (f" ({', '.join(parts)})" if parts else "")
 
 
