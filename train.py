@@ -140,8 +140,6 @@ def validate(args):
         check_interface(args.ifname)
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
-    if args.model_path and args.save_path and os.path.abspath(args.model_path) == os.path.abspath(args.save_path):
-        pass  # continuing a model in place is the user's explicit choice
 
 
 # --- running every rank on this machine ------------------------------------------------------

@@ -4,6 +4,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -22,9 +23,14 @@ def kill_group(proc):
         pass
 
 
+def scratch_dir():
+    """A fresh working folder, so train.py's default runs/ never lands in the repository."""
+    return tempfile.mkdtemp(prefix="mnist-ring-test-")
+
+
 def run(argv, timeout, cwd=None, env=None):
     """Run argv in its own process group; on timeout kill the whole group and fail."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=cwd or scratch_dir(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -44,11 +50,11 @@ def train(args, timeout=300, cwd=None, env=None):
 
 def start_ranks(world_size, args, port=None):
     """Start every rank of a loopback job as its own process; returns the Popen list."""
-    port = port or free_port()
+    port, cwd = port or free_port(), scratch_dir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), "--world-size", str(world_size),
                               "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *args],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
             for r in range(world_size)]
 
