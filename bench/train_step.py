@@ -29,7 +29,8 @@ on every rank, taking the MAX over ranks (a synchronous step is done when its sl
 is). After --warmup discarded rounds, --iters are timed; tables show the MEDIAN over rounds.
 images/s per rank = batch / step time. fwd+bwd, sum/wait and opt are the parts of the step
 (forward+backward, the sum or wait after backward, optimizer+scheduler), likewise per step;
-cpu/rank is the CPU time of a rank's process (all its threads, user+sys) per step. Each configuration trains its own copy of the model
+cpu/rank is the CPU time of a rank's process per step (all its threads, user+sys, from
+getrusage; in brackets the kernel part, mostly TCP over the emulated links), mean over ranks. Each configuration trains its own copy of the model
 (same seed); at the end every comm configuration must hold bit-identical parameters on all
 ranks (checked with sha256), else the run fails.
 
@@ -55,6 +56,7 @@ import math
 import os
 import platform
 import re
+import resource
 import signal
 import socket
 import statistics
@@ -222,10 +224,10 @@ def worker(args) -> int:
             return (t3 - t0, t1 - t0, t2 - t1, t3 - t2)
 
         def sample(self, first_batch):
-            """k_steps consecutive steps (after a barrier): per-step (total, fb, sum, opt, process CPU) seconds."""
+            """k_steps consecutive steps (after a barrier): per-step (total, fb, sum, opt, CPU user, CPU sys) s."""
             if self.skip:
-                return (0.0, 0.0, 0.0, 0.0, 0.0)
-            c0, t0 = time.process_time(), time.perf_counter()   # CPU: all threads of this rank, user + sys
+                return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()   # all threads of this rank
             parts = [0.0, 0.0, 0.0]
             for s in range(k_steps):
                 _, fb, sm, op = self.step(batches[(first_batch + s) % len(batches)])
@@ -236,8 +238,9 @@ def worker(args) -> int:
                 f0 = time.perf_counter()
                 self.deferred.flush()
                 parts[2] += time.perf_counter() - f0
-            total, cpu = time.perf_counter() - t0, time.process_time() - c0
-            return (total / k_steps, parts[0] / k_steps, parts[1] / k_steps, parts[2] / k_steps, cpu / k_steps)
+            total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+            return (total / k_steps, parts[0] / k_steps, parts[1] / k_steps, parts[2] / k_steps,
+                    (r1.ru_utime - r0.ru_utime) / k_steps, (r1.ru_stime - r0.ru_stime) / k_steps)
 
         def close(self):
             if self.gsum is not None and self.gsum.overlapped is not None:
@@ -246,7 +249,7 @@ def worker(args) -> int:
                 self.deferred.close()
 
     runners = [Runner(spec) for spec in cfg["configs"]]
-    times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, cpu)
+    times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, usr, sys)
     order = list(range(len(runners)))
     t_start = time.time()
     for rnd in range(rounds):
@@ -278,7 +281,9 @@ def worker(args) -> int:
                 same = digests[i] == digests[plain[spec["allreduce"]]]
             out["configs"].append({**spec, "step_s": [r[0] for r in rows], "fb_s": [r[1] for r in rows],
                                    "sum_s": [r[2] for r in rows], "opt_s": [r[3] for r in rows],
-                                   "cpu_s": [statistics.mean(pr[j][4] for pr in ranks_run)
+                                   "cpu_s": [statistics.mean(pr[j][4] + pr[j][5] for pr in ranks_run)
+                                             for j in range(cfg["iters"])],
+                                   "sys_s": [statistics.mean(pr[j][5] for pr in ranks_run)
                                              for j in range(cfg["iters"])],
                                    "rank_median_s": [statistics.median(t[0] for t in pr) for pr in per_rank],
                                    "params_identical": len({e["digests"][i] for e in everyone}) == 1,
@@ -365,13 +370,14 @@ def batch_for(args, n: int) -> int:
     return max(1, args.global_batch // n) if args.global_batch else args.batch_size
 
 
-def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], rounds: int, batch: int) -> float:
-    """Rough run time of one world (start-up + rounds), for the hard timeout."""
+def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int) -> float:
+    """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
+    timeout."""
     cores = os.cpu_count() or 1
-    compute = 0.03 * batch / 32 * max(1.0, n / cores)                 # ~20 ms/step alone, measured
-    comm = 3 * (2 * MODEL_NUMEL * 4) / ((rate_bits or 8e9) / 8)       # generous, two-pass chunks=1 ~ (2N-2)/N
-    per_round = sum(compute + (comm * max(1, n - 1) if c["kind"] != "compute" else 0.0) for c in configs)
-    return 30 + rounds * per_round
+    compute = 0.03 * batch / 32 * max(1.0, n / cores)                 # ~16-20 ms/step alone, measured
+    comm = 2 * (2 * MODEL_NUMEL * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)   # ~2x the slowest
+    per_step = sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
+    return 30 + steps * per_step
 
 
 def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: int,
@@ -469,6 +475,7 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
             "sum_wait_ms": statistics.median(x * 1e3 for x in c["sum_s"]),
             "opt_ms": statistics.median(x * 1e3 for x in c["opt_s"]),
             "cpu_ms": statistics.median(x * 1e3 for x in c["cpu_s"]),
+            "cpu_sys_ms": statistics.median(x * 1e3 for x in c["sys_s"]),
             "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
             "images_per_s_per_rank": batch / (med / 1e3),
             "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
@@ -488,7 +495,7 @@ def fmt(x, spec="{:.2f}", none="-"):
 
 def table(records: list[dict], mode: str) -> str:
     head = ("| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
-            "| cpu/rank | img/s/rank | x compute | x DDP | identical |")
+            "| cpu/rank (sys) | img/s/rank | x compute | x DDP | identical |")
     align = [":--", "--:", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:",
              ":-:"]
     lines = [head, "|" + "|".join(align) + "|"]
@@ -496,7 +503,7 @@ def table(records: list[dict], mode: str) -> str:
         lines.append("| " + " | ".join([
             r["rate"] or mode, str(r["world_size"]), str(r["batch_size"]), r["config"], fmt(r["chunks"], "{}"), fmt(r["bucket_mb"], "{:g}"),
             f"{r['median_ms']:.1f}", f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}",
-            f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['images_per_s_per_rank']:.0f}",
+            f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}", f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})", f"{r['images_per_s_per_rank']:.0f}",
             fmt(r["x_compute"]), fmt(r["x_ddp"]),
             {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
             + {None: "", True: ", = plain", False: ""}[r["same_bits_as_plain"]]]) + " |")
@@ -575,8 +582,9 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
     from matplotlib.patches import Patch
 
     colors = {"two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
-    fig, axes = plt.subplots(len(rates), len(worlds), figsize=(6.4 * len(worlds), 4.6 * len(rates)),
+    fig, axes = plt.subplots(len(rates), len(worlds), figsize=(6.4 * len(worlds), 4.6 * len(rates) + 0.6),
                              squeeze=False)
+    legend, deferred = [], False
     for i, rate in enumerate(rates):
         for j, n in enumerate(worlds):
             ax = axes[i][j]
@@ -607,31 +615,30 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
             by = {r["config"]: r for r in rows}
             if "compute" in by:
                 c = by["compute"]["median_ms"]
-                ax.axhline(c, color="tab:red", lw=1.2, label=f"compute-only, N ranks at once ({c:.1f} ms)")
-                ax.axhline(COMPUTE_BOUND * c, color="tab:red", lw=1, ls="--", label=f"{COMPUTE_BOUND:.2f}x compute")
+                ax.axhline(c, color="tab:red", lw=1.2, label="compute-only, all N ranks at once (the baseline)")
+                ax.axhline(COMPUTE_BOUND * c, color="tab:red", lw=1, ls="--", label=f"{COMPUTE_BOUND:.2f}x compute-only")
             if "compute-alone" in by:
                 ax.axhline(by["compute-alone"]["median_ms"], color="tab:red", lw=1, ls=":",
-                           label=f"compute-only, one rank alone ({by['compute-alone']['median_ms']:.1f} ms)")
+                           label="compute-only, one rank alone")
             if "ddp" in by:
-                ax.axhline(by["ddp"]["median_ms"], color="black", lw=0.8, ls="-.", alpha=0.7,
-                           label=f"DDP ({by['ddp']['median_ms']:.1f} ms)")
+                ax.axhline(by["ddp"]["median_ms"], color="black", lw=0.8, ls="-.", alpha=0.7, label="DDP")
             ax.set_xticks(list(x))
             ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
             ax.set_ylabel("ms per step (median; whiskers p25..p75)")
-            ax.set_title(f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks")
-            ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.45)
+            ax.set_title(f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks, batch {rows[0]['batch_size']}/rank")
+            ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.12)
             ax.grid(True, axis="y", alpha=0.3)
-            handles, labels = ax.get_legend_handles_labels()
-            handles += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)")]
-            if any(r["kind"] == "deferred" for r in rows):
-                handles.append(Patch(facecolor="0.6", hatch="xx", edgecolor="white",
-                                     label="+deferred (proposal; cross-hatched)"))
-            handles += [
-                        Patch(facecolor="white", edgecolor="0.5", alpha=0.55,
-                              label="thin white: time in sum()/wait() after backward")]
-            ax.legend(handles=handles, fontsize=7, loc="upper left")
+            if not legend:
+                legend, _ = ax.get_legend_handles_labels()
+            deferred = deferred or any(r["kind"] == "deferred" for r in rows)
+    legend += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)")]
+    if deferred:
+        legend.append(Patch(facecolor="0.6", hatch="xx", edgecolor="white", label="+deferred (proposal; cross-hatched)"))
+    legend.append(Patch(facecolor="white", edgecolor="0.5", alpha=0.55,
+                        label="light inset: time in sum()/wait() after backward"))
+    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07 / len(rates), 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
@@ -650,8 +657,7 @@ def driver(args) -> int:
     steps = rounds * args.steps_per_sample
     est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n))
            for r in rates for n in worlds}
-    op_timeout = max(60.0, 20 * max(estimate_seconds(n, rate_bits.get(r), configs, 1, batch_for(args, n))
-                                    for r in rates for n in worlds))
+    op_timeout = 120.0                    # gloo: any single send/recv/collective, as train.py's default
     print(f"# training-step benchmark: mode={mode}"
           + (f", egress cap per host {', '.join(rates)}" if not args.loopback else " (127.0.0.1, no cap)")
           + f", N={','.join(map(str, worlds))}, {batch_note}, 1 torch thread per rank, "
@@ -684,7 +690,7 @@ def driver(args) -> int:
                         print(f"# cluster {rate}: {cl.hosts} hosts "
                               f"{', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}", flush=True)
                     for i, n in enumerate(worlds):
-                        timeout = args.timeout or (120 + 3 * est[(rate, n)])
+                        timeout = args.timeout or (120 + 2 * est[(rate, n)])
                         port = (29600 + 10 * i + os.getpid() % 7) if cl else free_port()
                         t = time.time()
                         raw = launch(n, args, configs, cl, rate or "loopback", tmp, port, op_timeout, timeout)
@@ -715,7 +721,8 @@ def driver(args) -> int:
              f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
              f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
              f"(fair baseline on {os.cpu_count()} cores); 'compute-alone' = rank 0 alone. "
-             f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks).")
+             f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks); "
+             f"cpu/rank: CPU ms per step of a rank (all threads; kernel part in brackets).")
     load_line = "; ".join(f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
                           f"{v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}" for k, v in load.items())
     md = (f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
