@@ -17,10 +17,6 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
                       summed on a comm thread during backward (utils/overlap.py); chunks
                       are passed as given ("auto": per bucket)
     ddp               torch.nn.parallel.DistributedDataParallel (gloo), defaults: the reference
-    <alg>+deferred    only with --deferred and an --overlap-file that has DeferredGradientSum
-                      (a proposal: each bucket's optimizer update is applied when the next
-                      forward first needs it, so the sums also overlap the next forward). Its
-                      pending sums are flushed at the end of each round, inside the timing.
 
 Timing. Every round runs every configuration once (the order rotates from one round to the
 next, so drift hits all alike), each for --steps-per-sample consecutive steps:
@@ -30,9 +26,10 @@ is). After --warmup discarded rounds, --iters are timed; tables show the MEDIAN 
 images/s per rank = batch / step time. fwd+bwd, sum/wait and opt are the parts of the step
 (forward+backward, the sum or wait after backward, optimizer+scheduler), likewise per step;
 cpu/rank is the CPU time of a rank's process per step (all its threads, user+sys, from
-getrusage; in brackets the kernel part, mostly TCP over the emulated links), mean over ranks. Each configuration trains its own copy of the model
-(same seed); at the end every comm configuration must hold bit-identical parameters on all
-ranks (checked with sha256), else the run fails.
+getrusage; in brackets the kernel part, mostly TCP over the emulated links), mean over ranks.
+Each configuration trains its own copy of the model (same seed); at the end every comm
+configuration must hold bit-identical parameters on all ranks (checked with sha256), else the
+run fails.
 
 Modes (the driver starts N real rank processes of this same file, --worker):
 
@@ -48,6 +45,7 @@ torn down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import io
@@ -67,6 +65,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]          # utils/ (ranks), scripts/cluster.py (driver)
 RESULTS = REPO / "bench" / "results"
 ALGORITHMS = ("two-pass", "ring", "gloo")
 MODEL_NUMEL = 421642                   # utils/model.Net
@@ -87,25 +86,25 @@ def parse_rate(rate: str) -> int:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temp file in the same folder + rename, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    finally:
+        tmp.unlink(missing_ok=True)         # only left over when the write failed
+
+
+def batch_for(args, n: int) -> int:
+    """Images per step per rank in a world of n ranks."""
+    return max(1, args.global_batch // n) if args.global_batch else args.batch_size
 
 
 def make_configs(args) -> list[dict]:
     """The configurations, in the order they are listed (the run rotates the order per round)."""
     if args.chunks == "auto":
-        sys.path.insert(0, str(REPO))
         from utils.ring import auto_chunks
         plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL), "auto"     # as train.py / OverlappedGradientSum
     else:
@@ -113,31 +112,18 @@ def make_configs(args) -> list[dict]:
     configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
                {"name": "compute", "kind": "compute", "alone": False}]
     for alg in args.algorithms:
+        two_pass = alg == "two-pass"
         configs.append({"name": alg, "kind": "sum", "allreduce": alg, "overlap": False,
-                        "chunks": plain_chunks if alg == "two-pass" else None, "bucket_mb": None})
-        for mode in ("overlap", "deferred") if args.deferred else ("overlap",):
-            for mb in args.bucket_mb:
-                suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
-                configs.append({"name": f"{alg}+{mode}{suffix}", "kind": "sum" if mode == "overlap" else "deferred",
-                                "allreduce": alg, "overlap": True,
-                                "chunks": bucket_chunks if alg == "two-pass" else None, "bucket_mb": mb})
+                        "chunks": plain_chunks if two_pass else None, "bucket_mb": None})
+        for mb in args.bucket_mb:
+            suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
+            configs.append({"name": f"{alg}+overlap{suffix}", "kind": "sum", "allreduce": alg, "overlap": True,
+                            "chunks": bucket_chunks if two_pass else None, "bucket_mb": mb})
     configs.append({"name": "ddp", "kind": "ddp"})
     if args.only:
         keep = set(args.only) | {"compute", "compute-alone", "ddp"}
         configs = [c for c in configs if c["name"] in keep]
     return configs
-
-
-def load_module_from(name: str, path: str):
-    """Import the file `path` as module `name` (e.g. utils.ring), before anything imports the original."""
-    import importlib.util
-    import utils
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    setattr(utils, name.split(".")[-1], mod)
-    return mod
 
 
 # --------------------------------------------------------------------------- worker
@@ -148,22 +134,14 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    sys.path.insert(0, str(REPO))
-    if cfg.get("ring_file"):              # benchmark other copies of utils/ (a proposed patch)
-        load_module_from("utils.ring", cfg["ring_file"])
-    if cfg.get("overlap_file"):
-        load_module_from("utils.overlap", cfg["overlap_file"])
-    from utils import overlap as overlap_module
     from utils import run as trainer_run
     from utils.data import epoch_indices, load_mnist
     from utils.model import Net
 
     torch.set_num_threads(1)              # as every rank of train.py on a shared machine
-    if cfg.get("switch_interval"):
-        sys.setswitchinterval(cfg["switch_interval"])      # GIL hand-over experiment (default 5 ms)
     torch.use_deterministic_algorithms(True)
-    timeout = datetime.timedelta(seconds=cfg["op_timeout"])
-    dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n, timeout=timeout)
+    dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     prefix = f"  [{cfg['label']} N={n}]"
     say(f"{prefix} {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME="
@@ -179,74 +157,49 @@ def worker(args) -> int:
         """One configuration: its own model (same seed), optimizer, schedule and gradient sum."""
 
         def __init__(self, spec):
-            self.spec, self.gsum, self.deferred = spec, None, None
             self.skip = spec.get("alone") and rank != 0
             torch.manual_seed(cfg["seed"])
-            self.model = Net()
-            self.forward = self.model
+            self.model = self.forward = Net()
             if spec["kind"] == "ddp":
                 self.forward = torch.nn.parallel.DistributedDataParallel(self.model)
             opt_args = argparse.Namespace(lr=4e-3, epochs=1)
             self.optimizer, self.scheduler = trainer_run.make_optimizer(self.model, opt_args, rounds * k_steps + 1)
+            self.gsum = None
             if spec["kind"] == "sum":
                 self.gsum = trainer_run.GradientSum(self.model, argparse.Namespace(
                     allreduce=spec["allreduce"], chunks=spec["chunks"] or 1, overlap=spec["overlap"],
                     bucket_mb=spec["bucket_mb"] or 1.0))
-            elif spec["kind"] == "deferred":
-                self.deferred = overlap_module.DeferredGradientSum(
-                    self.model, self.optimizer, spec["allreduce"], spec["chunks"] or 1,
-                    int(spec["bucket_mb"] * 2**20), timeout=timeout)
-
-        def step(self, batch):
-            """One training step, as utils/run.train_model: (total, fwd+bwd, sum, opt) seconds."""
-            t0 = time.perf_counter()
-            if self.deferred is not None:     # the proposal: updates applied during the next forward
-                self.deferred.zero_grad()
-                loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
-                loss.backward()
-                t1 = time.perf_counter()
-                self.deferred.step()
-                t2 = time.perf_counter()
-                self.scheduler.step()
-                loss.item()
-                return (time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
-            self.optimizer.zero_grad()
-            loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
-            loss.backward()
-            t1 = time.perf_counter()
-            if self.gsum is not None:
-                self.gsum.sum()
-            t2 = time.perf_counter()
-            self.optimizer.step()
-            self.scheduler.step()
-            loss.item()
-            t3 = time.perf_counter()
-            return (t3 - t0, t1 - t0, t2 - t1, t3 - t2)
 
         def sample(self, first_batch):
-            """k_steps consecutive steps (after a barrier): per-step (total, fb, sum, opt, CPU user, CPU sys) s."""
+            """k_steps consecutive training steps, as utils/run.train_model (after a barrier).
+
+            Per step: (total, fwd+bwd, sum, opt, CPU user, CPU sys) seconds."""
             if self.skip:
-                return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+                return (0.0,) * 6
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()   # all threads of this rank
-            parts = [0.0, 0.0, 0.0]
+            fb = sm = op = 0.0
             for s in range(k_steps):
-                _, fb, sm, op = self.step(batches[(first_batch + s) % len(batches)])
-                parts[0] += fb
-                parts[1] += sm
-                parts[2] += op
-            if self.deferred is not None:     # nothing may run on into the next configuration's time
-                f0 = time.perf_counter()
-                self.deferred.flush()
-                parts[2] += time.perf_counter() - f0
+                batch = batches[(first_batch + s) % len(batches)]
+                ta = time.perf_counter()
+                self.optimizer.zero_grad()
+                loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
+                loss.backward()
+                tb = time.perf_counter()
+                if self.gsum is not None:
+                    self.gsum.sum()
+                tc = time.perf_counter()
+                self.optimizer.step()
+                self.scheduler.step()
+                loss.item()
+                td = time.perf_counter()
+                fb, sm, op = fb + (tb - ta), sm + (tc - tb), op + (td - tc)
             total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-            return (total / k_steps, parts[0] / k_steps, parts[1] / k_steps, parts[2] / k_steps,
-                    (r1.ru_utime - r0.ru_utime) / k_steps, (r1.ru_stime - r0.ru_stime) / k_steps)
+            return tuple(x / k_steps for x in (total, fb, sm, op, r1.ru_utime - r0.ru_utime,
+                                               r1.ru_stime - r0.ru_stime))
 
         def close(self):
             if self.gsum is not None and self.gsum.overlapped is not None:
                 self.gsum.overlapped.close()
-            if self.deferred is not None:
-                self.deferred.close()
 
     runners = [Runner(spec) for spec in cfg["configs"]]
     times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, usr, sys)
@@ -263,32 +216,12 @@ def worker(args) -> int:
             say(f"{prefix} warm-up done ({cfg['warmup']} rounds, {time.time() - t_start:.0f}s)")
     say(f"{prefix} {cfg['iters']} timed rounds done ({time.time() - t_start:.0f}s)")
 
-    digests = []
-    for r in runners:
-        flat = torch.nn.utils.parameters_to_vector(r.model.parameters()).detach()
-        digests.append(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    flats = (torch.nn.utils.parameters_to_vector(r.model.parameters()).detach() for r in runners)
+    digests = [hashlib.sha256(flat.numpy().tobytes()).hexdigest() for flat in flats]
     everyone = [None] * n
     dist.all_gather_object(everyone, {"times": times, "digests": digests})
     if rank == 0:
-        out = {"world_size": n, "configs": []}
-        plain = {s.get("allreduce"): i for i, s in enumerate(cfg["configs"]) if s["kind"] == "sum" and not s["overlap"]}
-        for i, spec in enumerate(cfg["configs"]):
-            per_rank = [e["times"][i] for e in everyone]               # [rank][round] -> tuple
-            rows = [tuple(max(x) for x in zip(*(pr[j] for pr in per_rank))) for j in range(cfg["iters"])]
-            ranks_run = [pr for pr in per_rank if not (spec.get("alone") and pr[0][0] == 0)]
-            same = None
-            if spec["kind"] in ("sum", "deferred") and spec["overlap"] and spec.get("allreduce") in plain:
-                same = digests[i] == digests[plain[spec["allreduce"]]]
-            out["configs"].append({**spec, "step_s": [r[0] for r in rows], "fb_s": [r[1] for r in rows],
-                                   "sum_s": [r[2] for r in rows], "opt_s": [r[3] for r in rows],
-                                   "cpu_s": [statistics.mean(pr[j][4] + pr[j][5] for pr in ranks_run)
-                                             for j in range(cfg["iters"])],
-                                   "sys_s": [statistics.mean(pr[j][5] for pr in ranks_run)
-                                             for j in range(cfg["iters"])],
-                                   "rank_median_s": [statistics.median(t[0] for t in pr) for pr in per_rank],
-                                   "params_identical": len({e["digests"][i] for e in everyone}) == 1,
-                                   "same_bits_as_plain": same})
-        write_atomic(Path(cfg["out"]), json.dumps(out).encode())
+        write_atomic(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
     for r in runners:
         r.close()
     dist.barrier()
@@ -296,7 +229,30 @@ def worker(args) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- driver
+def merge_ranks(cfg: dict, everyone: list[dict]) -> dict:
+    """Every rank's per-round times and parameter digests -> per configuration and timed round: the
+    step and its parts as the max over ranks, CPU as the mean over the ranks that ran."""
+    iters, digests = cfg["iters"], everyone[0]["digests"]
+    plain = {s["allreduce"]: i for i, s in enumerate(cfg["configs"]) if s["kind"] == "sum" and not s["overlap"]}
+    out = {"world_size": cfg["world_size"], "configs": []}
+    for i, spec in enumerate(cfg["configs"]):
+        per_rank = [e["times"][i] for e in everyone]               # [rank][round] -> tuple
+        rows = [[max(x) for x in zip(*(pr[j] for pr in per_rank))] for j in range(iters)]
+        step_s, fb_s, sum_s, opt_s = [list(col) for col in zip(*rows)][:4]
+        ran = [pr for pr in per_rank if not (spec.get("alone") and pr[0][0] == 0)]
+        same = None
+        if spec.get("overlap") and spec["allreduce"] in plain:
+            same = digests[i] == digests[plain[spec["allreduce"]]]
+        out["configs"].append({**spec, "step_s": step_s, "fb_s": fb_s, "sum_s": sum_s, "opt_s": opt_s,
+                               "cpu_s": [statistics.mean(pr[j][4] + pr[j][5] for pr in ran) for j in range(iters)],
+                               "sys_s": [statistics.mean(pr[j][5] for pr in ran) for j in range(iters)],
+                               "rank_median_s": [statistics.median(t[0] for t in pr) for pr in per_rank],
+                               "params_identical": len({e["digests"][i] for e in everyone}) == 1,
+                               "same_bits_as_plain": same})
+    return out
+
+
+# --------------------------------------------------------------------------- driver: processes
 class LaunchError(RuntimeError):
     pass
 
@@ -307,30 +263,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_ticks() -> dict[int, tuple[int, str]]:
-    """{pid: (utime + stime clock ticks, command name)} of every process now."""
+def proc_table() -> dict[int, tuple[int, int, str]]:
+    """{pid: (parent pid, utime + stime clock ticks, command name)} of every process now."""
     out = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            head, tail = stat.rsplit(")", 1)
-            fields = tail.split()
-            out[int(d)] = (int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
+                head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
+                fields = tail.split()
+                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
+            except (OSError, IndexError, ValueError):
+                pass
     return out
 
 
 def descendants(pids: set[int]) -> set[int]:
     """pids and all their descendants (ranks run under `ip netns exec`)."""
-    parent = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                parent[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
+    parent = {pid: ppid for pid, (ppid, _, _) in proc_table().items()}
     out, grew = set(pids), True
     while grew:
         new = {p for p, pp in parent.items() if pp in out and p not in out}
@@ -340,13 +289,13 @@ def descendants(pids: set[int]) -> set[int]:
 
 
 def foreign_cpu(before: dict, after: dict, ours: set[int], seconds: float) -> tuple[float, list[str]]:
-    """Cores used by processes other than ours between two cpu_ticks() snapshots (approximate)."""
-    hz = os.sysconf("SC_CLK_TCK")
-    used = {pid: (t - before.get(pid, (0, ""))[0], name) for pid, (t, name) in after.items()
+    """Cores used by processes other than ours between two proc_table() snapshots (approximate)."""
+    hz, seconds = os.sysconf("SC_CLK_TCK"), max(seconds, 1e-9)
+    used = {pid: (t - before.get(pid, (0, 0, ""))[1], name) for pid, (_, t, name) in after.items()
             if pid not in ours and pid != os.getpid()}
     top = sorted(((d, name, pid) for pid, (d, name) in used.items() if d > 0), reverse=True)
-    total = sum(d for d, _, _ in top) / hz / max(seconds, 1e-9)
-    return total, [f"{name}[{pid}] {d / hz / max(seconds, 1e-9):.2f}" for d, name, pid in top[:4]]
+    return (sum(d for d, _, _ in top) / hz / seconds,
+            [f"{name}[{pid}] {d / hz / seconds:.2f}" for d, name, pid in top[:4]])
 
 
 def loadavg() -> float:
@@ -363,11 +312,6 @@ def kill_group(p: subprocess.Popen) -> None:
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             p.kill()
-
-
-def batch_for(args, n: int) -> int:
-    """Images per step per rank in a world of n ranks."""
-    return max(1, args.global_batch // n) if args.global_batch else args.batch_size
 
 
 def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int) -> float:
@@ -388,13 +332,10 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
     host0 = cl.addr(0) if cl else "127.0.0.1"
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
            "seed": args.seed, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
-           "steps_per_sample": args.steps_per_sample,
-           "configs": configs, "out": str(out_path), "label": label, "switch_interval": args.switch_interval,
-           "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None,
-           "overlap_file": str(Path(args.overlap_file).resolve()) if args.overlap_file else None}
+           "steps_per_sample": args.steps_per_sample, "configs": configs, "out": str(out_path), "label": label}
     cfg_path.write_text(json.dumps(cfg))
     procs, logs = [], []
-    cpu_before, t_start, load_before = cpu_ticks(), time.monotonic(), loadavg()
+    cpu_before, t_start, load_before = proc_table(), time.monotonic(), loadavg()
     try:
         for r in range(n):
             argv = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker",
@@ -414,8 +355,7 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
             now = time.monotonic()
             if now > deadline:
                 raise LaunchError(f"{label} N={n}: timed out after {timeout:.0f}s (--timeout); killed all ranks")
-            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed and grace_end is None:
+            if grace_end is None and any(p.returncode not in (None, 0) for p in procs):
                 grace_end = now + 5.0          # the others get 5 s to notice, then are killed
             if grace_end is not None and now > grace_end:
                 break
@@ -425,7 +365,7 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
         if all(c == 0 for c in codes) and out_path.exists():
             raw = json.loads(out_path.read_text())
             seconds = time.monotonic() - t_start
-            cores, top = foreign_cpu(cpu_before, cpu_ticks(), ours | {p.pid for p in procs}, seconds)
+            cores, top = foreign_cpu(cpu_before, proc_table(), ours | {p.pid for p in procs}, seconds)
             raw["load"] = {"foreign_cpu_cores": round(cores, 2), "foreign_top": top,
                            "loadavg_before": load_before, "loadavg_after": loadavg(), "seconds": round(seconds, 1)}
             if cores > 0.1:
@@ -449,10 +389,10 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
             log.close()
 
 
+# --------------------------------------------------------------------------- driver: results
 def q(xs: list[float], f: float) -> float:
     """Quantile f of xs (linear interpolation)."""
-    s = sorted(xs)
-    i = f * (len(s) - 1)
+    s, i = sorted(xs), f * (len(xs) - 1)
     lo = math.floor(i)
     return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (i - lo)
 
@@ -467,7 +407,6 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
         recs.append({
             "rate": rate, "rate_bits_per_s": rate_bits, "world_size": n, "config": c["name"],
             "kind": c["kind"], "allreduce": c.get("allreduce"), "overlap": c.get("overlap", False),
-            "deferred": c["kind"] == "deferred",
             "chunks": c.get("chunks"), "bucket_mb": c.get("bucket_mb"), "iters": len(ms),
             "step_ms": ms, "median_ms": med, "p25_ms": q(ms, 0.25), "p75_ms": q(ms, 0.75),
             "min_ms": min(ms), "max_ms": max(ms),
@@ -483,9 +422,8 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
             "same_bits_as_plain": c.get("same_bits_as_plain"), "batch_size": batch})
     base = {r["config"]: r["median_ms"] for r in recs}
     for r in recs:
-        r["x_compute"] = r["median_ms"] / base["compute"] if "compute" in base else None
-        r["x_compute_alone"] = r["median_ms"] / base["compute-alone"] if "compute-alone" in base else None
-        r["x_ddp"] = r["median_ms"] / base["ddp"] if "ddp" in base else None
+        for key, ref in (("x_compute", "compute"), ("x_compute_alone", "compute-alone"), ("x_ddp", "ddp")):
+            r[key] = r["median_ms"] / base[ref] if ref in base else None
     return recs
 
 
@@ -496,17 +434,16 @@ def fmt(x, spec="{:.2f}", none="-"):
 def table(records: list[dict], mode: str) -> str:
     head = ("| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
             "| cpu/rank (sys) | img/s/rank | x compute | x DDP | identical |")
-    align = [":--", "--:", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:",
-             ":-:"]
-    lines = [head, "|" + "|".join(align) + "|"]
+    lines = [head, "|:--|--:|--:|:--|" + "--:|" * 11 + ":-:|"]
     for r in records:
+        identical = ({None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
+                     + (", = plain" if r["same_bits_as_plain"] else ""))
         lines.append("| " + " | ".join([
-            r["rate"] or mode, str(r["world_size"]), str(r["batch_size"]), r["config"], fmt(r["chunks"], "{}"), fmt(r["bucket_mb"], "{:g}"),
-            f"{r['median_ms']:.1f}", f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}",
-            f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}", f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})", f"{r['images_per_s_per_rank']:.0f}",
-            fmt(r["x_compute"]), fmt(r["x_ddp"]),
-            {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
-            + {None: "", True: ", = plain", False: ""}[r["same_bits_as_plain"]]]) + " |")
+            r["rate"] or mode, str(r["world_size"]), str(r["batch_size"]), r["config"], fmt(r["chunks"], "{}"),
+            fmt(r["bucket_mb"], "{:g}"), f"{r['median_ms']:.1f}", f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
+            f"{r['fwd_bwd_ms']:.1f}", f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}",
+            f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})", f"{r['images_per_s_per_rank']:.0f}",
+            fmt(r["x_compute"]), fmt(r["x_ddp"]), identical]) + " |")
     return "\n".join(lines)
 
 
@@ -517,19 +454,10 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
         for n in worlds:
             rows = [r for r in records if r["rate"] == rate and r["world_size"] == n]
             by = {r["config"]: r for r in rows}
-            ours = [r for r in rows if r["kind"] == "sum"]          # what the trainer can run today
+            ours = [r for r in rows if r["kind"] == "sum"]
             if not ours or "ddp" not in by:
                 continue
-            proposal = [r for r in rows if r["kind"] == "deferred"]
-            if proposal:                                           # reported, never counted as PASS
-                p = min(proposal, key=lambda r: r["median_ms"])
-                out.append({"target": "proposal", "rate": rate, "world_size": n, "status": "info",
-                            "best": p["config"], "best_ms": p["median_ms"], "ddp_ms": by["ddp"]["median_ms"],
-                            "compute_ms": by["compute"]["median_ms"] if "compute" in by else None,
-                            "ratio": p["median_ms"] / by["ddp"]["median_ms"],
-                            "ratio_compute": p["median_ms"] / by["compute"]["median_ms"] if "compute" in by else None})
-            best = min(ours, key=lambda r: r["median_ms"])
-            ddp = by["ddp"]
+            best, ddp = min(ours, key=lambda r: r["median_ms"]), by["ddp"]
             ratio = best["median_ms"] / ddp["median_ms"]
             paired = [a / b for a, b in zip(best["step_ms"], ddp["step_ms"])]   # same round, same conditions
             out.append({"target": "best >= DDP throughput", "rate": rate, "world_size": n,
@@ -538,8 +466,7 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                         "ratio": ratio, "bound": DDP_TOLERANCE,
                         "paired_median_ratio": statistics.median(paired),
                         "rounds_faster": sum(x < 1 for x in paired), "rounds": len(paired)})
-            rate_bits = rows[0]["rate_bits_per_s"]
-            if n == 2 and rate_bits == 10 ** 9 and "compute" in by:
+            if n == 2 and rows[0]["rate_bits_per_s"] == 10 ** 9 and "compute" in by:
                 ratio_c = best["median_ms"] / by["compute"]["median_ms"]
                 out.append({"target": "1gbit N=2: best <= 1.10x compute", "rate": rate, "world_size": n,
                             "status": "PASS" if ratio_c <= COMPUTE_BOUND else "MISS",
@@ -557,18 +484,13 @@ def target_lines(targets: list[dict]) -> str:
     lines = []
     for t in targets:
         where = f"{t['rate'] or 'loopback'} N={t['world_size']}"
-        if t["target"] == "proposal":
-            lines.append(f"info  proposal (not a target config)  {where:<14} best {t['best']} {t['best_ms']:.1f} ms = "
-                         f"{t['ratio']:.3f}x DDP" + (f", {t['ratio_compute']:.3f}x compute" if t["ratio_compute"] else ""))
-            continue
         if "ddp_ms" in t:
             lines.append(f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs ddp {t['ddp_ms']:.1f} ms = {t['ratio']:.3f}x "
                          f"(bound {t['bound']:.2f}x; paired per round: median {t['paired_median_ratio']:.3f}x, "
                          f"faster in {t['rounds_faster']}/{t['rounds']} rounds)")
         else:
-            alone = (f"; vs compute-alone {t['ratio_compute_alone']:.3f}x"
-                     if t.get("ratio_compute_alone") else "")
+            alone = f"; vs compute-alone {t['ratio_compute_alone']:.3f}x" if t.get("ratio_compute_alone") else ""
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs compute (N ranks at once) {t['compute_ms']:.1f} ms = "
                          f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x{alone})")
@@ -576,15 +498,22 @@ def target_lines(targets: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: Path, title: str, rates: list[str | None], worlds: list[int]) -> None:
+    """One panel per (rate, N): a bar per configuration (median ms/step, whiskers p25..p75)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
+    colors = {"compute": "0.75", "ddp": "black", "two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
+    references = [("compute", 1, dict(color="tab:red", lw=1.2,
+                                      label="compute-only, all N ranks at once (the baseline)")),
+                  ("compute", COMPUTE_BOUND, dict(color="tab:red", lw=1, ls="--",
+                                                  label=f"{COMPUTE_BOUND:.2f}x compute-only")),
+                  ("compute-alone", 1, dict(color="tab:red", lw=1, ls=":", label="compute-only, one rank alone")),
+                  ("ddp", 1, dict(color="black", lw=0.8, ls="-.", alpha=0.7, label="DDP"))]
     fig, axes = plt.subplots(len(rates), len(worlds), figsize=(6.4 * len(worlds), 4.6 * len(rates) + 0.6),
                              squeeze=False)
-    legend, deferred = [], False
+    legend = []
     for i, rate in enumerate(rates):
         for j, n in enumerate(worlds):
             ax = axes[i][j]
@@ -592,50 +521,36 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
             if not rows:
                 ax.set_visible(False)
                 continue
-            names = [r["config"] for r in rows]
-            x = range(len(rows))
-            col = [("0.75" if r["kind"] == "compute" else "black" if r["kind"] == "ddp" else
-                    colors.get(r["allreduce"], "tab:purple")) for r in rows]
-            heights = [r["median_ms"] for r in rows]
+            col = [colors.get(r["kind"] if r["kind"] != "sum" else r["allreduce"], "tab:purple") for r in rows]
             err = [[r["median_ms"] - r["p25_ms"] for r in rows], [r["p75_ms"] - r["median_ms"] for r in rows]]
-            bars = ax.bar(x, heights, color=col, yerr=err, capsize=2, ecolor="0.3",
-                          hatch=None, edgecolor="white")
+            bars = ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=col, yerr=err, capsize=2,
+                          ecolor="0.3", edgecolor="white")
             for b, r in zip(bars, rows):
                 if r["overlap"]:
                     b.set_hatch("//")
                 # the part of the step spent in sum()/wait() after backward (exposed communication)
-                if r["kind"] == "deferred":
-                    b.set_hatch("xx")
                 if r["kind"] == "sum" and r["sum_wait_ms"] > 0:
                     ax.bar(b.get_x() + b.get_width() / 2, min(r["sum_wait_ms"], r["median_ms"]),
                            bottom=max(0.0, r["median_ms"] - r["sum_wait_ms"]), width=b.get_width() * 0.35,
                            color="white", alpha=0.55)
                 ax.annotate(f"{r['median_ms']:.0f}", (b.get_x() + b.get_width() / 2, r["p75_ms"]),
                             ha="center", va="bottom", fontsize=7, xytext=(0, 1), textcoords="offset points")
-            by = {r["config"]: r for r in rows}
-            if "compute" in by:
-                c = by["compute"]["median_ms"]
-                ax.axhline(c, color="tab:red", lw=1.2, label="compute-only, all N ranks at once (the baseline)")
-                ax.axhline(COMPUTE_BOUND * c, color="tab:red", lw=1, ls="--", label=f"{COMPUTE_BOUND:.2f}x compute-only")
-            if "compute-alone" in by:
-                ax.axhline(by["compute-alone"]["median_ms"], color="tab:red", lw=1, ls=":",
-                           label="compute-only, one rank alone")
-            if "ddp" in by:
-                ax.axhline(by["ddp"]["median_ms"], color="black", lw=0.8, ls="-.", alpha=0.7, label="DDP")
-            ax.set_xticks(list(x))
-            ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+            by = {r["config"]: r["median_ms"] for r in rows}
+            for name, factor, style in references:
+                if name in by:
+                    ax.axhline(factor * by[name], **style)
+            ax.set_xticks(range(len(rows)))
+            ax.set_xticklabels([r["config"] for r in rows], rotation=35, ha="right", fontsize=8)
             ax.set_ylabel("ms per step (median; whiskers p25..p75)")
-            ax.set_title(f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks, batch {rows[0]['batch_size']}/rank")
+            ax.set_title(f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks, "
+                         f"batch {rows[0]['batch_size']}/rank")
             ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.12)
             ax.grid(True, axis="y", alpha=0.3)
             if not legend:
                 legend, _ = ax.get_legend_handles_labels()
-            deferred = deferred or any(r["kind"] == "deferred" for r in rows)
-    legend += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)")]
-    if deferred:
-        legend.append(Patch(facecolor="0.6", hatch="xx", edgecolor="white", label="+deferred (proposal; cross-hatched)"))
-    legend.append(Patch(facecolor="white", edgecolor="0.5", alpha=0.55,
-                        label="light inset: time in sum()/wait() after backward"))
+    legend += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)"),
+               Patch(facecolor="white", edgecolor="0.5", alpha=0.55,
+                     label="light inset: time in sum()/wait() after backward")]
     fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.07 / len(rates), 1, 1))
@@ -645,84 +560,78 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
     write_atomic(path, buf.getvalue())
 
 
-def driver(args) -> int:
-    mode = "loopback" if args.loopback else "cluster"
-    rates: list[str | None] = [None] if args.loopback else args.rates
-    worlds = args.world_sizes
-    configs = make_configs(args)
-    rounds = args.warmup + args.iters
-    batch_note = (f"global batch {args.global_batch} = {', '.join(f'{batch_for(args, n)}/rank at N={n}' for n in worlds)}"
-                  if args.global_batch else f"batch {args.batch_size} per rank")
-    rate_bits = {r: parse_rate(r) for r in rates if r}
-    steps = rounds * args.steps_per_sample
-    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n))
-           for r in rates for n in worlds}
+# --------------------------------------------------------------------------- driver
+def run_worlds(args, configs: list[dict], rates: list[str | None], rate_bits: dict, est: dict) -> tuple[list, dict]:
+    """Every world size at every rate (one emulated cluster per rate): (records, load per world)."""
+    records, load = [], {}
     op_timeout = 120.0                    # gloo: any single send/recv/collective, as train.py's default
-    print(f"# training-step benchmark: mode={mode}"
-          + (f", egress cap per host {', '.join(rates)}" if not args.loopback else " (127.0.0.1, no cap)")
-          + f", N={','.join(map(str, worlds))}, {batch_note}, 1 torch thread per rank, "
-            f"{os.cpu_count()} CPU cores on this machine"
-          + (f", overlap.py under test: {args.overlap_file}" if args.overlap_file else "")
-          + (f", ring.py under test: {args.ring_file}" if args.ring_file else ""))
-    print(f"# configurations: {', '.join(c['name'] for c in configs)}")
-    print(f"# {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive steps per "
-          f"configuration; configurations interleaved, order rotated per round; ms/step = (time from a barrier to "
-          f"the end of the round's steps) / steps, max over ranks, median over rounds")
-    print(f"# compute-only is measured twice: rank 0 alone ('compute-alone') and all N ranks at once "
-          f"without communication ('compute', the fair baseline: N ranks share {os.cpu_count()} cores)")
-    print(f"# load average now {loadavg():.2f}; estimate " +
-          ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items()))
-    sys.stdout.flush()
-
-    records, load, started = [], {}, time.time()
     with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmpdir:
         tmp = Path(tmpdir)
         os.chmod(tmp, 0o755)
-        try:
-            for ri, rate in enumerate(rates):
-                stack, cl = None, None
-                try:
-                    if rate:
-                        sys.path.insert(0, str(REPO / "scripts"))
-                        import cluster
-                        stack = cluster.Cluster(hosts=max(worlds), rate=rate)
-                        cl = stack.__enter__()
-                        print(f"# cluster {rate}: {cl.hosts} hosts "
-                              f"{', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}", flush=True)
-                    for i, n in enumerate(worlds):
-                        timeout = args.timeout or (120 + 2 * est[(rate, n)])
-                        port = (29600 + 10 * i + os.getpid() % 7) if cl else free_port()
-                        t = time.time()
-                        raw = launch(n, args, configs, cl, rate or "loopback", tmp, port, op_timeout, timeout)
-                        print(f"  {rate or 'loopback'} N={n}: done in {time.time() - t:.0f}s "
-                              f"(hard timeout {timeout:.0f}s)", flush=True)
-                        records += summarize(raw, rate, rate_bits.get(rate), batch_for(args, n))
-                        load[f"{rate or 'loopback'} N={n}"] = raw["load"]
-                finally:
-                    if stack is not None:
-                        stack.__exit__(None, None, None)
-        except LaunchError as e:
-            print(f"train_step.py: FAILED: {e}", file=sys.stderr)
+        for rate in rates:
+            if rate:
+                import cluster             # scripts/cluster.py; its __exit__ tears everything down, also on errors
+            label = rate or "loopback"
+            with (cluster.Cluster(hosts=max(args.world_sizes), rate=rate) if rate else contextlib.nullcontext()) as cl:
+                if rate:
+                    print(f"# cluster {rate}: {cl.hosts} hosts "
+                          f"{', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}", flush=True)
+                for i, n in enumerate(args.world_sizes):
+                    timeout = args.timeout or (120 + 2 * est[(rate, n)])
+                    port = (29600 + 10 * i + os.getpid() % 7) if cl else free_port()
+                    t = time.time()
+                    raw = launch(n, args, configs, cl, label, tmp, port, op_timeout, timeout)
+                    print(f"  {label} N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
+                    records += summarize(raw, rate, rate_bits.get(rate), batch_for(args, n))
+                    load[f"{label} N={n}"] = raw["load"]
+    return records, load
+
+
+def driver(args) -> int:
+    mode = "loopback" if args.loopback else "cluster"
+    rates: list[str | None] = [None] if args.loopback else args.rates
+    worlds, cores = args.world_sizes, os.cpu_count()
+    configs = make_configs(args)
+    per_world = ", ".join(f"{batch_for(args, n)}/rank at N={n}" for n in worlds)
+    batch_note = (f"global batch {args.global_batch} = {per_world}" if args.global_batch
+                  else f"batch {args.batch_size} per rank")
+    rate_bits = {r: parse_rate(r) for r in rates if r}
+    steps = (args.warmup + args.iters) * args.steps_per_sample
+    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n))
+           for r in rates for n in worlds}
+    notes = (f"{batch_note}; {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive "
+             f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
+             f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
+             f"(fair baseline on {cores} cores); 'compute-alone' = rank 0 alone. "
+             f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks); "
+             f"cpu/rank: CPU ms per step of a rank (all threads; kernel part in brackets).")
+    print(f"# training-step benchmark: mode={mode}, "
+          + (f"egress cap per host {', '.join(rates)}" if not args.loopback else "127.0.0.1, no cap")
+          + f", N={','.join(map(str, worlds))}, 1 torch thread per rank, {cores} CPU cores on this machine")
+    print(f"# configurations: {', '.join(c['name'] for c in configs)} (order rotated per round)")
+    print(f"# {notes}")
+    print(f"# load average now {loadavg():.2f}; estimate " +
+          ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items()), flush=True)
+
+    started = time.time()
+    try:
+        records, load = run_worlds(args, configs, rates, rate_bits, est)
+    except LaunchError as e:
+        print(f"train_step.py: FAILED: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if type(e).__name__ == "ClusterError":
+            print(f"train_step.py: cluster: {e}", file=sys.stderr)
             return 2
-        except Exception as e:
-            if type(e).__name__ == "ClusterError":
-                print(f"train_step.py: cluster: {e}", file=sys.stderr)
-                return 2
-            raise
+        raise
 
     not_identical = [f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}"
                      for r in records if r["params_identical"] is False]
     targets = evaluate_targets(records, mode, rates, worlds)
     import torch
-    title = (f"training step, {mode}; batch {args.batch_size}/rank, 1 thread/rank, {os.cpu_count()} cores; "
+    title = (f"training step, {mode}; batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
              f"{platform.node()}, torch {torch.__version__}")
     command = " ".join(["python3", "bench/train_step.py"] + sys.argv[1:])
-    notes = (f"{batch_note}; {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive "
-             f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
-             f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
-             f"(fair baseline on {os.cpu_count()} cores); 'compute-alone' = rank 0 alone. "
-             f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks); "
-             f"cpu/rank: CPU ms per step of a rank (all threads; kernel part in brackets).")
     load_line = "; ".join(f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
                           f"{v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}" for k, v in load.items())
     md = (f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
@@ -732,14 +641,12 @@ def driver(args) -> int:
         "batch_size": {str(n): batch_for(args, n) for n in worlds}, "global_batch": args.global_batch,
         "warmup": args.warmup, "iters": args.iters, "steps_per_sample": args.steps_per_sample, "seed": args.seed,
         "threads_per_rank": 1, "chunks": args.chunks, "bucket_mb": args.bucket_mb,
-        "overlap_file": args.overlap_file or "utils/overlap.py", "ring_file": args.ring_file or "utils/ring.py",
-        "switch_interval": args.switch_interval or None,
         "configs": configs,
         "timing": "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
                   "rank; step time = max over ranks; median over timed rounds",
         "compute_baselines": "compute = all N ranks compute at once, no communication (fair on a shared machine); "
                              "compute-alone = rank 0 alone, the other ranks idle",
-        "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "host": {"node": platform.node(), "cpus": cores, "python": platform.python_version(),
                  "torch": torch.__version__, "kernel": platform.release()},
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1), "load": load,
@@ -751,12 +658,9 @@ def driver(args) -> int:
     write_atomic(out_dir / f"train_step-{mode}.md", md.encode())
     plot(records, out_dir / f"train_step-{mode}.png", title, rates, worlds)
 
-    print()
-    print(table(records, mode))
-    print()
-    print(f"Load during the runs: {load_line}")
-    print()
-    print("Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)") + ":")
+    print(f"\n{table(records, mode)}\n\nLoad during the runs: {load_line}\n")
+    print("Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)")
+          + ":")
     print(target_lines(targets))
     print(f"\nwrote {out_dir / f'train_step-{mode}.json'}, .md, .png  ({time.time() - started:.0f}s)")
     if not_identical:
@@ -799,13 +703,6 @@ def main(argv=None) -> int:
                     help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)")
     ap.add_argument("--only", type=lambda s: s.split(","),
                     help="only these configurations (compute, compute-alone and ddp are always kept)")
-    ap.add_argument("--overlap-file", help="benchmark this copy of utils/overlap.py instead (a proposed patch)")
-    ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (a proposed patch)")
-    ap.add_argument("--deferred", action="store_true",
-                    help="also <alg>+deferred: overlap.DeferredGradientSum (updates applied during the next "
-                         "forward); needs an --overlap-file that has it")
-    ap.add_argument("--switch-interval", type=float, default=0,
-                    help="sys.setswitchinterval() in every rank, seconds (experiment; default: Python's 0.005)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))
@@ -831,11 +728,6 @@ def main(argv=None) -> int:
                 parse_rate(r)
             except argparse.ArgumentTypeError as e:
                 ap.error(str(e))
-    for flag, path in (("--overlap-file", args.overlap_file), ("--ring-file", args.ring_file)):
-        if path and not Path(path).is_file():
-            ap.error(f"{flag} {path}: no such file")
-    if args.deferred and "DeferredGradientSum" not in Path(args.overlap_file or REPO / "utils" / "overlap.py").read_text():
-        ap.error("--deferred needs an overlap.py with DeferredGradientSum (--overlap-file)")
 
     def on_term(signum, frame):          # unwind, so every rank is killed and the cluster torn down
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
