@@ -33,7 +33,7 @@ from utils.checkpoint import load_model_state, remove_stale_temps, safe_load  # 
 from utils.data import load_mnist  # noqa: E402
 from utils.errors import PeerError, UsageError  # noqa: E402
 from utils.model import Net  # noqa: E402
-from utils.ring import ALGORITHMS, auto_chunks  # noqa: E402
+from utils.ring import ALGORITHMS  # noqa: E402
 from utils.run import check_identical_parameters, first_line, run, test_model  # noqa: E402
 
 PROG = "train.py"
@@ -281,8 +281,6 @@ def set_aside_old_checkpoint(args):
 def train(args, data):
     torch.manual_seed(args.seed)
     model = Net()
-    if args.chunks == "auto":
-        args.chunks = auto_chunks(sum(p.numel() for p in model.parameters()))
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
     world_size = args.world_size if args.world_size is not None else int(os.environ["WORLD_SIZE"])
     args.batch_size = args.batch_size or max(1, GLOBAL_BATCH // world_size)
@@ -311,7 +309,7 @@ def train(args, data):
             set_aside_old_checkpoint(args)
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
-              f"all-reduce {args.allreduce} ({args.chunks} chunk(s))", flush=True)
+              f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'})", flush=True)
     run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
 

@@ -31,7 +31,7 @@ if __name__ == "__main__":
     results = {}
     for size, algorithm, chunks in cases(world_size):
         flat = inputs(rank, size)
-        ring.sum_(flat, algorithm, ring.auto_chunks(size) if chunks == "auto" else chunks)
+        ring.sum_(flat, algorithm, chunks)
         results[f"{size}/{algorithm}/{chunks}"] = flat
     torch.save(results, out)
     dist.destroy_process_group()

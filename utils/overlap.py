@@ -63,8 +63,7 @@ class OverlappedGradientSum:
                     self.ready[i].clear()
                     start = time.perf_counter()
                     flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                    chunks = ring.auto_chunks(flat.numel()) if self.chunks == "auto" else self.chunks
-                    ring.average_(flat, self.algorithm, chunks)
+                    ring.average_(flat, self.algorithm, self.chunks)
                     offset = 0
                     for p in bucket:
                         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))

@@ -138,9 +138,9 @@ ALGORITHMS = ("two-pass", "ring", "gloo")
 
 
 def sum_(flat, algorithm="two-pass", chunks=1):
-    """Sum `flat` over all ranks in place with the named algorithm."""
+    """Sum `flat` over all ranks in place with the named algorithm (chunks: a number or "auto")."""
     if algorithm == "two-pass":
-        return two_pass_ring_sum(flat, chunks)
+        return two_pass_ring_sum(flat, auto_chunks(flat.numel()) if chunks == "auto" else chunks)
     if algorithm == "ring":
         return ring_sum(flat)
     if algorithm == "gloo":
