@@ -31,6 +31,13 @@ Columns (nccl-tests conventions; S = buffer bytes, t = median time, MB = 1e6 byt
             (payload bytes only; TCP/IP/Ethernet headers cost ~4.6% more on the wire at
             MTU 1500, while tbf's initial burst can give ~10 ms free). At the limit, busbw = B.
     xlimit = t / limit   xgloo = t / t(gloo)
+    In cluster mode the target lines also show the wire floor: limit * (MTU+14)/(MTU-52) minus
+    the tbf bucket's free start (1.046x at MTU 1500, less for small buffers), what tbf really
+    lets through; no algorithm can beat it.
+
+Trying a change to utils/ring.py: --candidate FILE measures FILE's ring_sum as "ring:<stem>",
+interleaved with the rest (same checks, same targets, marked [candidate]); --ring-file FILE
+swaps the whole module (results go to allreduce-<mode>-<stem>.*, never over the real ones).
 
 Correctness. Rank r's input is float32 N(0,1) from seed (--seed, r), so every rank can build
 every input and the float64 reference sum. Every result (warm-up ones too) must be within
@@ -121,6 +128,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)      # mkstemp makes 0600; results are for everyone to read
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -451,6 +461,8 @@ def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
             out.append({"target": name, "world_size": n, "bound": bound, "metric": metric,
                         "status": "PASS" if worst[metric] <= bound else "MISS",
                         "worst_ratio": worst[metric], "worst_size": worst["size"],
+                        "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
+                        if metric == "ratio_limit" else {},
                         "per_size": {r["size"]: round(r[metric], 4) for r in rows}})
     return out
 
@@ -464,6 +476,9 @@ def target_lines(targets: list[dict]) -> str:
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
         lines.append(f"{t['status']:<5} {t['target']:<44} N={t['world_size']}  worst {t['worst_ratio']:.3f}x "
                      f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]")
+        if t.get("wire_floor") and not t["target"].startswith("two-pass"):
+            floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
+            lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<44} N={t['world_size']}  [{floors}]")
     return "\n".join(lines)
 
 
@@ -476,7 +491,7 @@ def load_lines(load: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) -> None:
+def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None, burst_bytes: int = 0) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -494,7 +509,8 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) 
                           key=lambda r: r["bytes"])
             if not rows:
                 continue
-            c, m, ls = style.get(alg, ("tab:purple", "v", "-."))
+            c, m, ls = style.get(alg) or (("tab:purple", "tab:brown", "tab:pink", "tab:olive")[extra.index(alg) % 4],
+                                          "v", "-.")
             x = [r["bytes"] for r in rows]
             top.plot(x, [r["median_ms"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
             top.fill_between(x, [r["min_ms"] for r in rows], [r["max_ms"] for r in rows], color=c, alpha=0.12)
@@ -502,8 +518,16 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) 
         xs = sorted({r["bytes"] for r in records if r["world_size"] == n})
         if rate_bytes:
             top.plot(xs, [2 * (n - 1) / n * s / rate_bytes * 1e3 for s in xs], color="0.5", ls=":",
-                     lw=2, label="bandwidth limit")
-            bottom.axhline(rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"limit = rate {rate_bytes / MB:g} MB/s")
+                     lw=2, label="bandwidth limit 2(N-1)/N·S/B")
+            bottom.axhline(rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"busbw at the limit = B = {rate_bytes / MB:g} MB/s")
+            # Small buffers ride on tbf's bucket (sent at veth speed): busbw there says nothing about
+            # the rate, so shade them and clip the axis to keep the bandwidth-bound sizes readable.
+            fits = [x for x in xs if 2 * (n - 1) / n * x <= burst_bytes]
+            if fits:
+                for ax in (top, bottom):
+                    ax.axvspan(xs[0] / 1.2, fits[-1] * 1.2, color="0.92", zorder=0)
+                bottom.text(fits[0], rate_bytes / MB * 1.55, "fits in the tbf burst", fontsize=8, va="top", color="0.4")
+            bottom.set_ylim(0, rate_bytes / MB * 1.6)
         for r in records:
             if r["size"] == "model" and r["world_size"] == n:
                 for ax in (top, bottom):
@@ -517,17 +541,21 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) 
         top.set_ylabel("time per all-reduce, ms (median; band = min..max)")
         bottom.set_ylabel("busbw, MB/s  (= S/t * 2(N-1)/N)")
         bottom.set_xlabel("buffer size")
-        bottom.set_ylim(bottom=0)
+        if not rate_bytes:
+            bottom.set_ylim(bottom=0)
         ticks = [s for s in xs if s & (s - 1) == 0]
         bottom.set_xticks(ticks)
         bottom.set_xticklabels([human(s) for s in ticks])
         for ax in (top, bottom):
             ax.grid(True, which="major", alpha=0.3)
-        if col == 0:
-            top.legend(fontsize=8, loc="upper left")
-            bottom.legend(fontsize=8, loc="upper left")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    extra_h, extra_l = axes[1][0].get_legend_handles_labels()
+    handles += [h for h, l in zip(extra_h, extra_l) if l.startswith("busbw at")]
+    labels += [l for l in extra_l if l.startswith("busbw at")]
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.965))
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
@@ -536,8 +564,8 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None) 
 
 def driver(args) -> int:
     mode = "cluster" if args.cluster else "loopback"
-    if args.rate and not args.cluster:
-        print("allreduce.py: --rate only applies with --cluster (loopback is not capped)", file=sys.stderr)
+    if (args.rate or args.tcp_cc) and not args.cluster:
+        print("allreduce.py: --rate and --tcp-cc only apply with --cluster", file=sys.stderr)
         return 2
     rate_bits = parse_rate(args.rate) if args.cluster and args.rate else None
     rate_bytes = rate_bits / 8 if rate_bits else None
@@ -576,21 +604,39 @@ def driver(args) -> int:
           + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
     sys.stdout.flush()
 
-    cl = None
+    cl, wire, errors = None, None, (LaunchError,)
+    if args.cluster:
+        sys.path.insert(0, str(REPO / "scripts"))
+        try:
+            import cluster
+        except ImportError as e:
+            print(f"allreduce.py: --cluster needs scripts/cluster.py ({e})", file=sys.stderr)
+            return 2
+        errors += (cluster.ClusterError,)
     records, started, load = [], time.time(), {}
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        os.chmod(tmp, 0o755)
         stack = None
         try:
             if args.cluster:
-                sys.path.insert(0, str(REPO / "scripts"))
-                import cluster
                 stack = cluster.Cluster(hosts=max(worlds), rate=args.rate)
                 cl = stack.__enter__()
-                print(f"# cluster: {cl.hosts} hosts {', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}"
-                      + (f"; tbf rate {rate_bits} bit/s, burst {cluster.tbf_burst(rate_bits)} B, "
-                         f"latency {cluster.TBF_LATENCY}" if rate_bits else ""))
+                if args.tcp_cc:                 # per-namespace setting; only kernel-"allowed" ones work there
+                    for r in range(cl.hosts):
+                        done = cl.run_on(r, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={args.tcp_cc}"],
+                                         timeout=10)
+                        if done.returncode:
+                            allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
+                            raise LaunchError(f"--tcp-cc {args.tcp_cc}: {done.stderr.decode().strip()} (a network "
+                                              f"namespace may only pick from net.ipv4.tcp_allowed_congestion_control "
+                                              f"= {allowed!r})")
+                mtu = int(cl.run_on(0, ["cat", f"/sys/class/net/{cl.nic(0)}/mtu"], timeout=10, check=True).stdout)
+                cc = cl.run_on(0, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"], timeout=10).stdout.strip()
+                wire = {"mtu": mtu, "factor": (mtu + 14) / (mtu - 52), "tcp_cc": cc.decode() or "?",
+                        "burst_bytes": cluster.tbf_burst(rate_bits) if rate_bits else 0}
+                print(f"# cluster: {cl.hosts} hosts {', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}, "
+                      f"MTU {mtu}, TCP {wire['tcp_cc']}" + (f"; tbf rate {rate_bits} bit/s, burst {wire['burst_bytes']} B, "
+                                      f"latency {cluster.TBF_LATENCY}" if rate_bits else ""))
             for i, n in enumerate(worlds):
                 timeout = args.timeout or (120 + 3 * est[n])
                 port = (29500 + 10 * i + os.getpid() % 7) if cl else free_port()
@@ -599,7 +645,7 @@ def driver(args) -> int:
                 print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
                 records += summarize(raw, rate_bytes)
                 load[n] = raw["load"]
-        except LaunchError as e:
+        except errors as e:
             print(f"allreduce.py: FAILED: {e}", file=sys.stderr)
             return 2
         finally:
@@ -608,6 +654,12 @@ def driver(args) -> int:
 
     failures = [f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: {p}"
                 for r in records for p in r["problems"]]
+    if wire and rate_bytes:
+        # What the wire allows: tbf charges a whole frame (payload + 66 bytes of Ethernet/IP/TCP
+        # headers with timestamps) per MSS of payload, and its bucket starts each op full.
+        for r in records:
+            if r["limit_ms"]:
+                r["floor_ratio"] = max(0.0, wire["factor"] - wire["burst_bytes"] / rate_bytes / (r["limit_ms"] / 1e3))
     targets = evaluate_targets(records, mode)
     title = (f"all-reduce, {mode}" + (f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)")
              + f"; {platform.node()}, torch {__import__('torch').__version__}")
@@ -627,13 +679,15 @@ def driver(args) -> int:
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1),
         "other_load": {str(n): v for n, v in load.items()},
+        "wire": wire,
         "correct": not failures, "failures": failures, "targets": targets, "results": records,
     }
     out_dir = Path(args.results_dir)
-    stem = f"allreduce-{mode}" + (f"-{Path(args.ring_file).stem}" if args.ring_file else "")  # never overwrite
+    stem = (f"allreduce-{mode}" + (f"-{Path(args.ring_file).stem}" if args.ring_file else "")  # never overwrite
+            + (f"-{args.tcp_cc}" if args.tcp_cc else ""))
     write_atomic(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
     write_atomic(out_dir / f"{stem}.md", md.encode())
-    plot(records, out_dir / f"{stem}.png", title, rate_bytes)
+    plot(records, out_dir / f"{stem}.png", title, rate_bytes, wire["burst_bytes"] if wire else 0)
 
     print()
     print(table(records))
@@ -668,6 +722,8 @@ def main(argv=None) -> int:
     ap.add_argument("--big-warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (e.g. a proposed patch)")
+    ap.add_argument("--tcp-cc", metavar="ALGO", help="TCP congestion control inside the emulated hosts (e.g. reno; "
+                    "default: the namespaces' default, usually the host's). Results go to allreduce-cluster-<ALGO>.*")
     ap.add_argument("--candidate", action="append", default=[], metavar="RING_PY",
                     help="also measure this file's ring_sum, interleaved with the others, as 'ring:<file stem>' "
                          "(e.g. a proposed patch of utils/ring.py); repeatable")

@@ -98,32 +98,54 @@ def ring_sum(flat):
 
     Each rank sends 2(N-1)/N of the buffer, the least any all-reduce can. Segment j is
     summed in one fixed order along the ring, so every rank ends with the same bits.
+
+    Receives are posted one step ahead (message tag = step). gloo's send is a rendezvous: it
+    starts only once the receiver's "ready" notice has arrived, and that notice queues behind
+    whatever the receiver is still sending on the same connection (with N=2 the neighbours
+    are the same rank, so a late notice serialises the two directions: 2x the time) and in
+    the same NIC queue. Posted a step early, it is there before the neighbour needs it.
     """
     n, rank = dist.get_world_size(), dist.get_rank()
     if n == 1:
         return flat
     segments = torch.tensor_split(flat, n)
-    incoming = torch.empty_like(segments[0])
+    scratch = [torch.empty_like(segments[0]) for _ in range(2)]   # reduce-scatter steps alternate
     right, left = (rank + 1) % n, (rank - 1) % n
+    steps = 2 * (n - 1)                                           # n-1 reduce-scatter, n-1 all-gather
 
-    def exchange(send_index, recv_into):
-        # Segments are empty when the buffer is smaller than N; both ends know, both skip.
-        works = []
-        if segments[send_index].numel():
-            works.append(dist.isend(segments[send_index], right))
-        if recv_into.numel():
-            works.append(dist.irecv(recv_into, left))
-        for work in works:
-            work.wait()
+    def landing(step):
+        """(segment index, buffer) for what arrives in `step`: partial sums go to scratch first."""
+        if step < n - 1:
+            index = (rank - step - 1) % n
+            return index, scratch[step % 2][: segments[index].numel()]
+        index = (rank - step + n - 1) % n
+        return index, segments[index]
 
-    for step in range(n - 1):
-        send_index, recv_index = (rank - step) % n, (rank - step - 1) % n
-        buffer = incoming[: segments[recv_index].numel()]
-        exchange(send_index, buffer)
-        segments[recv_index].add_(buffer)
-    for step in range(n - 1):
-        send_index, recv_index = (rank + 1 - step) % n, (rank - step) % n
-        exchange(send_index, segments[recv_index])
+    # Segments are empty when the buffer is smaller than N; both ends know, both skip.
+    def receive(step):
+        buffer = landing(step)[1] if step < steps else None
+        return dist.irecv(buffer, left, tag=step) if buffer is not None and buffer.numel() else None
+
+    sends = []
+
+    def send(step, segment):
+        if segment.numel():
+            sends.append(dist.isend(segment, right, tag=step))
+
+    incoming = receive(0)
+    send(0, segments[rank])
+    for step in range(steps):
+        upcoming = receive(step + 1)                              # one step ahead
+        index, buffer = landing(step)
+        if incoming is not None:
+            incoming.wait()
+        if step < n - 1:
+            segments[index].add_(buffer)                          # own + partial from the left
+        if step + 1 < steps:
+            send(step + 1, segments[index])                       # pass it on
+        incoming = upcoming
+    for work in sends:
+        work.wait()
     return flat
 
 
