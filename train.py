@@ -210,6 +210,10 @@ def init_distributed(args):
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             raise UsageError(f"port of {where} is already in use on this host; choose another port") from None
+        if "connectFullMesh" in text:  # the rendezvous worked; gloo's own connections did not
+            raise PeerError(f"joined at {where} but could not connect to every other rank "
+                            f"(a firewall on gloo's ports, or a peer that went away): {first_line(e)}",
+                            resumable=False) from None
         if args.rank == 0 or "wait timeout" in text:  # we reached rank 0, but not everyone came
             raise PeerError(f"not every rank joined at {where} within {args.timeout:g} s "
                             f"(are all {args.world_size} started, with the same --init-method?)",

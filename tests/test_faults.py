@@ -181,7 +181,7 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path):
     assert straight.returncode == 0, straight.stderr
     checkpoint = tmp_path / "b.pt"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--max-restarts", "1", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
+                            "--max-restarts", "3", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
                             "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
