@@ -182,14 +182,20 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path):
     checkpoint = tmp_path / "b.pt"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                             "--max-restarts", "3", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
-                            "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")],
+                            "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth"),
+                            "--timeout", "20"],  # a restart attempt that goes wrong fails fast and is retried
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
         workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker(pid, checkpoint)]
         assert len(workers) == 2, workers
         os.kill(max(workers), signal.SIGKILL)
-        out, err = job.communicate(timeout=200)
+        try:
+            out, err = job.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            procs.kill_group(job)
+            out, err = job.communicate()
+            raise AssertionError(f"torchrun did not finish\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
     finally:
         procs.kill_group(job)
     assert job.returncode == 0, err[-3000:]
