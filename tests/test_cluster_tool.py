@@ -21,14 +21,7 @@ import cluster  # noqa: E402
 PY = sys.executable
 
 
-@pytest.fixture(autouse=True)
-def _needs_root():
-    try:
-        cluster._check_privileges()
-    except cluster.ClusterError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"cluster tool tests must run as root in CI: {e}")
-        pytest.skip(f"not root: {e}")
+pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
 
 def leftovers(tag):

@@ -36,14 +36,7 @@ SHA_LINE = r"saved the model to (\S+); parameters identical on all {n} ranks \(s
 _created = []      # every namespace / veth / bridge name a cluster of this module had
 
 
-@pytest.fixture(autouse=True)
-def _needs_root():
-    try:
-        cluster._check_privileges()
-    except cluster.ClusterError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"multi-host tests must run as root in CI: {e}")
-        pytest.skip(f"not root: {e}")
+pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
 
 # -- helpers ------------------------------------------------------------------------------------
