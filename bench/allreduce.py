@@ -67,6 +67,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from utils.checkpoint import atomic_write  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
@@ -123,25 +125,6 @@ def parse_rate(rate: str) -> int:
     return int(float(m[1]) * base ** " kmgt".index(m[2][:1] or " ") * (8 if m[3] == "bps" else 1))
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder + rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)      # mkstemp makes 0600; results are for everyone to read
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: int) -> float:
@@ -269,7 +252,7 @@ def worker(args) -> int:
 
     out["failures"] = failures
     if rank == 0:
-        write_atomic(Path(cfg["out"]), json.dumps(out).encode())
+        atomic_write(Path(cfg["out"]), json.dumps(out).encode())
     dist.barrier()
     dist.destroy_process_group()
     return 3 if failures else 0
@@ -559,7 +542,7 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None, 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def driver(args) -> int:
@@ -685,8 +668,8 @@ def driver(args) -> int:
     out_dir = Path(args.results_dir)
     stem = (f"allreduce-{mode}" + (f"-{Path(args.ring_file).stem}" if args.ring_file else "")  # never overwrite
             + (f"-{args.tcp_cc}" if args.tcp_cc else ""))
-    write_atomic(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
-    write_atomic(out_dir / f"{stem}.md", md.encode())
+    atomic_write(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
+    atomic_write(out_dir / f"{stem}.md", md.encode())
     plot(records, out_dir / f"{stem}.png", title, rate_bytes, wire["burst_bytes"] if wire else 0)
 
     print()

@@ -66,6 +66,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]          # utils/ (ranks), scripts/cluster.py (driver)
+from utils.checkpoint import atomic_write  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 ALGORITHMS = ("two-pass", "ring", "gloo")
 MODEL_NUMEL = 421642                   # utils/model.Net
@@ -83,18 +84,6 @@ def parse_rate(rate: str) -> int:
     return int(float(m[1]) * base ** " kmgt".index(m[2][:1] or " ") * (8 if m[3] == "bps" else 1))
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder + rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)         # only left over when the write failed
 
 
 def batch_for(args, n: int) -> int:
@@ -221,7 +210,7 @@ def worker(args) -> int:
     everyone = [None] * n
     dist.all_gather_object(everyone, {"times": times, "digests": digests})
     if rank == 0:
-        write_atomic(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
+        atomic_write(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
     for r in runners:
         r.close()
     dist.barrier()
@@ -557,7 +546,7 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 # --------------------------------------------------------------------------- driver
@@ -654,8 +643,8 @@ def driver(args) -> int:
         "targets": targets, "results": records,
     }
     out_dir = Path(args.results_dir)
-    write_atomic(out_dir / f"train_step-{mode}.json", (json.dumps(result, indent=1) + "\n").encode())
-    write_atomic(out_dir / f"train_step-{mode}.md", md.encode())
+    atomic_write(out_dir / f"train_step-{mode}.json", (json.dumps(result, indent=1) + "\n").encode())
+    atomic_write(out_dir / f"train_step-{mode}.md", md.encode())
     plot(records, out_dir / f"train_step-{mode}.png", title, rates, worlds)
 
     print(f"\n{table(records, mode)}\n\nLoad during the runs: {load_line}\n")

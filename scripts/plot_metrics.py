@@ -28,8 +28,10 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from utils.checkpoint import atomic_write  # noqa: E402
 
 PROG = "plot_metrics.py"
 REQUIRED = ("epoch", "train_loss", "test_accuracy")
@@ -119,21 +121,6 @@ def label(name: str, run: dict, k: int, total: int) -> str:
     return name + (f" run {k + 1}" if total > 1 else "") + (f" ({', '.join(parts)})" if parts else "")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
@@ -217,7 +204,7 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    write_atomic(out, buf.getvalue())
+    atomic_write(out, buf.getvalue())
 
 
 def main(argv=None) -> int:

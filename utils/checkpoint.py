@@ -1,4 +1,5 @@
 """Saving without ever leaving half a file, and loading only what is safe to load."""
+import io
 import os
 import pickle
 import re
@@ -11,8 +12,8 @@ import torch
 from utils.errors import UsageError
 
 
-def atomic_save(obj, path):
-    """torch.save to a temp file in the same folder, fsync, then rename over `path`.
+def atomic_write(path, data):
+    """Write bytes to a temp file in the same folder, fsync, then rename over `path`.
 
     A crash at any moment leaves either the old file or the new one, never a mix.
     """
@@ -22,7 +23,7 @@ def atomic_save(obj, path):
     try:
         os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; give it a normal file's mode
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,6 +35,13 @@ def atomic_save(obj, path):
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def atomic_save(obj, path):
+    """torch.save `obj` to `path` atomically (see atomic_write)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write(path, buffer.getvalue())
 
 
 def current_umask():
