@@ -1,13 +1,19 @@
 """Bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
 import os
 import pickle
+import random
 import shutil
+import sys
 
 import pytest
 import torch
 
 import procs
 from procs import REPO
+
+sys.path.insert(0, REPO)
+from utils.checkpoint import safe_load  # noqa: E402
+from utils.errors import UsageError  # noqa: E402
 
 SHIPPED = os.path.join(REPO, "model_state_dict.pth")
 
@@ -62,7 +68,7 @@ def bad_model_files(tmp_path):
     files["truncated"] = tmp_path / "truncated.pth"
     files["truncated"].write_bytes(open(SHIPPED, "rb").read()[:5000])
     files["garbage"] = tmp_path / "garbage.pth"
-    files["garbage"].write_bytes(os.urandom(4096))
+    files["garbage"].write_bytes(random.Random(0).randbytes(4096))  # seeded: the same bytes every run
     files["not a state dict"] = tmp_path / "list.pth"
     torch.save([1, 2, 3], files["not a state dict"])
     files["other architecture"] = tmp_path / "other.pth"
@@ -80,6 +86,18 @@ def test_bad_model_files(tmp_path):
                                  timeout=50)
             assert_one_line_error(result, str(path))
     assert not (tmp_path / "out.pth").exists()
+
+
+@pytest.mark.timeout(60)
+def test_any_random_bytes_are_refused_as_corrupt(tmp_path):
+    """Random bytes go through the legacy unpickler, which can fail with almost any exception
+    (IndexError, UnicodeDecodeError, ...). Every one must become a UsageError naming the file."""
+    path = tmp_path / "garbage.pth"
+    for seed in range(300):
+        rng = random.Random(seed)
+        path.write_bytes(rng.randbytes(rng.choice([1, 2, 16, 300, 4096])))
+        with pytest.raises(UsageError, match="garbage.pth"):
+            safe_load(str(path), "model file")
 
 
 class RunsCode:

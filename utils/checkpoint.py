@@ -5,7 +5,6 @@ import pickle
 import re
 import tempfile
 import warnings
-import zipfile
 
 import torch
 
@@ -74,8 +73,9 @@ def safe_load(path, what="file"):
         reason = re.search(r"Unsupported [^\n.]*", str(e))
         raise UsageError(f"{what} {path} was refused by the weights-only loader: it holds more than tensors"
                          f"{f' ({reason.group(0)})' if reason else ''}; load only files you trust")
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as e:
-        raise UsageError(f"{what} {path} is not a readable PyTorch file (truncated or corrupt: {str(e).splitlines()[0][:160]})")
+    except Exception as e:  # random bytes reach the legacy unpickler, which can fail in any way at all
+        detail = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise UsageError(f"{what} {path} is not a readable PyTorch file (truncated or corrupt: {detail})")
 
 
 def load_model_state(model, path):
