@@ -203,9 +203,14 @@ def init_distributed(args):
         os.environ["GLOO_SOCKET_IFNAME"] = args.ifname  # gloo reads it when the group starts
     where = args.init_method if args.init_method != "env://" else \
         f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    timeout = datetime.timedelta(seconds=args.timeout)
     try:
-        dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=args.world_size,
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        if args.init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group("gloo", store=torchrun_attempt_store(timeout), rank=args.rank,
+                                    world_size=args.world_size, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank,
+                                    world_size=args.world_size, timeout=timeout)
     except (RuntimeError, ValueError) as e:
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
@@ -220,6 +225,18 @@ def init_distributed(args):
                             resumable=False) from None
         raise UsageError(f"could not reach rank 0 at {where} within {args.timeout:g} s "
                          f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}") from None
+
+
+def torchrun_attempt_store(timeout):
+    """The store of this torchrun attempt: the agent's store, under a prefix of its own.
+
+    torchrun's agent keeps one store for the whole job, and torch's env:// does not separate the
+    attempts in it, so after a restart the dead ranks' gloo addresses are still there: a restarted
+    rank that reads one before its peer has overwritten it gets "connection refused".
+    """
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"train.py/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
 
 
 def check_same_settings(args, model):

@@ -1,4 +1,5 @@
 """Faults: dead or missing peers, kills during saving, exact resume, mismatched ranks."""
+import datetime
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import procs
 
@@ -181,9 +183,9 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path):
     assert straight.returncode == 0, straight.stderr
     checkpoint = tmp_path / "b.pt"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--max-restarts", "3", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
+                            "--max-restarts", "1", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
                             "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth"),
-                            "--timeout", "20"],  # a restart attempt that goes wrong fails fast and is retried
+                            "--timeout", "20"],  # one restart must be enough
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
@@ -201,6 +203,36 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path):
     assert job.returncode == 0, err[-3000:]
     assert f"resuming from {checkpoint}" in out
     assert final_digest(out) == final_digest(straight.stdout)
+
+
+def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path):
+    """torchrun's agent keeps one store for the whole job, and a worker's gloo address stays in it
+    after the worker dies. The test plays the agent (it hosts the store) and makes the race of a
+    restart certain: attempt 1's rank 1 starts 3 s before rank 0, so it must wait for rank 0's new
+    address instead of dialling attempt 0's dead one ("connection refused")."""
+    port = procs.free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    cwd = procs.scratch_dir()
+
+    def start(rank, attempt):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS="1")
+        return subprocess.Popen([sys.executable, procs.TRAIN, "--train-subset", "128", "--epochs", "1",
+                                 "--metrics", "", "--timeout", "30", "--save-path", str(tmp_path / "m.pth"),
+                                 "--checkpoint", str(tmp_path / f"c{attempt}.pt")],
+                                env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+    first = procs.wait_all([start(0, 0), start(1, 0)], timeout=120)
+    assert all(code == 0 for code, _, _ in first), first
+    late = [start(1, 1)]
+    time.sleep(3)
+    late.append(start(0, 1))
+    second = procs.wait_all(late, timeout=120)
+    assert all(code == 0 for code, _, _ in second), second
+    del store
 
 
 def _is_worker(pid, marker):
