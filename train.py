@@ -31,10 +31,10 @@ import torch.distributed as dist  # noqa: E402
 
 from utils.checkpoint import load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import load_mnist  # noqa: E402
-from utils.errors import PeerError, UsageError  # noqa: E402
+from utils.errors import PeerError, UsageError, first_line  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.ring import ALGORITHMS  # noqa: E402
-from utils.run import check_identical_parameters, first_line, run, test_model  # noqa: E402
+from utils.run import check_identical_parameters, run, test_model  # noqa: E402
 
 PROG = "train.py"
 LOCAL_GRACE_SECONDS = 5
@@ -96,6 +96,9 @@ def parse_args(argv):
     p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="sum gradient buckets during backward (default on; --no-overlap: backward, then sum)")
+    p.add_argument("--lazy-update", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --overlap: apply each bucket's update just before the next forward uses it, so "
+                        "communication also overlaps the next forward (same parameters, bit for bit)")
     p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
     p.add_argument("--nproc", type=positive(int), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
@@ -138,6 +141,8 @@ def validate(args):
         check_init_method(args.init_method)
     if args.ifname is not None:
         check_interface(args.ifname)
+    if args.lazy_update and not args.overlap:
+        raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
 
@@ -243,7 +248,7 @@ def check_same_settings(args, model):
     """Every rank must train the same thing: compare the settings that must match, by name."""
     mine = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
             "batch-size": args.batch_size, "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
-            "allreduce": args.allreduce, "chunks": args.chunks, "overlap": args.overlap,
+            "allreduce": args.allreduce, "chunks": args.chunks, "overlap": args.overlap, "lazy-update": args.lazy_update,
             "bucket-mb": args.bucket_mb, "train-subset": args.train_subset}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -330,7 +335,8 @@ def train(args, data):
             set_aside_old_checkpoint(args)
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
-              f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'})", flush=True)
+              f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'}"
+              f"{', lazy update' if args.lazy_update else ''})", flush=True)
     run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
 

@@ -446,7 +446,21 @@ def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
                         "worst_ratio": worst[metric], "worst_size": worst["size"],
                         "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
                         if metric == "ratio_limit" else {},
-                        "per_size": {r["size"]: round(r[metric], 4) for r in rows}})
+                        "per_size": {r["size"]: round(r[metric], 4) for r in rows},
+                        "paired": paired_vs_gloo(records, rows) if metric == "ratio_gloo" else {}})
+    return out
+
+
+def paired_vs_gloo(records: list[dict], rows: list[dict]) -> dict:
+    """Per size: the median of (time / gloo's time) over repetitions, which ran side by side,
+    and in how many repetitions it was faster. Tells a tie from a real difference."""
+    out = {}
+    for r in rows:
+        gloo = next((g for g in records if g["algorithm"] == "gloo" and g["world_size"] == r["world_size"]
+                     and g["bytes"] == r["bytes"]), None)
+        if gloo and len(gloo["times_ms"]) == len(r["times_ms"]):
+            ratios = [a / b for a, b in zip(r["times_ms"], gloo["times_ms"])]
+            out[r["size"]] = [round(statistics.median(ratios), 4), sum(x < 1 for x in ratios), len(ratios)]
     return out
 
 
@@ -462,6 +476,9 @@ def target_lines(targets: list[dict]) -> str:
         if t.get("wire_floor") and not t["target"].startswith("two-pass"):
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
             lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<44} N={t['world_size']}  [{floors}]")
+        if t.get("paired"):
+            paired = "  ".join(f"{k} {m:.3f} ({faster}/{total})" for k, (m, faster, total) in t["paired"].items())
+            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n)':<44} N={t['world_size']}  [{paired}]")
     return "\n".join(lines)
 
 

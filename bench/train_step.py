@@ -16,6 +16,10 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
     <alg>+overlap     utils.run.GradientSum with overlap on: buckets of --bucket-mb MB are
                       summed on a comm thread during backward (utils/overlap.py); chunks
                       are passed as given ("auto": per bucket)
+    <alg>+overlap+lazy  the same, with --lazy-update: sum() does not wait; each bucket's Adam
+                      update is applied in the next forward, just before its layer runs
+                      (utils/overlap.LazyUpdate); a sample ends with finish(), so it holds
+                      all of its steps' work
     ddp               torch.nn.parallel.DistributedDataParallel (gloo), defaults: the reference
 
 Timing. Every round runs every configuration once (the order rotates from one round to the
@@ -106,8 +110,10 @@ def make_configs(args) -> list[dict]:
                         "chunks": plain_chunks if two_pass else None, "bucket_mb": None})
         for mb in args.bucket_mb:
             suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
-            configs.append({"name": f"{alg}+overlap{suffix}", "kind": "sum", "allreduce": alg, "overlap": True,
-                            "chunks": bucket_chunks if two_pass else None, "bucket_mb": mb})
+            for lazy in (False, True):
+                configs.append({"name": f"{alg}+overlap{'+lazy' if lazy else ''}{suffix}", "kind": "sum",
+                                "allreduce": alg, "overlap": True, "lazy": lazy,
+                                "chunks": bucket_chunks if two_pass else None, "bucket_mb": mb})
     configs.append({"name": "ddp", "kind": "ddp"})
     if args.only:
         keep = set(args.only) | {"compute", "compute-alone", "ddp"}
@@ -157,7 +163,8 @@ def worker(args) -> int:
             if spec["kind"] == "sum":
                 self.gsum = trainer_run.GradientSum(self.model, argparse.Namespace(
                     allreduce=spec["allreduce"], chunks=spec["chunks"] or 1, overlap=spec["overlap"],
-                    bucket_mb=spec["bucket_mb"] or 1.0))
+                    lazy_update=spec.get("lazy", False), bucket_mb=spec["bucket_mb"] or 1.0,
+                    timeout=cfg["op_timeout"]), self.optimizer, self.scheduler)
 
         def sample(self, first_batch):
             """k_steps consecutive training steps, as utils/run.train_model (after a barrier).
@@ -170,25 +177,30 @@ def worker(args) -> int:
             for s in range(k_steps):
                 batch = batches[(first_batch + s) % len(batches)]
                 ta = time.perf_counter()
-                self.optimizer.zero_grad()
                 loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
                 loss.backward()
                 tb = time.perf_counter()
-                if self.gsum is not None:
+                if self.gsum is not None:           # as utils/run.train_model
                     self.gsum.sum()
-                tc = time.perf_counter()
-                self.optimizer.step()
-                self.scheduler.step()
+                    tc = time.perf_counter()
+                    self.gsum.step()
+                else:
+                    tc = time.perf_counter()
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad()
                 loss.item()
                 td = time.perf_counter()
                 fb, sm, op = fb + (tb - ta), sm + (tc - tb), op + (td - tc)
+            if self.gsum is not None:               # lazy: the last step's update is part of this sample
+                self.gsum.finish()
             total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             return tuple(x / k_steps for x in (total, fb, sm, op, r1.ru_utime - r0.ru_utime,
                                                r1.ru_stime - r0.ru_stime))
 
         def close(self):
-            if self.gsum is not None and self.gsum.overlapped is not None:
-                self.gsum.overlapped.close()
+            if self.gsum is not None:
+                self.gsum.close()
 
     runners = [Runner(spec) for spec in cfg["configs"]]
     times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, usr, sys)
@@ -395,7 +407,7 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
         med = statistics.median(ms)
         recs.append({
             "rate": rate, "rate_bits_per_s": rate_bits, "world_size": n, "config": c["name"],
-            "kind": c["kind"], "allreduce": c.get("allreduce"), "overlap": c.get("overlap", False),
+            "kind": c["kind"], "allreduce": c.get("allreduce"), "overlap": c.get("overlap", False), "lazy": c.get("lazy", False),
             "chunks": c.get("chunks"), "bucket_mb": c.get("bucket_mb"), "iters": len(ms),
             "step_ms": ms, "median_ms": med, "p25_ms": q(ms, 0.25), "p75_ms": q(ms, 0.75),
             "min_ms": min(ms), "max_ms": max(ms),

@@ -8,8 +8,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "train_step.py")
-CONFIGS = {"compute-alone", "compute", "two-pass", "two-pass+overlap", "ring", "ring+overlap",
-           "gloo", "gloo+overlap", "ddp"}
+CONFIGS = {"compute-alone", "compute", "two-pass", "two-pass+overlap", "two-pass+overlap+lazy", "ring",
+           "ring+overlap", "ring+overlap+lazy", "gloo", "gloo+overlap", "gloo+overlap+lazy", "ddp"}
 
 
 @pytest.mark.timeout(180)
@@ -34,6 +34,8 @@ def test_loopback_run_measures_every_configuration(tmp_path):
     assert by["two-pass"]["chunks"] == 7 and by["two-pass+overlap"]["chunks"] == "auto"   # auto_chunks(421,642)
     assert by["gloo+overlap"]["overlap"] is True and by["gloo"]["overlap"] is False
     assert by["two-pass+overlap"]["same_bits_as_plain"] is True   # two-pass adds in one order, bucketed or not
+    assert by["two-pass+overlap+lazy"]["same_bits_as_plain"] is True  # and Adam updates each parameter alone
+    assert by["ring+overlap+lazy"]["lazy"] is True and by["ring+overlap"]["lazy"] is False
     assert data["params_identical"] is True and data["batch_size"] == {"2": 32}
     assert any(t["target"] == "best >= DDP throughput" and t["status"] == "info" for t in data["targets"])
     png = (tmp_path / "train_step-loopback.png").read_bytes()

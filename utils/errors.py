@@ -1,4 +1,5 @@
 """The two ways this program stops early, each reported as one line."""
+import re
 
 
 class UsageError(Exception):
@@ -11,3 +12,9 @@ class PeerError(Exception):
     def __init__(self, message, resumable=True):
         super().__init__(message)
         self.resumable = resumable  # False before training started: there is nothing to resume
+
+
+def first_line(error):
+    """The gist of an exception: its first line, without gloo's [source.cc:123] prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+    return text.splitlines()[0][:300] if text else type(error).__name__

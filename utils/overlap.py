@@ -1,22 +1,38 @@
-"""Summing gradients while backward is still running.
+"""Summing gradients while backward is still running, and updating while forward runs.
 
 backward() produces gradients from the last layer to the first. Instead of waiting for all of
 them, the parameters are grouped into buckets in that order; as soon as a bucket's gradients
-are all there, a communication thread averages that bucket over the ranks (with any algorithm
-of utils/ring.py) while autograd keeps computing the earlier layers:
+are all there, that bucket's own thread averages it over the ranks (with any algorithm of
+utils/ring.py) while autograd keeps computing the earlier layers:
 
-    main thread:  backward fc2 fc1 | conv2 ......... conv1 | wait() | optimizer.step()
-    comm thread:                   | sum bucket 0 (fc*)    | sum bucket 1 (conv*)
+    main thread:      backward fc2 fc1 | conv2 ....... conv1 | wait() | optimizer.step()
+    bucket 0 thread:                   | sum fc* (1.6 MB) ...........|
+    bucket 1 thread:                                         | sum conv* (75 KB)
 
-Buckets are always summed in the same order (0, 1, 2, ...) on every rank, whatever order the
-hooks fire in, so the ranks' messages always match up.
+Every bucket has its own process group (its own TCP connections), so the small conv bucket,
+ready last, does not queue behind the big fc bucket on one socket. Each bucket's messages
+match up because each bucket is summed once per step, in its own group, on every rank.
+
+Lazy update (LazyUpdate, --lazy-update) goes one step further: after backward the trainer does
+not wait at all. Each bucket's optimizer update is applied just before the next forward first
+uses its parameters. The next step's forward starts with conv1, whose small bucket is done
+first, while the big fc bucket is still on the wire:
+
+    main thread:   backward ... | forward: [step conv*] conv1 conv2 [step fc*] fc1 fc2 | backward
+    bucket 0:      sum fc* ..........................................|
+    bucket 1:              sum conv* |
+
+Adam's update of a parameter reads only that parameter's gradient and state, so updating bucket
+by bucket, with the step's learning rate, gives exactly the parameters of one optimizer.step().
 """
 import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from utils import ring
+from utils.errors import PeerError, first_line
 
 
 def make_buckets(params, bucket_bytes):
@@ -34,19 +50,27 @@ def make_buckets(params, bucket_bytes):
 
 
 class OverlappedGradientSum:
-    """After loss.backward(), wait() returns once every gradient holds its average over ranks."""
+    """After loss.backward(), wait() returns once every gradient holds its average over ranks.
 
-    def __init__(self, params, algorithm="two-pass", chunks="auto", bucket_bytes=1 << 20):
+    Every rank must construct it at the same point (it creates one process group per bucket).
+    """
+
+    def __init__(self, params, algorithm="two-pass", chunks="auto", bucket_bytes=1 << 20, timeout=None):
         self.algorithm, self.chunks = algorithm, chunks
         self.buckets = make_buckets(list(reversed(list(params))), bucket_bytes)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]
-        self.ready = [threading.Event() for _ in self.buckets]
-        self.done, self.error = threading.Event(), None
-        self.busy_seconds = 0.0  # time the comm thread spent summing, for bandwidth figures
+        self.ready = [threading.Event() for _ in self.buckets]    # gradients there: sum it
+        self.summed = [threading.Event() for _ in self.buckets]   # averaged (or failed)
+        self.error = None
+        self.busy_seconds = 0.0  # time spent summing, over all buckets, for bandwidth figures
         self.lock = threading.Lock()
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.bucket_of]
-        threading.Thread(target=self._communicate, name="gradient-sum", daemon=True).start()
+        groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
+                  for _ in self.buckets]
+        for i, group in enumerate(groups):
+            threading.Thread(target=self._communicate, args=(i, group), name=f"gradient-sum-{i}",
+                             daemon=True).start()
 
     def _on_gradient(self, param):  # runs inside backward, once per parameter
         i = self.bucket_of[param]
@@ -55,40 +79,112 @@ class OverlappedGradientSum:
             if self.missing[i] == 0:
                 self.ready[i].set()
 
-    def _communicate(self):
+    def _communicate(self, i, group):
+        bucket = self.buckets[i]
         try:
             while True:
-                for i, bucket in enumerate(self.buckets):
-                    self.ready[i].wait()
-                    self.ready[i].clear()
-                    start = time.perf_counter()
-                    flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                    ring.average_(flat, self.algorithm, self.chunks)
-                    offset = 0
-                    for p in bucket:
-                        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                        offset += p.numel()
+                self.ready[i].wait()
+                self.ready[i].clear()
+                start = time.perf_counter()
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                ring.average_(flat, self.algorithm, self.chunks, group)
+                offset = 0
+                for p in bucket:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                with self.lock:
                     self.busy_seconds += time.perf_counter() - start
-                self.done.set()
+                self.summed[i].set()
         except Exception as e:  # a dead peer: hand the error to the training thread
             self.error = e
-            self.done.set()
+            for event in self.summed:
+                event.set()
 
-    def wait(self):
-        """Call after loss.backward(): blocks until all buckets are summed; raises what comm raised."""
+    def backward_done(self):
+        """Call after loss.backward(): buckets whose parameters took no part are summed as zeros."""
         with self.lock:  # backward is over: every hook that was going to run has run
             for i, bucket in enumerate(self.buckets):
-                if self.missing[i] > 0:  # parameters that took no part count as zero gradients
+                if self.missing[i] > 0:
                     for p in bucket:
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
                     self.ready[i].set()
                 self.missing[i] = len(bucket)  # for the next step
-        self.done.wait()
-        self.done.clear()
+
+    def wait_bucket(self, i):
+        """Block until bucket i is averaged; raises PeerError if communication failed."""
+        self.summed[i].wait()
         if self.error is not None:
-            raise RuntimeError(str(self.error)) from self.error
+            raise PeerError(first_line(self.error))  # the trainer says where
+        self.summed[i].clear()
+
+    def wait(self):
+        """After loss.backward(): block until all buckets are averaged."""
+        self.backward_done()
+        for i in range(len(self.buckets)):
+            self.wait_bucket(i)
 
     def close(self):
         for hook in self.hooks:
             hook.remove()
+
+
+class LazyUpdate:
+    """Applies one training step's optimizer update bucket by bucket, as the next forward needs it.
+
+    step() after backward only notes that an update is due. A forward pre-hook on each layer
+    waits for that layer's bucket and updates it; a hook after the whole forward updates anything
+    the forward did not use and advances the learning-rate schedule, so backward always starts
+    from fully updated parameters. finish() applies whatever is due at once (before evaluating
+    or saving).
+    """
+
+    def __init__(self, model, optimizer, scheduler, overlapped):
+        self.optimizer, self.scheduler, self.overlapped = optimizer, scheduler, overlapped
+        self.due = []                 # bucket indices whose update is still to be applied
+        self.waited_seconds = 0.0     # time the training thread blocked on communication
+        self.handles = [model.register_forward_hook(lambda *_: self.finish())]
+        for module in model.modules():
+            mine = sorted({overlapped.bucket_of[p] for p in module.parameters(recurse=False)})
+            if mine:
+                self.handles.append(module.register_forward_pre_hook(
+                    lambda *_, buckets=tuple(mine): self._update(buckets)))
+
+    def step(self):
+        self.overlapped.backward_done()
+        self.due = list(range(len(self.overlapped.buckets)))
+
+    def _update(self, buckets):
+        for i in buckets:
+            if i in self.due:
+                start = time.perf_counter()
+                self.overlapped.wait_bucket(i)
+                self.waited_seconds += time.perf_counter() - start
+                self.due.remove(i)
+                step_only(self.optimizer, self.overlapped.buckets[i])
+                for p in self.overlapped.buckets[i]:
+                    p.grad = None
+                if not self.due:      # the whole step is applied: now the next learning rate
+                    self.scheduler.step()
+
+    def finish(self):
+        self._update(tuple(self.due))
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def step_only(optimizer, params):
+    """optimizer.step() for `params` alone, with the optimizer's current settings.
+
+    For optimizers whose update is per parameter (Adam, SGD), stepping a model in pieces gives
+    bit for bit the same result as one step over all of it.
+    """
+    wanted = {id(p) for p in params}
+    groups = optimizer.param_groups
+    optimizer.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in wanted]) for g in groups]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups

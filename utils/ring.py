@@ -9,6 +9,11 @@ copied. `average_()` divides by the world size afterwards; that is what training
     ring_sum           bandwidth-optimal reduce-scatter + all-gather.
     gloo_sum           dist.all_reduce, the reference.
 
+group: every function also takes a process group of ALL ranks, in the same order, that has its
+own connections (utils/overlap.py gives each gradient bucket one, so a small bucket need not
+queue behind a big one on the same socket). Peer ranks are the same numbers as in the default
+group. None means the default group.
+
 Timeouts: gloo applies the process group's timeout (init_process_group(timeout=...)) to every
 send and receive, so a silent peer turns into an exception instead of a hang.
 """
@@ -26,7 +31,7 @@ def auto_chunks(numel, element_size=4):
     return max(1, min(MAX_CHUNKS, math.ceil(numel * element_size / CHUNK_BYTES)))
 
 
-def two_pass_ring_sum(flat, chunks=1):
+def two_pass_ring_sum(flat, chunks=1, group=None):
     """Sum `flat` over all ranks with the two-pass chain, in place.
 
     Pass 1 (reduce along the chain; the last rank closes the loop to rank 0):
@@ -44,7 +49,7 @@ def two_pass_ring_sum(flat, chunks=1):
     piece c while piece c+1 is still arriving. Each message has its own tag
     (pass 1: c, pass 2: K + c). The sum order is the same for any K: g0 + g1 + ... + gN-1.
     """
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return flat
     k = max(1, min(chunks, flat.numel()))
@@ -56,33 +61,33 @@ def two_pass_ring_sum(flat, chunks=1):
     pending = []                       # sends still in flight
 
     if rank == 0:
-        receives = [dist.irecv(totals[c], last, tag=k + c) for c in range(k)]
-        pending += [dist.isend(own[c], 1, tag=c) for c in range(k)]
+        receives = [dist.irecv(totals[c], last, group=group, tag=k + c) for c in range(k)]
+        pending += [dist.isend(own[c], 1, group=group, tag=c) for c in range(k)]
         for c in range(k):
             receives[c].wait()
             if n > 2:                  # pass 2 starts here
-                pending.append(dist.isend(totals[c], 1, tag=k + c))
+                pending.append(dist.isend(totals[c], 1, group=group, tag=k + c))
     else:
-        receives = [dist.irecv(partials[c], rank - 1, tag=c) for c in range(k)]
+        receives = [dist.irecv(partials[c], rank - 1, group=group, tag=c) for c in range(k)]
         for c in range(k):
             receives[c].wait()
             partials[c].add_(own[c])
-            pending.append(dist.isend(partials[c], (rank + 1) % n, tag=c if rank < last else k + c))
+            pending.append(dist.isend(partials[c], (rank + 1) % n, group=group, tag=c if rank < last else k + c))
         if rank == last:
             total = partial            # pass 1 ended here with the total
         else:
-            receives = [dist.irecv(totals[c], rank - 1, tag=k + c) for c in range(k)]
+            receives = [dist.irecv(totals[c], rank - 1, group=group, tag=k + c) for c in range(k)]
             for c in range(k):
                 receives[c].wait()
                 if rank < n - 2:       # pass 2 stops at rank N-2
-                    pending.append(dist.isend(totals[c], rank + 1, tag=k + c))
+                    pending.append(dist.isend(totals[c], rank + 1, group=group, tag=k + c))
     for work in pending:
         work.wait()
     flat.copy_(total)
     return flat
 
 
-def ring_sum(flat):
+def ring_sum(flat, group=None):
     """Sum `flat` over all ranks, in place: reduce-scatter, then all-gather.
 
     The buffer is cut into N segments. Every step, each rank sends one segment to its right
@@ -105,7 +110,7 @@ def ring_sum(flat):
     are the same rank, so a late notice serialises the two directions: 2x the time) and in
     the same NIC queue. Posted a step early, it is there before the neighbour needs it.
     """
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return flat
     segments = torch.tensor_split(flat, n)
@@ -124,13 +129,13 @@ def ring_sum(flat):
     # Segments are empty when the buffer is smaller than N; both ends know, both skip.
     def receive(step):
         buffer = landing(step)[1] if step < steps else None
-        return dist.irecv(buffer, left, tag=step) if buffer is not None and buffer.numel() else None
+        return dist.irecv(buffer, left, group=group, tag=step) if buffer is not None and buffer.numel() else None
 
     sends = []
 
     def send(step, segment):
         if segment.numel():
-            sends.append(dist.isend(segment, right, tag=step))
+            sends.append(dist.isend(segment, right, group=group, tag=step))
 
     incoming = receive(0)
     send(0, segments[rank])
@@ -149,28 +154,28 @@ def ring_sum(flat):
     return flat
 
 
-def gloo_sum(flat):
+def gloo_sum(flat, group=None):
     """Sum `flat` over all ranks with gloo's own all_reduce (the reference)."""
-    if dist.get_world_size() > 1:
-        dist.all_reduce(flat)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
     return flat
 
 
 ALGORITHMS = ("two-pass", "ring", "gloo")
 
 
-def sum_(flat, algorithm="two-pass", chunks=1):
+def sum_(flat, algorithm="two-pass", chunks=1, group=None):
     """Sum `flat` over all ranks in place with the named algorithm (chunks: a number or "auto")."""
     if algorithm == "two-pass":
-        return two_pass_ring_sum(flat, auto_chunks(flat.numel()) if chunks == "auto" else chunks)
+        return two_pass_ring_sum(flat, auto_chunks(flat.numel()) if chunks == "auto" else chunks, group)
     if algorithm == "ring":
-        return ring_sum(flat)
+        return ring_sum(flat, group)
     if algorithm == "gloo":
-        return gloo_sum(flat)
+        return gloo_sum(flat, group)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
 
 
-def average_(flat, algorithm="two-pass", chunks=1):
+def average_(flat, algorithm="two-pass", chunks=1, group=None):
     """Average `flat` over all ranks in place: the sum, divided by the world size."""
-    sum_(flat, algorithm, chunks)
-    return flat.div_(dist.get_world_size())
+    sum_(flat, algorithm, chunks, group)
+    return flat.div_(dist.get_world_size(group))

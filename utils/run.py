@@ -4,10 +4,10 @@
     test_model()   accuracy on the 10,000 test images
     run()          the epoch loop: train, evaluate (rank 0), log, save state dict and checkpoint
 """
+import datetime
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 
@@ -19,8 +19,8 @@ from tqdm import tqdm
 from utils import ring
 from utils.checkpoint import atomic_save
 from utils.data import epoch_indices
-from utils.errors import PeerError
-from utils.overlap import OverlappedGradientSum
+from utils.errors import PeerError, first_line
+from utils.overlap import LazyUpdate, OverlappedGradientSum
 
 
 def sum_gradients(params, algorithm="two-pass", chunks=1):
@@ -37,28 +37,65 @@ def sum_gradients(params, algorithm="two-pass", chunks=1):
 
 
 class GradientSum:
-    """The training loop's one call between backward and step: `sum()` averages the gradients.
+    """The training loop's calls between backward and the next forward: sum(), then step().
 
-    Plain: backward first, then the whole sum. Overlapped (utils/overlap.py): buckets are summed
-    during backward, and `sum()` only waits for the last of them.
+    Plain (--no-overlap): backward first, then the whole sum, then optimizer.step().
+    Overlapped (utils/overlap.py): buckets are summed during backward; sum() waits for the last.
+    Lazy (--lazy-update): sum() does not wait at all; step() leaves each bucket's update to the
+    next forward, which applies it just before it uses those parameters. finish() applies
+    anything still due (before evaluating or saving).
     """
 
-    def __init__(self, model, args):
+    def __init__(self, model, args, optimizer, scheduler):
         self.params, self.args = list(model.parameters()), args
-        self.overlapped = None
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.overlapped = self.lazy = None
+        self.busy_seconds = self.waited_seconds = 0.0  # communication ran / the training thread waited
         if args.overlap:
             self.overlapped = OverlappedGradientSum(self.params, args.allreduce, args.chunks,
-                                                    int(args.bucket_mb * 2**20))
+                                                    int(args.bucket_mb * 2**20),
+                                                    datetime.timedelta(seconds=getattr(args, "timeout", 1800)))
+            if args.lazy_update:
+                self.lazy = LazyUpdate(model, optimizer, scheduler, self.overlapped)
 
     def sum(self):
-        """Average the gradients; returns seconds the communication itself took (for bandwidth)."""
-        if self.overlapped is not None:
-            busy_before = self.overlapped.busy_seconds
-            self.overlapped.wait()
-            return self.overlapped.busy_seconds - busy_before
+        """Average the gradients over all ranks (lazy: just let the buckets' sums run)."""
         start = time.perf_counter()
-        sum_gradients(self.params, self.args.allreduce, self.args.chunks)
-        return time.perf_counter() - start
+        if self.lazy is not None:
+            return
+        if self.overlapped is not None:
+            self.overlapped.wait()
+        else:
+            try:
+                sum_gradients(self.params, self.args.allreduce, self.args.chunks)
+            except RuntimeError as e:  # gloo reports a dead or silent peer this way
+                raise PeerError(first_line(e)) from None  # train_model says where
+            self.busy_seconds += time.perf_counter() - start
+        self.waited_seconds += time.perf_counter() - start
+
+    def step(self):
+        """optimizer.step() and the learning-rate schedule, now (lazy: in the next forward)."""
+        if self.lazy is not None:
+            self.lazy.step()
+            return
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+
+    def finish(self):
+        if self.lazy is not None:
+            self.lazy.finish()
+
+    def seconds(self):
+        """(communication ran, the training thread waited for it), seconds since the start."""
+        if self.overlapped is None:
+            return self.busy_seconds, self.waited_seconds
+        return self.overlapped.busy_seconds, self.waited_seconds + (self.lazy.waited_seconds if self.lazy else 0.0)
+
+    def close(self):
+        for part in (self.lazy, self.overlapped):
+            if part is not None:
+                part.close()
 
 
 def make_optimizer(model, args, steps_per_epoch):
@@ -109,33 +146,32 @@ class EpochStats:
         self.step_seconds = step_seconds
 
 
-def train_model(model, optimizer, scheduler, gradient_sum, images, labels, batches, epoch, first_step, stats,
-                save_every=0, save=None):
+def train_model(model, gradient_sum, images, labels, batches, epoch, first_step, stats, save_every=0, save=None):
     """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps."""
     model.train()
     progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
+    step = first_step
     try:
         for step in range(first_step + 1, len(batches) + 1):
             batch = batches[step - 1]
-            start = time.perf_counter()
-            optimizer.zero_grad()
+            start, (busy_before, waited_before) = time.perf_counter(), gradient_sum.seconds()
             loss = F.cross_entropy(model(images[batch]), labels[batch])
             loss.backward()
-            comm_start = time.perf_counter()
-            try:
-                stats.busy_seconds += gradient_sum.sum()
-            except RuntimeError as e:  # gloo reports a dead or silent peer this way
-                raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): "
-                                f"{first_line(e)}") from None
-            stats.comm_seconds += time.perf_counter() - comm_start
-            optimizer.step()
-            scheduler.step()
+            gradient_sum.sum()
+            gradient_sum.step()
+            busy, waited = gradient_sum.seconds()
+            stats.busy_seconds += busy - busy_before
+            stats.comm_seconds += waited - waited_before
             stats.step_seconds += time.perf_counter() - start
             stats.loss_sum += loss.item()
             stats.steps += 1
             progress.update(step, stats.loss_sum / stats.steps)
             if save_every and step % save_every == 0 and step < len(batches):
+                gradient_sum.finish()
                 save(epoch, step, stats)
+        gradient_sum.finish()
+    except PeerError as e:
+        raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): {e}") from None
     finally:
         progress.close()
 
@@ -149,12 +185,6 @@ def test_model(model, images, labels, batch_size=1000):
     return correct / len(labels)
 
 
-def first_line(error):
-    """The gist of an exception: its first line, without gloo's [source.cc:123] prefix."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
-    return text.splitlines()[0][:300] if text else type(error).__name__
-
-
 def run(model, data, args, resume_from=None):
     """Train for args.epochs epochs; rank 0 evaluates, logs and saves after each.
 
@@ -164,7 +194,7 @@ def run(model, data, args, resume_from=None):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, args))
     optimizer, scheduler = make_optimizer(model, args, steps_per_epoch)
-    gradient_sum = GradientSum(model, args)
+    gradient_sum = GradientSum(model, args, optimizer, scheduler)
     first_epoch, first_step, stats = 1, 0, EpochStats()
     if resume_from is not None:
         optimizer.load_state_dict(resume_from["optimizer"])
@@ -185,8 +215,8 @@ def run(model, data, args, resume_from=None):
     for epoch in range(first_epoch, args.epochs + 1):
         start = time.time()
         batches = batches_of_epoch(len(train_labels), epoch, args)
-        train_model(model, optimizer, scheduler, gradient_sum, train_images, train_labels, batches,
-                    epoch, first_step, stats, args.save_every, save_checkpoint)
+        train_model(model, gradient_sum, train_images, train_labels, batches, epoch, first_step, stats,
+                    args.save_every, save_checkpoint)
         if rank == 0:
             accuracy = test_model(model, test_images, test_labels)
             seconds = time.time() - start
