@@ -694,9 +694,10 @@ def main(argv=None) -> int:
                     help="images per step over all ranks instead: batch per rank = this // N (train.py's "
                          "default is 64)")
     ap.add_argument("--warmup", type=int, default=3, help="discarded rounds first (default 3)")
-    ap.add_argument("--iters", type=positive_int, default=20, help="timed rounds (default 20)")
-    ap.add_argument("--steps-per-sample", type=positive_int, default=3,
-                    help="consecutive training steps per configuration and round, timed together (default 3)")
+    ap.add_argument("--iters", type=positive_int, default=15, help="timed rounds (default 15)")
+    ap.add_argument("--steps-per-sample", type=positive_int, default=6,
+                    help="consecutive training steps per configuration and round, timed together (default 6; "
+                         "each sample starts after a barrier, which drains what a lazy update would carry over)")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","))
     ap.add_argument("--chunks", type=chunks, default="auto",
                     help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)")

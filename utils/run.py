@@ -1,6 +1,6 @@
 """Training: the epoch loop, one step at a time, with the gradients summed over the ring.
 
-    train_model()  one epoch: forward, loss.backward(), sum_gradients(), optimizer.step()
+    train_model()  one epoch: forward, loss.backward(), gradient_sum.sum(), gradient_sum.step()
     test_model()   accuracy on the 10,000 test images
     run()          the epoch loop: train, evaluate (rank 0), log, save state dict and checkpoint
 """
@@ -54,7 +54,7 @@ class GradientSum:
         if args.overlap:
             self.overlapped = OverlappedGradientSum(self.params, args.allreduce, args.chunks,
                                                     int(args.bucket_mb * 2**20),
-                                                    datetime.timedelta(seconds=getattr(args, "timeout", 1800)))
+                                                    datetime.timedelta(seconds=args.timeout))
             if args.lazy_update:
                 self.lazy = LazyUpdate(model, optimizer, scheduler, self.overlapped)
 
