@@ -66,8 +66,11 @@ class OverlappedGradientSum:
         self.busy_seconds = 0.0  # time spent summing, over all buckets, for bandwidth figures
         self.lock = threading.Lock()
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.bucket_of]
-        groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
-                  for _ in self.buckets]
+        try:
+            groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
+                      for _ in self.buckets]
+        except RuntimeError as e:
+            raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
         for i, group in enumerate(groups):
             threading.Thread(target=self._communicate, args=(i, group), name=f"gradient-sum-{i}",
                              daemon=True).start()

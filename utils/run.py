@@ -83,6 +83,7 @@ class GradientSum:
         self.optimizer.zero_grad()
 
     def finish(self):
+        """Apply any update still due (lazy); call before evaluating or saving."""
         if self.lazy is not None:
             self.lazy.finish()
 
