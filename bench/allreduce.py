@@ -53,23 +53,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_world  # noqa: E402
 from utils.checkpoint import atomic_write  # noqa: E402
-RESULTS = REPO / "bench" / "results"
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
@@ -115,18 +113,6 @@ def pretty_bytes(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
 
 
-def parse_rate(rate: str) -> int:
-    """tc-style rate ('200mbit', '1gbit', '10mbps' = megaBYTES/s) -> bits per second."""
-    import re
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?)(bit|bps)?\s*", rate.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad rate {rate!r}; use e.g. 200mbit, 1gbit")
-    base = 1024 if m[2].endswith("i") else 1000
-    return int(float(m[1]) * base ** " kmgt".index(m[2][:1] or " ") * (8 if m[3] == "bps" else 1))
-
-
-
-
 def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: int) -> float:
     """Rough bandwidth-bound time of one all-reduce (used for timeouts and sanity only)."""
     s = nbytes / rate_bytes
@@ -144,9 +130,7 @@ def worker(args) -> int:
 
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, str(REPO))
     if cfg["ring_file"]:                    # benchmark another copy of ring.py (e.g. a proposed patch)
-        import importlib.util
         spec = importlib.util.spec_from_file_location("ring_under_test", cfg["ring_file"])
         ring = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(ring)
@@ -154,7 +138,6 @@ def worker(args) -> int:
         from utils import ring
     candidates = {}                         # "ring:<stem>": another ring_sum, measured interleaved
     for path in cfg["candidates"]:
-        import importlib.util
         spec = importlib.util.spec_from_file_location(f"candidate_{len(candidates)}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -259,16 +242,6 @@ def worker(args) -> int:
 
 
 # --------------------------------------------------------------------------- driver
-class LaunchError(RuntimeError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_ticks() -> dict[int, tuple[int, str]]:
     """{pid: (utime + stime clock ticks, command name)} of every process now."""
     out = {}
@@ -310,15 +283,6 @@ def other_load(before: dict, after: dict, ours: set[int]) -> dict:
             "others_top": [f"{name}[{pid}] {d / hz / wall:.2f}" for d, name, pid in used[:4]]}
 
 
-def kill_group(p: subprocess.Popen) -> None:
-    """SIGKILL the child's process group (children run in their own sessions); only while unreaped."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            p.kill()
-
-
 def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout: float,
            timeout: float) -> dict:
     """Run one world of n ranks; return rank 0's raw results. Kills every child on any exit."""
@@ -330,57 +294,19 @@ def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout
            "candidates": [str(Path(f).resolve()) for f in args.candidate],
            "sizes": sizes, "out": str(out_path)}
     cfg_path.write_text(json.dumps(cfg))
-    procs, logs = [], []
     load_before = load_snapshot()
-    try:
-        for r in range(n):
-            argv = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker",
-                    "--rank", str(r), "--config", str(cfg_path)]
-            env = {"GLOO_SOCKET_IFNAME": cl.nic(r) if cl else "lo", "OMP_NUM_THREADS": "1",
-                   "PYTHONUNBUFFERED": "1"}
-            log = open(tmp / f"rank{r}-n{n}.log", "wb")
-            logs.append(log)
-            kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
-            if cl:
-                procs.append(cl.popen(r, argv, env=env, **kw))
-            else:
-                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **kw))
-        deadline, grace_end = time.monotonic() + timeout, None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if now > deadline:
-                raise LaunchError(f"N={n}: timed out after {timeout:.0f}s (--timeout); killed all ranks")
-            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, 3)]
-            if failed and grace_end is None:
-                grace_end = now + 5.0          # the others get 5 s to notice, then are killed
-            if grace_end is not None and now > grace_end:
-                break
-            time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        if all(c in (0, 3) for c in codes) and out_path.exists():
-            raw = json.loads(out_path.read_text())
-            raw["load"] = load = other_load(load_before, load_snapshot(), {p.pid for p in procs})
-            if load["others_cores"] > 0.1 or load["busy_cores"] - load["ours_cores"] > 0.6:
-                print(f"  WARNING N={n}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
-                      f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
-                      f"{load['others_cores']:.2f} ({', '.join(load['others_top'])}); timings may be inflated",
-                      flush=True)
-            return raw
-        tails = []
-        for r in range(n):
-            text = (tmp / f"rank{r}-n{n}.log").read_text(errors="replace").strip().splitlines()
-            tails.append(f"--- rank {r} (exit {codes[r]}), last lines of its stderr:\n" + "\n".join(text[-15:]))
-        raise LaunchError(f"N={n}: ranks exited with {codes}\n" + "\n".join(tails))
-    finally:
-        for p in procs:
-            kill_group(p)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for log in logs:
-            log.close()
+    procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-n{n}.log", timeout, f"N={n}",
+                      ok_codes=(0, 3))
+    if not out_path.exists():
+        raise LaunchError(f"N={n}: the ranks exited without writing {out_path}")
+    raw = json.loads(out_path.read_text())
+    raw["load"] = load = other_load(load_before, load_snapshot(), {p.pid for p in procs})
+    if load["others_cores"] > 0.1 or load["busy_cores"] - load["ours_cores"] > 0.6:
+        print(f"  WARNING N={n}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
+              f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
+              f"{load['others_cores']:.2f} ({', '.join(load['others_top'])}); timings may be inflated",
+              flush=True)
+    return raw
 
 
 def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
@@ -405,10 +331,6 @@ def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
                 "correct": row["correct"], "bit_identical": row["bit_identical"],
                 "max_error_over_bound": row["max_error_over_bound"], "problems": row["problems"]})
     return records
-
-
-def fmt(x, spec="{:.2f}", none="-"):
-    return none if x is None else spec.format(x)
 
 
 def table(records: list[dict]) -> str:
@@ -581,7 +503,6 @@ def driver(args) -> int:
                      "warmup": args.big_warmup if big else args.warmup})
 
     # Time budget per world (the hard timeout) and per-operation timeout of the process group.
-    sys.path.insert(0, str(REPO))
     from utils.ring import auto_chunks
     est = {n: sum((p["iters"] + p["warmup"]) * expected_seconds(
                       a, n, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT))
@@ -600,18 +521,12 @@ def driver(args) -> int:
         iters_note += (f"; sizes >= {human(args.big_from)}: {args.big_iters} timed + {args.big_warmup} warm-up "
                        f"(fewer, to keep the run short)")
     print(f"# {iters_note}; time = max over ranks, median over repetitions")
-    print(f"# bandwidth-bound estimate: " + ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
+    print("# bandwidth-bound estimate: " + ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
           + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
     sys.stdout.flush()
 
     cl, wire, errors = None, None, (LaunchError,)
     if args.cluster:
-        sys.path.insert(0, str(REPO / "scripts"))
-        try:
-            import cluster
-        except ImportError as e:
-            print(f"allreduce.py: --cluster needs scripts/cluster.py ({e})", file=sys.stderr)
-            return 2
         errors += (cluster.ClusterError,)
     records, started, load = [], time.time(), {}
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir:

@@ -60,18 +60,15 @@ import platform
 import re
 import resource
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]          # utils/ (ranks), scripts/cluster.py (driver)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_world  # noqa: E402
 from utils.checkpoint import atomic_write  # noqa: E402
-RESULTS = REPO / "bench" / "results"
 ALGORITHMS = ("two-pass", "ring", "gloo")
 MODEL_NUMEL = 421642                   # utils/model.Net
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
@@ -79,17 +76,6 @@ COMPUTE_BOUND = 1.10                   # at 1 Gbit/s, N=2: best <= 1.10 x comput
 
 
 # --------------------------------------------------------------------------- helpers
-def parse_rate(rate: str) -> int:
-    """tc-style rate ('200mbit', '1gbit', '10mbps' = megaBYTES/s) -> bits per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?)(bit|bps)?\s*", rate.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad rate {rate!r}; use e.g. 200mbit, 1gbit")
-    base = 1024 if m[2].endswith("i") else 1000
-    return int(float(m[1]) * base ** " kmgt".index(m[2][:1] or " ") * (8 if m[3] == "bps" else 1))
-
-
-
-
 def batch_for(args, n: int) -> int:
     """Images per step per rank in a world of n ranks."""
     return max(1, args.global_batch // n) if args.global_batch else args.batch_size
@@ -254,16 +240,6 @@ def merge_ranks(cfg: dict, everyone: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------- driver: processes
-class LaunchError(RuntimeError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def proc_table() -> dict[int, tuple[int, int, str]]:
     """{pid: (parent pid, utime + stime clock ticks, command name)} of every process now."""
     out = {}
@@ -306,15 +282,6 @@ def loadavg() -> float:
         return float("nan")
 
 
-def kill_group(p: subprocess.Popen) -> None:
-    """SIGKILL the child's process group (children run in their own sessions); only while unreaped."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            p.kill()
-
-
 def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int) -> float:
     """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
     timeout."""
@@ -335,59 +302,25 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
            "seed": args.seed, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
            "steps_per_sample": args.steps_per_sample, "configs": configs, "out": str(out_path), "label": label}
     cfg_path.write_text(json.dumps(cfg))
-    procs, logs = [], []
     cpu_before, t_start, load_before = proc_table(), time.monotonic(), loadavg()
-    try:
-        for r in range(n):
-            argv = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker",
-                    "--rank", str(r), "--config", str(cfg_path)]
-            env = {"GLOO_SOCKET_IFNAME": cl.nic(r) if cl else "lo", "OMP_NUM_THREADS": "1",
-                   "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-            log = open(tmp / f"rank{r}-{tag}-n{n}.log", "wb")
-            logs.append(log)
-            kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
-            if cl:
-                procs.append(cl.popen(r, argv, env=env, **kw))
-            else:
-                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **kw))
-        deadline, grace_end = time.monotonic() + timeout, None
-        ours: set[int] = set()
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if now > deadline:
-                raise LaunchError(f"{label} N={n}: timed out after {timeout:.0f}s (--timeout); killed all ranks")
-            if grace_end is None and any(p.returncode not in (None, 0) for p in procs):
-                grace_end = now + 5.0          # the others get 5 s to notice, then are killed
-            if grace_end is not None and now > grace_end:
-                break
-            ours |= descendants({p.pid for p in procs})
-            time.sleep(0.1)
-        codes = [p.returncode for p in procs]
-        if all(c == 0 for c in codes) and out_path.exists():
-            raw = json.loads(out_path.read_text())
-            seconds = time.monotonic() - t_start
-            cores, top = foreign_cpu(cpu_before, proc_table(), ours | {p.pid for p in procs}, seconds)
-            raw["load"] = {"foreign_cpu_cores": round(cores, 2), "foreign_top": top,
-                           "loadavg_before": load_before, "loadavg_after": loadavg(), "seconds": round(seconds, 1)}
-            if cores > 0.1:
-                print(f"  WARNING {label} N={n}: other processes used {cores:.2f} of {os.cpu_count()} cores "
-                      f"during the run ({', '.join(top)}); timings may be inflated", flush=True)
-            return raw
-        tails = []
-        for r in range(n):
-            text = (tmp / f"rank{r}-{tag}-n{n}.log").read_text(errors="replace").strip().splitlines()
-            tails.append(f"--- rank {r} (exit {codes[r]}), last lines of its stderr:\n" + "\n".join(text[-15:]))
-        raise LaunchError(f"{label} N={n}: ranks exited with {codes}\n" + "\n".join(tails))
-    finally:
-        for p in procs:
-            kill_group(p)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for log in logs:
-            log.close()
+    ours: set[int] = set()
+
+    def note_ours(procs):                  # ranks run under `ip netns exec`: count their children too
+        ours.update(descendants({p.pid for p in procs}))
+
+    procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-{tag}-n{n}.log", timeout,
+                      f"{label} N={n}", env={"TORCH_CPP_LOG_LEVEL": "ERROR"}, while_running=note_ours)
+    if not out_path.exists():
+        raise LaunchError(f"{label} N={n}: the ranks exited without writing {out_path}")
+    raw = json.loads(out_path.read_text())
+    seconds = time.monotonic() - t_start
+    cores, top = foreign_cpu(cpu_before, proc_table(), ours | {p.pid for p in procs}, seconds)
+    raw["load"] = {"foreign_cpu_cores": round(cores, 2), "foreign_top": top,
+                   "loadavg_before": load_before, "loadavg_after": loadavg(), "seconds": round(seconds, 1)}
+    if cores > 0.1:
+        print(f"  WARNING {label} N={n}: other processes used {cores:.2f} of {os.cpu_count()} cores "
+              f"during the run ({', '.join(top)}); timings may be inflated", flush=True)
+    return raw
 
 
 # --------------------------------------------------------------------------- driver: results
@@ -426,10 +359,6 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
         for key, ref in (("x_compute", "compute"), ("x_compute_alone", "compute-alone"), ("x_ddp", "ddp")):
             r[key] = r["median_ms"] / base[ref] if ref in base else None
     return recs
-
-
-def fmt(x, spec="{:.2f}", none="-"):
-    return none if x is None else spec.format(x)
 
 
 def table(records: list[dict], mode: str) -> str:
@@ -569,9 +498,7 @@ def run_worlds(args, configs: list[dict], rates: list[str | None], rate_bits: di
     with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmpdir:
         tmp = Path(tmpdir)
         os.chmod(tmp, 0o755)
-        for rate in rates:
-            if rate:
-                import cluster             # scripts/cluster.py; its __exit__ tears everything down, also on errors
+        for rate in rates:               # a Cluster's __exit__ tears everything down, also on errors
             label = rate or "loopback"
             with (cluster.Cluster(hosts=max(args.world_sizes), rate=rate) if rate else contextlib.nullcontext()) as cl:
                 if rate:

@@ -1,0 +1,106 @@
+"""What the two benchmarks share: starting one world of rank processes, and never leaving one behind."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]          # utils/ (ranks), scripts/cluster.py (driver)
+import cluster  # noqa: E402
+
+GRACE = 5.0   # seconds the other ranks get to notice a failed one before they are killed
+
+
+class LaunchError(RuntimeError):
+    """A world of ranks failed or timed out; the message holds each rank's last stderr lines."""
+
+
+def parse_rate(rate: str) -> int:
+    """tc-style rate ('200mbit', '1gbit', '10mbps' = megaBYTES/s) -> bits per second (for argparse)."""
+    try:
+        return cluster.parse_rate(rate)
+    except cluster.ClusterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the child's process group (children run in their own sessions); only while unreaped."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            p.kill()
+
+
+def fmt(x, spec="{:.2f}", none="-"):
+    return none if x is None else spec.format(x)
+
+
+def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: float, what: str,
+              ok_codes=(0,), env: dict | None = None, while_running=None) -> list[subprocess.Popen]:
+    """Run ranks 0..n-1 of `script --worker --rank R --config CONFIG` until all have exited.
+
+    With a cluster `cl` (scripts/cluster.py) rank r runs on emulated host r with GLOO_SOCKET_IFNAME
+    set to its NIC; without, on loopback. Rank 0's stdout is ours; every rank's stderr (and the
+    other ranks' stdout) goes to config's folder / log_name.format(rank=r). If a rank exits with a
+    code not in ok_codes, the others get GRACE seconds, then are killed. Every rank is killed on
+    every way out. `while_running(procs)` is called about every 0.1 s. Returns the processes;
+    raises LaunchError (naming `what`) on a timeout or a failed rank, with each rank's stderr tail.
+    """
+    procs, logs = [], []
+    log_paths = [config.parent / log_name.format(rank=r) for r in range(n)]
+    try:
+        for r in range(n):
+            argv = [sys.executable, "-u", script, "--worker", "--rank", str(r), "--config", str(config)]
+            rank_env = {"GLOO_SOCKET_IFNAME": cl.nic(r) if cl else "lo", "OMP_NUM_THREADS": "1",
+                        "PYTHONUNBUFFERED": "1", **(env or {})}
+            log = open(log_paths[r], "wb")
+            logs.append(log)
+            kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
+            if cl:
+                procs.append(cl.popen(r, argv, env=rank_env, **kw))
+            else:
+                procs.append(subprocess.Popen(argv, env={**os.environ, **rank_env}, start_new_session=True, **kw))
+        deadline, grace_end = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise LaunchError(f"{what}: timed out after {timeout:.0f}s (--timeout); killed all ranks")
+            if grace_end is None and any(p.returncode not in (None, *ok_codes) for p in procs):
+                grace_end = now + GRACE
+            if grace_end is not None and now > grace_end:
+                break
+            if while_running:
+                while_running(procs)
+            time.sleep(0.1)
+        codes = [p.returncode for p in procs]
+        if any(c not in ok_codes for c in codes):
+            tails = []
+            for r, path in enumerate(log_paths):
+                text = path.read_text(errors="replace").strip().splitlines()
+                tails.append(f"--- rank {r} (exit {codes[r]}), last lines of its stderr:\n" + "\n".join(text[-15:]))
+            raise LaunchError(f"{what}: ranks exited with {codes}\n" + "\n".join(tails))
+        return procs
+    finally:
+        for p in procs:
+            kill_group(p)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
