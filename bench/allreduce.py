@@ -58,7 +58,6 @@ import json
 import math
 import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_world  # noqa: E402
+from common import RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world  # noqa: E402
 from utils.checkpoint import atomic_write  # noqa: E402
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
@@ -667,17 +666,7 @@ def main(argv=None) -> int:
     if min(args.iters, args.big_iters) < 1 or min(args.warmup, args.big_warmup) < 0 or args.chunks < 0:
         ap.error("--iters/--big-iters must be >= 1, --warmup/--big-warmup and --chunks >= 0")
 
-    def on_term(signum, frame):          # unwind, so every rank is killed and the cluster torn down
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)                     # a second signal must not cut teardown short
-        raise KeyboardInterrupt(f"signal {signum}")
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGINT too: shells start background jobs ignoring it
-        signal.signal(sig, on_term)
-    try:
-        return driver(args)
-    except KeyboardInterrupt:
-        print("allreduce.py: interrupted; killed all ranks", file=sys.stderr)
-        return 130
+    return run_driver(driver, args, "allreduce.py")
 
 
 if __name__ == "__main__":

@@ -104,3 +104,19 @@ def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: flo
                 pass
         for log in logs:
             log.close()
+
+
+def run_driver(driver, args, prog: str) -> int:
+    """driver(args), where SIGTERM, SIGHUP and a second Ctrl-C unwind like the first Ctrl-C, so every
+    rank is killed and the cluster torn down on the way out."""
+    def on_term(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)                     # a second signal must not cut teardown short
+        raise KeyboardInterrupt(f"signal {signum}")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGINT too: shells start background jobs ignoring it
+        signal.signal(sig, on_term)
+    try:
+        return driver(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; killed all ranks", file=sys.stderr)
+        return 130

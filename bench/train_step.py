@@ -59,7 +59,6 @@ import os
 import platform
 import re
 import resource
-import signal
 import statistics
 import sys
 import tempfile
@@ -67,7 +66,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_world  # noqa: E402
+from common import REPO, RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world  # noqa: E402
 from utils.checkpoint import atomic_write  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo")
 MODEL_NUMEL = 421642                   # utils/model.Net
@@ -658,17 +657,7 @@ def main(argv=None) -> int:
             except argparse.ArgumentTypeError as e:
                 ap.error(str(e))
 
-    def on_term(signum, frame):          # unwind, so every rank is killed and the cluster torn down
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)                     # a second signal must not cut teardown short
-        raise KeyboardInterrupt(f"signal {signum}")
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_term)
-    try:
-        return driver(args)
-    except KeyboardInterrupt:
-        print("train_step.py: interrupted; killed all ranks", file=sys.stderr)
-        return 130
+    return run_driver(driver, args, "train_step.py")
 
 
 if __name__ == "__main__":

@@ -50,3 +50,37 @@ def test_a_wrong_or_diverging_result_fails_the_run(tmp_path, fault, message):
     data = json.loads((tmp_path / "allreduce-loopback.json").read_text())
     assert data["correct"] is False
     assert {row["algorithm"] for row in data["results"] if not row["correct"]} == {"ring"}
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_kills_every_rank(tmp_path):
+    """Like a user's Ctrl-C or a scheduler's SIGTERM: the benchmark exits 130 and no rank survives it."""
+    import signal
+    import time
+    job = subprocess.Popen([sys.executable, BENCH, "--world-sizes", "3", "--sizes", "16M", "--iters", "50",
+                            "--results-dir", str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        def ranks():
+            return [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(pid)]
+        deadline = time.time() + 60
+        while len(ranks()) < 3 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(ranks()) == 3, "the ranks never started"
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=30)
+        assert job.returncode == 130 and "interrupted; killed all ranks" in err, (job.returncode, err)
+        time.sleep(0.5)
+        assert ranks() == []
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+def _is_rank(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"--worker" in cmdline and any(BENCH.encode() in part for part in cmdline)
