@@ -47,6 +47,7 @@ CASES = {
     "zero batch size": (["--batch-size", "0"], ["--batch-size"]),
     "zero timeout": (["--timeout", "0"], ["--timeout"]),
     "unknown algorithm": (["--allreduce", "tree"], ["--allreduce"]),
+    "lazy update without overlap": (["--lazy-update", "--no-overlap"], ["--lazy-update needs --overlap"]),
     "missing model file": (["--model_path", "/nonexistent/model.pth"], ["does not exist"]),
 }
 
