@@ -10,7 +10,7 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
     compute           forward+backward+step on every rank AT ONCE, no communication: the
                       fair baseline when N ranks share the machine's cores (this machine
                       has few cores, so N=4 ranks on 2 cores compute ~2x slower than one)
-    <alg>             backward, then the whole sum (utils.run.sum_gradients), then step,
+    <alg>             backward, then the whole sum (utils.overlap.average_gradients), then step,
                       for alg in two-pass, ring, gloo (utils/ring.py); "auto" chunks are
                       resolved with ring.auto_chunks(#parameters), as train.py does
     <alg>+overlap     utils.run.GradientSum with overlap on: buckets of --bucket-mb MB are

@@ -35,6 +35,19 @@ from utils import ring
 from utils.errors import PeerError, first_line
 
 
+def average_gradients(params, algorithm="two-pass", chunks=1, group=None):
+    """Replace every rank's gradients of `params` by their average over all ranks.
+
+    The gradients travel as one flat buffer, so each hop of the ring is one message.
+    """
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    ring.average_(flat, algorithm, chunks, group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def make_buckets(params, bucket_bytes):
     """Group `params` (in backward order) into consecutive buckets of about bucket_bytes."""
     buckets, current, size = [], [], 0
@@ -89,12 +102,7 @@ class OverlappedGradientSum:
                 self.ready[i].wait()
                 self.ready[i].clear()
                 start = time.perf_counter()
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                ring.average_(flat, self.algorithm, self.chunks, group)
-                offset = 0
-                for p in bucket:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                average_gradients(bucket, self.algorithm, self.chunks, group)
                 with self.lock:
                     self.busy_seconds += time.perf_counter() - start
                 self.summed[i].set()

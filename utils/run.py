@@ -16,24 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from utils import ring
 from utils.checkpoint import atomic_save
 from utils.data import epoch_indices
 from utils.errors import PeerError, first_line
-from utils.overlap import LazyUpdate, OverlappedGradientSum
-
-
-def sum_gradients(params, algorithm="two-pass", chunks=1):
-    """Replace every rank's gradients by their average over all ranks.
-
-    The gradients travel as one flat buffer, so each hop of the ring is one message.
-    """
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    ring.average_(flat, algorithm, chunks)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+from utils.overlap import LazyUpdate, OverlappedGradientSum, average_gradients
 
 
 class GradientSum:
@@ -67,7 +53,7 @@ class GradientSum:
             self.overlapped.wait()
         else:
             try:
-                sum_gradients(self.params, self.args.allreduce, self.args.chunks)
+                average_gradients(self.params, self.args.allreduce, self.args.chunks)
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(first_line(e)) from None  # train_model says where
             self.busy_seconds += time.perf_counter() - start
