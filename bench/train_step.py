@@ -10,6 +10,10 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
     compute           forward+backward+step on every rank AT ONCE, no communication: the
                       fair baseline when N ranks share the machine's cores (this machine
                       has few cores, so N=4 ranks on 2 cores compute ~2x slower than one)
+    compute+wire      the same, while the bytes one ring all-reduce must move (2(N-1)/N of the
+                      gradient, each way) stream over plain TCP sockets to the neighbours
+                      during backward: no gloo, no additions, no waiting on partial sums. A
+                      floor: what moving the bytes alone costs in wire time and CPU
     <alg>             backward, then the whole sum (utils.overlap.average_gradients), then step,
                       for alg in two-pass, ring, gloo (utils/ring.py); "auto" chunks are
                       resolved with ring.auto_chunks(#parameters), as train.py does
@@ -88,7 +92,8 @@ def make_configs(args) -> list[dict]:
     else:
         plain_chunks = bucket_chunks = int(args.chunks)
     configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
-               {"name": "compute", "kind": "compute", "alone": False}]
+               {"name": "compute", "kind": "compute", "alone": False},
+               {"name": "compute+wire", "kind": "wire", "alone": False}]
     for alg in args.algorithms:
         two_pass = alg == "two-pass"
         configs.append({"name": alg, "kind": "sum", "allreduce": alg, "overlap": False,
@@ -101,7 +106,7 @@ def make_configs(args) -> list[dict]:
                                 "chunks": bucket_chunks if two_pass else None, "bucket_mb": mb})
     configs.append({"name": "ddp", "kind": "ddp"})
     if args.only:
-        keep = set(args.only) | {"compute", "compute-alone", "ddp"}
+        keep = set(args.only) | {"compute", "compute-alone", "compute+wire", "ddp"}
         configs = [c for c in configs if c["name"] in keep]
     return configs
 
@@ -138,6 +143,7 @@ def worker(args) -> int:
 
         def __init__(self, spec):
             self.skip = spec.get("alone") and rank != 0
+            self.wire = wire if spec["kind"] == "wire" else None
             torch.manual_seed(cfg["seed"])
             self.model = self.forward = Net()
             if spec["kind"] == "ddp":
@@ -163,7 +169,11 @@ def worker(args) -> int:
                 batch = batches[(first_batch + s) % len(batches)]
                 ta = time.perf_counter()
                 loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
+                if self.wire is not None:
+                    self.wire.start()
                 loss.backward()
+                if self.wire is not None:
+                    self.wire.wait()
                 tb = time.perf_counter()
                 if self.gsum is not None:           # as utils/run.train_model
                     self.gsum.sum()
@@ -187,6 +197,10 @@ def worker(args) -> int:
             if self.gsum is not None:
                 self.gsum.close()
 
+    wire = None
+    if n > 1 and any(spec["kind"] == "wire" for spec in cfg["configs"]):
+        wire = RawWire(rank, n, cfg["addrs"], 2 * (n - 1) * MODEL_NUMEL * 4 // n, cfg["op_timeout"],
+                       dist.all_gather_object)
     runners = [Runner(spec) for spec in cfg["configs"]]
     times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, usr, sys)
     order = list(range(len(runners)))
@@ -210,9 +224,76 @@ def worker(args) -> int:
         atomic_write(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
     for r in runners:
         r.close()
+    if wire is not None:
+        wire.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+class RawWire:
+    """The 'compute+wire' floor: a ring all-reduce's bytes on plain TCP, without the all-reduce.
+
+    Rank r streams `nbytes` to rank r+1 while receiving `nbytes` from rank r-1, one thread each,
+    over sockets of its own (not gloo's). start() sets both going, wait() blocks until both are
+    done. Whatever a real all-reduce adds to this (sum arithmetic, gloo's bookkeeping, waiting for
+    a partial sum before passing it on) only makes it slower.
+    """
+
+    def __init__(self, rank, n, addrs, nbytes, timeout, all_gather_object):
+        import socket
+        import threading
+        listener = socket.create_server((addrs[rank], 0))
+        ports = [None] * n
+        all_gather_object(ports, listener.getsockname()[1])
+        right = (rank + 1) % n
+        self.to_right = socket.create_connection((addrs[right], ports[right]), timeout=timeout)
+        listener.settimeout(timeout)
+        self.from_left, _ = listener.accept()        # only the left neighbour connects here
+        listener.close()
+        for sock in (self.to_right, self.from_left):
+            sock.settimeout(timeout)                 # a dead peer raises instead of hanging
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.outgoing, self.incoming = bytearray(nbytes), bytearray(nbytes)
+        self.go = [threading.Semaphore(0), threading.Semaphore(0)]
+        self.done = threading.Semaphore(0)
+        self.error = None
+        for i, job in enumerate((self._send, self._receive)):
+            threading.Thread(target=self._loop, args=(self.go[i], job), daemon=True).start()
+
+    def _send(self):
+        self.to_right.sendall(self.outgoing)
+
+    def _receive(self):
+        view, got = memoryview(self.incoming), 0
+        while got < len(view):
+            chunk = self.from_left.recv_into(view[got:])
+            if not chunk:
+                raise ConnectionError("the left neighbour closed its wire socket")
+            got += chunk
+
+    def _loop(self, go, job):
+        while True:
+            go.acquire()
+            try:
+                job()
+            except Exception as e:
+                self.error = e
+            self.done.release()
+
+    def start(self):
+        for go in self.go:
+            go.release()
+
+    def wait(self):
+        self.done.acquire()
+        self.done.acquire()
+        if self.error is not None:
+            raise RuntimeError(f"compute+wire: {self.error}")
+
+    def close(self):
+        self.to_right.close()
+        self.from_left.close()
 
 
 def merge_ranks(cfg: dict, everyone: list[dict]) -> dict:
@@ -298,6 +379,7 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
     cfg_path, out_path = tmp / f"config-{tag}-{n}.json", tmp / f"result-{tag}-{n}.json"
     host0 = cl.addr(0) if cl else "127.0.0.1"
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
+           "addrs": [cl.addr(r) if cl else "127.0.0.1" for r in range(n)],
            "seed": args.seed, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
            "steps_per_sample": args.steps_per_sample, "configs": configs, "out": str(out_path), "label": label}
     cfg_path.write_text(json.dumps(cfg))
@@ -351,7 +433,7 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
             "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
             "images_per_s_per_rank": batch / (med / 1e3),
             "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
-            "params_identical": c["params_identical"] if c["kind"] != "compute" else None,
+            "params_identical": c["params_identical"] if c["kind"] not in ("compute", "wire") else None,
             "same_bits_as_plain": c.get("same_bits_as_plain"), "batch_size": batch})
     base = {r["config"]: r["median_ms"] for r in recs}
     for r in recs:
@@ -402,7 +484,10 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                             "best": best["config"], "best_ms": best["median_ms"],
                             "compute_ms": by["compute"]["median_ms"], "ratio": ratio_c, "bound": COMPUTE_BOUND,
                             "ratio_compute_alone": best["median_ms"] / by["compute-alone"]["median_ms"]
-                            if "compute-alone" in by else None})
+                            if "compute-alone" in by else None,
+                            "wire_ms": by["compute+wire"]["median_ms"] if "compute+wire" in by else None,
+                            "wire_ratio": by["compute+wire"]["median_ms"] / by["compute"]["median_ms"]
+                            if "compute+wire" in by else None})
     if mode != "cluster":
         for t in out:
             t["status"] = "info"
@@ -423,6 +508,9 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs compute (N ranks at once) {t['compute_ms']:.1f} ms = "
                          f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x{alone})")
+            if t.get("wire_ms"):
+                lines.append(f"{'':<5}   floor: compute+wire (the bytes alone)  {where:<14} {t['wire_ms']:.1f} ms = "
+                             f"{t['wire_ratio']:.3f}x compute")
     return "\n".join(lines)
 
 
@@ -433,7 +521,7 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"compute": "0.75", "ddp": "black", "two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
+    colors = {"compute": "0.75", "wire": "0.55", "ddp": "black", "two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
     references = [("compute", 1, dict(color="tab:red", lw=1.2,
                                       label="compute-only, all N ranks at once (the baseline)")),
                   ("compute", COMPUTE_BOUND, dict(color="tab:red", lw=1, ls="--",
@@ -630,7 +718,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mb", default="1", type=lambda s: [float(x) for x in s.split(",")],
                     help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)")
     ap.add_argument("--only", type=lambda s: s.split(","),
-                    help="only these configurations (compute, compute-alone and ddp are always kept)")
+                    help="only these configurations (compute, compute-alone, compute+wire and ddp are always kept)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))

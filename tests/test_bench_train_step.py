@@ -8,7 +8,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "train_step.py")
-CONFIGS = {"compute-alone", "compute", "two-pass", "two-pass+overlap", "two-pass+overlap+lazy", "ring",
+CONFIGS = {"compute-alone", "compute", "compute+wire", "two-pass", "two-pass+overlap", "two-pass+overlap+lazy", "ring",
            "ring+overlap", "ring+overlap+lazy", "gloo", "gloo+overlap", "gloo+overlap+lazy", "ddp"}
 
 
@@ -28,8 +28,10 @@ def test_loopback_run_measures_every_configuration(tmp_path):
         assert row["world_size"] == 2 and row["iters"] == 3 and len(row["step_ms"]) == 3
         assert row["median_ms"] > 0 and all(t > 0 for t in row["step_ms"]), row
         assert row["images_per_s_per_rank"] > 0
-        if row["kind"] != "compute":       # every summed configuration ends bit-identical on all ranks
+        if row["kind"] == "sum" or row["kind"] == "ddp":  # every summed configuration ends bit-identical
             assert row["params_identical"] is True, row["config"]
+        else:                              # compute-only ranks (and the raw-wire floor) never share gradients
+            assert row["params_identical"] is None, row["config"]
     by = {row["config"]: row for row in rows}
     assert by["two-pass"]["chunks"] == 7 and by["two-pass+overlap"]["chunks"] == "auto"   # auto_chunks(421,642)
     assert by["gloo+overlap"]["overlap"] is True and by["gloo"]["overlap"] is False
