@@ -14,6 +14,10 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
                       gradient, each way) stream over plain TCP sockets to the neighbours
                       during backward: no gloo, no additions, no waiting on partial sums. A
                       floor: what moving the bytes alone costs in wire time and CPU
+    compute+sync      the same as compute, plus an all-reduce of ONE number after backward: the
+                      step-by-step lockstep every synchronous data-parallel step has (each
+                      step waits for the slowest rank), without the gradient's bytes. The
+                      other floor: what synchronising alone costs on this machine
     <alg>             backward, then the whole sum (utils.overlap.average_gradients), then step,
                       for alg in two-pass, ring, gloo (utils/ring.py); "auto" chunks are
                       resolved with ring.auto_chunks(#parameters), as train.py does
@@ -93,7 +97,8 @@ def make_configs(args) -> list[dict]:
         plain_chunks = bucket_chunks = int(args.chunks)
     configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
                {"name": "compute", "kind": "compute", "alone": False},
-               {"name": "compute+wire", "kind": "wire", "alone": False}]
+               {"name": "compute+wire", "kind": "wire", "alone": False},
+               {"name": "compute+sync", "kind": "sync", "alone": False}]
     for alg in args.algorithms:
         two_pass = alg == "two-pass"
         configs.append({"name": alg, "kind": "sum", "allreduce": alg, "overlap": False,
@@ -106,7 +111,7 @@ def make_configs(args) -> list[dict]:
                                 "chunks": bucket_chunks if two_pass else None, "bucket_mb": mb})
     configs.append({"name": "ddp", "kind": "ddp"})
     if args.only:
-        keep = set(args.only) | {"compute", "compute-alone", "compute+wire", "ddp"}
+        keep = set(args.only) | {"compute", "compute-alone", "compute+wire", "compute+sync", "ddp"}
         configs = [c for c in configs if c["name"] in keep]
     return configs
 
@@ -144,6 +149,7 @@ def worker(args) -> int:
         def __init__(self, spec):
             self.skip = spec.get("alone") and rank != 0
             self.wire = wire if spec["kind"] == "wire" else None
+            self.token = torch.zeros(1) if spec["kind"] == "sync" else None
             torch.manual_seed(cfg["seed"])
             self.model = self.forward = Net()
             if spec["kind"] == "ddp":
@@ -174,6 +180,8 @@ def worker(args) -> int:
                 loss.backward()
                 if self.wire is not None:
                     self.wire.wait()
+                if self.token is not None:
+                    dist.all_reduce(self.token)     # lockstep: wait for the slowest rank
                 tb = time.perf_counter()
                 if self.gsum is not None:           # as utils/run.train_model
                     self.gsum.sum()
@@ -433,7 +441,7 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
             "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
             "images_per_s_per_rank": batch / (med / 1e3),
             "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
-            "params_identical": c["params_identical"] if c["kind"] not in ("compute", "wire") else None,
+            "params_identical": c["params_identical"] if c["kind"] not in ("compute", "wire", "sync") else None,
             "same_bits_as_plain": c.get("same_bits_as_plain"), "batch_size": batch})
     base = {r["config"]: r["median_ms"] for r in recs}
     for r in recs:
@@ -487,7 +495,10 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                             if "compute-alone" in by else None,
                             "wire_ms": by["compute+wire"]["median_ms"] if "compute+wire" in by else None,
                             "wire_ratio": by["compute+wire"]["median_ms"] / by["compute"]["median_ms"]
-                            if "compute+wire" in by else None})
+                            if "compute+wire" in by else None,
+                            "sync_ms": by["compute+sync"]["median_ms"] if "compute+sync" in by else None,
+                            "sync_ratio": by["compute+sync"]["median_ms"] / by["compute"]["median_ms"]
+                            if "compute+sync" in by else None})
     if mode != "cluster":
         for t in out:
             t["status"] = "info"
@@ -508,9 +519,10 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs compute (N ranks at once) {t['compute_ms']:.1f} ms = "
                          f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x{alone})")
-            if t.get("wire_ms"):
-                lines.append(f"{'':<5}   floor: compute+wire (the bytes alone)  {where:<14} {t['wire_ms']:.1f} ms = "
-                             f"{t['wire_ratio']:.3f}x compute")
+            for key, what in (("wire", "the bytes alone"), ("sync", "lockstep alone")):
+                if t.get(f"{key}_ms"):
+                    lines.append(f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} "
+                                 f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute")
     return "\n".join(lines)
 
 
@@ -521,7 +533,7 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"compute": "0.75", "wire": "0.55", "ddp": "black", "two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
+    colors = {"compute": "0.75", "wire": "0.55", "sync": "0.45", "ddp": "black", "two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
     references = [("compute", 1, dict(color="tab:red", lw=1.2,
                                       label="compute-only, all N ranks at once (the baseline)")),
                   ("compute", COMPUTE_BOUND, dict(color="tab:red", lw=1, ls="--",
@@ -718,7 +730,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mb", default="1", type=lambda s: [float(x) for x in s.split(",")],
                     help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)")
     ap.add_argument("--only", type=lambda s: s.split(","),
-                    help="only these configurations (compute, compute-alone, compute+wire and ddp are always kept)")
+                    help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))

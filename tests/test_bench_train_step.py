@@ -8,7 +8,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "train_step.py")
-CONFIGS = {"compute-alone", "compute", "compute+wire", "two-pass", "two-pass+overlap", "two-pass+overlap+lazy", "ring",
+CONFIGS = {"compute-alone", "compute", "compute+wire", "compute+sync", "two-pass", "two-pass+overlap", "two-pass+overlap+lazy", "ring",
            "ring+overlap", "ring+overlap+lazy", "gloo", "gloo+overlap", "gloo+overlap+lazy", "ddp"}
 
 
@@ -30,7 +30,7 @@ def test_loopback_run_measures_every_configuration(tmp_path):
         assert row["images_per_s_per_rank"] > 0
         if row["kind"] == "sum" or row["kind"] == "ddp":  # every summed configuration ends bit-identical
             assert row["params_identical"] is True, row["config"]
-        else:                              # compute-only ranks (and the raw-wire floor) never share gradients
+        else:                              # compute-only ranks (and the two floors) never share gradients
             assert row["params_identical"] is None, row["config"]
     by = {row["config"]: row for row in rows}
     assert by["two-pass"]["chunks"] == 7 and by["two-pass+overlap"]["chunks"] == "auto"   # auto_chunks(421,642)
