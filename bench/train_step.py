@@ -10,14 +10,14 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
     compute           forward+backward+step on every rank AT ONCE, no communication: the
                       fair baseline when N ranks share the machine's cores (this machine
                       has few cores, so N=4 ranks on 2 cores compute ~2x slower than one)
-    compute+wire      the same, while the bytes one ring all-reduce must move (2(N-1)/N of the
-                      gradient, each way) stream over plain TCP sockets to the neighbours
-                      during backward: no gloo, no additions, no waiting on partial sums. A
-                      floor: what moving the bytes alone costs in wire time and CPU
-    compute+sync      the same as compute, plus an all-reduce of ONE number after backward: the
-                      step-by-step lockstep every synchronous data-parallel step has (each
-                      step waits for the slowest rank), without the gradient's bytes. The
-                      other floor: what synchronising alone costs on this machine
+    compute+sync      compute, plus an all-reduce of ONE number after backward: the lockstep
+                      every synchronous data-parallel step has (each step waits for the
+                      slowest rank), without the gradient's bytes
+    compute+wire      compute+sync, while the bytes one ring all-reduce must move (2(N-1)/N of
+                      the gradient, each way) stream over plain TCP sockets to the neighbours
+                      from the start of backward: no gloo, no additions, no waiting on partial
+                      sums. The floor of any synchronous gradient sum on this machine: the
+                      bytes' wire time and kernel CPU, plus the lockstep
     <alg>             backward, then the whole sum (utils.overlap.average_gradients), then step,
                       for alg in two-pass, ring, gloo (utils/ring.py); "auto" chunks are
                       resolved with ring.auto_chunks(#parameters), as train.py does
@@ -97,8 +97,8 @@ def make_configs(args) -> list[dict]:
         plain_chunks = bucket_chunks = int(args.chunks)
     configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
                {"name": "compute", "kind": "compute", "alone": False},
-               {"name": "compute+wire", "kind": "wire", "alone": False},
-               {"name": "compute+sync", "kind": "sync", "alone": False}]
+               {"name": "compute+sync", "kind": "sync", "alone": False},
+               {"name": "compute+wire", "kind": "wire", "alone": False}]
     for alg in args.algorithms:
         two_pass = alg == "two-pass"
         configs.append({"name": alg, "kind": "sum", "allreduce": alg, "overlap": False,
@@ -149,7 +149,7 @@ def worker(args) -> int:
         def __init__(self, spec):
             self.skip = spec.get("alone") and rank != 0
             self.wire = wire if spec["kind"] == "wire" else None
-            self.token = torch.zeros(1) if spec["kind"] == "sync" else None
+            self.token = torch.zeros(1) if spec["kind"] in ("sync", "wire") else None
             torch.manual_seed(cfg["seed"])
             self.model = self.forward = Net()
             if spec["kind"] == "ddp":
@@ -240,7 +240,7 @@ def worker(args) -> int:
 
 
 class RawWire:
-    """The 'compute+wire' floor: a ring all-reduce's bytes on plain TCP, without the all-reduce.
+    """The bytes of the 'compute+wire' floor: a ring all-reduce's traffic on plain TCP, no all-reduce.
 
     Rank r streams `nbytes` to rank r+1 while receiving `nbytes` from rank r-1, one thread each,
     over sockets of its own (not gloo's). start() sets both going, wait() blocks until both are
@@ -519,7 +519,7 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs compute (N ranks at once) {t['compute_ms']:.1f} ms = "
                          f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x{alone})")
-            for key, what in (("wire", "the bytes alone"), ("sync", "lockstep alone")):
+            for key, what in (("sync", "lockstep alone"), ("wire", "+ the bytes")):
                 if t.get(f"{key}_ms"):
                     lines.append(f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} "
                                  f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute")
