@@ -49,6 +49,10 @@ Modes (the driver starts N real rank processes of this same file, --worker):
                                                          # --rates 1gbit,200mbit, N = 2 and 4
     python3 bench/train_step.py --loopback               # 127.0.0.1, no cap
 
+Targets (issue #6): a ratio PASSes only if both the ratio of the medians and the median of the
+per-round ratios (same round, same load: the paired one) are within the bound; on this 2-core
+machine the two can differ by 5-10%, and either alone can flatter.
+
 Output: a markdown table, the issue targets with PASS/MISS and their ratios, and
 bench/results/train_step-<mode>.{json,md,png} (mode: cluster or loopback), written atomically.
 Every rank has a hard timeout; on any error or Ctrl-C all ranks are killed and the cluster is
@@ -478,17 +482,20 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                 continue
             best, ddp = min(ours, key=lambda r: r["median_ms"]), by["ddp"]
             ratio = best["median_ms"] / ddp["median_ms"]
-            paired = [a / b for a, b in zip(best["step_ms"], ddp["step_ms"])]   # same round, same conditions
+            paired = paired_ratios(best, ddp)
             out.append({"target": "best >= DDP throughput", "rate": rate, "world_size": n,
-                        "status": "PASS" if ratio <= DDP_TOLERANCE else "MISS",
+                        "status": "PASS" if max(ratio, statistics.median(paired)) <= DDP_TOLERANCE else "MISS",
                         "best": best["config"], "best_ms": best["median_ms"], "ddp_ms": ddp["median_ms"],
                         "ratio": ratio, "bound": DDP_TOLERANCE,
                         "paired_median_ratio": statistics.median(paired),
                         "rounds_faster": sum(x < 1 for x in paired), "rounds": len(paired)})
             if n == 2 and rows[0]["rate_bits_per_s"] == 10 ** 9 and "compute" in by:
-                ratio_c = best["median_ms"] / by["compute"]["median_ms"]
+                compute = by["compute"]
+                ratio_c = best["median_ms"] / compute["median_ms"]
+                paired_c = statistics.median(paired_ratios(best, compute))
                 out.append({"target": "1gbit N=2: best <= 1.10x compute", "rate": rate, "world_size": n,
-                            "status": "PASS" if ratio_c <= COMPUTE_BOUND else "MISS",
+                            "status": "PASS" if max(ratio_c, paired_c) <= COMPUTE_BOUND else "MISS",
+                            "paired_median_ratio": paired_c,
                             "best": best["config"], "best_ms": best["median_ms"],
                             "compute_ms": by["compute"]["median_ms"], "ratio": ratio_c, "bound": COMPUTE_BOUND,
                             "ratio_compute_alone": best["median_ms"] / by["compute-alone"]["median_ms"]
@@ -496,6 +503,10 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                             "wire_ms": by["compute+wire"]["median_ms"] if "compute+wire" in by else None,
                             "wire_ratio": by["compute+wire"]["median_ms"] / by["compute"]["median_ms"]
                             if "compute+wire" in by else None,
+                            "wire_paired": statistics.median(paired_ratios(by["compute+wire"], compute))
+                            if "compute+wire" in by else None,
+                            "sync_paired": statistics.median(paired_ratios(by["compute+sync"], compute))
+                            if "compute+sync" in by else None,
                             "sync_ms": by["compute+sync"]["median_ms"] if "compute+sync" in by else None,
                             "sync_ratio": by["compute+sync"]["median_ms"] / by["compute"]["median_ms"]
                             if "compute+sync" in by else None})
@@ -503,6 +514,12 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
         for t in out:
             t["status"] = "info"
     return out
+
+
+def paired_ratios(a: dict, b: dict) -> list[float]:
+    """a's ms/step over b's, round by round: both ran in the same round, under the same load, so
+    slow drifts of the machine cancel (the targets need both this median and the medians' ratio)."""
+    return [x / y for x, y in zip(a["step_ms"], b["step_ms"])]
 
 
 def target_lines(targets: list[dict]) -> str:
@@ -518,11 +535,13 @@ def target_lines(targets: list[dict]) -> str:
             alone = f"; vs compute-alone {t['ratio_compute_alone']:.3f}x" if t.get("ratio_compute_alone") else ""
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs compute (N ranks at once) {t['compute_ms']:.1f} ms = "
-                         f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x{alone})")
+                         f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x; paired per round: median "
+                         f"{t['paired_median_ratio']:.3f}x{alone})")
             for key, what in (("sync", "lockstep alone"), ("wire", "+ the bytes")):
                 if t.get(f"{key}_ms"):
                     lines.append(f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} "
-                                 f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute")
+                                 f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute (paired: "
+                                 f"{t[key + '_paired']:.3f}x)")
     return "\n".join(lines)
 
 
