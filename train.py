@@ -200,8 +200,8 @@ def launch_local(args, argv):
 
 # --- one rank --------------------------------------------------------------------------------
 
-def init_distributed(args):
-    """Join the process group. Returns (rank, world_size)."""
+def init_distributed(args, attempt_store=None):
+    """Join the process group (under torchrun's agent store: through `attempt_store`)."""
     if args.rank is None:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         args.rank, args.world_size, args.init_method = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
     if args.ifname:
@@ -210,9 +210,9 @@ def init_distributed(args):
         f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     timeout = datetime.timedelta(seconds=args.timeout)
     try:
-        if args.init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group("gloo", store=torchrun_attempt_store(timeout), rank=args.rank,
-                                    world_size=args.world_size, timeout=timeout)
+        if attempt_store is not None:
+            dist.init_process_group("gloo", store=attempt_store, rank=args.rank, world_size=args.world_size,
+                                    timeout=timeout)
         else:
             dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank,
                                     world_size=args.world_size, timeout=timeout)
@@ -232,16 +232,27 @@ def init_distributed(args):
                          f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}") from None
 
 
-def torchrun_attempt_store(timeout):
-    """The store of this torchrun attempt: the agent's store, under a prefix of its own.
+def torchrun_attempt_store(rank, timeout):
+    """Under torchrun's agent store: (the store of this attempt, the attempt's number, 1 = first).
 
     torchrun's agent keeps one store for the whole job, and torch's env:// does not separate the
     attempts in it, so after a restart the dead ranks' gloo addresses are still there: a restarted
-    rank that reads one before its peer has overwritten it gets "connection refused".
+    rank that reads one before its peer has overwritten it gets "connection refused". So each
+    attempt joins under a prefix of its own.
+
+    The attempt number is how often a worker with this rank has started in this job (a counter
+    in that store). Every attempt starts each rank once, so the ranks of one attempt agree.
+    TORCHELASTIC_RESTART_COUNT would not do: with --rdzv-backend c10d, the agent whose workers
+    were healthy restarts them without counting a restart, so the count differs between nodes.
     """
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"train.py/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    is_master=False, timeout=timeout)
+        attempt = agent_store.add(f"train.py/starts/rank-{rank}", 1)
+    except (RuntimeError, ValueError) as e:
+        raise PeerError(f"could not reach torchrun's store at {where}: {first_line(e)}", resumable=False) from None
+    return dist.PrefixStore(f"train.py/attempt-{attempt}", agent_store), attempt
 
 
 def check_same_settings(args, model):
@@ -277,9 +288,10 @@ def evaluate(args, data):
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}
 
 
-def load_checkpoint(args):
-    """Rank 0: the checkpoint to resume from, checked against this run's settings, or None."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
+def load_checkpoint(args, restarted=False):
+    """Rank 0: the checkpoint to resume from, checked against this run's settings, or None.
+
+    restarted: torchrun started this rank again after a failure; it resumes without --resume."""
     if not (args.resume or restarted) or not os.path.exists(args.checkpoint):
         if args.resume:
             print(f"no checkpoint at {args.checkpoint}; starting afresh", flush=True)
@@ -313,13 +325,16 @@ def train(args, data):
     args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
                                 "world-size": world_size, "batch-size": args.batch_size, "lr": args.lr,
                                 "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset}
+    attempt_store, attempt = None, 1
+    if args.rank is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt_store, attempt = torchrun_attempt_store(rank, datetime.timedelta(seconds=args.timeout))
     checkpoint = None
     if rank == 0:  # before rendezvous, so that a bad file fails fast
         remove_stale_temps(args.checkpoint)
-        checkpoint = load_checkpoint(args)
+        checkpoint = load_checkpoint(args, restarted=attempt > 1)
         if checkpoint is None and args.model_path:
             load_model_state(model, args.model_path)
-    init_distributed(args)
+    init_distributed(args, attempt_store)
     try:
         check_same_settings(args, model)
         shared = [checkpoint]

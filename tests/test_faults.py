@@ -181,62 +181,98 @@ def test_resume_refuses_a_different_world_size(tmp_path):
     assert (tmp_path / "c.pt").read_bytes() == before
 
 
-def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path):
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path, rendezvous):
+    """static: one agent with both workers (--master-port). c10d: two agents, one worker each, as on
+    two servers (--rdzv-backend c10d); the worker of the second agent is killed."""
     common = [*SUBSET, "--save-every", "3"]
     straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
                            timeout=200)
     assert straight.returncode == 0, straight.stderr
     checkpoint = tmp_path / "b.pt"
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--max-restarts", "1", "--master-port", str(procs.free_port()), procs.TRAIN, *common,
-                            "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth"),
-                            "--timeout", "20"],  # one restart must be enough
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    train_args = [procs.TRAIN, *common, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth"),
+                  "--timeout", "20"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]  # one restart must be enough
+    port = str(procs.free_port())
+    if rendezvous == "static":
+        launches = [[*torchrun, "--nproc-per-node", "2", "--master-port", port, *train_args]]
+    else:
+        launches = [[*torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test", *train_args]] * 2
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as the straight run: the thread count changes the bits
+    jobs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True) for argv in launches]
     try:
         wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
         workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker(pid, checkpoint)]
         assert len(workers) == 2, workers
-        os.kill(max(workers), signal.SIGKILL)
-        try:
-            out, err = job.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            procs.kill_group(job)
-            out, err = job.communicate()
-            raise AssertionError(f"torchrun did not finish\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
+        victim = max(workers) if rendezvous == "static" else _child_of(jobs[-1].pid, workers)
+        os.kill(victim, signal.SIGKILL)
+        outputs = []
+        for job in jobs:
+            try:
+                outputs.append(job.communicate(timeout=300))
+            except subprocess.TimeoutExpired:
+                for j in jobs:
+                    procs.kill_group(j)
+                out, err = job.communicate()
+                raise AssertionError(f"torchrun did not finish\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
     finally:
-        procs.kill_group(job)
-    assert job.returncode == 0, err[-3000:]
+        for job in jobs:
+            procs.kill_group(job)
+    assert [job.returncode for job in jobs] == [0] * len(jobs), [err[-3000:] for _, err in outputs]
+    out = "".join(out for out, _ in outputs)
     assert f"resuming from {checkpoint}" in out
     assert final_digest(out) == final_digest(straight.stdout)
+    assert "Connection refused" not in "".join(err for _, err in outputs)  # nobody dialled a dead peer
 
 
-def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path):
+def _child_of(parent, pids):
+    """The one of `pids` whose parent is `parent` (torchrun's agent runs its workers as children)."""
+    children = [pid for pid in pids if _parent(pid) == parent]
+    assert len(children) == 1, (parent, pids, children)
+    return children[0]
+
+
+def _parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("restart_counts", [(1, 1), (0, 1)], ids=["static-rendezvous", "c10d-healthy-node"])
+def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path, restart_counts):
     """torchrun's agent keeps one store for the whole job, and a worker's gloo address stays in it
     after the worker dies. The test plays the agent (it hosts the store) and makes the race of a
     restart certain: attempt 1's rank 1 starts 3 s before rank 0, so it must wait for rank 0's new
-    address instead of dialling attempt 0's dead one ("connection refused")."""
+    address instead of dialling attempt 0's dead one ("connection refused").
+
+    restart_counts: the TORCHELASTIC_RESTART_COUNT the agents give ranks 0 and 1 in attempt 1.
+    With --rdzv-backend c10d the node whose worker was healthy restarts it without counting, so
+    the two counts differ; the ranks must still find each other, and rank 0 must resume from the
+    checkpoint without --resume, as after any torchrun restart."""
     port = procs.free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     cwd = procs.scratch_dir()
 
-    def start(rank, attempt):
+    def start(rank, restart_count):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS="1")
+                   TORCHELASTIC_RESTART_COUNT=str(restart_count), OMP_NUM_THREADS="1")
         return subprocess.Popen([sys.executable, procs.TRAIN, "--train-subset", "128", "--epochs", "1",
                                  "--metrics", "", "--timeout", "30", "--save-path", str(tmp_path / "m.pth"),
-                                 "--checkpoint", str(tmp_path / f"c{attempt}.pt")],
+                                 "--checkpoint", str(tmp_path / "c.pt")],
                                 env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
 
     first = procs.wait_all([start(0, 0), start(1, 0)], timeout=120)
     assert all(code == 0 for code, _, _ in first), first
-    late = [start(1, 1)]
+    late = [start(1, restart_counts[1])]
     time.sleep(3)
-    late.append(start(0, 1))
+    late.append(start(0, restart_counts[0]))
     second = procs.wait_all(late, timeout=120)
     assert all(code == 0 for code, _, _ in second), second
+    assert f"resuming from {tmp_path / 'c.pt'}" in second[1][1], second[1]
     del store
 
 
