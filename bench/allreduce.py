@@ -65,7 +65,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world  # noqa: E402
+from common import (RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world,  # noqa: E402
+                    sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
@@ -373,15 +374,17 @@ def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
 
 
 def paired_vs_gloo(records: list[dict], rows: list[dict]) -> dict:
-    """Per size: the median of (time / gloo's time) over repetitions, which ran side by side,
-    and in how many repetitions it was faster. Tells a tie from a real difference."""
+    """Per size: the median of (time / gloo's time) over repetitions, which ran side by side, in
+    how many repetitions it was faster, and the sign test's p. Tells a tie from a real difference."""
     out = {}
     for r in rows:
         gloo = next((g for g in records if g["algorithm"] == "gloo" and g["world_size"] == r["world_size"]
                      and g["bytes"] == r["bytes"]), None)
         if gloo and len(gloo["times_ms"]) == len(r["times_ms"]):
             ratios = [a / b for a, b in zip(r["times_ms"], gloo["times_ms"])]
-            out[r["size"]] = [round(statistics.median(ratios), 4), sum(x < 1 for x in ratios), len(ratios)]
+            faster = sum(x < 1 for x in ratios)
+            out[r["size"]] = [round(statistics.median(ratios), 4), faster, len(ratios),
+                              round(sign_test_p(faster, len(ratios)), 3)]
     return out
 
 
@@ -398,8 +401,9 @@ def target_lines(targets: list[dict]) -> str:
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
             lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<44} N={t['world_size']}  [{floors}]")
         if t.get("paired"):
-            paired = "  ".join(f"{k} {m:.3f} ({faster}/{total})" for k, (m, faster, total) in t["paired"].items())
-            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n)':<44} N={t['world_size']}  [{paired}]")
+            paired = "  ".join(f"{k} {m:.3f} ({faster}/{total}, p={p:.2f})"
+                               for k, (m, faster, total, p) in t["paired"].items())
+            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n, p)':<44} N={t['world_size']}  [{paired}]")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -47,6 +48,18 @@ def kill_group(p: subprocess.Popen) -> None:
 
 def fmt(x, spec="{:.2f}", none="-"):
     return none if x is None else spec.format(x)
+
+
+def sign_test_p(faster: int, total: int) -> float:
+    """Two-sided sign test: how likely a split at least this uneven is if neither side is faster.
+
+    Paired repetitions ran side by side, so each is a coin toss under "no difference"; p < 0.05
+    means the difference is real, p above it means the runs cannot tell the two apart.
+    """
+    if total == 0:
+        return 1.0
+    k = min(faster, total - faster)
+    return min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2 ** total)
 
 
 def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: float, what: str,

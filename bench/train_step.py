@@ -78,15 +78,38 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world  # noqa: E402
+from common import (REPO, RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world,  # noqa: E402
+                    sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo")
-MODEL_NUMEL = 421642                   # utils/model.Net
+MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
+               "reference": 1199882}   # the issue's baseline model, see make_model()
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
 COMPUTE_BOUND = 1.10                   # at 1 Gbit/s, N=2: best <= 1.10 x compute-only
 
 
 # --------------------------------------------------------------------------- helpers
+def make_model(name: str):
+    """The trainer's CNN (utils/model.Net), or "reference": the CNN of the PyTorch MNIST example
+    that issue #6's baseline numbers were measured with (1,199,882 parameters, ~3x the trainer's
+    compute and bytes), without its two dropouts so that every configuration stays bit-comparable."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from utils.model import Net
+
+    class ReferenceNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(1, 32, 3), nn.Conv2d(32, 64, 3)
+            self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+            return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+    return ReferenceNet() if name == "reference" else Net()
+
+
 def batch_for(args, n: int) -> int:
     """Images per step per rank in a world of n ranks."""
     return max(1, args.global_batch // n) if args.global_batch else args.batch_size
@@ -96,7 +119,7 @@ def make_configs(args) -> list[dict]:
     """The configurations, in the order they are listed (the run rotates the order per round)."""
     if args.chunks == "auto":
         from utils.ring import auto_chunks
-        plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL), "auto"     # as train.py / OverlappedGradientSum
+        plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL[args.model]), "auto"     # as train.py / OverlappedGradientSum
     else:
         plain_chunks = bucket_chunks = int(args.chunks)
     configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
@@ -130,7 +153,6 @@ def worker(args) -> int:
     import torch.nn.functional as F
     from utils import run as trainer_run
     from utils.data import epoch_indices, load_mnist
-    from utils.model import Net
 
     torch.set_num_threads(1)              # as every rank of train.py on a shared machine
     torch.use_deterministic_algorithms(True)
@@ -155,7 +177,7 @@ def worker(args) -> int:
             self.wire = wire if spec["kind"] == "wire" else None
             self.token = torch.zeros(1) if spec["kind"] in ("sync", "wire") else None
             torch.manual_seed(cfg["seed"])
-            self.model = self.forward = Net()
+            self.model = self.forward = make_model(cfg["model"])
             if spec["kind"] == "ddp":
                 self.forward = torch.nn.parallel.DistributedDataParallel(self.model)
             opt_args = argparse.Namespace(lr=4e-3, epochs=1)
@@ -211,7 +233,7 @@ def worker(args) -> int:
 
     wire = None
     if n > 1 and any(spec["kind"] == "wire" for spec in cfg["configs"]):
-        wire = RawWire(rank, n, cfg["addrs"], 2 * (n - 1) * MODEL_NUMEL * 4 // n, cfg["op_timeout"],
+        wire = RawWire(rank, n, cfg["addrs"], 2 * (n - 1) * MODEL_NUMEL[cfg["model"]] * 4 // n, cfg["op_timeout"],
                        dist.all_gather_object)
     runners = [Runner(spec) for spec in cfg["configs"]]
     times = [[] for _ in runners]                      # this rank: per timed round, (total, fb, sum, opt, usr, sys)
@@ -374,12 +396,14 @@ def loadavg() -> float:
         return float("nan")
 
 
-def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int) -> float:
+def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int,
+                     model: str = "trainer") -> float:
     """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
     timeout."""
     cores = os.cpu_count() or 1
-    compute = 0.03 * batch / 32 * max(1.0, n / cores)                 # ~16-20 ms/step alone, measured
-    comm = 2 * (2 * MODEL_NUMEL * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)   # ~2x the slowest
+    heavier = MODEL_NUMEL[model] / MODEL_NUMEL["trainer"]             # the reference model: ~3x of both
+    compute = 0.03 * batch / 32 * max(1.0, n / cores) * heavier       # ~16-20 ms/step alone, measured
+    comm = 2 * (2 * MODEL_NUMEL[model] * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)   # ~2x the slowest
     per_step = sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
     return 30 + steps * per_step
 
@@ -392,7 +416,7 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
     host0 = cl.addr(0) if cl else "127.0.0.1"
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
            "addrs": [cl.addr(r) if cl else "127.0.0.1" for r in range(n)],
-           "seed": args.seed, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
+           "seed": args.seed, "model": args.model, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
            "steps_per_sample": args.steps_per_sample, "configs": configs, "out": str(out_path), "label": label}
     cfg_path.write_text(json.dumps(cfg))
     cpu_before, t_start, load_before = proc_table(), time.monotonic(), loadavg()
@@ -488,7 +512,8 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                         "best": best["config"], "best_ms": best["median_ms"], "ddp_ms": ddp["median_ms"],
                         "ratio": ratio, "bound": DDP_TOLERANCE,
                         "paired_median_ratio": statistics.median(paired),
-                        "rounds_faster": sum(x < 1 for x in paired), "rounds": len(paired)})
+                        "rounds_faster": sum(x < 1 for x in paired), "rounds": len(paired),
+                        "sign_test_p": sign_test_p(sum(x < 1 for x in paired), len(paired))})
             if n == 2 and rows[0]["rate_bits_per_s"] == 10 ** 9 and "compute" in by:
                 compute = by["compute"]
                 ratio_c = best["median_ms"] / compute["median_ms"]
@@ -527,7 +552,7 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs ddp {t['ddp_ms']:.1f} ms = {t['ratio']:.3f}x "
                          f"(bound {t['bound']:.2f}x; paired per round: median {t['paired_median_ratio']:.3f}x, "
-                         f"faster in {t['rounds_faster']}/{t['rounds']} rounds)")
+                         f"faster in {t['rounds_faster']}/{t['rounds']} rounds, sign test p={t['sign_test_p']:.2f})")
         else:
             alone = f"; vs compute-alone {t['ratio_compute_alone']:.3f}x" if t.get("ratio_compute_alone") else ""
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "
@@ -640,8 +665,10 @@ def driver(args) -> int:
                   else f"batch {args.batch_size} per rank")
     rate_bits = {r: parse_rate(r) for r in rates if r}
     steps = (args.warmup + args.iters) * args.steps_per_sample
-    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n))
+    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n), args.model)
            for r in rates for n in worlds}
+    if args.model != "trainer":
+        batch_note = f"{args.model} model ({MODEL_NUMEL[args.model]:,} parameters), {batch_note}"
     notes = (f"{batch_note}; {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive "
              f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
              f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
@@ -672,7 +699,8 @@ def driver(args) -> int:
                      for r in records if r["params_identical"] is False]
     targets = evaluate_targets(records, mode, rates, worlds)
     import torch
-    title = (f"training step, {mode}; batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
+    model = "" if args.model == "trainer" else f"{args.model} model, "
+    title = (f"training step, {mode}; {model}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
              f"{platform.node()}, torch {torch.__version__}")
     command = " ".join(["python3", "bench/train_step.py"] + sys.argv[1:])
     load_line = "; ".join(f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
@@ -683,6 +711,7 @@ def driver(args) -> int:
         "mode": mode, "rates": rates, "world_sizes": worlds, "command": command,
         "batch_size": {str(n): batch_for(args, n) for n in worlds}, "global_batch": args.global_batch,
         "warmup": args.warmup, "iters": args.iters, "steps_per_sample": args.steps_per_sample, "seed": args.seed,
+        "model": args.model, "model_parameters": MODEL_NUMEL[args.model],
         "threads_per_rank": 1, "chunks": args.chunks, "bucket_mb": args.bucket_mb,
         "configs": configs,
         "timing": "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
@@ -748,6 +777,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=lambda s: s.split(","),
                     help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--model", choices=sorted(MODEL_NUMEL), default="trainer",
+                    help="trainer: utils/model.Net (default); reference: the PyTorch MNIST example's CNN, "
+                         "1.2M parameters, that issue #6's baseline was measured with")
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

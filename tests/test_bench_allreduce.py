@@ -84,3 +84,13 @@ def _is_rank(pid):
     except OSError:
         return False
     return b"--worker" in cmdline and any(BENCH.encode() in part for part in cmdline)
+
+
+def test_sign_test_tells_a_tie_from_a_real_difference():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from common import sign_test_p
+    assert sign_test_p(20, 41) == 1.0 and sign_test_p(21, 41) == 1.0        # an even split: no difference
+    assert sign_test_p(0, 5) == pytest.approx(2 / 32)                       # 5 of 5 one way: 2 * (1/2)^5
+    assert sign_test_p(9, 31) == pytest.approx(sign_test_p(22, 31))         # two-sided
+    assert sign_test_p(9, 31) < 0.05 < sign_test_p(14, 41) < 0.1            # 9/31 is real, 14/41 is not
+    assert sign_test_p(0, 0) == 1.0

@@ -44,3 +44,21 @@ def test_loopback_run_measures_every_configuration(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "| rate | N | batch | configuration |" in r.stdout and "| loopback | 2 | 32 | ddp |" in r.stdout
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+@pytest.mark.timeout(120)
+def test_reference_model_is_the_issues_baseline_cnn(tmp_path):
+    r = subprocess.run([sys.executable, BENCH, "--loopback", "--world-sizes", "2", "--warmup", "1", "--iters", "2",
+                        "--model", "reference", "--only", "gloo", "--timeout", "100", "--results-dir", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "train_step-loopback.json").read_text())
+    assert data["model"] == "reference" and data["model_parameters"] == 1_199_882
+    by = {row["config"]: row for row in data["results"]}
+    assert set(by) == {"compute-alone", "compute", "compute+sync", "compute+wire", "gloo", "ddp"}
+    assert by["gloo"]["params_identical"] is True and by["ddp"]["params_identical"] is True
+    assert "reference model (1,199,882 parameters)" in (tmp_path / "train_step-loopback.md").read_text()
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from train_step import MODEL_NUMEL, make_model
+    for name, numel in MODEL_NUMEL.items():    # the constants the wire floor sends are the models' sizes
+        assert sum(p.numel() for p in make_model(name).parameters()) == numel
