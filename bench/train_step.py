@@ -48,10 +48,14 @@ Modes (the driver starts N real rank processes of this same file, --worker):
     python3 bench/train_step.py                          # emulated cluster (scripts/cluster.py),
                                                          # --rates 1gbit,200mbit, N = 2 and 4
     python3 bench/train_step.py --loopback               # 127.0.0.1, no cap
+    python3 bench/train_step.py --model reference ...    # the issue's baseline CNN (1.2M parameters)
+                                                         # instead of the trainer's
 
 Targets (issue #6): a ratio PASSes only if both the ratio of the medians and the median of the
 per-round ratios (same round, same load: the paired one) are within the bound; on this 2-core
-machine the two can differ by 5-10%, and either alone can flatter.
+machine the two can differ by 5-10%, and either alone can flatter. The DDP line also gives the
+sign test's p for "faster in k of n rounds" (bench/common.sign_test_p): above 0.05, the rounds
+cannot tell the two apart.
 
 Output: a markdown table, the issue targets with PASS/MISS and their ratios, and
 bench/results/train_step-<mode>.{json,md,png} (mode: cluster or loopback), written atomically.
