@@ -29,8 +29,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils.checkpoint import load_model_state, remove_stale_temps, safe_load  # noqa: E402
-from utils.data import load_mnist  # noqa: E402
+from utils.checkpoint import check_writable, load_model_state, remove_stale_temps, safe_load  # noqa: E402
+from utils.data import ensure_mnist, load_mnist  # noqa: E402
 from utils.errors import PeerError, UsageError, first_line  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.ring import ALGORITHMS  # noqa: E402
@@ -39,6 +39,11 @@ from utils.run import check_identical_parameters, run, test_model  # noqa: E402
 PROG = "train.py"
 LOCAL_GRACE_SECONDS = 5
 GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks share them
+MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
+MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it overflows (and far below, NaN)
+MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like a hang
+MAX_NPROC = 64  # ranks on one machine; for more, use several servers
+MAX_SEED = 2**32 - 1
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -46,7 +51,7 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def positive(kind):
+def positive(kind, most=None):
     def parse(text):
         try:
             value = kind(text)
@@ -54,8 +59,20 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {text!r}")
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text!r}")
         return value
     return parse
+
+
+def seed_value(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
+    return value
 
 
 def non_negative_int(text):
@@ -63,7 +80,7 @@ def non_negative_int(text):
 
 
 def chunk_count(text):
-    return "auto" if text == "auto" else positive(int)(text)
+    return "auto" if text == "auto" else positive(int, MAX_CHUNKS)(text)
 
 
 def parse_args(argv):
@@ -86,11 +103,11 @@ def parse_args(argv):
                    help="continue from --checkpoint if it exists (mid-epoch included), else start afresh")
     p.add_argument("--metrics", default=os.path.join("runs", "metrics.jsonl"),
                    help="rank 0 appends one JSON line per epoch here ('' to turn off)")
-    p.add_argument("--lr", type=positive(float), default=4e-3, help="peak learning rate (default 0.004)")
+    p.add_argument("--lr", type=positive(float, MAX_LR), default=4e-3, help="peak learning rate (default 0.004)")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive(int),
                    help=f"images per step on each rank (default {GLOBAL_BATCH} / world size)")
-    p.add_argument("--seed", type=int, default=1, help="seed for the model and the data order (default 1)")
-    p.add_argument("--timeout", type=positive(float), default=120.0,
+    p.add_argument("--seed", type=seed_value, default=1, help="seed for the model and the data order (default 1)")
+    p.add_argument("--timeout", type=positive(float, MAX_TIMEOUT), default=120.0,
                    help="seconds to wait for rendezvous and for any send/recv (default 120)")
     p.add_argument("--allreduce", choices=ALGORITHMS, default="two-pass", help="gradient sum (default two-pass)")
     p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
@@ -100,7 +117,7 @@ def parse_args(argv):
                    help="with --overlap: apply each bucket's update just before the next forward uses it, so "
                         "communication also overlaps the next forward (same parameters, bit for bit)")
     p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
-    p.add_argument("--nproc", type=positive(int), default=2, help="ranks to start when running on this machine alone")
+    p.add_argument("--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
     p.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
@@ -145,6 +162,14 @@ def validate(args):
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
+
+
+def check_outputs(args):
+    """Rank 0's output files must be writable before any training starts."""
+    for option, path in (("--save-path", args.save_path), ("--checkpoint", args.checkpoint),
+                         ("--metrics", args.metrics)):
+        if path:
+            check_writable(path, option)
 
 
 # --- running every rank on this machine ------------------------------------------------------
@@ -330,6 +355,7 @@ def train(args, data):
         attempt_store, attempt = torchrun_attempt_store(rank, datetime.timedelta(seconds=args.timeout))
     checkpoint = None
     if rank == 0:  # before rendezvous, so that a bad file fails fast
+        check_outputs(args)
         remove_stale_temps(args.checkpoint)
         checkpoint = load_checkpoint(args, restarted=attempt > 1)
         if checkpoint is None and args.model_path:
@@ -370,9 +396,11 @@ def main(argv=None):
         args = parse_args(argv)
         validate(args)
         local = not args.eval and args.rank is None and "RANK" not in os.environ
-        if local:
+        if local:  # check here what every rank would trip over: one error line, not one per rank
             if args.model_path:
-                load_model_state(Net(), args.model_path)  # one error line here, not one per rank
+                load_model_state(Net(), args.model_path)
+            check_outputs(args)
+            ensure_mnist(args.data_dir)
             return launch_local(args, argv)
         rank = args.rank if args.rank is not None else os.environ.get("RANK", 0)
         torch.use_deterministic_algorithms(True)

@@ -49,6 +49,14 @@ CASES = {
     "unknown algorithm": (["--allreduce", "tree"], ["--allreduce"]),
     "lazy update without overlap": (["--lazy-update", "--no-overlap"], ["--lazy-update needs --overlap"]),
     "missing model file": (["--model_path", "/nonexistent/model.pth"], ["does not exist"]),
+    "model path is a folder": (["--model_path", REPO], ["is not a file"]),
+    # values that pass "positive" but would crash or hang much later
+    "lr that overflows Adam's float32 step": (["--lr", "1e38"], ["--lr", "at most"]),
+    "timeout beyond gloo's 32-bit milliseconds": (["--timeout", "1e20"], ["--timeout", "at most"]),
+    "negative seed": (["--seed", "-1"], ["--seed"]),
+    "seed beyond 32 bits": (["--seed", str(2**70)], ["--seed"]),
+    "a billion chunks": (["--chunks", "1000000000"], ["--chunks", "at most"]),
+    "a thousand local ranks": (["--nproc", "1000"], ["--nproc", "at most"]),
 }
 
 
@@ -135,3 +143,25 @@ def test_damaged_and_missing_data_files(tmp_path):
     (raw / "t10k-labels-idx1-ubyte.gz").unlink()
     result = procs.train(["--eval", "--model_path", SHIPPED, "--data-dir", str(data)], timeout=100)
     assert_one_line_error(result, "missing data file", "t10k-labels-idx1-ubyte")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("option", ["--save-path", "--checkpoint", "--metrics"])
+def test_an_output_that_cannot_be_written_fails_before_training(option, tmp_path):
+    """Found only when rank 0 first saves, it would cost an epoch of work and end in a traceback."""
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    for path, needle in ((folder, "is a folder"), ("/proc/no-such-dir/out.pth", "cannot write")):
+        for mode in ([], rank_args()):   # the local launcher, and rank 0 of a multi-server job
+            result = procs.train([*mode, "--train-subset", "64", "--epochs", "1", option, str(path)], timeout=60)
+            assert_one_line_error(result, option, str(path), needle)
+            assert "epoch 1/1" not in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_unavailable_data_is_one_line_even_with_several_local_ranks(tmp_path):
+    not_a_folder = tmp_path / "data"
+    not_a_folder.write_text("")   # no MNIST there, and no download can land there either
+    for mode in ([], rank_args()):
+        result = procs.train([*mode, "--data-dir", str(not_a_folder)], timeout=100)
+        assert_one_line_error(result, "MNIST is not in", str(not_a_folder))

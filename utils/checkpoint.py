@@ -36,6 +36,20 @@ def atomic_write(path, data):
         os.close(dir_fd)
 
 
+def check_writable(path, option):
+    """Fail now, in one line, if `path` cannot be written: not after an epoch of training."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path} is a folder; give a file name in it")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"cannot write {option} {path}: {e.strerror or e}") from None
+
+
 def atomic_save(obj, path):
     """torch.save `obj` to `path` atomically (see atomic_write)."""
     buffer = io.BytesIO()
@@ -61,8 +75,10 @@ def remove_stale_temps(path):
 
 def safe_load(path, what="file"):
     """torch.load with weights_only=True; every way it can fail becomes one UsageError line."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise UsageError(f"{what} {path} does not exist")
+    if not os.path.isfile(path):
+        raise UsageError(f"{what} {path} is not a file")
     if os.path.getsize(path) == 0:
         raise UsageError(f"{what} {path} is empty")
     try:

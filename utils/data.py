@@ -69,14 +69,22 @@ def normalize(images_uint8):
     return ((images_uint8.float() / 255.0 - MEAN) / STD).unsqueeze(1)
 
 
+def ensure_mnist(root="data"):
+    """Make root/MNIST/raw/ hold the four verified files, downloading them only if none are there."""
+    if prepare_raw_files(root):
+        return
+    try:
+        for train in (True, False):
+            MNIST(root, train=train, download=True)
+    except (RuntimeError, OSError) as e:
+        reason = " ".join(str(e).split())  # torchvision's message spans lines, one per mirror
+        raise UsageError(f"MNIST is not in {root}/MNIST/raw and could not be downloaded: {reason[:300]}") from None
+
+
 def load_mnist(root="data"):
     """Return (train_images, train_labels, test_images, test_labels) as tensors."""
-    have_files = prepare_raw_files(root)
-    try:
-        train = MNIST(root, train=True, download=not have_files)
-        test = MNIST(root, train=False, download=not have_files)
-    except (RuntimeError, OSError) as e:
-        raise UsageError(f"MNIST is not in {root}/MNIST/raw and could not be downloaded ({e})")
+    ensure_mnist(root)
+    train, test = MNIST(root, train=True), MNIST(root, train=False)
     return normalize(train.data), train.targets, normalize(test.data), test.targets
 
 
