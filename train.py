@@ -164,6 +164,13 @@ def validate(args):
         raise UsageError("--eval needs --model_path")
 
 
+def check_share(train_images, world_size):
+    """Every rank needs at least one training image, or the job trains nothing at all."""
+    if train_images < world_size:
+        raise UsageError(f"{train_images} training image(s) (--train-subset) cannot be shared by {world_size} ranks; "
+                         f"give at least {world_size}")
+
+
 def check_outputs(args):
     """Rank 0's output files must be writable before any training starts."""
     for option, path in (("--save-path", args.save_path), ("--checkpoint", args.checkpoint),
@@ -346,6 +353,7 @@ def train(args, data):
     model = Net()
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
     world_size = args.world_size if args.world_size is not None else int(os.environ["WORLD_SIZE"])
+    check_share(len(data[1]), world_size)
     args.batch_size = args.batch_size or max(1, GLOBAL_BATCH // world_size)
     args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
                                 "world-size": world_size, "batch-size": args.batch_size, "lr": args.lr,
@@ -400,6 +408,8 @@ def main(argv=None):
             if args.model_path:
                 load_model_state(Net(), args.model_path)
             check_outputs(args)
+            if args.train_subset:
+                check_share(args.train_subset, args.nproc)
             ensure_mnist(args.data_dir)
             return launch_local(args, argv)
         rank = args.rank if args.rank is not None else os.environ.get("RANK", 0)

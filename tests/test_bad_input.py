@@ -57,6 +57,9 @@ CASES = {
     "seed beyond 32 bits": (["--seed", str(2**70)], ["--seed"]),
     "a billion chunks": (["--chunks", "1000000000"], ["--chunks", "at most"]),
     "a thousand local ranks": (["--nproc", "1000"], ["--nproc", "at most"]),
+    "fewer training images than local ranks": (["--train-subset", "3", "--nproc", "4"], ["--train-subset", "4 ranks"]),
+    "fewer training images than servers": ([*rank_args(world_size=2), "--train-subset", "1"],
+                                           ["--train-subset", "2 ranks"]),
 }
 
 
