@@ -65,8 +65,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world,  # noqa: E402
-                    sign_test_p)
+from common import (  # noqa: E402
+    RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
+    run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
@@ -621,11 +622,11 @@ def driver(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--cluster", action="store_true", help="run each rank on its own emulated host (root)")
     ap.add_argument("--rate", help="per-host egress cap in --cluster mode, tc syntax, e.g. 200mbit")
-    ap.add_argument("--world-sizes", default="2,3,4", type=lambda s: [int(x) for x in s.split(",")],
+    ap.add_argument("--world-sizes", default="2,3,4", type=number_list(int),
                     help="comma list of N, one launch each (default 2,3,4)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (K/M binary, 'model'); default {DEFAULT_SIZES}")
     ap.add_argument("--model-numel", type=int, default=DEFAULT_MODEL_NUMEL,
@@ -669,6 +670,11 @@ def main(argv=None) -> int:
         ap.error("world sizes must be >= 2")
     if min(args.iters, args.big_iters) < 1 or min(args.warmup, args.big_warmup) < 0 or args.chunks < 0:
         ap.error("--iters/--big-iters must be >= 1, --warmup/--big-warmup and --chunks >= 0")
+    if args.cluster and not args.rate:
+        ap.error("--cluster needs --rate, e.g. --rate 200mbit: the limit and the targets are for capped links")
+    for option, path in [("--ring-file", args.ring_file)] + [("--candidate", f) for f in args.candidate]:
+        if path and not Path(path).is_file():
+            ap.error(f"{option} {path}: no such file")
 
     return run_driver(driver, args, "allreduce.py")
 

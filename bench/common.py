@@ -23,6 +23,25 @@ class LaunchError(RuntimeError):
     """A world of ranks failed or timed out; the message holds each rank's last stderr lines."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr and exit code 2, as train.py does (no usage dump)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def number_list(kind):
+    """argparse type: "2,3,4" -> [2, 3, 4], with a clear error for anything else."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {'whole ' if kind is int else ''}numbers, "
+                                             f"got {text!r}") from None
+    return parse
+
+
 def parse_rate(rate: str) -> int:
     """tc-style rate ('200mbit', '1gbit', '10mbps' = megaBYTES/s) -> bits per second (for argparse)."""
     try:

@@ -82,8 +82,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, RESULTS, LaunchError, cluster, fmt, free_port, parse_rate, run_driver, run_world,  # noqa: E402
-                    sign_test_p)
+from common import (  # noqa: E402
+    REPO, RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
+    run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo")
 MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
@@ -758,12 +759,12 @@ def main(argv=None) -> int:
             raise argparse.ArgumentTypeError(f"--chunks: 'auto' or a whole number >= 1, got {text!r}")
         return text
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
     ap.add_argument("--rates", "--rate", default="1gbit,200mbit", type=lambda s: [x for x in s.split(",") if x],
                     help="per-host egress caps of the cluster, tc syntax (default 1gbit,200mbit)")
-    ap.add_argument("--world-sizes", default="2,4", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--world-sizes", default="2,4", type=number_list(int))
     ap.add_argument("--batch-size", type=positive_int, default=32, help="images per step per rank (default 32)")
     ap.add_argument("--global-batch", type=positive_int,
                     help="images per step over all ranks instead: batch per rank = this // N (train.py's "
@@ -776,7 +777,7 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","))
     ap.add_argument("--chunks", type=chunks, default="auto",
                     help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)")
-    ap.add_argument("--bucket-mb", default="1", type=lambda s: [float(x) for x in s.split(",")],
+    ap.add_argument("--bucket-mb", default="1", type=number_list(float),
                     help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)")
     ap.add_argument("--only", type=lambda s: s.split(","),
                     help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)")
@@ -800,6 +801,11 @@ def main(argv=None) -> int:
         ap.error("world sizes must be >= 2")
     if args.warmup < 0 or any(not (mb > 0 and math.isfinite(mb)) for mb in args.bucket_mb):
         ap.error("--warmup must be >= 0 and --bucket-mb positive")
+    if args.only:
+        known = {c["name"] for c in make_configs(argparse.Namespace(**{**vars(args), "only": None}))}
+        if set(args.only) - known:
+            ap.error(f"--only: unknown configuration(s) {sorted(set(args.only) - known)}; "
+                     f"choose from {', '.join(sorted(known))}")
     if not args.loopback:
         if not args.rates:
             ap.error("--rates needs at least one rate")
