@@ -1,5 +1,6 @@
 """The trainer end to end: real processes, gloo over loopback TCP."""
 import hashlib
+import json
 import os
 import re
 import sys
@@ -89,3 +90,15 @@ def test_original_flag_spellings_are_accepted(tmp_path):
                          timeout=50)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m.pth").exists()
+
+
+@pytest.mark.timeout(200)
+def test_lazy_update_with_step_checkpoints_still_counts_its_communication(tmp_path):
+    """With --save-every, the lazy update is applied before each save; its wait is the step's."""
+    metrics = tmp_path / "metrics.jsonl"
+    result = procs.train(["--epochs", "1", "--train-subset", "512", "--lazy-update", "--save-every", "1",
+                          "--metrics", str(metrics), "--save-path", str(tmp_path / "m.pth"),
+                          "--checkpoint", str(tmp_path / "c.pt")], timeout=180)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(metrics.read_text().splitlines()[-1])
+    assert 0 < row["comm_share"] < 1 and row["busbw_gbps"] > 0, row

@@ -146,6 +146,9 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
             loss.backward()
             gradient_sum.sum()
             gradient_sum.step()
+            saving = save_every and step % save_every == 0 and step < len(batches)
+            if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
+                gradient_sum.finish()
             busy, waited = gradient_sum.seconds()
             stats.busy_seconds += busy - busy_before
             stats.comm_seconds += waited - waited_before
@@ -153,8 +156,7 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
             stats.loss_sum += loss.item()
             stats.steps += 1
             progress.update(step, stats.loss_sum / stats.steps)
-            if save_every and step % save_every == 0 and step < len(batches):
-                gradient_sum.finish()
+            if saving:
                 save(epoch, step, stats)
         gradient_sum.finish()
     except PeerError as e:
