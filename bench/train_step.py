@@ -512,13 +512,13 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
             best, ddp = min(ours, key=lambda r: r["median_ms"]), by["ddp"]
             ratio = best["median_ms"] / ddp["median_ms"]
             paired = paired_ratios(best, ddp)
+            faster = sum(x < 1 for x in paired)
             out.append({"target": "best >= DDP throughput", "rate": rate, "world_size": n,
                         "status": "PASS" if max(ratio, statistics.median(paired)) <= DDP_TOLERANCE else "MISS",
                         "best": best["config"], "best_ms": best["median_ms"], "ddp_ms": ddp["median_ms"],
                         "ratio": ratio, "bound": DDP_TOLERANCE,
                         "paired_median_ratio": statistics.median(paired),
-                        "rounds_faster": sum(x < 1 for x in paired), "rounds": len(paired),
-                        "sign_test_p": sign_test_p(sum(x < 1 for x in paired), len(paired))})
+                        "rounds_faster": faster, "rounds": len(paired), "sign_test_p": sign_test_p(faster, len(paired))})
             if n == 2 and rows[0]["rate_bits_per_s"] == 10 ** 9 and "compute" in by:
                 compute = by["compute"]
                 ratio_c = best["median_ms"] / compute["median_ms"]
@@ -704,8 +704,8 @@ def driver(args) -> int:
                      for r in records if r["params_identical"] is False]
     targets = evaluate_targets(records, mode, rates, worlds)
     import torch
-    model = "" if args.model == "trainer" else f"{args.model} model, "
-    title = (f"training step, {mode}; {model}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
+    model_note = "" if args.model == "trainer" else f"{args.model} model, "
+    title = (f"training step, {mode}; {model_note}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
              f"{platform.node()}, torch {torch.__version__}")
     command = " ".join(["python3", "bench/train_step.py"] + sys.argv[1:])
     load_line = "; ".join(f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
