@@ -435,4 +435,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # After a lost peer, gloo's threads may still be blocked on it. Python's shutdown would
+        # destroy them and abort the process ("terminate called without an active exception",
+        # exit -6) after the one-line message. Everything worth keeping is already on disk.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
