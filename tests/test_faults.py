@@ -93,13 +93,15 @@ def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
-# Each victim with another way of summing: the survivors notice in sum(), in the comm threads, or
-# (lazy) in the next forward's hooks; all must say so in one line.
-@pytest.mark.parametrize("victim, mode", [("first", "--overlap"), ("middle", "--lazy-update"),
-                                          ("last", "--no-overlap")])
+# Each victim with another way of summing: the survivors notice in sum(), in the comm threads,
+# (lazy) in the next forward's hooks, or (gloo) in the wait for gloo's asynchronous all_reduce;
+# all must say so in one line.
+@pytest.mark.parametrize("victim, mode", [("first", ["--overlap"]), ("middle", ["--lazy-update"]),
+                                          ("last", ["--no-overlap"]), ("first", ["--allreduce", "gloo"]),
+                                          ("last", ["--allreduce", "gloo", "--lazy-update"])])
 def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp_path):
     timeout = 10
-    ranks = procs.start_ranks(3, [mode, "--train-subset", "30000", "--epochs", "1", "--metrics", "", "--timeout",
+    ranks = procs.start_ranks(3, [*mode, "--train-subset", "30000", "--epochs", "1", "--metrics", "", "--timeout",
                                   str(timeout), "--save-every", "2", "--checkpoint", str(tmp_path / "c.pt"),
                                   "--save-path", str(tmp_path / "m.pth")])
     try:
