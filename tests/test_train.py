@@ -93,10 +93,12 @@ def test_original_flag_spellings_are_accepted(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_lazy_update_with_step_checkpoints_still_counts_its_communication(tmp_path):
+@pytest.mark.parametrize("allreduce", ["two-pass", "gloo"])   # a thread per bucket; gloo's async all_reduce
+def test_lazy_update_with_step_checkpoints_still_counts_its_communication(allreduce, tmp_path):
     """With --save-every, the lazy update is applied before each save; its wait is the step's."""
     metrics = tmp_path / "metrics.jsonl"
-    result = procs.train(["--epochs", "1", "--train-subset", "512", "--lazy-update", "--save-every", "1",
+    result = procs.train(["--allreduce", allreduce, "--epochs", "1", "--train-subset", "512", "--lazy-update",
+                          "--save-every", "1",
                           "--metrics", str(metrics), "--save-path", str(tmp_path / "m.pth"),
                           "--checkpoint", str(tmp_path / "c.pt")], timeout=180)
     assert result.returncode == 0, result.stderr
