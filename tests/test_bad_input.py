@@ -168,3 +168,7 @@ def test_unavailable_data_is_one_line_even_with_several_local_ranks(tmp_path):
     for mode in ([], rank_args()):
         result = procs.train([*mode, "--data-dir", str(not_a_folder)], timeout=100)
         assert_one_line_error(result, "MNIST is not in", str(not_a_folder))
+    missing = tmp_path / "no-such-folder"
+    result = procs.train(["--data-dir", str(missing)], timeout=100)
+    assert_one_line_error(result, "MNIST is not in", str(missing))
+    assert not missing.exists()   # the failed download leaves no empty folders behind

@@ -73,10 +73,13 @@ def ensure_mnist(root="data"):
     """Make root/MNIST/raw/ hold the four verified files, downloading them only if none are there."""
     if prepare_raw_files(root):
         return
+    existed = os.path.exists(root)
     try:
         for train in (True, False):
             MNIST(root, train=train, download=True)
     except (RuntimeError, OSError) as e:
+        if not existed:   # torchvision made the folders for its download: leave no empty tree behind
+            shutil.rmtree(root, ignore_errors=True)
         reason = " ".join(str(e).split())  # torchvision's message spans lines, one per mirror
         raise UsageError(f"MNIST is not in {root}/MNIST/raw and could not be downloaded: {reason[:300]}") from None
 
