@@ -67,7 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
-    run_world, sign_test_p)
+    p_text, run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
@@ -402,7 +402,7 @@ def target_lines(targets: list[dict]) -> str:
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
             lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<44} N={t['world_size']}  [{floors}]")
         if t.get("paired"):
-            paired = "  ".join(f"{k} {m:.3f} ({faster}/{total}, p={p:.2f})"
+            paired = "  ".join(f"{k} {m:.3f} ({faster}/{total}, {p_text(p)})"
                                for k, (m, faster, total, p) in t["paired"].items())
             lines.append(f"{'':<5} {'  paired per repetition (faster in k/n, p)':<44} N={t['world_size']}  [{paired}]")
     return "\n".join(lines)

@@ -81,6 +81,11 @@ def sign_test_p(faster: int, total: int) -> float:
     return min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2 ** total)
 
 
+def p_text(p: float) -> str:
+    """A sign test's p for a report line: small ones as 'p<0.001', not as a rounded 'p=0.00'."""
+    return "p<0.001" if p < 0.001 else f"p={p:.3f}" if p < 0.01 else f"p={p:.2f}"
+
+
 def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: float, what: str,
               ok_codes=(0,), env: dict | None = None, while_running=None) -> list[subprocess.Popen]:
     """Run ranks 0..n-1 of `script --worker --rank R --config CONFIG` until all have exited.

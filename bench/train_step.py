@@ -84,7 +84,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     REPO, RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
-    run_world, sign_test_p)
+    p_text, run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo")
 MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
@@ -557,7 +557,7 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
                          f"{t['best_ms']:.1f} ms vs ddp {t['ddp_ms']:.1f} ms = {t['ratio']:.3f}x "
                          f"(bound {t['bound']:.2f}x; paired per round: median {t['paired_median_ratio']:.3f}x, "
-                         f"faster in {t['rounds_faster']}/{t['rounds']} rounds, sign test p={t['sign_test_p']:.2f})")
+                         f"faster in {t['rounds_faster']}/{t['rounds']} rounds, sign test {p_text(t['sign_test_p'])})")
         else:
             alone = f"; vs compute-alone {t['ratio_compute_alone']:.3f}x" if t.get("ratio_compute_alone") else ""
             lines.append(f"{t['status']:<5} best <= 1.10x compute-only      {where:<14} best {t['best']} "

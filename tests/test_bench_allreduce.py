@@ -94,3 +94,10 @@ def test_sign_test_tells_a_tie_from_a_real_difference():
     assert sign_test_p(9, 31) == pytest.approx(sign_test_p(22, 31))         # two-sided
     assert sign_test_p(9, 31) < 0.05 < sign_test_p(14, 41) < 0.1            # 9/31 is real, 14/41 is not
     assert sign_test_p(0, 0) == 1.0
+
+
+def test_a_tiny_p_is_not_printed_as_zero():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from common import p_text, sign_test_p
+    assert p_text(sign_test_p(15, 15)) == "p<0.001"       # 15 of 15 rounds: p = 6e-5, not "p=0.00"
+    assert p_text(0.004) == "p=0.004" and p_text(0.12) == "p=0.12"
