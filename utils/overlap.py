@@ -11,7 +11,7 @@ utils/ring.py) while autograd keeps computing the earlier layers:
 
 With --allreduce gloo no thread of ours is needed: the gradient hook starts gloo's asynchronous
 all_reduce, which runs on gloo's own threads (as DDP does). That saves the Python thread's
-wake-ups and about 0.5 ms of CPU per step, which counts when the ranks share their cores.
+wake-ups and 0.5-0.9 ms of CPU per rank and step, which counts when the ranks share cores.
 
 With our rings every bucket has its own process group (its own TCP connections), so the small
 conv bucket, ready last, does not queue behind the big fc bucket on one socket. Each bucket's
@@ -87,7 +87,7 @@ class OverlappedGradientSum:
         self.lock = threading.Lock()
         # One group per bucket lets our rings sum the small conv bucket beside the big one, which
         # the lazy update needs (5% faster at 200 Mbit/s). gloo's buckets share one group: fewer
-        # connections on the NIC measured 1-2% faster at 200 Mbit/s with 4 ranks.
+        # connections on the NIC measured 2% faster at 200 Mbit/s with 4 ranks.
         shared = algorithm == "gloo"
         try:
             groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
