@@ -46,7 +46,7 @@ of N-1 additions in any order), and must be bit-identical on all ranks (blake2b 
 Any failure: a message naming N, size, algorithm and repetition, and a non-zero exit.
 
 Output: a markdown table on stdout, then the issue targets with PASS/MISS, and
-bench/results/allreduce-<mode>.{json,png,md} (mode: loopback or cluster), written atomically.
+bench/results/allreduce-<mode>[-<rate>].{json,png,md} (mode: loopback or cluster), written atomically.
 """
 from __future__ import annotations
 
@@ -602,8 +602,7 @@ def driver(args) -> int:
         "correct": not failures, "failures": failures, "targets": targets, "results": records,
     }
     out_dir = Path(args.results_dir)
-    stem = (f"allreduce-{mode}" + (f"-{Path(args.ring_file).stem}" if args.ring_file else "")  # never overwrite
-            + (f"-{args.tcp_cc}" if args.tcp_cc else ""))
+    stem = results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc)
     atomic_write(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
     atomic_write(out_dir / f"{stem}.md", md.encode())
     plot(records, out_dir / f"{stem}.png", title, rate_bytes, wire["burst_bytes"] if wire else 0)
@@ -619,6 +618,13 @@ def driver(args) -> int:
         print("\nallreduce.py: CORRECTNESS FAILURE:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     return 0
+
+
+def results_stem(mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None) -> str:
+    """The results files' name: each capped rate, ring file and TCP setting gets its own, so that
+    no run overwrites another's (allreduce-cluster-200mbit-reno.*, allreduce-loopback.*)."""
+    parts = [f"allreduce-{mode}", rate, Path(ring_file).stem if ring_file else None, tcp_cc]
+    return "-".join(part for part in parts if part)
 
 
 def main(argv=None) -> int:
@@ -642,7 +648,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (e.g. a proposed patch)")
     ap.add_argument("--tcp-cc", metavar="ALGO", help="TCP congestion control inside the emulated hosts (e.g. reno; "
-                    "default: the namespaces' default, usually the host's). Results go to allreduce-cluster-<ALGO>.*")
+                    "default: the namespaces' default, usually the host's). Results go to allreduce-cluster-<RATE>-<ALGO>.*")
     ap.add_argument("--candidate", action="append", default=[], metavar="RING_PY",
                     help="also measure this file's ring_sum, interleaved with the others, as 'ring:<file stem>' "
                          "(e.g. a proposed patch of utils/ring.py); repeatable")

@@ -101,3 +101,13 @@ def test_a_tiny_p_is_not_printed_as_zero():
     from common import p_text, sign_test_p
     assert p_text(sign_test_p(15, 15)) == "p<0.001"       # 15 of 15 rounds: p = 6e-5, not "p=0.00"
     assert p_text(0.004) == "p=0.004" and p_text(0.12) == "p=0.12"
+
+
+def test_each_rate_and_tcp_setting_writes_its_own_results_files():
+    """A 1 Gbit/s run once overwrote the committed 200 Mbit/s results: the names now differ."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from allreduce import results_stem
+    assert results_stem("loopback", None, None, None) == "allreduce-loopback"
+    assert results_stem("cluster", "200mbit", None, None) == "allreduce-cluster-200mbit"
+    assert results_stem("cluster", "1gbit", None, "reno") == "allreduce-cluster-1gbit-reno"
+    assert results_stem("cluster", "200mbit", "/tmp/my_ring.py", "reno") == "allreduce-cluster-200mbit-my_ring-reno"
