@@ -111,3 +111,18 @@ def test_each_rate_and_tcp_setting_writes_its_own_results_files():
     assert results_stem("cluster", "200mbit", None, None) == "allreduce-cluster-200mbit"
     assert results_stem("cluster", "1gbit", None, "reno") == "allreduce-cluster-1gbit-reno"
     assert results_stem("cluster", "200mbit", "/tmp/my_ring.py", "reno") == "allreduce-cluster-200mbit-my_ring-reno"
+
+
+@pytest.mark.timeout(120)
+def test_the_gloo_schedule_candidate_sums_correctly(tmp_path):
+    """bench/candidates/gloo_schedule.py is measured against gloo in the README: it must be right too
+    (N = 3 and the model's 421,642 floats: segments that do not divide evenly)."""
+    r = subprocess.run([sys.executable, BENCH, "--world-sizes", "3", "--sizes", "4K,model", "--algorithms", "gloo",
+                        "--iters", "1", "--warmup", "0", "--timeout", "90", "--results-dir", str(tmp_path),
+                        "--candidate", os.path.join(REPO, "bench", "candidates", "gloo_schedule.py")],
+                       cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "allreduce-loopback.json").read_text())["results"]
+    candidate = [row for row in rows if row["algorithm"] == "ring:gloo_schedule"]
+    assert [row["size"] for row in candidate] == ["4K", "model"]
+    assert all(row["correct"] and row["bit_identical"] for row in candidate)
