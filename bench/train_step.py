@@ -58,7 +58,8 @@ sign test's p for "faster in k of n rounds" (bench/common.sign_test_p): above 0.
 cannot tell the two apart.
 
 Output: a markdown table, the issue targets with PASS/MISS and their ratios, and
-bench/results/train_step-<mode>.{json,md,png} (mode: cluster or loopback), written atomically.
+bench/results/train_step-<mode>[-<what differs from the default plan>].{json,md,png} (mode: cluster or
+loopback; e.g. train_step-cluster-1gbit-n2-b64.json), written atomically.
 Every rank has a hard timeout; on any error or Ctrl-C all ranks are killed and the cluster is
 torn down.
 """
@@ -87,6 +88,9 @@ from common import (  # noqa: E402
     p_text, run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo")
+# The default plan; results_stem() names the files after whatever a run changed from it.
+DEFAULTS = {"rates": ["1gbit", "200mbit"], "world_sizes": [2, 4], "model": "trainer", "batch_size": 32,
+            "algorithms": list(ALGORITHMS)}
 MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
                "reference": 1199882}   # the issue's baseline model, see make_model()
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
@@ -730,21 +734,41 @@ def driver(args) -> int:
         "params_identical": not not_identical, "not_identical": not_identical,
         "targets": targets, "results": records,
     }
-    out_dir = Path(args.results_dir)
-    atomic_write(out_dir / f"train_step-{mode}.json", (json.dumps(result, indent=1) + "\n").encode())
-    atomic_write(out_dir / f"train_step-{mode}.md", md.encode())
-    plot(records, out_dir / f"train_step-{mode}.png", title, rates, worlds)
+    out = Path(args.results_dir) / results_stem(args, mode)
+    atomic_write(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
+    atomic_write(out.with_suffix(".md"), md.encode())
+    plot(records, out.with_suffix(".png"), title, rates, worlds)
 
     print(f"\n{table(records, mode)}\n\nLoad during the runs: {load_line}\n")
     print("Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)")
           + ":")
     print(target_lines(targets))
-    print(f"\nwrote {out_dir / f'train_step-{mode}.json'}, .md, .png  ({time.time() - started:.0f}s)")
+    print(f"\nwrote {out.with_suffix('.json')}, .md, .png  ({time.time() - started:.0f}s)")
     if not_identical:
         print("\ntrain_step.py: ranks ended with DIFFERENT parameters in: " + ", ".join(not_identical),
               file=sys.stderr)
         return 1
     return 0
+
+
+def results_stem(args, mode: str) -> str:
+    """The results files' name: train_step-<mode>, plus whatever this run did differently from the
+    default plan (rates, world sizes, model, batch, a subset of configurations), so that a partial
+    or different run never overwrites the full one (train_step-cluster-1gbit-n2-b64.*)."""
+    parts = [f"train_step-{mode}"]
+    if mode == "cluster" and args.rates != DEFAULTS["rates"]:
+        parts.append("+".join(args.rates))
+    if args.world_sizes != DEFAULTS["world_sizes"]:
+        parts.append("n" + "+".join(map(str, args.world_sizes)))
+    if args.model != DEFAULTS["model"]:
+        parts.append(args.model)
+    if args.global_batch:
+        parts.append(f"gb{args.global_batch}")
+    elif args.batch_size != DEFAULTS["batch_size"]:
+        parts.append(f"b{args.batch_size}")
+    if args.only or args.algorithms != DEFAULTS["algorithms"]:
+        parts.append("subset")
+    return "-".join(parts)
 
 
 def main(argv=None) -> int:
@@ -762,10 +786,12 @@ def main(argv=None) -> int:
     ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
-    ap.add_argument("--rates", "--rate", default="1gbit,200mbit", type=lambda s: [x for x in s.split(",") if x],
+    ap.add_argument("--rates", "--rate", default=",".join(DEFAULTS["rates"]),
+                    type=lambda s: [x for x in s.split(",") if x],
                     help="per-host egress caps of the cluster, tc syntax (default 1gbit,200mbit)")
-    ap.add_argument("--world-sizes", default="2,4", type=number_list(int))
-    ap.add_argument("--batch-size", type=positive_int, default=32, help="images per step per rank (default 32)")
+    ap.add_argument("--world-sizes", default=",".join(map(str, DEFAULTS["world_sizes"])), type=number_list(int))
+    ap.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"],
+                    help=f"images per step per rank (default {DEFAULTS['batch_size']})")
     ap.add_argument("--global-batch", type=positive_int,
                     help="images per step over all ranks instead: batch per rank = this // N (train.py's "
                          "default is 64)")
@@ -774,7 +800,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-sample", type=positive_int, default=6,
                     help="consecutive training steps per configuration and round, timed together (default 6; "
                          "each sample starts after a barrier, which drains what a lazy update would carry over)")
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","))
+    ap.add_argument("--algorithms", default=",".join(DEFAULTS["algorithms"]), type=lambda s: s.split(","))
     ap.add_argument("--chunks", type=chunks, default="auto",
                     help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)")
     ap.add_argument("--bucket-mb", default="1", type=number_list(float),
@@ -782,7 +808,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=lambda s: s.split(","),
                     help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--model", choices=sorted(MODEL_NUMEL), default="trainer",
+    ap.add_argument("--model", choices=sorted(MODEL_NUMEL), default=DEFAULTS["model"],
                     help="trainer: utils/model.Net (default); reference: the PyTorch MNIST example's CNN, "
                          "1.2M parameters, that issue #6's baseline was measured with")
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")

@@ -20,7 +20,7 @@ def test_loopback_run_measures_every_configuration(tmp_path):
                         "--timeout", "150", "--results-dir", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "train_step-loopback.json").read_text())
+    data = json.loads((tmp_path / "train_step-loopback-n2.json").read_text())
     rows = data["results"]
     assert {row["config"] for row in rows} == CONFIGS
     assert len(rows) == len(CONFIGS)
@@ -40,7 +40,7 @@ def test_loopback_run_measures_every_configuration(tmp_path):
     assert by["ring+overlap+lazy"]["lazy"] is True and by["ring+overlap"]["lazy"] is False
     assert data["params_identical"] is True and data["batch_size"] == {"2": 32}
     assert any(t["target"] == "best >= DDP throughput" and t["status"] == "info" for t in data["targets"])
-    png = (tmp_path / "train_step-loopback.png").read_bytes()
+    png = (tmp_path / "train_step-loopback-n2.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "| rate | N | batch | configuration |" in r.stdout and "| loopback | 2 | 32 | ddp |" in r.stdout
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
@@ -52,13 +52,35 @@ def test_reference_model_is_the_issues_baseline_cnn(tmp_path):
                         "--model", "reference", "--only", "gloo", "--timeout", "100", "--results-dir", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=110)
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads((tmp_path / "train_step-loopback.json").read_text())
+    data = json.loads((tmp_path / "train_step-loopback-n2-reference-subset.json").read_text())
     assert data["model"] == "reference" and data["model_parameters"] == 1_199_882
     by = {row["config"]: row for row in data["results"]}
     assert set(by) == {"compute-alone", "compute", "compute+sync", "compute+wire", "gloo", "ddp"}
     assert by["gloo"]["params_identical"] is True and by["ddp"]["params_identical"] is True
-    assert "reference model (1,199,882 parameters)" in (tmp_path / "train_step-loopback.md").read_text()
+    assert "reference model (1,199,882 parameters)" in (tmp_path / "train_step-loopback-n2-reference-subset.md").read_text()
     sys.path.insert(0, os.path.join(REPO, "bench"))
     from train_step import MODEL_NUMEL, make_model
     for name, numel in MODEL_NUMEL.items():    # the constants the wire floor sends are the models' sizes
         assert sum(p.numel() for p in make_model(name).parameters()) == numel
+
+
+def test_a_partial_or_different_run_never_overwrites_the_full_results(monkeypatch):
+    """A run with --rates 1gbit alone once overwrote train_step-cluster.*, which held both rates."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import train_step
+    parsed = []
+    monkeypatch.setattr(train_step, "run_driver", lambda driver, args, name: parsed.append(args) or 0)
+
+    def stem(*argv):
+        assert train_step.main(list(argv)) == 0
+        args = parsed.pop()
+        return train_step.results_stem(args, "loopback" if args.loopback else "cluster")
+
+    assert stem() == "train_step-cluster"
+    assert stem("--loopback") == "train_step-loopback"
+    assert stem("--rates", "1gbit") == "train_step-cluster-1gbit"
+    assert stem("--rates", "1gbit", "--world-sizes", "2", "--batch-size", "64") == "train_step-cluster-1gbit-n2-b64"
+    assert stem("--batch-size", "64", "--model", "reference") == "train_step-cluster-reference-b64"
+    assert stem("--global-batch", "64") == "train_step-cluster-gb64"
+    assert stem("--only", "gloo") == stem("--algorithms", "ring") == "train_step-cluster-subset"
+    assert stem("--loopback", "--rates", "1gbit") == "train_step-loopback"     # no capped links there
