@@ -264,27 +264,66 @@ def init_distributed(args, attempt_store=None):
                          f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}") from None
 
 
-def torchrun_attempt_store(rank, timeout):
-    """Under torchrun's agent store: (the store of this attempt, the attempt's number, 1 = first).
+def torchrun_attempt_store(rank, world_size, timeout):
+    """Under torchrun's agent store: (this attempt's own store, whether rank 0 ran before in this job).
 
     torchrun's agent keeps one store for the whole job, and torch's env:// does not separate the
     attempts in it, so after a restart the dead ranks' gloo addresses are still there: a restarted
     rank that reads one before its peer has overwritten it gets "connection refused". So each
-    attempt joins under a prefix of its own.
+    attempt joins under a prefix of its own, and the ranks of an attempt agree on it through the
+    store, with rank 0 as the leader:
 
-    The attempt number is how often a worker with this rank has started in this job (a counter
-    in that store). Every attempt starts each rank once, so the ranks of one attempt agree.
-    TORCHELASTIC_RESTART_COUNT would not do: with --rdzv-backend c10d, the agent whose workers
-    were healthy restarts them without counting a restart, so the count differs between nodes.
+        rank 0:   train.py/leader = A                  (A: a fresh random id)
+        rank r:   train.py/A/answer/rank-r = a_r       (a_r: rank r's own fresh id)
+        rank 0:   train.py/A/go = a_1,a_2,...          (once every rank has answered)
+        rank r:   goes ahead when its own a_r is in A's go list
+
+    A dead attempt's ids stay in the store, but nobody alive answered them, so a rank that reads
+    a stale leader id never finds itself in its go list; it keeps watching the leader key until
+    the new rank 0 writes. Counting starts per rank would not do: a rank that dies before counting
+    leaves the counts apart for good. Nor would TORCHELASTIC_RESTART_COUNT: with --rdzv-backend
+    c10d, the agent whose workers were healthy restarts them without counting a restart.
     """
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                     is_master=False, timeout=timeout)
-        attempt = agent_store.add(f"train.py/starts/rank-{rank}", 1)
     except (RuntimeError, ValueError) as e:
         raise PeerError(f"could not reach torchrun's store at {where}: {first_line(e)}", resumable=False) from None
-    return dist.PrefixStore(f"train.py/attempt-{attempt}", agent_store), attempt
+    try:
+        return agree_on_attempt(agent_store, rank, world_size, timeout)
+    except RuntimeError as e:   # the store went away: torchrun's agent is gone or restarting
+        raise PeerError(f"lost torchrun's store at {where}: {first_line(e)}", resumable=False) from None
+
+
+def agree_on_attempt(agent_store, rank, world_size, timeout):
+    """The leader protocol of torchrun_attempt_store."""
+    mine = os.urandom(8).hex()
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        restarted = agent_store.add("train.py/starts/rank-0", 1) > 1
+        agent_store.set("train.py/leader", mine)
+        answers = [f"train.py/{mine}/answer/rank-{r}" for r in range(1, world_size)]
+        while answers and not agent_store.check(answers):
+            if time.monotonic() > deadline:
+                raise PeerError(f"not every rank of this torchrun attempt came within {timeout.total_seconds():g} s",
+                                resumable=False)
+            time.sleep(0.05)
+        agent_store.set(f"train.py/{mine}/go", ",".join(v.decode() for v in agent_store.multi_get(answers)))
+        return dist.PrefixStore(f"train.py/attempt-{mine}", agent_store), restarted
+    answered = None
+    while True:
+        leader = agent_store.get("train.py/leader").decode() if agent_store.check(["train.py/leader"]) else None
+        if leader is not None and leader != answered:
+            agent_store.set(f"train.py/{leader}/answer/rank-{rank}", mine)
+            answered = leader
+        go = f"train.py/{answered}/go"
+        if answered is not None and agent_store.check([go]) and mine in agent_store.get(go).decode().split(","):
+            return dist.PrefixStore(f"train.py/attempt-{answered}", agent_store), False
+        if time.monotonic() > deadline:
+            raise PeerError(f"rank 0 of this torchrun attempt did not come within {timeout.total_seconds():g} s",
+                            resumable=False)
+        time.sleep(0.05)
 
 
 def check_same_settings(args, model):
@@ -358,14 +397,14 @@ def train(args, data):
     args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
                                 "world-size": world_size, "batch-size": args.batch_size, "lr": args.lr,
                                 "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset}
-    attempt_store, attempt = None, 1
+    attempt_store, restarted = None, False
     if args.rank is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        attempt_store, attempt = torchrun_attempt_store(rank, datetime.timedelta(seconds=args.timeout))
+        attempt_store, restarted = torchrun_attempt_store(rank, world_size, datetime.timedelta(seconds=args.timeout))
     checkpoint = None
     if rank == 0:  # before rendezvous, so that a bad file fails fast
         check_outputs(args)
         remove_stale_temps(args.checkpoint)
-        checkpoint = load_checkpoint(args, restarted=attempt > 1)
+        checkpoint = load_checkpoint(args, restarted=restarted)
         if checkpoint is None and args.model_path:
             load_model_state(model, args.model_path)
     init_distributed(args, attempt_store)
