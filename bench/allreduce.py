@@ -67,7 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
-    p_text, run_world, sign_test_p)
+    p_text, ratios_to_gloo, run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
@@ -377,12 +377,11 @@ def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
 def paired_vs_gloo(records: list[dict], rows: list[dict]) -> dict:
     """Per size: the median of (time / gloo's time) over repetitions, which ran side by side, in
     how many repetitions it was faster, and the sign test's p. Tells a tie from a real difference."""
+    paired = ratios_to_gloo(records)
     out = {}
     for r in rows:
-        gloo = next((g for g in records if g["algorithm"] == "gloo" and g["world_size"] == r["world_size"]
-                     and g["bytes"] == r["bytes"]), None)
-        if gloo and len(gloo["times_ms"]) == len(r["times_ms"]):
-            ratios = [a / b for a, b in zip(r["times_ms"], gloo["times_ms"])]
+        ratios = paired.get((r["world_size"], r["size"], r["algorithm"]))
+        if ratios:
             faster = sum(x < 1 for x in ratios)
             out[r["size"]] = [round(statistics.median(ratios), 4), faster, len(ratios),
                               round(sign_test_p(faster, len(ratios)), 3)]

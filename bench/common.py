@@ -81,6 +81,18 @@ def sign_test_p(faster: int, total: int) -> float:
     return min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2 ** total)
 
 
+def ratios_to_gloo(results: list[dict]) -> dict:
+    """{(N, size, algorithm): [time / gloo's time, per repetition]} for all-reduce results rows
+    (bench/allreduce.py) that ran side by side with gloo, the same number of repetitions."""
+    gloo = {(r["world_size"], r["size"]): r["times_ms"] for r in results if r["algorithm"] == "gloo"}
+    out = {}
+    for r in results:
+        ref = gloo.get((r["world_size"], r["size"]))
+        if r["algorithm"] != "gloo" and ref and len(ref) == len(r["times_ms"]):
+            out[r["world_size"], r["size"], r["algorithm"]] = [a / b for a, b in zip(r["times_ms"], ref)]
+    return out
+
+
 def p_text(p: float) -> str:
     """A sign test's p for a report line: small ones as 'p<0.001', not as a rounded 'p=0.00'."""
     return "p<0.001" if p < 0.001 else f"p={p:.3f}" if p < 0.01 else f"p={p:.2f}"

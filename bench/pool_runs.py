@@ -24,23 +24,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OneLineParser, p_text, sign_test_p  # noqa: E402
-
-
-def paired_ratios(run: dict) -> dict:
-    """{(N, size, algorithm): [time / gloo's time per repetition]} for one run's results."""
-    gloo = {(r["world_size"], r["size"]): r["times_ms"] for r in run["results"] if r["algorithm"] == "gloo"}
-    out = {}
-    for r in run["results"]:
-        ref = gloo.get((r["world_size"], r["size"]))
-        if r["algorithm"] != "gloo" and ref and len(ref) == len(r["times_ms"]):
-            out[r["world_size"], r["size"], r["algorithm"]] = [a / b for a, b in zip(r["times_ms"], ref)]
-    return out
+from common import OneLineParser, p_text, ratios_to_gloo, sign_test_p  # noqa: E402
 
 
 def pool(runs: list[dict]) -> list[dict]:
     """One row per (N, size, algorithm) that every run measured side by side with gloo."""
-    per_run = [paired_ratios(run) for run in runs]
+    per_run = [ratios_to_gloo(run["results"]) for run in runs]
     rows = []
     for key in per_run[0]:
         if not all(key in p for p in per_run):
