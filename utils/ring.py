@@ -8,11 +8,14 @@ copied. `average_()` divides by the world size afterwards; that is what training
     two_pass_ring_sum  the original protocol (default): a chain, then the total forwarded.
     ring_sum           bandwidth-optimal reduce-scatter + all-gather.
     gloo_sum           dist.all_reduce, the reference.
+    hierarchical       several ranks per host: loopback within hosts, ring_sum across them
+                       (utils/hierarchical.py).
 
 group: every function also takes a process group of ALL ranks, in the same order, that has its
 own connections (utils/overlap.py gives each gradient bucket one, so a small bucket need not
 queue behind a big one on the same socket). Peer ranks are the same numbers as in the default
-group. None means the default group.
+group. None means the default group. The hierarchical sum takes a utils.hierarchical.Hierarchy
+(its subgroups) instead; None means one for the default group, made on its first call.
 
 Timeouts: gloo applies the process group's timeout (init_process_group(timeout=...)) to every
 send and receive, so a silent peer turns into an exception instead of a hang.
@@ -103,6 +106,22 @@ def ring_sum(flat, group=None):
 
     Each rank sends 2(N-1)/N of the buffer, the least any all-reduce can. Segment j is
     summed in one fixed order along the ring, so every rank ends with the same bits.
+    """
+    n = dist.get_world_size(group)
+    if n > 1:
+        ring_steps(torch.tensor_split(flat, n), group, 0, 2 * (n - 1))
+    return flat
+
+
+def ring_steps(segments, group, first, last):
+    """Steps first..last-1 of the ring of ring_sum over `segments` (one view per rank of `group`).
+
+    Steps 0..N-2 are the reduce-scatter, after which rank r holds segments[(r+1) % N] fully
+    summed; steps N-1..2N-3 are the all-gather. Step s sends segments[(r-s) % N] to the right
+    neighbour and receives segments[(r-s-1) % N] from the left (a partial sum lands in scratch
+    and is added; a finished segment is copied). The segments may differ in size (even be
+    empty: both ends know and skip the message). Peers are ranks of `group` (group_dst/src),
+    so `group` may be a subgroup (utils/hierarchical.py runs the two halves on a host's ranks).
 
     Receives are posted one step ahead (message tag = step). gloo's send is a rendezvous: it
     starts only once the receiver's "ready" notice has arrived, and that notice queues behind
@@ -111,47 +130,41 @@ def ring_sum(flat, group=None):
     the same NIC queue. Posted a step early, it is there before the neighbour needs it.
     """
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if n == 1:
-        return flat
-    segments = torch.tensor_split(flat, n)
-    scratch = [torch.empty_like(segments[0]) for _ in range(2)]   # reduce-scatter steps alternate
+    biggest = max(segment.numel() for segment in segments)
+    scratch = [torch.empty(biggest, dtype=segments[0].dtype) for _ in range(2)]   # reduce-scatter steps alternate
     right, left = (rank + 1) % n, (rank - 1) % n
-    steps = 2 * (n - 1)                                           # n-1 reduce-scatter, n-1 all-gather
 
     def landing(step):
         """(segment index, buffer) for what arrives in `step`: partial sums go to scratch first."""
+        index = (rank - step - 1) % n
         if step < n - 1:
-            index = (rank - step - 1) % n
             return index, scratch[step % 2][: segments[index].numel()]
-        index = (rank - step + n - 1) % n
         return index, segments[index]
 
-    # Segments are empty when the buffer is smaller than N; both ends know, both skip.
     def receive(step):
-        buffer = landing(step)[1] if step < steps else None
-        return dist.irecv(buffer, left, group=group, tag=step) if buffer is not None and buffer.numel() else None
+        buffer = landing(step)[1] if step < last else None
+        return dist.irecv(buffer, group=group, group_src=left, tag=step) if buffer is not None and buffer.numel() else None
 
     sends = []
 
     def send(step, segment):
         if segment.numel():
-            sends.append(dist.isend(segment, right, group=group, tag=step))
+            sends.append(dist.isend(segment, group=group, group_dst=right, tag=step))
 
-    incoming = receive(0)
-    send(0, segments[rank])
-    for step in range(steps):
+    incoming = receive(first)
+    send(first, segments[(rank - first) % n])
+    for step in range(first, last):
         upcoming = receive(step + 1)                              # one step ahead
         index, buffer = landing(step)
         if incoming is not None:
             incoming.wait()
         if step < n - 1:
             segments[index].add_(buffer)                          # own + partial from the left
-        if step + 1 < steps:
+        if step + 1 < last:
             send(step + 1, segments[index])                       # pass it on
         incoming = upcoming
     for work in sends:
         work.wait()
-    return flat
 
 
 def gloo_sum(flat, group=None):
@@ -161,7 +174,7 @@ def gloo_sum(flat, group=None):
     return flat
 
 
-ALGORITHMS = ("two-pass", "ring", "gloo")
+ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 
 
 def sum_(flat, algorithm="two-pass", chunks=1, group=None):
@@ -172,10 +185,13 @@ def sum_(flat, algorithm="two-pass", chunks=1, group=None):
         return ring_sum(flat, group)
     if algorithm == "gloo":
         return gloo_sum(flat, group)
+    if algorithm == "hierarchical":
+        from utils.hierarchical import hierarchical_sum   # it builds on this module
+        return hierarchical_sum(flat, group)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
 
 
 def average_(flat, algorithm="two-pass", chunks=1, group=None):
     """Average `flat` over all ranks in place: the sum, divided by the world size."""
     sum_(flat, algorithm, chunks, group)
-    return flat.div_(dist.get_world_size(group))
+    return flat.div_(dist.get_world_size(None if algorithm == "hierarchical" else group))

@@ -1,0 +1,198 @@
+"""The hierarchical ring (--allreduce hierarchical): several ranks per server, one network card.
+
+A flat ring of N·k ranks (N hosts, k ranks each) pushes 2(Nk-1)/(Nk) of the buffer through
+each host's card. Here a host's ranks first combine among themselves over loopback, so only
+2(N-1)/N of the buffer per host crosses the cards. With k = 2 ranks on each of 2 hosts:
+
+    1. reduce-scatter within each host (loopback), the ring of ring.py's first half:
+           host A:  a0 ◀──▶ a1      afterwards a0 holds shard 0 summed over A, a1 shard 1
+           host B:  b0 ◀──▶ b1      likewise for B
+    2. one ring ACROSS hosts per shard, all at the same time (ring.ring_sum on the shard):
+           a0 ◀── shard 0 ──▶ b0     over the cards: each of the k rings carries 1/k of the
+           a1 ◀── shard 1 ──▶ b1     buffer, so every local rank works and none is a funnel
+    3. all-gather within each host (loopback), ring.py's second half: every rank gets every
+       shard.
+
+Each element is added in one fixed order (along the host's ring, then along the shard's ring
+across hosts) and only copied after that, so every rank ends with the same bits. With one rank
+per host there is one shard and one ring over all ranks in rank order: exactly `ring`.
+
+Hosts with different numbers of ranks: the buffer is cut into K shards, K = the most ranks
+any host has. A host with k < K ranks gives each of its ranks a contiguous block of about K/k
+shards; that rank carries each of them in its shard's ring, one after another, in shard order
+(in that order no ring can wait on another that is still waiting: no deadlock). The sum is
+right for any grouping; only the speed depends on it. train.py says so once at start-up.
+
+Which ranks share a host, found once at start-up by every rank (discover(), a collective):
+ranks share a host when their keys are equal. The key is the hostname, the kernel's boot id,
+the network namespace (the inode of /proc/self/ns/net) and the IPv4 address of the gloo card
+(GLOO_SOCKET_IFNAME). The hostname alone does not do: scripts/cluster.py's emulated hosts are
+network namespaces of one machine that share the hostname, and containers often share one
+("localhost"). Ranks in one network namespace of one kernel reach each other over loopback,
+whatever they are called. RING_HOST_ID, when set, replaces the key: ranks with the same value
+share a host. It is a knob for tests (fake hosts over loopback) and for setups the key gets
+wrong; a wrong grouping costs speed, never correctness.
+
+Process groups: a Hierarchy holds the subgroups of one sum: one per host with more than one
+rank, one per cross-host ring. dist.new_group is a collective of all ranks, so every rank
+creates every Hierarchy at the same point, in the same order (utils/overlap.py makes one per
+gradient bucket, so buckets never share connections).
+"""
+import fcntl
+import os
+import socket
+import struct
+
+import torch.distributed as dist
+
+from utils import ring
+
+
+def host_key():
+    """What makes this rank's host: RING_HOST_ID if set, else hostname, boot id, netns, gloo card."""
+    if os.environ.get("RING_HOST_ID"):
+        return "RING_HOST_ID=" + os.environ["RING_HOST_ID"]
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("-")
+    try:
+        parts.append(f"netns:{os.stat('/proc/self/ns/net').st_ino}")
+    except OSError:
+        parts.append("-")
+    card = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    parts.append(f"{card}:{ipv4_address(card)}" if card else "-")
+    return "/".join(parts)
+
+
+def ipv4_address(card):
+    """The IPv4 address of network card `card`, or '-' (none, or not Linux)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            request = struct.pack("256s", card.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+        except OSError:
+            return "-"
+
+
+_topology = None
+
+
+def discover():
+    """The hosts of the default group: lists of global ranks, each sorted, hosts ordered by their
+    first rank. A collective (all_gather_object) on the first call; cached after it."""
+    global _topology
+    if _topology is None:
+        keys = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, host_key())
+        _topology = hosts_of(keys)
+    return _topology
+
+
+def hosts_of(keys):
+    """[key of rank 0, key of rank 1, ...] -> hosts (lists of ranks), ordered by first rank."""
+    hosts = {}
+    for rank, key in enumerate(keys):
+        hosts.setdefault(key, []).append(rank)
+    return list(hosts.values())
+
+
+def describe(hosts):
+    """'2 hosts × 2 ranks', '1 host × 3 ranks', or for uneven hosts '3 hosts × 1-2 ranks (2+2+1)'."""
+    sizes = [len(h) for h in hosts]
+    plural = lambda count, word: f"{count} {word}{'' if count == 1 else 's'}"  # noqa: E731
+    if len(set(sizes)) == 1:
+        return f"{plural(len(hosts), 'host')} × {plural(sizes[0], 'rank')}"
+    return f"{len(hosts)} hosts × {min(sizes)}-{max(sizes)} ranks ({'+'.join(map(str, sizes))})"
+
+
+def uneven_note(hosts):
+    """The start-up note for hosts with different numbers of ranks (None if they are even)."""
+    sizes = [len(h) for h in hosts]
+    if len(set(sizes)) == 1:
+        return None
+    return (f"hierarchical: the hosts hold different numbers of ranks ({'+'.join(map(str, sizes))}): the buffer "
+            f"is cut into {max(sizes)} shards, and a rank of a smaller host carries several, one after another")
+
+
+def blocks(hosts):
+    """For each host, each local rank's shards: range(first, end) of the K shards (K = most ranks)."""
+    shards = max(len(h) for h in hosts)
+    return [[range(j * shards // len(h), (j + 1) * shards // len(h)) for j in range(len(h))] for h in hosts], shards
+
+
+def plan(hosts):
+    """The cross-host rings: [(shard, member ranks)], member i being the rank of host i that
+    carries that shard. (Two shards never have the same members: the host with the most ranks
+    gives each shard to another rank.)"""
+    per_host, shards = blocks(hosts)
+    return [(s, [next(h[j] for j, block in enumerate(per_host[i]) if s in block) for i, h in enumerate(hosts)])
+            for s in range(shards)], shards
+
+
+class Hierarchy:
+    """The process groups of one hierarchical sum over `hosts` (default: discover()).
+
+    A collective: every rank creates it at the same point (dist.new_group, in the same order).
+    `hosts` may leave ranks out (tests check several topologies in one world): those create the
+    groups too, but take no part in the sum."""
+
+    def __init__(self, hosts=None, timeout=None):
+        self.hosts = hosts if hosts is not None else discover()
+        rank = dist.get_rank()
+        self.host = next((h for h in self.hosts if rank in h), None)   # None: not in `hosts` (tests)
+        self.local = None                  # this host's ranks (None: alone on the host)
+        for h in self.hosts:               # every rank creates every group, in the same order
+            group = dist.new_group(h, timeout=timeout, backend="gloo") if len(h) > 1 else None
+            if h is self.host:
+                self.local = group
+        per_host, self.shards = blocks(self.hosts)
+        self.local_blocks = per_host[self.hosts.index(self.host)] if self.host else []   # each local rank's shards
+        self.rings = []                    # (shard, group) of each cross-host ring this rank is in
+        for shard, members in plan(self.hosts)[0]:
+            group = dist.new_group(members, timeout=timeout, backend="gloo") if len(members) > 1 else None
+            if rank in members and group is not None:
+                self.rings.append((shard, group))
+
+    def sum_(self, flat):
+        """Sum `flat` over all ranks, in place: loopback reduce-scatter, cross-host rings, all-gather."""
+        numel, k = flat.numel(), len(self.host)
+        edge = [s * numel // self.shards for s in range(self.shards + 1)]   # shard s: flat[edge[s]:edge[s+1]]
+        if k > 1:
+            mine = [flat[edge[b.start]:edge[b.stop]] for b in self.local_blocks]   # local rank j's block
+            # ring_steps leaves local rank j with segment j+1 of its list: rotate by one
+            segments = [mine[(i - 1) % k] for i in range(k)]
+            ring.ring_steps(segments, self.local, 0, k - 1)                  # 1. reduce-scatter
+        for shard, group in self.rings:                                      # 2. across hosts, shard order
+            ring.ring_sum(flat[edge[shard]:edge[shard + 1]], group)
+        if k > 1:
+            ring.ring_steps(segments, self.local, k - 1, 2 * (k - 1))        # 3. all-gather
+        return flat
+
+
+_default = None
+
+
+def hierarchical_sum(flat, group=None):
+    """ring.sum_'s entry: sum `flat` with Hierarchy `group`, or None: one for the default group,
+    created (a collective, with the default group's timeout) on the first call."""
+    global _default
+    if group is None:
+        if _default is None:
+            _default = Hierarchy(timeout=default_timeout())
+        group = _default
+    if not isinstance(group, Hierarchy):
+        raise TypeError("the hierarchical sum needs a utils.hierarchical.Hierarchy as its group, "
+                        f"not {type(group).__name__}")
+    return group.sum_(flat)
+
+
+def default_timeout():
+    """The default group's timeout (new groups would otherwise get torch's 30 minutes)."""
+    try:
+        import torch
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
