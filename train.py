@@ -31,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from utils.checkpoint import check_writable, load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
+from utils import hierarchical  # noqa: E402
 from utils.errors import PeerError, UsageError, first_line  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.ring import ALGORITHMS  # noqa: E402
@@ -416,6 +417,7 @@ def train(args, data):
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])
         broadcast_parameters(model)
+        hosts = hierarchical.discover()   # which ranks share a server: for the log, and the hierarchical sum
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if rank == 0:
@@ -424,7 +426,9 @@ def train(args, data):
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
               f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'}"
-              f"{', lazy update' if args.lazy_update else ''})", flush=True)
+              f"{', lazy update' if args.lazy_update else ''}), {hierarchical.describe(hosts)}", flush=True)
+        if args.allreduce == "hierarchical" and hierarchical.uneven_note(hosts):
+            print(hierarchical.uneven_note(hosts), flush=True)
     run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
 

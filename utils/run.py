@@ -19,6 +19,7 @@ from tqdm import tqdm
 from utils.checkpoint import atomic_save
 from utils.data import epoch_indices
 from utils.errors import PeerError, first_line
+from utils.hierarchical import Hierarchy
 from utils.overlap import LazyUpdate, OverlappedGradientSum, average_gradients
 
 
@@ -35,8 +36,10 @@ class GradientSum:
     def __init__(self, model, args, optimizer, scheduler):
         self.params, self.args = list(model.parameters()), args
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.overlapped = self.lazy = None
+        self.overlapped = self.lazy = self.group = None
         self.busy_seconds = self.waited_seconds = 0.0  # communication ran / the training thread waited
+        if args.allreduce == "hierarchical" and not args.overlap:   # its subgroups, made by every rank now
+            self.group = Hierarchy(timeout=datetime.timedelta(seconds=args.timeout))
         if args.overlap:
             self.overlapped = OverlappedGradientSum(self.params, args.allreduce, args.chunks,
                                                     int(args.bucket_mb * 2**20),
@@ -53,7 +56,7 @@ class GradientSum:
             self.overlapped.wait()
         else:
             try:
-                average_gradients(self.params, self.args.allreduce, self.args.chunks)
+                average_gradients(self.params, self.args.allreduce, self.args.chunks, self.group)
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(first_line(e)) from None  # train_model says where
             self.busy_seconds += time.perf_counter() - start
