@@ -4,7 +4,8 @@ argv: rank world_size port out topology [topology ...]. A topology is the host i
 0, 1, ... ("0,0,1,1": ranks 0 and 1 share host 0, ranks 2 and 3 host 1); ranks beyond it sit
 that one out, so one world of processes checks many topologies. The first topology covers the
 world and is found the way train.py finds it: RING_HOST_ID (the test sets each rank's id in it)
-and discover(), through ring.sum_ with no group. The others go to Hierarchy directly.
+and discover(), through ring.sum_ with no group; it is also summed with bfloat16 on the wire.
+The others go to Hierarchy directly.
 """
 import datetime
 import os
@@ -51,6 +52,9 @@ if __name__ == "__main__":
             flat = inputs(rank, size)
             ring.sum_(flat, "hierarchical", 1, group)
             results[f"{topology}/{size}"] = flat
+            if i == 0:                                    # compressed: bfloat16 across hosts
+                flat = inputs(rank, size)
+                results[f"{topology}/{size}/bf16"] = ring.sum_(flat, "hierarchical", 1, group, torch.bfloat16)
             if ring_group is not None:                    # one rank per host: must be `ring`, bit for bit
                 results[f"{topology}/{size}/ring"] = ring.ring_sum(inputs(rank, size), ring_group)
     torch.save(results, out)

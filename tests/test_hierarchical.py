@@ -1,7 +1,8 @@
 """The hierarchical ring (utils/hierarchical.py) over loopback, hosts faked with RING_HOST_ID:
 correct against a float64 reference, bit-identical on every rank, and `ring` itself when every
 host has one rank. 1-3 hosts × 1-3 ranks, uneven hosts, ranks of a host not numbered together,
-all in one world of 9 processes (a topology of fewer ranks uses ranks 0, 1, ...)."""
+all in one world of 9 processes (a topology of fewer ranks uses ranks 0, 1, ...); and once with
+bfloat16 on the wire across hosts (--compress bf16)."""
 import os
 import subprocess
 import sys
@@ -58,6 +59,13 @@ def test_hierarchical_sums_exactly_once_and_identically(tmp_path):
                 assert torch.equal(results[r][key], got), f"{key}: rank {r} differs from rank 0"
             if all(len(h) == 1 for h in hosts):
                 assert torch.equal(results[0][key + "/ring"], got), f"{key}: not the plain ring's bits"
+            if topology == TOPOLOGIES[0]:   # bfloat16 across hosts: a rounding per hop (8 bits of mantissa)
+                compressed = results[0][key + "/bf16"]
+                scale = sum(inputs(r, size).double().abs() for r in range(n))
+                assert ((compressed.double() - reference).abs() <= scale * 2 ** -7).all(), key
+                assert not torch.equal(compressed, got) or size < 9, key   # the wire did carry 16 bits
+                for r in range(1, n):
+                    assert torch.equal(results[r][key + "/bf16"], compressed), f"{key}/bf16: rank {r} differs"
             checked += 1
     assert checked == sum(len(sizes(hosts_of(t.split(",")))) for t in TOPOLOGIES)
 

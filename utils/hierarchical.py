@@ -156,37 +156,68 @@ class Hierarchy:
             if rank in members and group is not None:
                 self.rings.append((shard, group))
 
-    def sum_(self, flat):
-        """Sum `flat` over all ranks, in place: loopback reduce-scatter, cross-host rings, all-gather."""
-        numel, k = flat.numel(), len(self.host)
-        edge = [s * numel // self.shards for s in range(self.shards + 1)]   # shard s: flat[edge[s]:edge[s+1]]
+    def sum_(self, flat, wire_dtype=None):
+        """Sum `flat` over all ranks, in place: loopback reduce-scatter, cross-host rings, all-gather.
+
+        wire_dtype goes to the rings across hosts only, where the bytes cost: they round each
+        shard's sum once, the same on every rank of the ring, and the all-gather over loopback
+        (in the buffer's own type) only copies it, so every rank still ends with the same bits.
+        """
+        edge = self._edges(flat.numel())
+        k = len(self.host)
         if k > 1:
-            mine = [flat[edge[b.start]:edge[b.stop]] for b in self.local_blocks]   # local rank j's block
-            # ring_steps leaves local rank j with segment j+1 of its list: rotate by one
-            segments = [mine[(i - 1) % k] for i in range(k)]
+            segments = self._local_segments(flat, edge)
             ring.ring_steps(segments, self.local, 0, k - 1)                  # 1. reduce-scatter
         for shard, group in self.rings:                                      # 2. across hosts, shard order
-            ring.ring_sum(flat[edge[shard]:edge[shard + 1]], group)
+            ring.ring_sum(flat[edge[shard]:edge[shard + 1]], group, wire_dtype)
         if k > 1:
             ring.ring_steps(segments, self.local, k - 1, 2 * (k - 1))        # 3. all-gather
         return flat
+
+    def _edges(self, numel):
+        """Shard s is flat[edge[s]:edge[s+1]]."""
+        return [s * numel // self.shards for s in range(self.shards + 1)]
+
+    def _local_segments(self, flat, edge):
+        """The host ring's segments: local rank j's block of shards, rotated by one, since
+        ring_steps leaves local rank j with segment j+1 of its list."""
+        mine = [flat[edge[b.start]:edge[b.stop]] for b in self.local_blocks]
+        return [mine[(i - 1) % len(mine)] for i in range(len(mine))]
+
+    def bytes_sent(self, numel, element_size, wire_element_size):
+        """How many bytes this rank sends in one sum of `numel` elements: over loopback (in the
+        buffer's element size) and across hosts (in the wire's)."""
+        edge, k, sent = self._edges(numel), len(self.host), 0
+        if k > 1:
+            sizes = [edge[b.stop] - edge[b.start] for b in self.local_blocks]
+            j = self.host.index(dist.get_rank())
+            sent += sum(sizes[(j - s - 1) % k] for s in range(2 * (k - 1))) * element_size
+        for shard, group in self.rings:
+            sent += ring.bytes_sent(edge[shard + 1] - edge[shard], wire_element_size, "ring",
+                                    dist.get_rank(group), dist.get_world_size(group))
+        return sent
 
 
 _default = None
 
 
-def hierarchical_sum(flat, group=None):
-    """ring.sum_'s entry: sum `flat` with Hierarchy `group`, or None: one for the default group,
-    created (a collective, with the default group's timeout) on the first call."""
-    global _default
+def hierarchical_sum(flat, group=None, wire_dtype=None):
+    """ring.sum_'s entry: sum `flat` with Hierarchy `group` (None: default_hierarchy())."""
     if group is None:
-        if _default is None:
-            _default = Hierarchy(timeout=default_timeout())
-        group = _default
+        group = default_hierarchy()
     if not isinstance(group, Hierarchy):
         raise TypeError("the hierarchical sum needs a utils.hierarchical.Hierarchy as its group, "
                         f"not {type(group).__name__}")
-    return group.sum_(flat)
+    return group.sum_(flat, wire_dtype)
+
+
+def default_hierarchy():
+    """One Hierarchy for the default group, created (a collective, with the default group's
+    timeout) on the first call."""
+    global _default
+    if _default is None:
+        _default = Hierarchy(timeout=default_timeout())
+    return _default
 
 
 def default_timeout():
