@@ -387,7 +387,8 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
                 rc = p.returncode
                 result = rc if rc > 0 else 128 - rc      # killed by signal N -> 128+N
                 kill_at = now + grace
-                print(f"cluster.py: {cluster.label(r)} exited with {rc}; "
+                print(f"cluster.py: host{cluster.host_of(r)} ({cluster.nic(cluster.host_of(r))})"
+                      f"{f' rank{r}' if cluster.ranks_per_host > 1 else ''} exited with {rc}; "
                       f"killing the others in {grace:g}s", file=sys.stderr, flush=True)
         time.sleep(0.05)
     for p in procs:
