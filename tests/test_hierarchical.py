@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hierarchical_worker import inputs, sizes
-from procs import free_port, kill_group, wait_all
+from procs import TRAIN, free_port, kill_group, scratch_dir, wait_all
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils.hierarchical import blocks, describe, hosts_of, plan  # noqa: E402
@@ -68,6 +68,29 @@ def test_hierarchical_sums_exactly_once_and_identically(tmp_path):
                     assert torch.equal(results[r][key + "/bf16"], compressed), f"{key}/bf16: rank {r} differs"
             checked += 1
     assert checked == sum(len(sizes(hosts_of(t.split(",")))) for t in TOPOLOGIES)
+
+
+@pytest.mark.timeout(120)
+def test_uneven_hosts_train_and_say_so_once(tmp_path):
+    """train.py with 2+1 ranks on two (faked) hosts, the plain path (--no-overlap): the start-up
+    line names the topology, one note says how uneven hosts are handled, all ranks end identical."""
+    port, cwd, hosts = free_port(), scratch_dir(), ["a", "a", "b"]
+    procs = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), "--world-size", "3", "--init-method",
+                               f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", "--epochs", "1",
+                               "--train-subset", "300", "--batch-size", "25", "--allreduce", "hierarchical",
+                               "--no-overlap", "--metrics", "", "--save-path", str(tmp_path / "m.pth"),
+                               "--checkpoint", str(tmp_path / "c.pt")],
+                              env=dict(os.environ, RING_HOST_ID=host, OMP_NUM_THREADS="1"), cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r, host in enumerate(hosts)]
+    results = wait_all(procs, timeout=100)
+    assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
+    out = results[0][1]
+    assert "all-reduce hierarchical (chunks auto, overlap off), 2 hosts × 1-2 ranks (2+1)" in out, out
+    assert out.count("hierarchical: the hosts hold different numbers of ranks (2+1): the buffer is cut into 2 "
+                     "shards, and a rank of a smaller host carries several, one after another") == 1, out
+    assert "parameters identical on all 3 ranks" in out, out
+    assert [o for _, o, _ in results[1:]] == ["", ""]
 
 
 def test_topology_plan():
