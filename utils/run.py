@@ -169,11 +169,19 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
     model.train()
     progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
     step = first_step
+    counted = list(gradient_sum.traffic())
+
+    def count_traffic():
+        """Add the bytes of the sums done since the last count (lazy: only whole steps are done
+        after finish(), so traffic is counted then, not step by step)."""
+        sent, summed = gradient_sum.traffic()
+        stats.bytes_sent += sent - counted[0]
+        stats.bytes_summed += summed - counted[1]
+        counted[:] = sent, summed
     try:
         for step in range(first_step + 1, len(batches) + 1):
             batch = batches[step - 1]
             start, (busy_before, waited_before) = time.perf_counter(), gradient_sum.seconds()
-            sent_before, summed_before = gradient_sum.traffic()
             loss = F.cross_entropy(model(images[batch]), labels[batch])
             loss.backward()
             gradient_sum.sum()
@@ -182,18 +190,17 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
                 gradient_sum.finish()
             busy, waited = gradient_sum.seconds()
-            sent, summed = gradient_sum.traffic()
             stats.busy_seconds += busy - busy_before
-            stats.bytes_sent += sent - sent_before
-            stats.bytes_summed += summed - summed_before
             stats.comm_seconds += waited - waited_before
             stats.step_seconds += time.perf_counter() - start
             stats.loss_sum += loss.item()
             stats.steps += 1
             progress.update(step, stats.loss_sum / stats.steps)
             if saving:
+                count_traffic()
                 save(epoch, step, stats)
         gradient_sum.finish()
+        count_traffic()
     except PeerError as e:
         raise PeerError(f"lost a peer while {e.doing} (epoch {epoch}, step {step}): {e}") from None
     finally:
