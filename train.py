@@ -425,8 +425,9 @@ def train(args, data):
     if rank == 0:  # before rendezvous, so that a bad file or another job's outputs fail fast
         check_outputs(args)
         checkpoint = load_checkpoint(args, restarted=restarted)
-        lock_outputs(args, hold=not finished(checkpoint, args))  # a finished run writes nothing, not even a lock
-        if not finished(checkpoint, args):
+        done = finished(checkpoint, args)
+        lock_outputs(args, hold=not done)  # a finished run writes nothing, not even a lock file: it only looks
+        if not done:
             remove_stale_temps(args.checkpoint)  # only now: they could have been another job's saves in progress
             say_where_training_starts(args, checkpoint)
         if checkpoint is None and args.model_path:
