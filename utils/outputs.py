@@ -40,14 +40,18 @@ def lock_outputs(args, hold=True):
             lock_path = os.path.realpath(path) + ".lock"
             if not hold and not os.path.exists(lock_path):
                 continue  # every holder creates its lock file first: nobody holds this one
-            fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
-            taken.append(fd)
-            if not try_lock(fd, patience=PROBE_SECONDS if hold else 0):
+            try:
+                fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
+                taken.append(fd)
+                locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0)
+                if locked and hold:  # in place, not by rename: a new file would not be the one that is locked
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {job_pid()} on {socket.gethostname()}\n".encode(), 0)
+            except OSError as e:  # another user's lock file, a filesystem without locks (ENOLCK), ...
+                raise UsageError(f"cannot lock {option} {path} ({lock_path}): {e.strerror or e}") from None
+            if not locked:
                 raise UsageError(f"{option} {path} is in use by another job ({holder(fd)}); let it finish, or give "
                                  f"this job other files with --save-path, --checkpoint and --metrics")
-            if hold:  # in place, not by rename: a new file would not be the one that is locked
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {job_pid()} on {socket.gethostname()}\n".encode(), 0)
     except BaseException:
         for fd in taken:
             os.close(fd)
