@@ -169,3 +169,56 @@ def run_driver(driver, args, prog: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; killed all ranks", file=sys.stderr)
         return 130
+
+
+# --------------------------------------------------------------------------- DDP's compression peers
+DDP_HOOKS = ("fp16", "bf16", "powersgd")   # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook
+
+
+def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_warmup: int = 2, seed: int = 0):
+    """torch DDP (gloo) around `model`, with one of its compression comm hooks (None: plain DDP).
+
+    "powersgd" runs with the whole gradient in ONE bucket: over gloo, DDP's powerSGD_hook aborts
+    ("Received data size doesn't match expected size") when the model has two buckets, whose P/Q
+    all-reduce chains can start in different orders on different ranks. So both the first-bucket
+    cap (dist._DEFAULT_FIRST_BUCKET_BYTES, read by older torch) and bucket_cap_mb go above the
+    gradient's size. PowerSGDState: rank `powersgd_rank`, plain all-reduce for the first
+    `powersgd_warmup` steps (torch needs >= 2 with error feedback / warm start, its defaults).
+    Returns (ddp_module, hook_state or None)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook not in (None, *DDP_HOOKS):
+        raise ValueError(f"unknown DDP hook {hook!r}")
+    kwargs = {}
+    if hook == "powersgd":
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int((grad_mb + 1) * 2**20)
+        kwargs["bucket_cap_mb"] = grad_mb + 1
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+    state = None
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=max(2, powersgd_warmup), random_seed=seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp, state
+
+
+def nic_tx_bytes(nic: str | None) -> int | None:
+    """Bytes this network namespace has sent on `nic` so far (/proc/self/net/dev), or None (no such NIC,
+    or loopback, where every rank's traffic shares one counter)."""
+    if not nic or nic == "lo":
+        return None
+    try:
+        for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
+            name, _, fields = line.partition(":")
+            if name.strip() == nic:
+                return int(fields.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
