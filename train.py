@@ -29,6 +29,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from utils.compress import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 from utils.checkpoint import check_writable, load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
 from utils.errors import PeerError, UsageError, first_line  # noqa: E402
@@ -44,6 +45,7 @@ MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it ove
 MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like a hang
 MAX_NPROC = 64  # ranks on one machine; for more, use several servers
 MAX_SEED = 2**32 - 1
+MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -117,6 +119,13 @@ def parse_args(argv):
                    help="with --overlap: apply each bucket's update just before the next forward uses it, so "
                         "communication also overlaps the next forward (same parameters, bit for bit)")
     p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
+    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
+                   help="what the gradient sums carry: none (float32, default), bf16 or fp16 (16 bits a value), "
+                        "powersgd (low-rank; see --powersgd-rank)")
+    p.add_argument("--powersgd-rank", type=positive(int, MAX_POWERSGD_RANK),
+                   help=f"with --compress powersgd: rank of each matrix's approximation (default {DEFAULT_POWERSGD_RANK})")
+    p.add_argument("--powersgd-warmup", type=non_negative_int,
+                   help=f"with --compress powersgd: uncompressed steps first (default {DEFAULT_POWERSGD_WARMUP})")
     p.add_argument("--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
@@ -162,6 +171,12 @@ def validate(args):
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
+    for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
+        if value is not None and args.compress != "powersgd":
+            raise UsageError(f"{option} needs --compress powersgd (this run has --compress {args.compress})")
+    if args.compress == "powersgd":
+        args.powersgd_rank = args.powersgd_rank or DEFAULT_POWERSGD_RANK
+        args.powersgd_warmup = DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup
 
 
 def check_share(train_images, world_size):
@@ -331,7 +346,8 @@ def check_same_settings(args, model):
     mine = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
             "batch-size": args.batch_size, "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
             "allreduce": args.allreduce, "chunks": args.chunks, "overlap": args.overlap, "lazy-update": args.lazy_update,
-            "bucket-mb": args.bucket_mb, "train-subset": args.train_subset}
+            "bucket-mb": args.bucket_mb, "train-subset": args.train_subset, "compress": args.compress,
+            "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):
@@ -370,7 +386,7 @@ def load_checkpoint(args, restarted=False):
     checkpoint = safe_load(args.checkpoint, "checkpoint")
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= set(checkpoint):
         raise UsageError(f"checkpoint {args.checkpoint} is not a training checkpoint of this program")
-    for name, value in checkpoint["settings"].items():
+    for name, value in {"compress": "none", **checkpoint["settings"]}.items():  # older checkpoints: no compression
         if args.checkpoint_settings.get(name) != value:
             raise UsageError(f"checkpoint {args.checkpoint} was made with --{name} {value}, this run has "
                              f"{args.checkpoint_settings.get(name)}; resume with the same settings, or "
@@ -387,6 +403,13 @@ def set_aside_old_checkpoint(args):
         print(f"starting afresh; the earlier checkpoint is kept as {args.checkpoint}.prev", flush=True)
 
 
+def compression_settings(args):
+    """What a resume must keep: the compression, and PowerSGD's rank and warm-up (its state depends on them)."""
+    if args.compress == "powersgd":
+        return {"compress": "powersgd", "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
+    return {"compress": args.compress}
+
+
 def train(args, data):
     torch.manual_seed(args.seed)
     model = Net()
@@ -396,7 +419,8 @@ def train(args, data):
     args.batch_size = args.batch_size or max(1, GLOBAL_BATCH // world_size)
     args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
                                 "world-size": world_size, "batch-size": args.batch_size, "lr": args.lr,
-                                "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset}
+                                "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset,
+                                **compression_settings(args)}
     attempt_store, restarted = None, False
     if args.rank is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         attempt_store, restarted = torchrun_attempt_store(rank, world_size, datetime.timedelta(seconds=args.timeout))
@@ -424,9 +448,15 @@ def train(args, data):
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
               f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'}"
-              f"{', lazy update' if args.lazy_update else ''})", flush=True)
+              f"{', lazy update' if args.lazy_update else ''}){compression_note(args)}", flush=True)
     run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
+
+
+def compression_note(args):
+    if args.compress == "powersgd":
+        return f", compress powersgd (rank {args.powersgd_rank}, {args.powersgd_warmup} warm-up steps)"
+    return f", compress {args.compress}" if args.compress != "none" else ""
 
 
 def resume_command(argv):

@@ -9,9 +9,10 @@ class UsageError(Exception):
 class PeerError(Exception):
     """The job broke off: a peer died, fell silent or never came. Exit code 1."""
 
-    def __init__(self, message, resumable=True):
+    def __init__(self, message, resumable=True, doing="summing gradients"):
         super().__init__(message)
         self.resumable = resumable  # False before training started: there is nothing to resume
+        self.doing = doing          # what the rank was doing, for the trainer's "lost a peer while ..."
 
 
 def first_line(error):

@@ -37,16 +37,19 @@ import torch
 import torch.distributed as dist
 
 from utils import ring
+from utils.compress import NoCompression, RingSum
 from utils.errors import PeerError, first_line
 
 
-def average_gradients(params, algorithm="two-pass", chunks=1, group=None):
+def average_gradients(params, sum_, compressor, bucket=0):
     """Replace every rank's gradients of `params` by their average over all ranks.
 
-    The gradients travel as one flat buffer, so each hop of the ring is one message.
+    The gradients travel as one flat buffer, so each hop of the ring is one message. sum_: a
+    compress.RingSum (the ring and group); compressor: what travels (utils/compress.py);
+    bucket: which of the compressor's buckets `params` are.
     """
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    ring.average_(flat, algorithm, chunks, group)
+    compressor.average_(flat, bucket, sum_)
     set_gradients(params, flat)
 
 
@@ -74,28 +77,35 @@ class OverlappedGradientSum:
     """After loss.backward(), wait() returns once every gradient holds its average over ranks.
 
     Every rank must construct it at the same point (it creates the buckets' process groups).
+    compressor_for(buckets) makes the compressor (utils/compress.py) for the buckets it forms.
     """
 
-    def __init__(self, params, algorithm="two-pass", chunks="auto", bucket_bytes=1 << 20, timeout=None):
+    def __init__(self, params, algorithm="two-pass", chunks="auto", bucket_bytes=1 << 20, timeout=None,
+                 compressor_for=lambda buckets: NoCompression()):
         self.algorithm, self.chunks = algorithm, chunks
         self.buckets = make_buckets(list(reversed(list(params))), bucket_bytes)
+        self.compressor = compressor_for(self.buckets)
+        # gloo's own asynchronous all_reduce, started from the hook, when nothing is compressed
+        self.gloo_async = algorithm == "gloo" and type(self.compressor) is NoCompression
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]  # gradients still to come, this step
         self.started = 0                               # buckets 0..started-1 are being summed
         self.error = None
         self.busy_seconds = 0.0  # time spent summing, over all buckets, for bandwidth figures
+        self.gloo_bytes_sent = self.gloo_bytes_summed = 0   # the async gloo path's traffic (no RingSum)
         self.lock = threading.Lock()
         # One group per bucket lets our rings sum the small conv bucket beside the big one, which
         # the lazy update needs (5% faster at 200 Mbit/s). gloo's buckets share one group: fewer
         # connections on the NIC measured 2% faster at 200 Mbit/s with 4 ranks.
-        shared = algorithm == "gloo"
+        shared = self.gloo_async
         try:
             groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
                       for _ in range(1 if shared else len(self.buckets))]
         except RuntimeError as e:
             raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
         self.groups = groups * len(self.buckets) if shared else groups   # bucket i is summed in groups[i]
-        if algorithm == "gloo":   # gloo sums asynchronously on its own threads, as DDP does
+        self.sums = [RingSum(algorithm, chunks, group) for group in self.groups]
+        if self.gloo_async:       # gloo sums asynchronously on its own threads, as DDP does
             self.pending = [None] * len(self.buckets)  # (flat buffer, work, times) per bucket
         else:                     # our rings are Python functions: a thread per bucket runs them
             self.ready = [threading.Event() for _ in self.buckets]    # gradients there: sum it
@@ -117,10 +127,13 @@ class OverlappedGradientSum:
             self.started += 1
 
     def _start(self, i):
-        if self.algorithm != "gloo":
+        if not self.gloo_async:
             self.ready[i].set()
             return
         flat, times = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]), [time.perf_counter()]
+        self.gloo_bytes_sent += ring.bytes_sent(flat.numel(), flat.element_size(), "gloo",
+                                                self.sums[i].rank, self.sums[i].world_size)
+        self.gloo_bytes_summed += flat.numel() * flat.element_size()
         try:
             work = dist.all_reduce(flat, group=self.groups[i], async_op=True)
             work.get_future().add_done_callback(lambda _: times.append(time.perf_counter()))
@@ -129,13 +142,12 @@ class OverlappedGradientSum:
         self.pending[i] = (flat, work, times)
 
     def _communicate(self, i):
-        bucket, group = self.buckets[i], self.groups[i]
         try:
             while True:
                 self.ready[i].wait()
                 self.ready[i].clear()
                 start = time.perf_counter()
-                average_gradients(bucket, self.algorithm, self.chunks, group)
+                average_gradients(self.buckets[i], self.sums[i], self.compressor, i)
                 with self.lock:
                     self.busy_seconds += time.perf_counter() - start
                 self.summed[i].set()
@@ -159,7 +171,7 @@ class OverlappedGradientSum:
 
     def wait_bucket(self, i):
         """Block until bucket i is averaged; raises PeerError if communication failed."""
-        if self.algorithm != "gloo":
+        if not self.gloo_async:
             self.summed[i].wait()
             if self.error is not None:
                 raise PeerError(first_line(self.error))  # the trainer says where
@@ -175,6 +187,11 @@ class OverlappedGradientSum:
             raise PeerError(first_line(e)) from None
         self.busy_seconds += (times[1] if len(times) > 1 else time.perf_counter()) - times[0]
         set_gradients(self.buckets[i], flat.div_(dist.get_world_size(self.groups[i])))
+
+    def traffic(self):
+        """(bytes this rank sent, bytes of the buffers summed), over all buckets and steps."""
+        return (self.gloo_bytes_sent + sum(s.bytes_sent for s in self.sums),
+                self.gloo_bytes_summed + sum(s.bytes_summed for s in self.sums))
 
     def wait(self):
         """After loss.backward(): block until all buckets are averaged."""

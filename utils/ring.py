@@ -9,6 +9,12 @@ copied. `average_()` divides by the world size afterwards; that is what training
     ring_sum           bandwidth-optimal reduce-scatter + all-gather.
     gloo_sum           dist.all_reduce, the reference.
 
+wire_dtype: every function also takes the type its messages carry (None: the buffer's own). With
+torch.bfloat16 or torch.float16 each hop carries 16-bit values, but a rank adds what it receives
+to its own part in float32 and rounds once before passing the sum on, so the rounding error does
+not compound along the ring. The finished sum is rounded once, and every rank keeps that rounded
+value, so all ranks still end with the same bits. (gloo_sum cannot: gloo adds in the wire type.)
+
 group: every function also takes a process group of ALL ranks, in the same order, that has its
 own connections (utils/overlap.py gives each gradient bucket one, so a small bucket need not
 queue behind a big one on the same socket). Peer ranks are the same numbers as in the default
@@ -31,7 +37,29 @@ def auto_chunks(numel, element_size=4):
     return max(1, min(MAX_CHUNKS, math.ceil(numel * element_size / CHUNK_BYTES)))
 
 
-def two_pass_ring_sum(flat, chunks=1, group=None):
+def resolve_chunks(chunks, numel, wire_dtype=None):
+    """`chunks` as a number: "auto" counts the bytes on the wire."""
+    if chunks != "auto":
+        return chunks
+    return auto_chunks(numel, torch.empty(0, dtype=wire_dtype or torch.float32).element_size())
+
+
+def bytes_sent(numel, element_size, algorithm, rank, n):
+    """How many bytes `rank` sends in one sum of `numel` elements (what the epoch line reports).
+
+    two-pass: every rank sends the buffer once in pass 1, and ranks 0..N-3 once more in pass 2.
+    ring: 2(N-1) segments of about 1/N. gloo runs a ring too; counted as ours."""
+    if n == 1:
+        return 0
+    if algorithm == "two-pass":
+        return numel * element_size * (2 if rank < n - 2 else 1)
+    sizes = [len(s) for s in torch.tensor_split(torch.empty(numel, dtype=torch.uint8), n)]
+    sent = sum(sizes[(rank - step) % n] for step in range(n - 1))                    # reduce-scatter
+    sent += sum(sizes[(rank + 1 - step) % n] for step in range(n - 1))               # all-gather
+    return sent * element_size
+
+
+def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
     """Sum `flat` over all ranks with the two-pass chain, in place.
 
     Pass 1 (reduce along the chain; the last rank closes the loop to rank 0):
@@ -52,17 +80,22 @@ def two_pass_ring_sum(flat, chunks=1, group=None):
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return flat
+    wire = wire_dtype or flat.dtype
+    exact = wire == flat.dtype
     k = max(1, min(chunks, flat.numel()))
     own = torch.tensor_split(flat, k)
-    partial = torch.empty_like(flat)   # pass-1 sums arriving from rank-1
-    total = torch.empty_like(flat)     # the finished total
+    partial = torch.empty_like(flat, dtype=wire)   # pass-1 sums arriving from rank-1
+    total = torch.empty_like(flat, dtype=wire)     # the finished total
+    rounded = partial if exact else torch.empty_like(partial)   # pass-1 sums as sent on: rounded once
+    outgoing = torch.tensor_split(rounded, k)
     partials, totals = torch.tensor_split(partial, k), torch.tensor_split(total, k)
     last = n - 1
     pending = []                       # sends still in flight
 
     if rank == 0:
         receives = [dist.irecv(totals[c], last, group=group, tag=k + c) for c in range(k)]
-        pending += [dist.isend(own[c], 1, group=group, tag=c) for c in range(k)]
+        pending += [dist.isend(own[c] if exact else outgoing[c].copy_(own[c]), 1, group=group, tag=c)
+                    for c in range(k)]
         for c in range(k):
             receives[c].wait()
             if n > 2:                  # pass 2 starts here
@@ -71,10 +104,13 @@ def two_pass_ring_sum(flat, chunks=1, group=None):
         receives = [dist.irecv(partials[c], rank - 1, group=group, tag=c) for c in range(k)]
         for c in range(k):
             receives[c].wait()
-            partials[c].add_(own[c])
-            pending.append(dist.isend(partials[c], (rank + 1) % n, group=group, tag=c if rank < last else k + c))
+            if exact:
+                partials[c].add_(own[c])
+            else:                      # add in float32, round once
+                outgoing[c].copy_(own[c].add_(partials[c]))
+            pending.append(dist.isend(outgoing[c], (rank + 1) % n, group=group, tag=c if rank < last else k + c))
         if rank == last:
-            total = partial            # pass 1 ended here with the total
+            total = rounded            # pass 1 ended here with the total
         else:
             receives = [dist.irecv(totals[c], rank - 1, group=group, tag=k + c) for c in range(k)]
             for c in range(k):
@@ -87,7 +123,7 @@ def two_pass_ring_sum(flat, chunks=1, group=None):
     return flat
 
 
-def ring_sum(flat, group=None):
+def ring_sum(flat, group=None, wire_dtype=None):
     """Sum `flat` over all ranks, in place: reduce-scatter, then all-gather.
 
     The buffer is cut into N segments. Every step, each rank sends one segment to its right
@@ -113,8 +149,14 @@ def ring_sum(flat, group=None):
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return flat
-    segments = torch.tensor_split(flat, n)
-    scratch = [torch.empty_like(segments[0]) for _ in range(2)]   # reduce-scatter steps alternate
+    wire = wire_dtype or flat.dtype
+    exact = wire == flat.dtype
+    segments = torch.tensor_split(flat, n)                        # own values, summed in place
+    # Rounded copies for the wire: one per segment, never reused while a send may still read it.
+    # The all-gather passes finished (rounded) segments; afterwards every rank copies them back.
+    outgoing = segments if exact else torch.tensor_split(torch.empty_like(flat, dtype=wire), n)
+    gathered = segments if exact else torch.tensor_split(torch.empty_like(flat, dtype=wire), n)
+    scratch = [torch.empty_like(segments[0], dtype=wire) for _ in range(2)]   # reduce-scatter steps alternate
     right, left = (rank + 1) % n, (rank - 1) % n
     steps = 2 * (n - 1)                                           # n-1 reduce-scatter, n-1 all-gather
 
@@ -124,7 +166,7 @@ def ring_sum(flat, group=None):
             index = (rank - step - 1) % n
             return index, scratch[step % 2][: segments[index].numel()]
         index = (rank - step + n - 1) % n
-        return index, segments[index]
+        return index, gathered[index]
 
     # Segments are empty when the buffer is smaller than N; both ends know, both skip.
     def receive(step):
@@ -133,49 +175,67 @@ def ring_sum(flat, group=None):
 
     sends = []
 
-    def send(step, segment):
+    def send(step, index):
+        """Send segment `index` in `step`: a partial sum, a finished one (both rounded), or a gathered one."""
+        if step < n - 1:
+            segment = outgoing[index] if exact else outgoing[index].copy_(segments[index])
+        elif step == n - 1:   # this rank's finished segment; it keeps the rounded value too
+            segment = gathered[index] if exact else gathered[index].copy_(segments[index])
+        else:
+            segment = gathered[index]
         if segment.numel():
             sends.append(dist.isend(segment, right, group=group, tag=step))
 
     incoming = receive(0)
-    send(0, segments[rank])
+    send(0, rank)
     for step in range(steps):
         upcoming = receive(step + 1)                              # one step ahead
         index, buffer = landing(step)
         if incoming is not None:
             incoming.wait()
         if step < n - 1:
-            segments[index].add_(buffer)                          # own + partial from the left
+            segments[index].add_(buffer)                          # own + partial from the left (in float32)
         if step + 1 < steps:
-            send(step + 1, segments[index])                       # pass it on
+            send(step + 1, index)                                 # pass it on
         incoming = upcoming
     for work in sends:
         work.wait()
+    if not exact:
+        for segment, finished in zip(segments, gathered):
+            segment.copy_(finished)
     return flat
 
 
-def gloo_sum(flat, group=None):
-    """Sum `flat` over all ranks with gloo's own all_reduce (the reference)."""
+def gloo_sum(flat, group=None, wire_dtype=None):
+    """Sum `flat` over all ranks with gloo's own all_reduce (the reference).
+
+    With a 16-bit wire_dtype gloo adds in 16 bits at every hop; its result is still the same on
+    every rank."""
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
+        if wire_dtype is None or wire_dtype == flat.dtype:
+            dist.all_reduce(flat, group=group)
+        else:
+            narrow = flat.to(wire_dtype)
+            dist.all_reduce(narrow, group=group)
+            flat.copy_(narrow)
     return flat
 
 
 ALGORITHMS = ("two-pass", "ring", "gloo")
 
 
-def sum_(flat, algorithm="two-pass", chunks=1, group=None):
+def sum_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
     """Sum `flat` over all ranks in place with the named algorithm (chunks: a number or "auto")."""
     if algorithm == "two-pass":
-        return two_pass_ring_sum(flat, auto_chunks(flat.numel()) if chunks == "auto" else chunks, group)
+        return two_pass_ring_sum(flat, resolve_chunks(chunks, flat.numel(), wire_dtype), group, wire_dtype)
     if algorithm == "ring":
-        return ring_sum(flat, group)
+        return ring_sum(flat, group, wire_dtype)
     if algorithm == "gloo":
-        return gloo_sum(flat, group)
+        return gloo_sum(flat, group, wire_dtype)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
 
 
-def average_(flat, algorithm="two-pass", chunks=1, group=None):
+def average_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
     """Average `flat` over all ranks in place: the sum, divided by the world size."""
-    sum_(flat, algorithm, chunks, group)
+    sum_(flat, algorithm, chunks, group, wire_dtype)
     return flat.div_(dist.get_world_size(group))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from utils.checkpoint import atomic_save
+from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, RingSum, make_compressor
 from utils.data import epoch_indices
 from utils.errors import PeerError, first_line
 from utils.overlap import LazyUpdate, OverlappedGradientSum, average_gradients
@@ -30,6 +31,7 @@ class GradientSum:
     Lazy (--lazy-update): sum() does not wait at all; step() leaves each bucket's update to the
     next forward, which applies it just before it uses those parameters. finish() applies
     anything still due (before evaluating or saving).
+    Compression (--compress, utils/compress.py) happens inside the sum, per bucket.
     """
 
     def __init__(self, model, args, optimizer, scheduler):
@@ -37,12 +39,21 @@ class GradientSum:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.overlapped = self.lazy = None
         self.busy_seconds = self.waited_seconds = 0.0  # communication ran / the training thread waited
+
+        def compressor_for(buckets):
+            return make_compressor(getattr(args, "compress", "none"), buckets,
+                                   getattr(args, "powersgd_rank", None) or DEFAULT_POWERSGD_RANK,
+                                   getattr(args, "powersgd_warmup", DEFAULT_POWERSGD_WARMUP), getattr(args, "seed", 0))
         if args.overlap:
             self.overlapped = OverlappedGradientSum(self.params, args.allreduce, args.chunks,
                                                     int(args.bucket_mb * 2**20),
-                                                    datetime.timedelta(seconds=args.timeout))
+                                                    datetime.timedelta(seconds=args.timeout), compressor_for)
+            self.compressor = self.overlapped.compressor
             if args.lazy_update:
                 self.lazy = LazyUpdate(model, optimizer, scheduler, self.overlapped)
+        else:
+            self.ring_sum = RingSum(args.allreduce, args.chunks)
+            self.compressor = compressor_for([self.params])
 
     def sum(self):
         """Average the gradients over all ranks (lazy: just let the buckets' sums run)."""
@@ -53,7 +64,7 @@ class GradientSum:
             self.overlapped.wait()
         else:
             try:
-                average_gradients(self.params, self.args.allreduce, self.args.chunks)
+                average_gradients(self.params, self.ring_sum, self.compressor)
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(first_line(e)) from None  # train_model says where
             self.busy_seconds += time.perf_counter() - start
@@ -78,6 +89,19 @@ class GradientSum:
         if self.overlapped is None:
             return self.busy_seconds, self.waited_seconds
         return self.overlapped.busy_seconds, self.waited_seconds + (self.lazy.waited_seconds if self.lazy else 0.0)
+
+    def traffic(self):
+        """(bytes this rank sent, bytes of the buffers summed), since the start."""
+        if self.overlapped is None:
+            return self.ring_sum.bytes_sent, self.ring_sum.bytes_summed
+        return self.overlapped.traffic()
+
+    def state_dict(self):
+        """This rank's compression state (PowerSGD's error buffers differ between ranks)."""
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state):
+        self.compressor.load_state_dict(state)
 
     def close(self):
         for part in (self.lazy, self.overlapped):
@@ -126,11 +150,14 @@ class Progress:
 class EpochStats:
     """What an epoch's log line reports; carried in mid-epoch checkpoints."""
 
-    def __init__(self, loss_sum=0.0, steps=0, comm_seconds=0.0, step_seconds=0.0, busy_seconds=0.0):
+    def __init__(self, loss_sum=0.0, steps=0, comm_seconds=0.0, step_seconds=0.0, busy_seconds=0.0,
+                 bytes_sent=0, bytes_summed=0):
         self.loss_sum, self.steps = loss_sum, steps
         self.comm_seconds = comm_seconds    # the step waited for communication this long
         self.busy_seconds = busy_seconds    # communication ran this long (hidden or not)
         self.step_seconds = step_seconds
+        self.bytes_sent = bytes_sent        # this rank sent this much for gradient sums
+        self.bytes_summed = bytes_summed    # the summed buffers' size on the wire (compressed)
 
 
 def train_model(model, gradient_sum, images, labels, batches, epoch, first_step, stats, save_every=0, save=None):
@@ -142,6 +169,7 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
         for step in range(first_step + 1, len(batches) + 1):
             batch = batches[step - 1]
             start, (busy_before, waited_before) = time.perf_counter(), gradient_sum.seconds()
+            sent_before, summed_before = gradient_sum.traffic()
             loss = F.cross_entropy(model(images[batch]), labels[batch])
             loss.backward()
             gradient_sum.sum()
@@ -150,7 +178,10 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
                 gradient_sum.finish()
             busy, waited = gradient_sum.seconds()
+            sent, summed = gradient_sum.traffic()
             stats.busy_seconds += busy - busy_before
+            stats.bytes_sent += sent - sent_before
+            stats.bytes_summed += summed - summed_before
             stats.comm_seconds += waited - waited_before
             stats.step_seconds += time.perf_counter() - start
             stats.loss_sum += loss.item()
@@ -160,7 +191,7 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
                 save(epoch, step, stats)
         gradient_sum.finish()
     except PeerError as e:
-        raise PeerError(f"lost a peer while summing gradients (epoch {epoch}, step {step}): {e}") from None
+        raise PeerError(f"lost a peer while {e.doing} (epoch {epoch}, step {step}): {e}") from None
     finally:
         progress.close()
 
@@ -185,19 +216,30 @@ def run(model, data, args, resume_from=None):
     optimizer, scheduler = make_optimizer(model, args, steps_per_epoch)
     gradient_sum = GradientSum(model, args, optimizer, scheduler)
     first_epoch, first_step, stats = 1, 0, EpochStats()
+    compressed = getattr(args, "compress", "none") != "none"
     if resume_from is not None:
         optimizer.load_state_dict(resume_from["optimizer"])
         scheduler.load_state_dict(resume_from["scheduler"])
         torch.set_rng_state(resume_from["rng"])
         first_epoch, first_step = resume_from["epoch"], resume_from["step"]
         stats = EpochStats(**resume_from["epoch_stats"])
+        if compressed:
+            gradient_sum.load_state_dict(resume_from["compression"][rank])
 
     def save_checkpoint(epoch, step, stats):
-        """Rank 0 writes everything needed to continue after `step` of `epoch`."""
+        """Rank 0 writes everything needed to continue after `step` of `epoch` (every rank calls it:
+        a compressed run's checkpoint holds every rank's compression state)."""
+        everyone = [None] * world_size
+        if compressed:
+            try:
+                dist.all_gather_object(everyone, gradient_sum.state_dict())
+            except RuntimeError as e:
+                raise PeerError(first_line(e), doing="saving a checkpoint") from None
         if rank == 0:
             atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
                          "epoch": epoch, "step": step, "epoch_stats": vars(stats),
+                         "compression": everyone if compressed else None,
                          "settings": args.checkpoint_settings}, args.checkpoint)
 
     accuracy = None
@@ -206,24 +248,29 @@ def run(model, data, args, resume_from=None):
         batches = batches_of_epoch(len(train_labels), epoch, args)
         train_model(model, gradient_sum, train_images, train_labels, batches, epoch, first_step, stats,
                     args.save_every, save_checkpoint)
+        sent = bytes_sent_per_step(stats)
         if rank == 0:
             accuracy = test_model(model, test_images, test_labels)
             seconds = time.time() - start
             loss = stats.loss_sum / max(1, stats.steps)
             comm_share = stats.comm_seconds / stats.step_seconds if stats.step_seconds else 0.0
-            gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            busbw = (stats.steps * gradient_bytes * 2 * (world_size - 1) / world_size / stats.busy_seconds / 1e9
-                     if stats.busy_seconds else 0.0)  # nccl-tests' bus bandwidth, GB/s
+            busbw = (stats.bytes_summed * 2 * (world_size - 1) / world_size / stats.busy_seconds / 1e9
+                     if stats.busy_seconds else 0.0)  # nccl-tests' bus bandwidth, GB/s, of what went on the wire
             print(f"epoch {epoch}/{args.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
-                  f"time {seconds:.1f} s  comm {comm_share:.0%} of step time  busbw {busbw:.2f} GB/s", flush=True)
+                  f"time {seconds:.1f} s  comm {comm_share:.0%} of step time  busbw {busbw:.2f} GB/s  "
+                  f"sent {max(sent) / 1e6:.3g} MB/step", flush=True)
             atomic_save(model.state_dict(), args.save_path)
             if args.metrics:
                 append_metrics(args.metrics, dict(epoch=epoch, train_loss=loss, test_accuracy=accuracy,
                                                   seconds=seconds, comm_share=comm_share, busbw_gbps=busbw,
                                                   world_size=world_size, allreduce=args.allreduce,
-                                                  overlap=args.overlap))
+                                                  overlap=args.overlap, compress=getattr(args, "compress", "none"),
+                                                  bytes_sent_per_step=max(sent), bytes_sent_per_step_by_rank=sent))
         first_step, stats = 0, EpochStats()
-        save_checkpoint(epoch + 1, 0, stats)
+        try:
+            save_checkpoint(epoch + 1, 0, stats)
+        except PeerError as e:
+            raise PeerError(f"lost a peer while {e.doing} after epoch {epoch}: {e}") from None
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
     except RuntimeError as e:
@@ -232,6 +279,17 @@ def run(model, data, args, resume_from=None):
         print(f"saved the model to {args.save_path}; parameters identical on all {world_size} ranks "
               f"(sha256 {digest})", flush=True)
     return accuracy
+
+
+def bytes_sent_per_step(stats):
+    """Every rank's mean bytes sent per step this epoch (a collective: every rank calls it)."""
+    mine = torch.tensor([stats.bytes_sent / max(1, stats.steps)], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(everyone, mine)
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer at the end of an epoch: {first_line(e)}") from None
+    return [round(t.item()) for t in everyone]
 
 
 def check_identical_parameters(model):

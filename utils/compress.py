@@ -1,0 +1,223 @@
+"""Compressed gradient sums: fewer bytes through the rings of utils/ring.py on slow links.
+
+A compressor averages one bucket's flat gradient over all ranks; it moves whatever it sends
+through `sum_`, a RingSum bound to the chosen ring and group, so every --allreduce works:
+
+    compressor.average_(flat, bucket, sum_)      # in place; bucket: which one (its own state)
+
+    none      sum_(flat), divide by N                                   4 bytes per value
+    bf16      sum_(flat, wire_dtype=bfloat16): 16 bits a hop, float32 adds      2 bytes
+    fp16      the same in float16, scaled by a power of two first, so that small gradients
+              stay out of the subnormals and the largest partial sum stays below 65504
+    powersgd  each weight matrix M (plus its error buffer) as P·Qᵀ of rank R:
+                  P = M·Q         sum_(all P's of the bucket, and its uncompressed tensors)
+                  P = orthonormal columns of P (the same bits on every rank)
+                  Q = Mᵀ·P        sum_(all Q's)
+                  update = P·Qᵀ/N;   error = M - update   (kept for the next step)
+              R·(rows+cols) values instead of rows·cols (Vogels et al., NeurIPS 2019)
+
+Every rank ends with bit-identical averages: what is summed comes out of the ring the same on
+every rank, and whatever is computed from it (scales, P, P·Qᵀ) is computed the same way.
+state_dict() is what a checkpoint needs to continue bit for bit; PowerSGD's error buffers are
+this rank's own, so the trainer saves every rank's.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from utils import ring
+
+COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+DEFAULT_POWERSGD_RANK = 2
+DEFAULT_POWERSGD_WARMUP = 10   # uncompressed steps first
+FP16_MAX = 65504.0
+FP16_HEADROOM = 16      # the last sum's largest value lands this far below FP16_MAX / N
+MIN_COMPRESSION = 2     # PowerSGD compresses a matrix only if that saves at least half of it
+
+
+class RingSum:
+    """sum_(buffer, wire_dtype=None): one all-reduce of `buffer` over `group`; counts the bytes."""
+
+    def __init__(self, algorithm, chunks, group=None):
+        self.algorithm, self.chunks, self.group = algorithm, chunks, group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.bytes_sent = 0        # by this rank, over all calls
+        self.bytes_summed = 0      # the buffers' sizes on the wire, over all calls (for busbw)
+
+    def __call__(self, buffer, wire_dtype=None):
+        ring.sum_(buffer, self.algorithm, self.chunks, self.group, wire_dtype)
+        size = torch.empty(0, dtype=wire_dtype or buffer.dtype).element_size()
+        self.bytes_sent += ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
+        self.bytes_summed += buffer.numel() * size
+        return buffer
+
+
+class NoCompression:
+    def average_(self, flat, bucket, sum_):
+        return sum_(flat).div_(sum_.world_size)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Bfloat16(NoCompression):
+    """bfloat16 has float32's range: no scale needed."""
+
+    def average_(self, flat, bucket, sum_):
+        return sum_(flat, torch.bfloat16).div_(sum_.world_size)
+
+
+class Float16(NoCompression):
+    """float16 on the wire, scaled by a power of two (exact in float32) chosen per bucket.
+
+    The scale comes from the previous step's sum, which every rank holds bit for bit, so the
+    ranks agree on it without a message. The first step, and a step whose sum overflowed (an inf
+    in the result, seen alike by all ranks), ask for a safe scale instead: the sum over ranks of
+    each rank's largest |value| bounds every partial sum (one extra tiny sum), and the bucket is
+    summed again.
+    """
+
+    def __init__(self):
+        self.scales = {}   # bucket -> scale for its next sum
+
+    def average_(self, flat, bucket, sum_):
+        n, scale = sum_.world_size, self.scales.get(bucket)
+        original = flat.clone() if scale is not None else None
+        if scale is None:
+            scale = self._safe_scale(flat, sum_)
+        sum_(flat.mul_(scale), torch.float16)
+        if original is not None and not torch.isfinite(flat).all():   # the scale was too bold
+            flat.copy_(original)
+            scale = self._safe_scale(flat, sum_)
+            sum_(flat.mul_(scale), torch.float16)
+        largest = flat.abs().max().item() / scale if flat.numel() else 0.0
+        if largest > 0 and math.isfinite(largest):
+            self.scales[bucket] = power_of_two_below(FP16_MAX / (FP16_HEADROOM * n * largest))
+        return flat.div_(scale * n)
+
+    @staticmethod
+    def _safe_scale(flat, sum_):
+        bound = torch.tensor([flat.abs().max().item() if flat.numel() else 0.0])
+        sum_(bound)            # float32: the sum of every rank's largest value
+        bound = bound.item()
+        return power_of_two_below(FP16_MAX / bound / 2) if bound > 0 and math.isfinite(bound) else 1.0
+
+    def state_dict(self):
+        return {"scales": dict(self.scales)}
+
+    def load_state_dict(self, state):
+        self.scales = dict(state["scales"])
+
+
+def power_of_two_below(x):
+    """The largest power of two <= x (within float32's normal range), so scaling is exact."""
+    return 2.0 ** max(-126, min(127, math.floor(math.log2(x))))
+
+
+class PowerSGD(NoCompression):
+    """Rank-R PowerSGD with error feedback and warm-started Q, per bucket.
+
+    buckets: the parameters of each bucket, in the order of its flat buffer.
+    warmup: steps summed uncompressed (and without error feedback) before compression starts.
+    """
+
+    def __init__(self, buckets, rank, warmup, seed=0):
+        self.rank, self.warmup, self.seed = rank, warmup, seed
+        self.shapes = [[tuple(p.shape) for p in bucket] for bucket in buckets]
+        self.steps = [0] * len(buckets)             # sums done, per bucket
+        self.errors = [None] * len(buckets)         # flat error buffer per bucket, once compressing
+        self.qs = [None] * len(buckets)             # per bucket: list of Q (cols x R) per matrix
+
+    def matrices(self, bucket):
+        """[(offset, rows, cols)] of the bucket's tensors worth compressing; the rest go plain."""
+        found, offset = [], 0
+        for shape in self.shapes[bucket]:
+            numel = math.prod(shape)
+            if len(shape) >= 2:
+                rows, cols = shape[0], numel // shape[0]
+                if (rows + cols) * self.rank * MIN_COMPRESSION < rows * cols:
+                    found.append((offset, rows, cols))
+            offset += numel
+        return found
+
+    def average_(self, flat, bucket, sum_):
+        n = sum_.world_size
+        self.steps[bucket] += 1
+        if self.steps[bucket] <= self.warmup:
+            return sum_(flat).div_(n)
+        matrices = self.matrices(bucket)
+        if self.errors[bucket] is None:
+            self.errors[bucket] = torch.zeros_like(flat)
+            self.qs[bucket] = self._initial_qs(bucket, matrices)
+        compressed = torch.zeros(flat.numel(), dtype=torch.bool)
+        for offset, rows, cols in matrices:
+            compressed[offset:offset + rows * cols] = True
+        plain = ~compressed
+
+        flat.add_(self.errors[bucket])              # M = gradient + what earlier steps left out
+        ms = [flat[o:o + r * c].view(r, c) for o, r, c in matrices]
+        qs = self.qs[bucket]
+        # Phase 1: the P's and the uncompressed values, in one sum.
+        uncompressed = flat[plain]
+        first = torch.cat([uncompressed] + [(m @ q).reshape(-1) for m, q in zip(ms, qs)])
+        sum_(first)
+        flat[plain] = first[:uncompressed.numel()].div_(n)
+        ps, at = [], uncompressed.numel()
+        for m in ms:
+            ps.append(orthonormalize(first[at:at + m.shape[0] * self.rank].view(m.shape[0], self.rank)))
+            at += m.shape[0] * self.rank
+        # Phase 2: the Q's.
+        second = torch.cat([(m.t() @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms else torch.empty(0)
+        sum_(second).div_(n)
+        at, new_qs, error = 0, [], self.errors[bucket]
+        error.zero_()
+        for (offset, rows, cols), m, p in zip(matrices, ms, ps):
+            q = second[at:at + cols * self.rank].view(cols, self.rank).clone()
+            at += cols * self.rank
+            approximation = p @ q.t()
+            error[offset:offset + rows * cols].view(rows, cols).copy_(m - approximation)
+            m.copy_(approximation)
+            new_qs.append(q)
+        self.qs[bucket] = new_qs
+        return flat
+
+    def _initial_qs(self, bucket, matrices):
+        """Random Q's, the same on every rank (seeded by the run's seed and the bucket)."""
+        generator = torch.Generator().manual_seed(self.seed * 1000 + bucket)
+        return [torch.randn(cols, self.rank, generator=generator) for _, _, cols in matrices]
+
+    def state_dict(self):
+        return {"steps": list(self.steps), "errors": list(self.errors), "qs": [list(q) if q else q for q in self.qs]}
+
+    def load_state_dict(self, state):
+        self.steps, self.errors = list(state["steps"]), list(state["errors"])
+        self.qs = [list(q) if q else q for q in state["qs"]]
+
+
+def orthonormalize(p):
+    """Orthonormal columns by Gram-Schmidt, in place: a fixed order of float operations, so
+    every rank, holding the same summed P, gets the same bits."""
+    for i in range(p.shape[1]):
+        column = p[:, i]
+        for j in range(i):
+            column.sub_(torch.dot(column, p[:, j]) * p[:, j])
+        column.div_(column.norm().clamp_min(1e-8))
+    return p
+
+
+def make_compressor(name, buckets, powersgd_rank=DEFAULT_POWERSGD_RANK, powersgd_warmup=DEFAULT_POWERSGD_WARMUP,
+                    seed=0):
+    """The compressor for --compress `name`; buckets: the parameters of each bucket, in order."""
+    if name == "none":
+        return NoCompression()
+    if name == "bf16":
+        return Bfloat16()
+    if name == "fp16":
+        return Float16()
+    if name == "powersgd":
+        return PowerSGD(buckets, powersgd_rank, powersgd_warmup, seed)
+    raise ValueError(f"unknown compression {name!r}; choose from {', '.join(COMPRESSIONS)}")
