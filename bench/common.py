@@ -209,6 +209,16 @@ def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_wa
     return ddp, state
 
 
+def gradient_bytes_sent(gsum) -> int | None:
+    """Bytes this rank has sent for gradient sums so far, as utils.run.GradientSum counts them (its
+    traffic()), or None for a GradientSum that counts none (before issue #13) or none at all."""
+    if gsum is None:
+        return None
+    if hasattr(gsum, "traffic"):
+        return gsum.traffic()[0]
+    return getattr(gsum, "bytes_sent", None)
+
+
 def nic_tx_bytes(nic: str | None) -> int | None:
     """Bytes this network namespace has sent on `nic` so far (/proc/self/net/dev), or None (no such NIC,
     or loopback, where every rank's traffic shares one counter)."""
@@ -222,3 +232,46 @@ def nic_tx_bytes(nic: str | None) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+# --------------------------------------------------------------------------- other processes' load
+def proc_table() -> dict[int, tuple[int, int, str]]:
+    """{pid: (parent pid, utime + stime clock ticks, command name)} of every process now."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
+                fields = tail.split()
+                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """pids and all their descendants (ranks run under `ip netns exec`)."""
+    parent = {pid: ppid for pid, (ppid, _, _) in proc_table().items()}
+    out, grew = set(pids), True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in out and p not in out}
+        out |= new
+        grew = bool(new)
+    return out
+
+
+def foreign_cpu(before: dict, after: dict, ours: set[int], seconds: float) -> tuple[float, list[str]]:
+    """Cores used by processes other than ours between two proc_table() snapshots (approximate)."""
+    hz, seconds = os.sysconf("SC_CLK_TCK"), max(seconds, 1e-9)
+    used = {pid: (t - before.get(pid, (0, 0, ""))[1], name) for pid, (_, t, name) in after.items()
+            if pid not in ours and pid != os.getpid()}
+    top = sorted(((d, name, pid) for pid, (d, name) in used.items() if d > 0), reverse=True)
+    return (sum(d for d, _, _ in top) / hz / seconds,
+            [f"{name}[{pid}] {d / hz / seconds:.2f}" for d, name, pid in top[:4]])
+
+
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")

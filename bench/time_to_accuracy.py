@@ -54,15 +54,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    DDP_HOOKS, REPO, RESULTS, cluster, fmt, free_port, LaunchError, make_ddp, nic_tx_bytes, number_list,
-    OneLineParser, parse_rate, run_driver, run_world)
+    DDP_HOOKS, REPO, RESULTS, cluster, descendants, fmt, foreign_cpu, free_port, gradient_bytes_sent, LaunchError,
+    loadavg, make_ddp, nic_tx_bytes, number_list, OneLineParser, parse_rate, proc_table, run_driver, run_world)
 from utils.checkpoint import atomic_write  # noqa: E402
 
 COMPRESSIONS = ("none",) + DDP_HOOKS           # none, fp16, bf16, powersgd
 DEFAULTS = {"rate": "200mbit", "world_sizes": [2, 4], "epochs": 2, "evals_per_epoch": 4, "target": 0.99,
             "global_batch": 64, "lr": 4e-3, "seed": 1, "ours": "ring+overlap+lazy",
             "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"],
-            "powersgd_rank": 4, "powersgd_warmup": 100}
+            "powersgd_rank": 2, "powersgd_warmup": 10}   # PowerSGD: utils/compress.py's defaults
 MODEL_NUMEL = 421642                           # utils/model.Net
 ALGORITHMS = ("two-pass", "ring", "gloo")
 
@@ -211,7 +211,7 @@ def worker(args) -> int:
 
     nic = os.environ.get("GLOO_SOCKET_IFNAME")
     points, train_s, loss_sum, loss_steps = [], 0.0, 0.0, 0
-    tx_start, sent_start = nic_tx_bytes(nic), getattr(gsum, "bytes_sent", None)
+    tx_start, sent_start = nic_tx_bytes(nic), gradient_bytes_sent(gsum)
     wall_start = time.time()
 
     def evaluate(epoch: int, step: int):
@@ -255,7 +255,7 @@ def worker(args) -> int:
                 evaluate(epoch, global_step)
                 dist.barrier()
                 t0 = time.perf_counter()
-    tx_end, sent_end = nic_tx_bytes(nic), getattr(gsum, "bytes_sent", None)
+    tx_end, sent_end = nic_tx_bytes(nic), gradient_bytes_sent(gsum)
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     digests = [None] * n
     dist.all_gather_object(digests, hashlib.sha256(flat.numpy().tobytes()).hexdigest())
@@ -269,7 +269,7 @@ def worker(args) -> int:
             "train_seconds": train_s, "wall_seconds": time.time() - wall_start,
             "params_identical": len(set(digests)) == 1,
             "wire_bytes": [t[0] for t in tx], "sent_bytes": [t[1] for t in tx],
-            "counts_bytes": gsum is not None and hasattr(gsum, "bytes_sent")}).encode())
+            "counts_bytes": gradient_bytes_sent(gsum) is not None}).encode())
     if gsum is not None:
         gsum.close()
     dist.barrier()
@@ -427,12 +427,20 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict) -> list[dict]:
                         "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
                         "out": str(out_path), "label": rate or "loopback"}))
                     timeout = args.timeout or (120 + 2 * est[n])
-                    t = time.time()
-                    run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-{tag}.log", timeout,
-                              f"{rate or 'loopback'} N={n} {spec['name']}", env={"TORCH_CPP_LOG_LEVEL": "ERROR"})
+                    t, cpu_before, load_before, mine = time.time(), proc_table(), loadavg(), set()
+                    procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-{tag}.log",
+                                      timeout, f"{rate or 'loopback'} N={n} {spec['name']}",
+                                      env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
+                                      while_running=lambda ps: mine.update(descendants({p.pid for p in ps})))
                     if not out_path.exists():
                         raise LaunchError(f"N={n} {spec['name']}: the ranks exited without writing {out_path}")
                     rec = summarize(json.loads(out_path.read_text()), spec, n, args.target, args.epochs)
+                    cores, top = foreign_cpu(cpu_before, proc_table(), mine | {p.pid for p in procs}, time.time() - t)
+                    rec["load"] = {"foreign_cpu_cores": round(cores, 2), "foreign_top": top,
+                                   "loadavg_before": load_before, "loadavg_after": loadavg()}
+                    if cores > 0.1:
+                        print(f"  WARNING N={n} {spec['name']}: other processes used {cores:.2f} of {os.cpu_count()} "
+                              f"cores during the run ({', '.join(top)}); times may be inflated", flush=True)
                     records.append(rec)
                     print(f"  N={n} {label(rec, args.ours)}: {fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')}"
                           f" to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
@@ -480,12 +488,14 @@ def driver(args) -> int:
              f"{args.epochs} epoch(s), 1 thread/rank, {os.cpu_count()} cores; {platform.node()}, torch {torch.__version__}")
     uncounted = sorted({r["config"] for r in records if r["kind"] == "ours" and r["compress"] != "none"
                         and not r["counts_bytes"]})
-    warning = (f"WARNING: utils.run.GradientSum has no bytes_sent (it predates compression): "
+    warning = (f"WARNING: utils.run.GradientSum counts no bytes (it predates compression): "
                f"{', '.join(uncounted)} ran UNCOMPRESSED" if uncounted else "")
     tbl = table(records, args.ours, args.target, args.epochs)
+    load_line = "; ".join(f"N={r['world_size']} {r['config']}: other processes {r['load']['foreign_cpu_cores']:.2f} cores"
+                          for r in records)
     md = (f"### Time to {args.target:.1%} test accuracy, {rate or 'loopback'}\n\n`{command}`  \n{notes}.  \n"
           f"Training seconds only (evaluation excluded; each segment's time is the slowest rank's). "
-          f"'x compute' = time to target / (compute-only step time x the same steps).\n\n{tbl}\n"
+          f"'x compute' = time to target / (compute-only step time x the same steps).  \nLoad: {load_line}\n\n{tbl}\n"
           + (f"\n{warning}\n" if warning else ""))
     result = {
         "mode": mode, "rate": rate, "world_sizes": args.world_sizes, "command": command, "notes": notes,

@@ -84,16 +84,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    DDP_HOOKS, REPO, RESULTS, cluster, fmt, free_port, LaunchError, make_ddp, nic_tx_bytes, number_list, OneLineParser,
-    parse_rate, run_driver, p_text, run_world, sign_test_p)
+    DDP_HOOKS, REPO, RESULTS, cluster, descendants, fmt, foreign_cpu, free_port, gradient_bytes_sent, LaunchError,
+    loadavg, make_ddp, nic_tx_bytes, number_list, OneLineParser, parse_rate, proc_table, run_driver, p_text, run_world,
+    sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo")
 # The default plan; results_stem() names the files after whatever a run changed from it.
 DEFAULTS = {"rates": ["1gbit", "200mbit"], "world_sizes": [2, 4], "model": "trainer", "batch_size": 32,
             "algorithms": list(ALGORITHMS), "compression": False,
             # --compression (issue #13): which compressions, on which of our configurations, PowerSGD's settings
-            "compress": list(DDP_HOOKS), "compress_with": ["ring+overlap+lazy"], "powersgd_rank": 4,
-            "powersgd_warmup": 2}
+            "compress": list(DDP_HOOKS), "compress_with": ["ring+overlap+lazy"],
+            "powersgd_rank": 2, "powersgd_warmup": 10}   # PowerSGD: utils/compress.py's defaults
 MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
                "reference": 1199882}   # the issue's baseline model, see make_model()
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
@@ -241,7 +242,7 @@ def worker(args) -> int:
             (None on loopback) and bytes GradientSum counts as sent (None where it counts none)."""
             if self.skip:
                 return (0.0,) * 6 + (None, None)
-            tx0, sent0 = nic_tx_bytes(nic), getattr(self.gsum, "bytes_sent", None)
+            tx0, sent0 = nic_tx_bytes(nic), gradient_bytes_sent(self.gsum)
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()   # all threads of this rank
             fb = sm = op = 0.0
             for s in range(k_steps):
@@ -271,7 +272,7 @@ def worker(args) -> int:
             if self.gsum is not None:               # lazy: the last step's update is part of this sample
                 self.gsum.finish()
             total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-            tx1, sent1 = nic_tx_bytes(nic), getattr(self.gsum, "bytes_sent", None)
+            tx1, sent1 = nic_tx_bytes(nic), gradient_bytes_sent(self.gsum)
             return tuple(x / k_steps for x in (total, fb, sm, op, r1.ru_utime - r0.ru_utime,
                                                r1.ru_stime - r0.ru_stime)) + tuple(
                 None if b is None else (b - a) / k_steps for a, b in ((tx0, tx1), (sent0, sent1)))
@@ -303,7 +304,7 @@ def worker(args) -> int:
     flats = (torch.nn.utils.parameters_to_vector(r.model.parameters()).detach() for r in runners)
     digests = [hashlib.sha256(flat.numpy().tobytes()).hexdigest() for flat in flats]
     everyone = [None] * n
-    counts = [r.gsum is not None and hasattr(r.gsum, "bytes_sent") for r in runners]
+    counts = [gradient_bytes_sent(r.gsum) is not None for r in runners]
     dist.all_gather_object(everyone, {"times": times, "digests": digests, "counts_bytes": counts})
     if rank == 0:
         atomic_write(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
@@ -415,48 +416,6 @@ def mean_or_none(xs) -> float | None:
 
 
 # --------------------------------------------------------------------------- driver: processes
-def proc_table() -> dict[int, tuple[int, int, str]]:
-    """{pid: (parent pid, utime + stime clock ticks, command name)} of every process now."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
-                fields = tail.split()
-                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def descendants(pids: set[int]) -> set[int]:
-    """pids and all their descendants (ranks run under `ip netns exec`)."""
-    parent = {pid: ppid for pid, (ppid, _, _) in proc_table().items()}
-    out, grew = set(pids), True
-    while grew:
-        new = {p for p, pp in parent.items() if pp in out and p not in out}
-        out |= new
-        grew = bool(new)
-    return out
-
-
-def foreign_cpu(before: dict, after: dict, ours: set[int], seconds: float) -> tuple[float, list[str]]:
-    """Cores used by processes other than ours between two proc_table() snapshots (approximate)."""
-    hz, seconds = os.sysconf("SC_CLK_TCK"), max(seconds, 1e-9)
-    used = {pid: (t - before.get(pid, (0, 0, ""))[1], name) for pid, (_, t, name) in after.items()
-            if pid not in ours and pid != os.getpid()}
-    top = sorted(((d, name, pid) for pid, (d, name) in used.items() if d > 0), reverse=True)
-    return (sum(d for d, _, _ in top) / hz / seconds,
-            [f"{name}[{pid}] {d / hz / seconds:.2f}" for d, name, pid in top[:4]])
-
-
-def loadavg() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
 def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int,
                      model: str = "trainer") -> float:
     """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
@@ -821,7 +780,7 @@ def driver(args) -> int:
     uncounted = sorted({r["config"] for r in records if r["kind"] == "sum" and r.get("compress")
                         and not r.get("counts_bytes")})
     if uncounted:   # utils/run.py from before issue #13: GradientSum ignores compress=...
-        print(f"  WARNING: utils.run.GradientSum has no bytes_sent (it predates compression): "
+        print(f"  WARNING: utils.run.GradientSum counts no bytes (it predates compression): "
               f"{', '.join(uncounted)} ran UNCOMPRESSED", flush=True)
     targets = evaluate_targets(records, mode, rates, worlds)
     import torch
