@@ -846,8 +846,11 @@ def results_stem(args, mode: str) -> str:
         parts.append("subset")
     if getattr(args, "compression", False):
         parts.append("compression")
-        if args.compress != DEFAULTS["compress"] or args.compress_with != DEFAULTS["compress_with"]:
+        if args.compress != DEFAULTS["compress"]:
             parts.append("+".join(args.compress))
+        if args.compress_with != DEFAULTS["compress_with"]:
+            parts.append("with-" + "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy")
+                                            for c in args.compress_with))
         if "powersgd" in args.compress and (args.powersgd_rank, args.powersgd_warmup) != (
                 DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]):
             parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
