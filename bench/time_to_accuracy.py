@@ -70,11 +70,10 @@ ALGORITHMS = ("two-pass", "ring", "gloo")
 # --------------------------------------------------------------------------- pure helpers
 def parse_config(name: str) -> dict:
     """'ours', 'ours+bf16', 'ddp', 'ddp+powersgd', ... -> {"name", "kind", "compress"}; ValueError otherwise."""
-    kind, _, compress = name.partition("+")
-    compress = compress or "none"
-    if kind not in ("ours", "ddp") or compress not in COMPRESSIONS or name.endswith("+none"):
+    kind, plus, compress = name.partition("+")
+    if kind not in ("ours", "ddp") or (plus and compress not in DDP_HOOKS):
         raise ValueError(f"unknown configuration {name!r}: ours or ddp, optionally +{'/+'.join(DDP_HOOKS)}")
-    return {"name": name, "kind": kind, "compress": compress}
+    return {"name": name, "kind": kind, "compress": compress or "none"}
 
 
 def parse_ours(text: str) -> dict:
@@ -122,6 +121,8 @@ def results_stem(args, mode: str) -> str:
         parts.append(f"e{args.epochs}")
     if args.train_subset:
         parts.append(f"sub{args.train_subset}")
+    if args.test_subset:
+        parts.append(f"test{args.test_subset}")
     if args.global_batch != DEFAULTS["global_batch"]:
         parts.append(f"gb{args.global_batch}")
     if args.seed != DEFAULTS["seed"]:
@@ -163,6 +164,8 @@ def worker(args) -> int:
     train_images, train_labels, test_images, test_labels = load_mnist(str(REPO / "data"))
     if cfg["train_subset"]:
         train_images, train_labels = train_images[:cfg["train_subset"]], train_labels[:cfg["train_subset"]]
+    if cfg["test_subset"]:
+        test_images, test_labels = test_images[:cfg["test_subset"]], test_labels[:cfg["test_subset"]]
     run_args = argparse.Namespace(batch_size=max(1, cfg["global_batch"] // n), seed=cfg["seed"],
                                   epochs=cfg["epochs"], lr=cfg["lr"])
     steps_per_epoch = len(trainer_run.batches_of_epoch(len(train_labels), 1, run_args))
@@ -423,7 +426,7 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict) -> list[dict]:
                         "world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
                         "spec": spec, "ours": ours, "seed": args.seed, "epochs": args.epochs, "lr": args.lr,
                         "global_batch": args.global_batch, "train_subset": args.train_subset,
-                        "evals_per_epoch": args.evals_per_epoch, "compute_steps": args.compute_steps,
+                        "test_subset": args.test_subset, "evals_per_epoch": args.evals_per_epoch, "compute_steps": args.compute_steps,
                         "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
                         "out": str(out_path), "label": rate or "loopback"}))
                     timeout = args.timeout or (120 + 2 * est[n])
@@ -460,9 +463,9 @@ def driver(args) -> int:
     command = " ".join(["python3", "bench/time_to_accuracy.py"] + sys.argv[1:])
     notes = (f"global batch {args.global_batch} ({', '.join(f'{args.global_batch // n}/rank at N={n}' for n in args.world_sizes)}), "
              f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
-             f"training images, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
+             f"training images{f' (test: the first {args.test_subset})' if args.test_subset else ''}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
              f"ours = utils.run.GradientSum {args.ours}; PowerSGD rank {args.powersgd_rank}, "
-             f"{args.powersgd_warmup} plain steps first (ours and DDP's); evaluated on the 10,000 test images "
+             f"{args.powersgd_warmup} plain steps first (ours and DDP's); evaluated on the {args.test_subset or 10000:,} test images "
              f"{args.evals_per_epoch}x per epoch, clock paused; compute only = {args.compute_steps} steps of all "
              f"N ranks at once without communication, per world; {os.cpu_count()} CPU cores")
     print(f"# time-to-accuracy benchmark: mode={mode}, "
@@ -500,7 +503,8 @@ def driver(args) -> int:
     result = {
         "mode": mode, "rate": rate, "world_sizes": args.world_sizes, "command": command, "notes": notes,
         "epochs": args.epochs, "evals_per_epoch": args.evals_per_epoch, "target": args.target,
-        "global_batch": args.global_batch, "train_subset": args.train_subset, "lr": args.lr, "seed": args.seed,
+        "global_batch": args.global_batch, "train_subset": args.train_subset,
+        "test_subset": args.test_subset, "lr": args.lr, "seed": args.seed,
         "ours": args.ours, "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
         "compute_steps": args.compute_steps, "configs": args.configs,
         "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -556,6 +560,8 @@ def main(argv=None) -> int:
     ap.add_argument("--evals-per-epoch", type=positive(int), default=DEFAULTS["evals_per_epoch"])
     ap.add_argument("--target", type=fraction, default=DEFAULTS["target"], help="test accuracy (default 0.99)")
     ap.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
+    ap.add_argument("--test-subset", type=positive(int),
+                    help="evaluate on only the first N test images (quick checks; default all 10,000)")
     ap.add_argument("--global-batch", type=positive(int), default=DEFAULTS["global_batch"],
                     help="images per step over all ranks (default 64, train.py's)")
     ap.add_argument("--lr", type=positive(float), default=DEFAULTS["lr"])
@@ -592,6 +598,8 @@ def main(argv=None) -> int:
         ap.error(f"--train-subset {args.train_subset} is less than one step of {args.global_batch} images")
     if args.train_subset and args.train_subset > 60000:
         ap.error("--train-subset: MNIST has 60000 training images")
+    if args.test_subset and args.test_subset > 10000:
+        ap.error("--test-subset: MNIST has 10000 test images")
     if not args.loopback:
         try:
             parse_rate(args.rate)
