@@ -30,6 +30,16 @@ backward, GradientSum.sum(), Adam step, one-cycle scheduler step, on real MNIST 
                       all of its steps' work
     ddp               torch.nn.parallel.DistributedDataParallel (gloo), defaults: the reference
 
+With --compression (issue #13), also:
+    <config>+<c>      GradientSum with compress=c (bf16, fp16, powersgd: utils/compress.py), for each
+                      of our --compress-with configurations (default ring+overlap+lazy)
+    ddp+fp16, ddp+bf16  DDP with torch's default_hooks.fp16_compress_hook / bf16_compress_hook
+    ddp+powersgd      DDP with powerSGD_hook, the same rank and warm-up as ours (--powersgd-rank,
+                      --powersgd-warmup); its gradient in ONE bucket: over gloo, two buckets abort
+                      ("Received data size doesn't match expected size")
+and the column "wire KB/step": bytes this rank's NIC sent per step (the emulated host's counter:
+headers, ACKs and barriers included; "-" on loopback, where all ranks share one counter).
+
 Timing. Every round runs every configuration once (the order rotates from one round to the
 next, so drift hits all alike), each for --steps-per-sample consecutive steps:
     dist.barrier(); t0; K training steps; t1          ms/step of the round = (t1 - t0) / K
@@ -50,6 +60,11 @@ Modes (the driver starts N real rank processes of this same file, --worker):
     python3 bench/train_step.py --loopback               # 127.0.0.1, no cap
     python3 bench/train_step.py --model reference ...    # the issue's baseline CNN (1.2M parameters)
                                                          # instead of the trainer's
+    python3 bench/train_step.py --compression ...        # issue #13: compressed rows beside DDP's hooks
+
+Issue #13's targets (with --compression, at 200 Mbit/s): ours powersgd <= 1.02x DDP + PowerSGD at
+N=2 and 4, and <= 1.30x compute at N=2; ours bf16 <= 1.02x the better of DDP + fp16/bf16 hook.
+"Ours" is the fastest of our rows with that compression.
 
 Targets (issue #6): a ratio PASSes only if both the ratio of the medians and the median of the
 per-round ratios (same round, same load: the paired one) are within the bound; on this 2-core
