@@ -402,8 +402,9 @@ def plot(records: list[dict], path: Path, title: str, worlds: list[int], ours: s
     atomic_write(path, buf.getvalue())
 
 
-def run_all(args, specs: list[dict], rate: str | None, est: dict) -> list[dict]:
-    """Every configuration in every world size, one world at a time (one emulated cluster for all)."""
+def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda records: None) -> list[dict]:
+    """Every configuration in every world size, one world at a time (one emulated cluster for all);
+    done(records so far) after each world."""
     records = []
     op_timeout = 120.0                    # gloo: any single send/recv/collective, as train.py's default
     ours = parse_ours(args.ours)
@@ -445,11 +446,51 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict) -> list[dict]:
                         print(f"  WARNING N={n} {spec['name']}: other processes used {cores:.2f} of {os.cpu_count()} "
                               f"cores during the run ({', '.join(top)}); times may be inflated", flush=True)
                     records.append(rec)
+                    done(records)
                     print(f"  N={n} {label(rec, args.ours)}: {fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')}"
                           f" to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
                           f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
                           flush=True)
     return records
+
+
+def write_results(args, records, mode, rate, command, notes, started, complete=True):
+    """The JSON, markdown and PNG of `records`; a run still going (complete=False) says so in both."""
+    import torch
+    title = (f"time to accuracy, {rate + ' per host' if rate else 'loopback'}; global batch {args.global_batch}, "
+             f"{args.epochs} epoch(s), 1 thread/rank, {os.cpu_count()} cores; {platform.node()}, torch {torch.__version__}")
+    uncounted = sorted({r["config"] for r in records if r["kind"] == "ours" and r["compress"] != "none"
+                        and not r["counts_bytes"]})
+    warning = (f"WARNING: utils.run.GradientSum counts no bytes (it predates compression): "
+               f"{', '.join(uncounted)} ran UNCOMPRESSED" if uncounted else "")
+    tbl = table(records, args.ours, args.target, args.epochs)
+    load_line = "; ".join(f"N={r['world_size']} {r['config']}: other processes {r['load']['foreign_cpu_cores']:.2f} cores"
+                          for r in records)
+    partial = "" if complete else f"**PARTIAL: {len(records)} world(s) done when this was written.**  \n"
+    md = (f"### Time to {args.target:.1%} test accuracy, {rate or 'loopback'}\n\n{partial}`{command}`  \n{notes}.  \n"
+          f"Training seconds only (evaluation excluded; each segment's time is the slowest rank's). "
+          f"'x compute' = time to target / (compute-only step time x the same steps).  \nLoad: {load_line}\n\n{tbl}\n"
+          + (f"\n{warning}\n" if warning else ""))
+    result = {
+        "mode": mode, "rate": rate, "world_sizes": args.world_sizes, "command": command, "notes": notes,
+        "complete": complete,
+        "epochs": args.epochs, "evals_per_epoch": args.evals_per_epoch, "target": args.target,
+        "global_batch": args.global_batch, "train_subset": args.train_subset,
+        "test_subset": args.test_subset, "lr": args.lr, "seed": args.seed,
+        "ours": args.ours, "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
+        "compute_steps": args.compute_steps, "configs": args.configs,
+        "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": torch.__version__, "kernel": platform.release()},
+        "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "free_network": {str(n): free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes},
+        "results": records,
+    }
+    out = Path(args.results_dir) / results_stem(args, mode)
+    atomic_write(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
+    atomic_write(out.with_suffix(".md"), md.encode())
+    plot(records, out.with_suffix(".png"), title, args.world_sizes, args.ours, args.target)
+    return out, tbl, warning
 
 
 def driver(args) -> int:
@@ -475,8 +516,13 @@ def driver(args) -> int:
     print(f"# {notes}")
     print("# estimate (generous) " + ", ".join(f"N={n} ~{len(specs) * s:.0f}s" for n, s in est.items()), flush=True)
     started = time.time()
+    total = len(specs) * len(args.world_sizes)
+
+    def save(records):
+        """Write the results so far (atomically): a failed or interrupted run keeps its finished worlds."""
+        return write_results(args, records, mode, rate, command, notes, started, complete=len(records) == total)
     try:
-        records = run_all(args, specs, rate, est)
+        records = run_all(args, specs, rate, est, done=save)
     except LaunchError as e:
         print(f"time_to_accuracy.py: FAILED: {e}", file=sys.stderr)
         return 2
@@ -485,39 +531,7 @@ def driver(args) -> int:
             print(f"time_to_accuracy.py: cluster: {e}", file=sys.stderr)
             return 2
         raise
-
-    import torch
-    title = (f"time to accuracy, {rate + ' per host' if rate else 'loopback'}; global batch {args.global_batch}, "
-             f"{args.epochs} epoch(s), 1 thread/rank, {os.cpu_count()} cores; {platform.node()}, torch {torch.__version__}")
-    uncounted = sorted({r["config"] for r in records if r["kind"] == "ours" and r["compress"] != "none"
-                        and not r["counts_bytes"]})
-    warning = (f"WARNING: utils.run.GradientSum counts no bytes (it predates compression): "
-               f"{', '.join(uncounted)} ran UNCOMPRESSED" if uncounted else "")
-    tbl = table(records, args.ours, args.target, args.epochs)
-    load_line = "; ".join(f"N={r['world_size']} {r['config']}: other processes {r['load']['foreign_cpu_cores']:.2f} cores"
-                          for r in records)
-    md = (f"### Time to {args.target:.1%} test accuracy, {rate or 'loopback'}\n\n`{command}`  \n{notes}.  \n"
-          f"Training seconds only (evaluation excluded; each segment's time is the slowest rank's). "
-          f"'x compute' = time to target / (compute-only step time x the same steps).  \nLoad: {load_line}\n\n{tbl}\n"
-          + (f"\n{warning}\n" if warning else ""))
-    result = {
-        "mode": mode, "rate": rate, "world_sizes": args.world_sizes, "command": command, "notes": notes,
-        "epochs": args.epochs, "evals_per_epoch": args.evals_per_epoch, "target": args.target,
-        "global_batch": args.global_batch, "train_subset": args.train_subset,
-        "test_subset": args.test_subset, "lr": args.lr, "seed": args.seed,
-        "ours": args.ours, "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
-        "compute_steps": args.compute_steps, "configs": args.configs,
-        "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                 "torch": torch.__version__, "kernel": platform.release()},
-        "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - started, 1),
-        "free_network": {str(n): free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes},
-        "results": records,
-    }
-    out = Path(args.results_dir) / results_stem(args, mode)
-    atomic_write(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
-    atomic_write(out.with_suffix(".md"), md.encode())
-    plot(records, out.with_suffix(".png"), title, args.world_sizes, args.ours, args.target)
+    out, tbl, warning = save(records)
     print(f"\n{tbl}\n")
     if warning:
         print(warning)
