@@ -119,6 +119,8 @@ def results_stem(args, mode: str) -> str:
         parts.append("n" + "+".join(map(str, args.world_sizes)))
     if args.epochs != DEFAULTS["epochs"]:
         parts.append(f"e{args.epochs}")
+    if args.evals_per_epoch != DEFAULTS["evals_per_epoch"]:
+        parts.append(f"ev{args.evals_per_epoch}")
     if args.train_subset:
         parts.append(f"sub{args.train_subset}")
     if args.test_subset:

@@ -78,6 +78,8 @@ def test_a_quick_or_partial_run_never_overwrites_the_full_results(monkeypatch):
     assert stem("--rate", "1gbit", "--world-sizes", "2") == "time_to_accuracy-cluster-1gbit-n2"
     assert stem("--epochs", "1", "--train-subset", "6400") == "time_to_accuracy-cluster-e1-sub6400"
     assert stem("--configs", "ours") == "time_to_accuracy-cluster-subset"
+    assert stem("--world-sizes", "4", "--evals-per-epoch", "2", "--configs",
+                "ours+powersgd,ddp+powersgd,ours+bf16,ddp+fp16,ours,ddp") == "time_to_accuracy-cluster-n4-ev2"
     assert stem("--powersgd-rank", "4") == "time_to_accuracy-cluster-r4w10"
     assert stem("--ours", "gloo+overlap") == "time_to_accuracy-cluster-gloo+overlap"
 
