@@ -389,7 +389,8 @@ def plot(records: list[dict], path: Path, title: str, worlds: list[int], ours: s
                        label=f"compute only x {free['of']}'s steps to {target:.1%}")
         ax.axhline(target * 100, color="tab:red", lw=0.8, alpha=0.6)
         top = max((p["accuracy"] * 100 for r in rows for p in r["points"]), default=100)
-        ax.set_ylim(max(90.0, target * 100 - 3), min(100.0, top + 0.3))
+        low = max(90.0, target * 100 - 3)            # zoomed in on the target, unless the runs never got near
+        ax.set_ylim(*((low, min(100.0, top + 0.3)) if top > low + 0.5 else (0, 100)))
         ax.set_xlim(left=0)
         ax.set_xlabel("training wall seconds (evaluation not counted)")
         ax.set_ylabel("test accuracy (%)")
@@ -460,7 +461,7 @@ def write_results(args, records, mode, rate, command, notes, started, complete=T
     """The JSON, markdown and PNG of `records`; a run still going (complete=False) says so in both."""
     import torch
     title = (f"time to accuracy, {rate + ' per host' if rate else 'loopback'}; global batch {args.global_batch}, "
-             f"{args.epochs} epoch(s), 1 thread/rank, {os.cpu_count()} cores; {platform.node()}, torch {torch.__version__}")
+             f"{args.epochs} epoch(s)\n1 thread/rank, {os.cpu_count()} cores; {platform.node()}, torch {torch.__version__}")
     uncounted = sorted({r["config"] for r in records if r["kind"] == "ours" and r["compress"] != "none"
                         and not r["counts_bytes"]})
     warning = (f"WARNING: utils.run.GradientSum counts no bytes (it predates compression): "
