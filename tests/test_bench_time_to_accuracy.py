@@ -105,7 +105,7 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
                         "--target", "0.5", "--timeout", "150", "--results-dir", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
-    stem = "time_to_accuracy-loopback-n2-e1-sub640-test500-r2w2-subset"
+    stem = "time_to_accuracy-loopback-n2-e1-ev2-sub640-test500-r2w2-subset"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert [row["config"] for row in data["results"]] == ["ours+powersgd", "ddp+powersgd"]
     for row in data["results"]:
