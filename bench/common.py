@@ -174,3 +174,109 @@ def run_driver(driver, args, prog: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; killed all ranks", file=sys.stderr)
         return 130
+
+
+# --------------------------------------------------------------------------- DDP's compression peers
+DDP_HOOKS = ("fp16", "bf16", "powersgd")   # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook
+
+
+def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_warmup: int = 2, seed: int = 0):
+    """torch DDP (gloo) around `model`, with one of its compression comm hooks (None: plain DDP).
+
+    "powersgd" runs with the whole gradient in ONE bucket: over gloo, DDP's powerSGD_hook aborts
+    ("Received data size doesn't match expected size") when the model has two buckets, whose P/Q
+    all-reduce chains can start in different orders on different ranks. So both the first-bucket
+    cap (dist._DEFAULT_FIRST_BUCKET_BYTES, read by older torch) and bucket_cap_mb go above the
+    gradient's size. PowerSGDState: rank `powersgd_rank`, plain all-reduce for the first
+    `powersgd_warmup` steps (torch needs >= 2 with error feedback / warm start, its defaults).
+    Returns (ddp_module, hook_state or None)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook not in (None, *DDP_HOOKS):
+        raise ValueError(f"unknown DDP hook {hook!r}")
+    kwargs = {}
+    if hook == "powersgd":
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int((grad_mb + 1) * 2**20)
+        kwargs["bucket_cap_mb"] = grad_mb + 1
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+    state = None
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=max(2, powersgd_warmup), random_seed=seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp, state
+
+
+def gradient_bytes_sent(gsum) -> int | None:
+    """Bytes this rank has sent for gradient sums so far, as utils.run.GradientSum counts them (its
+    traffic()), or None for a GradientSum that counts none (before issue #13) or none at all."""
+    if gsum is None:
+        return None
+    if hasattr(gsum, "traffic"):
+        return gsum.traffic()[0]
+    return getattr(gsum, "bytes_sent", None)
+
+
+def nic_tx_bytes(nic: str | None) -> int | None:
+    """Bytes this network namespace has sent on `nic` so far (/proc/self/net/dev), or None (no such NIC,
+    or loopback, where every rank's traffic shares one counter)."""
+    if not nic or nic == "lo":
+        return None
+    try:
+        for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
+            name, _, fields = line.partition(":")
+            if name.strip() == nic:
+                return int(fields.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# --------------------------------------------------------------------------- other processes' load
+def proc_table() -> dict[int, tuple[int, int, str]]:
+    """{pid: (parent pid, utime + stime clock ticks, command name)} of every process now."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
+                fields = tail.split()
+                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """pids and all their descendants (ranks run under `ip netns exec`)."""
+    parent = {pid: ppid for pid, (ppid, _, _) in proc_table().items()}
+    out, grew = set(pids), True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in out and p not in out}
+        out |= new
+        grew = bool(new)
+    return out
+
+
+def foreign_cpu(before: dict, after: dict, ours: set[int], seconds: float) -> tuple[float, list[str]]:
+    """Cores used by processes other than ours between two proc_table() snapshots (approximate)."""
+    hz, seconds = os.sysconf("SC_CLK_TCK"), max(seconds, 1e-9)
+    used = {pid: (t - before.get(pid, (0, 0, ""))[1], name) for pid, (_, t, name) in after.items()
+            if pid not in ours and pid != os.getpid()}
+    top = sorted(((d, name, pid) for pid, (d, name) in used.items() if d > 0), reverse=True)
+    return (sum(d for d, _, _ in top) / hz / seconds,
+            [f"{name}[{pid}] {d / hz / seconds:.2f}" for d, name, pid in top[:4]])
+
+
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")

@@ -18,6 +18,16 @@ CASES = {
     "train_step: unknown --only": ("train_step.py", ["--loopback", "--only", "nosuch"], "unknown configuration"),
     "train_step: bucket size not a number": ("train_step.py", ["--bucket-mb", "x"], "comma-separated numbers"),
     "train_step: unknown model": ("train_step.py", ["--model", "resnet"], "--model"),
+    "train_step: unknown compression": ("train_step.py", ["--compression", "--compress", "int8"], "--compress"),
+    "train_step: compress with no config": ("train_step.py", ["--compress-with", "ring+lazy"], "--compress-with"),
+    "train_step: PowerSGD warm-up too short": ("train_step.py", ["--powersgd-warmup", "1"], ">= 2"),
+    "time_to_accuracy: unknown configuration": ("time_to_accuracy.py", ["--configs", "ours,horovod"], "horovod"),
+    "time_to_accuracy: bad --ours": ("time_to_accuracy.py", ["--ours", "ring+lazy"], "--ours"),
+    "time_to_accuracy: target above 1": ("time_to_accuracy.py", ["--target", "99"], "fraction"),
+    "time_to_accuracy: epochs 0": ("time_to_accuracy.py", ["--epochs", "0"], "must be > 0"),
+    "time_to_accuracy: bad rate": ("time_to_accuracy.py", ["--rate", "fast"], "fast"),
+    "time_to_accuracy: subset below a step": ("time_to_accuracy.py", ["--train-subset", "10"], "one step"),
+    "time_to_accuracy: world of one": ("time_to_accuracy.py", ["--world-sizes", "1,2"], ">= 2"),
 }
 
 

@@ -84,3 +84,72 @@ def test_a_partial_or_different_run_never_overwrites_the_full_results(monkeypatc
     assert stem("--global-batch", "64") == "train_step-cluster-gb64"
     assert stem("--only", "gloo") == stem("--algorithms", "ring") == "train_step-cluster-subset"
     assert stem("--loopback", "--rates", "1gbit") == "train_step-loopback"     # no capped links there
+
+
+def test_compression_rows_and_their_file_names(monkeypatch):
+    """--compression (issue #13) adds ours compressed and DDP's hooks, and names its files after itself."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import train_step
+    parsed = []
+    monkeypatch.setattr(train_step, "run_driver", lambda driver, args, name: parsed.append(args) or 0)
+
+    def run(*argv):
+        assert train_step.main(list(argv)) == 0
+        args = parsed.pop()
+        return args, train_step.results_stem(args, "loopback" if args.loopback else "cluster")
+
+    args, stem = run("--compression")
+    assert stem == "train_step-cluster-compression"
+    names = [c["name"] for c in train_step.make_configs(args)]
+    assert names[-6:] == ["ring+overlap+lazy+fp16", "ring+overlap+lazy+bf16", "ring+overlap+lazy+powersgd",
+                          "ddp+fp16", "ddp+bf16", "ddp+powersgd"]
+    by = {c["name"]: c for c in train_step.make_configs(args)}
+    assert by["ring+overlap+lazy+powersgd"] == {"name": "ring+overlap+lazy+powersgd", "kind": "sum",
+                                                "allreduce": "ring", "overlap": True, "lazy": True,
+                                                "compress": "powersgd", "chunks": None, "bucket_mb": 1.0}
+    assert by["ddp+powersgd"] == {"name": "ddp+powersgd", "kind": "ddp", "hook": "powersgd"}
+    args, stem = run("--compression", "--only", "gloo", "--compress", "powersgd", "--compress-with",
+                     "gloo+overlap,two-pass")
+    assert stem == "train_step-cluster-subset-compression-powersgd-with-gloo-ov+two-pass"
+    names = [c["name"] for c in train_step.make_configs(args)]      # --only keeps every compressed row
+    assert names[-3:] == ["gloo+overlap+powersgd", "two-pass+powersgd", "ddp+powersgd"] and "gloo" in names
+    assert train_step.make_configs(args)[-2]["chunks"] == 7          # two-pass plain: auto_chunks(421,642)
+    assert run("--compression", "--powersgd-rank", "2")[1] == "train_step-cluster-compression-r2w10"
+    assert run()[1] == "train_step-cluster"                            # the default plan's name is unchanged
+    from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
+    assert (train_step.DEFAULTS["powersgd_rank"], train_step.DEFAULTS["powersgd_warmup"]) == (
+        DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP)
+
+
+def test_compression_targets():
+    """200 Mbit/s: ours powersgd <= 1.02x DDP+PowerSGD (and <= 1.30x compute at N=2), ours bf16 <= 1.02x
+    the better DDP hook; both the medians' ratio and the paired one must be within the bound."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import train_step
+
+    def row(config, kind, ms, compress=None, n=2, rate_bits=200 * 10 ** 6):
+        return {"config": config, "kind": kind, "compress": compress, "step_ms": ms, "median_ms": sorted(ms)[1],
+                "rate": "200mbit", "rate_bits_per_s": rate_bits, "world_size": n}
+
+    rows = [row("compute", "compute", [20, 20, 20]),
+            row("compute+sync", "sync", [22, 22, 22]),
+            row("ring+overlap+lazy+powersgd", "sum", [25, 25, 25], "powersgd"),
+            row("gloo+overlap+lazy+powersgd", "sum", [30, 30, 30], "powersgd"),
+            row("ddp+powersgd", "ddp", [25, 24.4, 25], "powersgd"),
+            row("ring+overlap+lazy+bf16", "sum", [50, 50, 50], "bf16"),
+            row("ddp+fp16", "ddp", [60, 60, 60], "fp16"), row("ddp+bf16", "ddp", [40, 55, 56], "bf16")]
+    t = {x["target"]: x for x in train_step.compression_targets(rows)}
+    psgd = t["powersgd <= 1.02x DDP+PowerSGD"]
+    assert psgd["best"] == "ring+overlap+lazy+powersgd" and psgd["status"] == "PASS"   # 25/25 and paired 1.0
+    assert t["powersgd N=2 <= 1.30x compute"]["status"] == "PASS" and t["powersgd N=2 <= 1.30x compute"]["sync_ms"] == 22
+    bf16 = t["bf16 <= 1.02x DDP+fp16/bf16 hook"]
+    assert bf16["peer"] == "ddp+bf16" and bf16["ratio"] == pytest.approx(50 / 55)
+    # the medians pass (50/55) but the paired median (50/55, 50/56, 50/40 -> 0.909) too; make the paired one miss
+    rows[-1] = row("ddp+bf16", "ddp", [45, 55, 45.5], "bf16")            # median 45.5: 50/45.5 = 1.10 -> MISS
+    assert {x["target"]: x for x in train_step.compression_targets(rows)}[
+        "bf16 <= 1.02x DDP+fp16/bf16 hook"]["status"] == "MISS"
+    assert train_step.compression_targets([dict(r, rate_bits_per_s=10 ** 9) for r in rows]) == []   # 200 Mbit/s only
+    n4 = train_step.compression_targets([dict(r, world_size=4) for r in rows])
+    assert "powersgd N=2 <= 1.30x compute" not in {x["target"] for x in n4} and len(n4) == 2
+    lines = train_step.target_lines(train_step.compression_targets(rows))
+    assert "PASS  powersgd <= 1.02x DDP+PowerSGD" in lines and "floor: compute+sync" in lines
