@@ -356,7 +356,8 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
 def check_same_settings(args, model):
     """Every rank must train the same thing: compare the settings that must match, by name."""
     mine = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
-            "global-batch": args.global_batch, "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
+            "batch-size": args.batch_size, "global-batch": args.global_batch, "lr": args.lr, "seed": args.seed,
+            "epochs": args.epochs,
             "allreduce": args.allreduce, "chunks": args.chunks, "overlap": args.overlap, "lazy-update": args.lazy_update,
             "bucket-mb": args.bucket_mb, "train-subset": args.train_subset, "compress": args.compress,
             "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
