@@ -33,12 +33,14 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from utils import hierarchical  # noqa: E402
 from utils.compress import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 from utils.checkpoint import check_writable, load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
 from utils import stop  # noqa: E402
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
 from utils.model import Net  # noqa: E402
+from utils.outputs import lock_outputs  # noqa: E402
 from utils.ring import ALGORITHMS  # noqa: E402
 from utils.run import check_identical_parameters, run, test_model  # noqa: E402
 
@@ -229,7 +231,8 @@ def launch_local(args, argv):
     n, port, lo = args.nproc, free_port(), loopback_interface()
     threads = max(1, (os.cpu_count() or 1) // n)
     print(f"running {n} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), RING_RESUME_COMMAND=resume_command(argv))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), RING_RESUME_COMMAND=resume_command(argv),
+               RING_JOB_PID=str(os.getpid()))  # the pid a refused job names: this launcher's
     stop.install(PROG)   # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
     procs = [subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--rank", str(r),
                                "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}",
@@ -388,7 +391,27 @@ def evaluate(args, data):
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}
 
 
-def checkpoint_settings(checkpoint):
+def compression_settings(args):
+    """What a resume must keep: the compression, and PowerSGD's rank and warm-up (its state depends on them)."""
+    if args.compress == "powersgd":
+        return {"compress": "powersgd", "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
+    return {"compress": args.compress}
+
+
+def global_batch(args, world_size):
+    """Images per step in all: --global-batch, or --batch-size per rank times the ranks, or the recipe's 64."""
+    return args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH)
+
+
+def checkpoint_settings(args, model, world_size):
+    """The settings a checkpoint records and a resumed run must match, by name. Not the world size:
+    a job may resume on another number of ranks (utils/data.step_batches)."""
+    return {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
+            "global-batch": global_batch(args, world_size), "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
+            "train-subset": args.train_subset, **compression_settings(args)}
+
+
+def recorded_settings(checkpoint):
     """(the settings a resume must keep, the world size) of a checkpoint; older ones held the world
     size and the batch per rank as settings, and no compression."""
     settings = {"compress": "none", **checkpoint["settings"]}
@@ -398,29 +421,44 @@ def checkpoint_settings(checkpoint):
     return settings, world_size
 
 
-def load_checkpoint(args, world_size, restarted=False):
-    """Rank 0: the checkpoint to resume from, checked against this run's settings, or None.
+def load_checkpoint(args, restarted=False):
+    """Rank 0 (and the local launcher): the checkpoint to resume from, checked against this run's
+    settings (args.checkpoint_settings), or None. It only reads: see say_where_training_starts.
 
     It may have been made on another number of ranks: the steps, the data order and the
     schedule follow from the global batch, which must match (utils/data.step_batches).
     restarted: torchrun started this rank again after a failure; it resumes without --resume."""
     if not (args.resume or restarted) or not os.path.exists(args.checkpoint):
-        if args.resume:
-            print(f"no checkpoint at {args.checkpoint}; starting afresh", flush=True)
         return None
     checkpoint = safe_load(args.checkpoint, "checkpoint")
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= set(checkpoint):
         raise UsageError(f"checkpoint {args.checkpoint} is not a training checkpoint of this program")
-    settings, made_on = checkpoint_settings(checkpoint)
+    settings, _ = recorded_settings(checkpoint)
     for name, value in settings.items():
         if args.checkpoint_settings.get(name) != value:
             raise UsageError(f"checkpoint {args.checkpoint} was made with --{name} {value}, this run has "
                              f"{args.checkpoint_settings.get(name)}; resume with the same settings, or "
                              f"start afresh without --resume")
-    resized = f"; resuming on {world_size} ranks; the checkpoint was made on {made_on}" if made_on != world_size else ""
-    print(f"resuming from {args.checkpoint}: epoch {checkpoint['epoch']}, after step {checkpoint['step']}{resized}",
-          flush=True)
     return checkpoint
+
+
+def finished(checkpoint, args):
+    """Whether `checkpoint` is the end of a run: every epoch done, nothing left to train."""
+    return checkpoint is not None and checkpoint["epoch"] > args.epochs and checkpoint["step"] == 0
+
+
+def say_finished(args):
+    print(f"{args.checkpoint} is a finished run ({args.epochs} of {args.epochs} epochs); nothing to do", flush=True)
+
+
+def say_where_training_starts(args, checkpoint, world_size):
+    if checkpoint is not None:
+        made_on = recorded_settings(checkpoint)[1]
+        resized = f"; resuming on {world_size} ranks; the checkpoint was made on {made_on}" if made_on != world_size else ""
+        print(f"resuming from {args.checkpoint}: epoch {checkpoint['epoch']}, after step {checkpoint['step']}{resized}",
+              flush=True)
+    elif args.resume:
+        print(f"no checkpoint at {args.checkpoint}; starting afresh", flush=True)
 
 
 def set_aside_old_checkpoint(args):
@@ -430,31 +468,26 @@ def set_aside_old_checkpoint(args):
         print(f"starting afresh; the earlier checkpoint is kept as {args.checkpoint}.prev", flush=True)
 
 
-def compression_settings(args):
-    """What a resume must keep: the compression, and PowerSGD's rank and warm-up (its state depends on them)."""
-    if args.compress == "powersgd":
-        return {"compress": "powersgd", "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
-    return {"compress": args.compress}
-
-
 def train(args, data):
     torch.manual_seed(args.seed)
     model = Net()
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
     world_size = args.world_size if args.world_size is not None else int(os.environ["WORLD_SIZE"])
-    args.global_batch = args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH)
+    args.global_batch = global_batch(args, world_size)
     check_share(len(data[1]), world_size, args.global_batch)
-    args.checkpoint_settings = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
-                                "global-batch": args.global_batch, "lr": args.lr, "seed": args.seed,
-                                "epochs": args.epochs, "train-subset": args.train_subset, **compression_settings(args)}
+    args.checkpoint_settings = checkpoint_settings(args, model, world_size)
     attempt_store, restarted = None, False
     if args.rank is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         attempt_store, restarted = torchrun_attempt_store(rank, world_size, datetime.timedelta(seconds=args.timeout))
     checkpoint = None
-    if rank == 0:  # before rendezvous, so that a bad file fails fast
+    if rank == 0:  # before rendezvous, so that a bad file or another job's outputs fail fast
         check_outputs(args)
-        remove_stale_temps(args.checkpoint)
-        checkpoint = load_checkpoint(args, world_size, restarted=restarted)
+        checkpoint = load_checkpoint(args, restarted=restarted)
+        done = finished(checkpoint, args)
+        lock_outputs(args, hold=not done)  # a finished run writes nothing, not even a lock file: it only looks
+        if not done:
+            remove_stale_temps(args.checkpoint)  # only now: they could have been another job's saves in progress
+            say_where_training_starts(args, checkpoint, world_size)
         if checkpoint is None and args.model_path:
             load_model_state(model, args.model_path)
     init_distributed(args, attempt_store)
@@ -463,9 +496,16 @@ def train(args, data):
         shared = [checkpoint]
         dist.broadcast_object_list(shared, src=0)  # the other servers need not have the file
         checkpoint = shared[0]
+        if finished(checkpoint, args):  # every rank knows it now: all stop, none trains or writes
+            dist.barrier()  # nobody leaves (rank 0 hosts the rendezvous) before everyone has the news
+            if rank == 0:
+                say_finished(args)
+            dist.destroy_process_group()
+            return
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])
         broadcast_parameters(model)
+        hosts = hierarchical.discover()   # which ranks share a server: for the log, and the hierarchical sum
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if rank == 0:
@@ -476,7 +516,10 @@ def train(args, data):
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data[1]):,} training images, batch {args.global_batch} ({per_rank} per rank), "
               f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'}"
-              f"{', lazy update' if args.lazy_update else ''}){compression_note(args)}", flush=True)
+              f"{', lazy update' if args.lazy_update else ''}){compression_note(args)}, {hierarchical.describe(hosts)}",
+              flush=True)
+        if args.allreduce == "hierarchical" and hierarchical.uneven_note(hosts):
+            print(hierarchical.uneven_note(hosts), flush=True)
     stop.arm()   # from here a signal stops the job after a step, with the checkpoint saved
     run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
@@ -506,7 +549,12 @@ def main(argv=None):
             if args.model_path:
                 load_model_state(Net(), args.model_path)
             check_outputs(args)
+            lock_outputs(args, hold=False)  # only a look: the lock is its rank 0's to take
             check_share(args.train_subset, args.nproc, args.global_batch)
+            args.checkpoint_settings = checkpoint_settings(args, Net(), args.nproc)
+            if finished(load_checkpoint(args), args):
+                say_finished(args)
+                return 0
             ensure_mnist(args.data_dir)
             return launch_local(args, argv)
         rank = args.rank if args.rank is not None else os.environ.get("RANK", 0)

@@ -7,9 +7,15 @@ Measures, side by side in one run, the all-reduce (sum) of one flat float32 buff
     two-pass             the original chain, chunks=1 (the textbook, unpipelined version)
     two-pass-pipelined   the same chain streamed in auto_chunks(numel) pieces (or --chunks K)
     ring                 reduce-scatter + all-gather
+    hierarchical         loopback within hosts, a ring per shard across them (utils/hierarchical.py)
 
 for world sizes N (default 2,3,4) and buffer sizes from 4 KiB to 16 MiB, including the
 trainer's gradient ("model", --model-numel float32 values).
+
+Several ranks per host (--ranks-per-host K): N counts hosts, each runs K ranks (N·K in all)
+that share its one card (in --cluster mode; on loopback the hosts are faked with RING_HOST_ID).
+The limit and busbw then count hosts (2(N-1)/N: what each host's card must carry), and the
+targets are the hierarchical ring's: within 1.10x the limit and 1.3x faster than gloo and ring.
 
 Two ways to run it (the driver starts N real rank processes of this same file, --worker):
 
@@ -70,7 +76,8 @@ from common import (  # noqa: E402
     p_text, ratios_to_gloo, run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
 
-ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")
+ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
+DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")   # hierarchical: with --ranks-per-host
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
 DEFAULT_MODEL_NUMEL = 421642          # the trainer's parameter count (float32 gradient)
 ELEMENT = 4                           # bytes per float32
@@ -82,6 +89,12 @@ TARGETS = (
     ("ring <= 1.05x limit, >= 1 MiB", "ring", (2, 3, 4), 1 << 20, "ratio_limit", 1.05),
     ("ring no slower than gloo, >= 1 MiB", "ring", (2, 3, 4), 1 << 20, "ratio_gloo", 1.00),
     ("two-pass-pipelined <= 1.5x limit, >= 4 MiB", "two-pass-pipelined", (4,), 4 << 20, "ratio_limit", 1.50),
+)
+# With several ranks per host (--ranks-per-host K > 1; world sizes count hosts): issue #18.
+HIERARCHICAL_TARGETS = (
+    ("hierarchical <= 1.10x limit, >= 1 MiB", "hierarchical", (2, 3), 1 << 20, "ratio_limit", 1.10),
+    ("hierarchical >= 1.3x faster than gloo, >= 1 MiB", "hierarchical", (2, 3), 1 << 20, "ratio_gloo", 1 / 1.3),
+    ("hierarchical >= 1.3x faster than ring, >= 1 MiB", "hierarchical", (2, 3), 1 << 20, "ratio_ring", 1 / 1.3),
 )
 
 
@@ -148,8 +161,15 @@ def worker(args) -> int:
     dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    say(f"  N={n}: {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME="
+    from utils import hierarchical
+    hosts = hierarchical.discover()
+    # its subgroups, made up front by every rank (made at its first sum, they would be timed)
+    hierarchy = hierarchical.Hierarchy(hosts, datetime.timedelta(seconds=cfg["op_timeout"])) \
+        if "hierarchical" in cfg["algorithms"] else None
+    say(f"  N={n}: {n} ranks up, {hierarchical.describe(hosts)} ({cfg['init_method']}, GLOO_SOCKET_IFNAME="
         f"{os.environ.get('GLOO_SOCKET_IFNAME', '-')}, torch {torch.__version__})")
+    if len(hosts) != cfg["hosts"] or any(len(h) != cfg["ranks_per_host"] for h in hosts):
+        say(f"  WARNING: expected {cfg['hosts']} hosts × {cfg['ranks_per_host']} ranks")
 
     def make_input(r: int, numel: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + r)
@@ -160,6 +180,8 @@ def worker(args) -> int:
             ring.gloo_sum(buf)
         elif alg == "ring":
             ring.ring_sum(buf)
+        elif alg == "hierarchical":
+            hierarchy.sum_(buf)
         elif alg in candidates:
             candidates[alg](buf)
         else:
@@ -286,21 +308,25 @@ def other_load(before: dict, after: dict, ours: set[int]) -> dict:
 
 def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout: float,
            timeout: float) -> dict:
-    """Run one world of n ranks; return rank 0's raw results. Kills every child on any exit."""
+    """Run one world of n hosts × --ranks-per-host ranks; return rank 0's raw results (with the
+    hosts). Kills every child on any exit."""
     cfg_path, out_path = tmp / f"config-{n}.json", tmp / f"result-{n}.json"
     host0 = cl.addr(0) if cl else "127.0.0.1"
-    cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
+    k = args.ranks_per_host
+    cfg = {"world_size": n * k, "hosts": n, "ranks_per_host": k,
+           "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
            "seed": args.seed, "chunks": args.chunks, "fault": args.self_test_fault,
            "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None, "algorithms": args.algorithms,
            "candidates": [str(Path(f).resolve()) for f in args.candidate],
            "sizes": sizes, "out": str(out_path)}
     cfg_path.write_text(json.dumps(cfg))
     load_before = load_snapshot()
-    procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-n{n}.log", timeout, f"N={n}",
-                      ok_codes=(0, 3))
+    procs = run_world(str(Path(__file__).resolve()), n * k, cfg_path, cl, f"rank{{rank}}-n{n}.log", timeout,
+                      f"N={n}", ok_codes=(0, 3), ranks_per_host=k)
     if not out_path.exists():
         raise LaunchError(f"N={n}: the ranks exited without writing {out_path}")
     raw = json.loads(out_path.read_text())
+    raw["hosts"], raw["ranks_per_host"] = n, k
     raw["load"] = load = other_load(load_before, load_snapshot(), {p.pid for p in procs})
     if load["others_cores"] > 0.1 or load["busy_cores"] - load["ours_cores"] > 0.6:
         print(f"  WARNING N={n}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
@@ -314,21 +340,25 @@ def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
     """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
     records = []
     n = raw["world_size"]
+    hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)   # the limit counts hosts: their cards
     for size in raw["sizes"]:
         gloo_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "gloo"), None)
+        ring_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "ring"), None)
         for row in size["rows"]:
             t = statistics.median(row["times_s"])
             algbw = size["bytes"] / t
-            limit = 2 * (n - 1) / n * size["bytes"] / rate_bytes if rate_bytes else None
+            limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
             records.append({
-                "world_size": n, "size": size["label"], "bytes": size["bytes"], "numel": size["numel"],
+                "world_size": n, "hosts": hosts, "ranks_per_host": k,
+                "size": size["label"], "bytes": size["bytes"], "numel": size["numel"],
                 "algorithm": row["algorithm"], "chunks": row["chunks"], "iters": len(row["times_s"]),
                 "warmup": size["warmup"], "times_ms": [x * 1e3 for x in row["times_s"]],
                 "median_ms": t * 1e3, "min_ms": min(row["times_s"]) * 1e3, "max_ms": max(row["times_s"]) * 1e3,
                 "rank_median_ms": [x * 1e3 for x in row["rank_median_s"]],
-                "algbw_MBps": algbw / MB, "busbw_MBps": algbw * 2 * (n - 1) / n / MB,
+                "algbw_MBps": algbw / MB, "busbw_MBps": algbw * 2 * (hosts - 1) / hosts / MB,
                 "limit_ms": limit * 1e3 if limit else None, "ratio_limit": t / limit if limit else None,
                 "ratio_gloo": t / gloo_t if gloo_t else None,
+                "ratio_ring": t / ring_t if ring_t and row["algorithm"] != "ring" else None,
                 "correct": row["correct"], "bit_identical": row["bit_identical"],
                 "max_error_over_bound": row["max_error_over_bound"], "problems": row["problems"]})
     return records
@@ -342,7 +372,7 @@ def table(records: list[dict]) -> str:
     for r in records:
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
         lines.append("| " + " | ".join([
-            str(r["world_size"]), r["size"], str(r["bytes"]), r["algorithm"], fmt(r["chunks"], "{}"),
+            world_label(r), r["size"], str(r["bytes"]), r["algorithm"], fmt(r["chunks"], "{}"),
             str(r["iters"]), fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}"),
             f"{spread:.0f}%", fmt(r["algbw_MBps"]), fmt(r["busbw_MBps"]),
             fmt(r["limit_ms"], "{:.2f}"), fmt(r["ratio_limit"], "{:.3f}"), fmt(r["ratio_gloo"], "{:.2f}"),
@@ -350,34 +380,46 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def evaluate_targets(records: list[dict], mode: str) -> list[dict]:
+def world_label(r: dict) -> str:
+    """N for one rank per host, "2×4" (hosts × ranks each) for several."""
+    k = r.get("ranks_per_host", 1)
+    return str(r["world_size"]) if k == 1 else f"{r['hosts']}×{k}"
+
+
+def evaluate_targets(records: list[dict], mode: str, ranks_per_host: int = 1) -> list[dict]:
+    """Targets per number of hosts (N): TARGETS with one rank per host, HIERARCHICAL_TARGETS with several."""
     out = []
     candidates = sorted({r["algorithm"] for r in records if r["algorithm"].startswith("ring:")})
     targets = list(TARGETS) + [(name.replace("ring", c, 1) + " [candidate]", c, *rest)
                                for c in candidates for name, alg, *rest in TARGETS if alg == "ring"]
+    if ranks_per_host > 1:
+        targets = list(HIERARCHICAL_TARGETS)
     for name, alg, worlds, min_bytes, metric, bound in targets:
         for n in worlds:
-            rows = [r for r in records if r["algorithm"] == alg and r["world_size"] == n
-                    and r["bytes"] >= min_bytes and r[metric] is not None]
+            rows = [r for r in records if r["algorithm"] == alg and r.get("hosts", r["world_size"]) == n
+                    and r["bytes"] >= min_bytes and r.get(metric) is not None]
+            label = str(n) if ranks_per_host == 1 else f"{n}×{ranks_per_host}"
             if mode != "cluster" or not rows:
                 why = "targets are for --cluster --rate" if mode != "cluster" else "not measured"
-                out.append({"target": name, "world_size": n, "status": "N/A", "why": why})
+                out.append({"target": name, "world_size": n, "label": label, "status": "N/A", "why": why})
                 continue
             worst = max(rows, key=lambda r: r[metric])
-            out.append({"target": name, "world_size": n, "bound": bound, "metric": metric,
+            out.append({"target": name, "world_size": n, "label": label, "bound": bound, "metric": metric,
                         "status": "PASS" if worst[metric] <= bound else "MISS",
                         "worst_ratio": worst[metric], "worst_size": worst["size"],
                         "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
                         if metric == "ratio_limit" else {},
                         "per_size": {r["size"]: round(r[metric], 4) for r in rows},
-                        "paired": paired_vs_gloo(records, rows) if metric == "ratio_gloo" else {}})
+                        "paired": paired_vs_gloo(records, rows) if metric == "ratio_gloo" else
+                                  paired_vs_gloo(records, rows, "ring") if metric == "ratio_ring" else {}})
     return out
 
 
-def paired_vs_gloo(records: list[dict], rows: list[dict]) -> dict:
+def paired_vs_gloo(records: list[dict], rows: list[dict], reference: str = "gloo") -> dict:
     """Per size: the median of (time / gloo's time) over repetitions, which ran side by side, in
-    how many repetitions it was faster, and the sign test's p. Tells a tie from a real difference."""
-    paired = ratios_to_gloo(records)
+    how many repetitions it was faster, and the sign test's p. Tells a tie from a real difference.
+    reference: another algorithm to pair with instead of gloo."""
+    paired = ratios_to_gloo(records, reference)
     out = {}
     for r in rows:
         ratios = paired.get((r["world_size"], r["size"], r["algorithm"]))
@@ -392,18 +434,18 @@ def target_lines(targets: list[dict]) -> str:
     lines = []
     for t in targets:
         if t["status"] == "N/A":
-            lines.append(f"N/A   {t['target']:<44} N={t['world_size']}  ({t['why']})")
+            lines.append(f"N/A   {t['target']:<50} N={t.get('label', t['world_size'])}  ({t['why']})")
             continue
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
-        lines.append(f"{t['status']:<5} {t['target']:<44} N={t['world_size']}  worst {t['worst_ratio']:.3f}x "
+        lines.append(f"{t['status']:<5} {t['target']:<50} N={t.get('label', t['world_size'])}  worst {t['worst_ratio']:.3f}x "
                      f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]")
         if t.get("wire_floor") and not t["target"].startswith("two-pass"):
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
-            lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<44} N={t['world_size']}  [{floors}]")
+            lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={t.get('label', t['world_size'])}  [{floors}]")
         if t.get("paired"):
             paired = "  ".join(f"{k} {m:.3f} ({faster}/{total}, {p_text(p)})"
                                for k, (m, faster, total, p) in t["paired"].items())
-            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n, p)':<44} N={t['world_size']}  [{paired}]")
+            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n, p)':<50} N={t.get('label', t['world_size'])}  [{paired}]")
     return "\n".join(lines)
 
 
@@ -425,8 +467,11 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None, 
     worlds = sorted({r["world_size"] for r in records})
     fig, axes = plt.subplots(2, len(worlds), figsize=(5.2 * len(worlds), 8.2), squeeze=False, sharex=True)
     style = {"gloo": ("k", "o", "-"), "two-pass": ("tab:red", "s", "--"),
-             "two-pass-pipelined": ("tab:orange", "^", "-"), "ring": ("tab:blue", "D", "-")}
+             "two-pass-pipelined": ("tab:orange", "^", "-"), "ring": ("tab:blue", "D", "-"),
+             "hierarchical": ("tab:green", "P", "-")}
     for col, n in enumerate(worlds):
+        first = next(r for r in records if r["world_size"] == n)
+        hosts = first.get("hosts", n)                # the limit counts hosts (their cards)
         top, bottom = axes[0][col], axes[1][col]
         extra = sorted({r["algorithm"] for r in records} - set(ALGORITHMS))
         for alg in [*ALGORITHMS, *extra]:
@@ -442,12 +487,12 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None, 
             bottom.plot(x, [r["busbw_MBps"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
         xs = sorted({r["bytes"] for r in records if r["world_size"] == n})
         if rate_bytes:
-            top.plot(xs, [2 * (n - 1) / n * s / rate_bytes * 1e3 for s in xs], color="0.5", ls=":",
+            top.plot(xs, [2 * (hosts - 1) / hosts * s / rate_bytes * 1e3 for s in xs], color="0.5", ls=":",
                      lw=2, label="bandwidth limit 2(N-1)/N·S/B")
             bottom.axhline(rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"busbw at the limit = B = {rate_bytes / MB:g} MB/s")
             # Small buffers ride on tbf's bucket (sent at veth speed): busbw there says nothing about
             # the rate, so shade them and clip the axis to keep the bandwidth-bound sizes readable.
-            fits = [x for x in xs if 2 * (n - 1) / n * x <= burst_bytes]
+            fits = [x for x in xs if 2 * (hosts - 1) / hosts * x <= burst_bytes]
             if fits:
                 for ax in (top, bottom):
                     ax.axvspan(xs[0] / 1.2, fits[-1] * 1.2, color="0.92", zorder=0)
@@ -462,7 +507,7 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None, 
                 break
         top.set_xscale("log", base=2)
         top.set_yscale("log")
-        top.set_title(f"N = {n} ranks")
+        top.set_title(f"N = {n} ranks" if hosts == n else f"{hosts} hosts × {n // hosts} ranks")
         top.set_ylabel("time per all-reduce, ms (median; band = min..max)")
         bottom.set_ylabel("busbw, MB/s  (= S/t * 2(N-1)/N)")
         bottom.set_xlabel("buffer size")
@@ -493,6 +538,7 @@ def driver(args) -> int:
         print("allreduce.py: --rate and --tcp-cc only apply with --cluster", file=sys.stderr)
         return 2
     rate_bits = parse_rate(args.rate) if args.cluster and args.rate else None
+    k = args.ranks_per_host
     rate_bytes = rate_bits / 8 if rate_bits else None
     worlds = args.world_sizes
     sizes = {}
@@ -507,14 +553,15 @@ def driver(args) -> int:
 
     # Time budget per world (the hard timeout) and per-operation timeout of the process group.
     from utils.ring import auto_chunks
-    est = {n: sum((p["iters"] + p["warmup"]) * expected_seconds(
-                      a, n, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT))
+    est = {n: sum((p["iters"] + p["warmup"]) * expected_seconds(       # N·K ranks: a flat ring's time
+                      a, n * k, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT))
                   for p in plan for a in args.algorithms + ["ring"] * len(args.candidate))
            for n in worlds}
-    op_timeout = max(60.0, 20 * max(expected_seconds("two-pass", n, plan[-1]["bytes"], rate_bytes or 50e6, 1)
+    op_timeout = max(60.0, 20 * max(expected_seconds("two-pass", n * k, plan[-1]["bytes"], rate_bytes or 50e6, 1)
                                      for n in worlds))
     print(f"# all-reduce benchmark: mode={mode}" + (f", egress cap {args.rate} per host" if rate_bits else "")
-          + f", N={','.join(map(str, worlds))}, algorithms={','.join(args.algorithms)}"
+          + f", N={','.join(map(str, worlds))}" + (f" hosts × {k} ranks each" if k > 1 else "")
+          + f", algorithms={','.join(args.algorithms)}"
           + (f", ring.py under test: {args.ring_file}" if args.ring_file else "")
           + "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate))
     labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
@@ -537,7 +584,7 @@ def driver(args) -> int:
         stack = None
         try:
             if args.cluster:
-                stack = cluster.Cluster(hosts=max(worlds), rate=args.rate)
+                stack = cluster.Cluster(hosts=max(worlds), rate=args.rate, ranks_per_host=k)
                 cl = stack.__enter__()
                 if args.tcp_cc:                 # per-namespace setting; only kernel-"allowed" ones work there
                     for r in range(cl.hosts):
@@ -578,16 +625,18 @@ def driver(args) -> int:
         for r in records:
             if r["limit_ms"]:
                 r["floor_ratio"] = max(0.0, wire["factor"] - wire["burst_bytes"] / rate_bytes / (r["limit_ms"] / 1e3))
-    targets = evaluate_targets(records, mode)
+    targets = evaluate_targets(records, mode, k)
     title = (f"all-reduce, {mode}" + (f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)")
              + f"; {platform.node()}, torch {__import__('torch').__version__}")
-    md = (f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "") + "\n\n"
+    md = (f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "")
+          + (f", {k} ranks per host (N counts hosts)" if k > 1 else "") + "\n\n"
           f"`{' '.join(['python3', 'bench/allreduce.py'] + sys.argv[1:])}`  \n{iters_note}.\n\n"
           + table(records) + "\n\n```\n" + target_lines(targets) + "\n" + load_lines(load) + "\n```\n")
     result = {
         "mode": mode, "rate": args.rate if rate_bits else None, "rate_bits_per_s": rate_bits,
         "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
-        "world_sizes": worlds, "sizes": plan, "algorithms": args.algorithms, "chunks_override": args.chunks,
+        "world_sizes": worlds, "ranks_per_host": k, "sizes": plan, "algorithms": args.algorithms,
+        "chunks_override": args.chunks,
         "model_numel": args.model_numel, "seed": args.seed,
         "ring_file": args.ring_file or "utils/ring.py", "candidates": args.candidate,
         "timing": "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
@@ -601,7 +650,7 @@ def driver(args) -> int:
         "correct": not failures, "failures": failures, "targets": targets, "results": records,
     }
     out_dir = Path(args.results_dir)
-    stem = results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc)
+    stem = results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc, k)
     atomic_write(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
     atomic_write(out_dir / f"{stem}.md", md.encode())
     plot(records, out_dir / f"{stem}.png", title, rate_bytes, wire["burst_bytes"] if wire else 0)
@@ -619,10 +668,13 @@ def driver(args) -> int:
     return 0
 
 
-def results_stem(mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None) -> str:
-    """The results files' name: each capped rate, ring file and TCP setting gets its own, so that
-    no run overwrites another's (allreduce-cluster-200mbit-reno.*, allreduce-loopback.*)."""
-    parts = [f"allreduce-{mode}", rate, Path(ring_file).stem if ring_file else None, tcp_cc]
+def results_stem(mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None,
+                 ranks_per_host: int = 1) -> str:
+    """The results files' name: each capped rate, ring file, TCP setting and number of ranks per
+    host gets its own, so that no run overwrites another's (allreduce-cluster-200mbit-reno.*,
+    allreduce-loopback.*, allreduce-cluster-200mbit-reno-2-per-host.*)."""
+    parts = [f"allreduce-{mode}", rate, Path(ring_file).stem if ring_file else None, tcp_cc,
+             f"{ranks_per_host}-per-host" if ranks_per_host > 1 else None]
     return "-".join(part for part in parts if part)
 
 
@@ -636,8 +688,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (K/M binary, 'model'); default {DEFAULT_SIZES}")
     ap.add_argument("--model-numel", type=int, default=DEFAULT_MODEL_NUMEL,
                     help="float32 parameters of the trainer's model: the 'model' row")
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), type=lambda s: s.split(","),
-                    help=f"comma list from {','.join(ALGORITHMS)} (default: all)")
+    ap.add_argument("--algorithms", type=lambda s: s.split(","),
+                    help=f"comma list from {','.join(ALGORITHMS)} (default: all but hierarchical; with "
+                         f"--ranks-per-host: gloo,ring,hierarchical)")
+    ap.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                    help="K ranks on each host, sharing its card; --world-sizes then counts hosts (default 1)")
     ap.add_argument("--chunks", type=int, default=0, help="pieces for two-pass-pipelined (default: auto_chunks)")
     ap.add_argument("--iters", type=int, default=7, help="timed repetitions")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions first")
@@ -668,11 +723,17 @@ def main(argv=None) -> int:
             parse_rate(args.rate)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
+    if args.algorithms is None:
+        args.algorithms = list(DEFAULT_ALGORITHMS if args.ranks_per_host == 1 else ("gloo", "ring", "hierarchical"))
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
     if bad or not args.algorithms:
         ap.error(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)}")
-    if any(n < 2 for n in args.world_sizes):
+    if not 1 <= args.ranks_per_host <= cluster.MAX_RANKS_PER_HOST:
+        ap.error(f"--ranks-per-host must be 1..{cluster.MAX_RANKS_PER_HOST}, got {args.ranks_per_host}")
+    if any(n < 2 for n in args.world_sizes) and args.ranks_per_host == 1:
         ap.error("world sizes must be >= 2")
+    if any(n < 1 for n in args.world_sizes):
+        ap.error("world sizes (hosts) must be >= 1")
     if min(args.iters, args.big_iters) < 1 or min(args.warmup, args.big_warmup) < 0 or args.chunks < 0:
         ap.error("--iters/--big-iters must be >= 1, --warmup/--big-warmup and --chunks >= 0")
     if args.cluster and not args.rate:

@@ -81,14 +81,15 @@ def sign_test_p(faster: int, total: int) -> float:
     return min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2 ** total)
 
 
-def ratios_to_gloo(results: list[dict]) -> dict:
+def ratios_to_gloo(results: list[dict], reference: str = "gloo") -> dict:
     """{(N, size, algorithm): [time / gloo's time, per repetition]} for all-reduce results rows
-    (bench/allreduce.py) that ran side by side with gloo, the same number of repetitions."""
-    gloo = {(r["world_size"], r["size"]): r["times_ms"] for r in results if r["algorithm"] == "gloo"}
+    (bench/allreduce.py) that ran side by side with gloo (or `reference`), the same number of
+    repetitions."""
+    gloo = {(r["world_size"], r["size"]): r["times_ms"] for r in results if r["algorithm"] == reference}
     out = {}
     for r in results:
         ref = gloo.get((r["world_size"], r["size"]))
-        if r["algorithm"] != "gloo" and ref and len(ref) == len(r["times_ms"]):
+        if r["algorithm"] != reference and ref and len(ref) == len(r["times_ms"]):
             out[r["world_size"], r["size"], r["algorithm"]] = [a / b for a, b in zip(r["times_ms"], ref)]
     return out
 
@@ -99,11 +100,13 @@ def p_text(p: float) -> str:
 
 
 def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: float, what: str,
-              ok_codes=(0,), env: dict | None = None, while_running=None) -> list[subprocess.Popen]:
+              ok_codes=(0,), env: dict | None = None, while_running=None,
+              ranks_per_host: int = 1) -> list[subprocess.Popen]:
     """Run ranks 0..n-1 of `script --worker --rank R --config CONFIG` until all have exited.
 
-    With a cluster `cl` (scripts/cluster.py) rank r runs on emulated host r with GLOO_SOCKET_IFNAME
-    set to its NIC; without, on loopback. Rank 0's stdout is ours; every rank's stderr (and the
+    With a cluster `cl` (scripts/cluster.py) rank r runs on emulated host r // ranks_per_host with
+    GLOO_SOCKET_IFNAME set to its NIC; without, on loopback, where ranks_per_host > 1 fakes the
+    hosts for utils/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's stderr (and the
     other ranks' stdout) goes to config's folder / log_name.format(rank=r). If a rank exits with a
     code not in ok_codes, the others get GRACE seconds, then are killed. Every rank is killed on
     every way out. `while_running(procs)` is called about every 0.1 s. Returns the processes;
@@ -114,13 +117,15 @@ def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: flo
     try:
         for r in range(n):
             argv = [sys.executable, "-u", script, "--worker", "--rank", str(r), "--config", str(config)]
-            rank_env = {"GLOO_SOCKET_IFNAME": cl.nic(r) if cl else "lo", "OMP_NUM_THREADS": "1",
-                        "PYTHONUNBUFFERED": "1", **(env or {})}
+            host = r // ranks_per_host
+            rank_env = {"GLOO_SOCKET_IFNAME": cl.nic(host) if cl else "lo", "OMP_NUM_THREADS": "1",
+                        "PYTHONUNBUFFERED": "1", **({} if cl or ranks_per_host == 1 else {"RING_HOST_ID": str(host)}),
+                        **(env or {})}
             log = open(log_paths[r], "wb")
             logs.append(log)
             kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
             if cl:
-                procs.append(cl.popen(r, argv, env=rank_env, **kw))
+                procs.append(cl.popen(host, argv, env=rank_env, **kw))
             else:
                 procs.append(subprocess.Popen(argv, env={**os.environ, **rank_env}, start_new_session=True, **kw))
         deadline, grace_end = time.monotonic() + timeout, None

@@ -87,10 +87,10 @@ from common import (  # noqa: E402
     REPO, RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
     p_text, run_world, sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
-ALGORITHMS = ("two-pass", "ring", "gloo")
+ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 # The default plan; results_stem() names the files after whatever a run changed from it.
 DEFAULTS = {"rates": ["1gbit", "200mbit"], "world_sizes": [2, 4], "model": "trainer", "batch_size": 32,
-            "algorithms": list(ALGORITHMS)}
+            "algorithms": ["two-pass", "ring", "gloo"]}
 MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
                "reference": 1199882}   # the baseline model, see make_model()
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
@@ -423,8 +423,9 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
     tag = re.sub(r"[^A-Za-z0-9]+", "-", label)
     cfg_path, out_path = tmp / f"config-{tag}-{n}.json", tmp / f"result-{tag}-{n}.json"
     host0 = cl.addr(0) if cl else "127.0.0.1"
+    n_hosts, n = n, n * args.ranks_per_host        # --ranks-per-host K: N hosts, N·K ranks
     cfg = {"world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
-           "addrs": [cl.addr(r) if cl else "127.0.0.1" for r in range(n)],
+           "addrs": [cl.addr(cl.host_of(r)) if cl else "127.0.0.1" for r in range(n)],
            "seed": args.seed, "model": args.model, "batch_size": batch_for(args, n), "warmup": args.warmup, "iters": args.iters,
            "steps_per_sample": args.steps_per_sample, "configs": configs, "out": str(out_path), "label": label}
     cfg_path.write_text(json.dumps(cfg))
@@ -435,7 +436,8 @@ def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: i
         ours.update(descendants({p.pid for p in procs}))
 
     procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-{tag}-n{n}.log", timeout,
-                      f"{label} N={n}", env={"TORCH_CPP_LOG_LEVEL": "ERROR"}, while_running=note_ours)
+                      f"{label} N={n}", env={"TORCH_CPP_LOG_LEVEL": "ERROR"}, while_running=note_ours,
+                      ranks_per_host=n // n_hosts)
     if not out_path.exists():
         raise LaunchError(f"{label} N={n}: the ranks exited without writing {out_path}")
     raw = json.loads(out_path.read_text())
@@ -649,7 +651,8 @@ def run_worlds(args, configs: list[dict], rates: list[str | None], rate_bits: di
         os.chmod(tmp, 0o755)
         for rate in rates:               # a Cluster's __exit__ tears everything down, also on errors
             label = rate or "loopback"
-            with (cluster.Cluster(hosts=max(args.world_sizes), rate=rate) if rate else contextlib.nullcontext()) as cl:
+            with (cluster.Cluster(hosts=max(args.world_sizes), rate=rate, ranks_per_host=args.ranks_per_host)
+                  if rate else contextlib.nullcontext()) as cl:
                 if rate:
                     print(f"# cluster {rate}: {cl.hosts} hosts "
                           f"{', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}", flush=True)
@@ -659,7 +662,7 @@ def run_worlds(args, configs: list[dict], rates: list[str | None], rate_bits: di
                     t = time.time()
                     raw = launch(n, args, configs, cl, label, tmp, port, op_timeout, timeout)
                     print(f"  {label} N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
-                    records += summarize(raw, rate, rate_bits.get(rate), batch_for(args, n))
+                    records += summarize(raw, rate, rate_bits.get(rate), batch_for(args, n * args.ranks_per_host))
                     load[f"{label} N={n}"] = raw["load"]
     return records, load
 
@@ -669,12 +672,13 @@ def driver(args) -> int:
     rates: list[str | None] = [None] if args.loopback else args.rates
     worlds, cores = args.world_sizes, os.cpu_count()
     configs = make_configs(args)
-    per_world = ", ".join(f"{batch_for(args, n)}/rank at N={n}" for n in worlds)
+    k = args.ranks_per_host
+    per_world = ", ".join(f"{batch_for(args, n * k)}/rank at N={n * k}" for n in worlds)
     batch_note = (f"global batch {args.global_batch} = {per_world}" if args.global_batch
                   else f"batch {args.batch_size} per rank")
     rate_bits = {r: parse_rate(r) for r in rates if r}
     steps = (args.warmup + args.iters) * args.steps_per_sample
-    est = {(r, n): estimate_seconds(n, rate_bits.get(r), configs, steps, batch_for(args, n), args.model)
+    est = {(r, n): estimate_seconds(n * k, rate_bits.get(r), configs, steps, batch_for(args, n * k), args.model)
            for r in rates for n in worlds}
     if args.model != "trainer":
         batch_note = f"{args.model} model ({MODEL_NUMEL[args.model]:,} parameters), {batch_note}"
@@ -718,7 +722,8 @@ def driver(args) -> int:
           + table(records, mode) + "\n\n```\n" + target_lines(targets) + "\n```\n")
     result = {
         "mode": mode, "rates": rates, "world_sizes": worlds, "command": command,
-        "batch_size": {str(n): batch_for(args, n) for n in worlds}, "global_batch": args.global_batch,
+        "batch_size": {str(n * k): batch_for(args, n * k) for n in worlds}, "global_batch": args.global_batch,
+        "ranks_per_host": k,
         "warmup": args.warmup, "iters": args.iters, "steps_per_sample": args.steps_per_sample, "seed": args.seed,
         "model": args.model, "model_parameters": MODEL_NUMEL[args.model],
         "threads_per_rank": 1, "chunks": args.chunks, "bucket_mb": args.bucket_mb,
@@ -768,6 +773,8 @@ def results_stem(args, mode: str) -> str:
         parts.append(f"b{args.batch_size}")
     if args.only or args.algorithms != DEFAULTS["algorithms"]:
         parts.append("subset")
+    if args.ranks_per_host > 1:
+        parts.append(f"{args.ranks_per_host}-per-host")
     return "-".join(parts)
 
 
@@ -800,7 +807,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-sample", type=positive_int, default=6,
                     help="consecutive training steps per configuration and round, timed together (default 6; "
                          "each sample starts after a barrier, which drains what a lazy update would carry over)")
-    ap.add_argument("--algorithms", default=",".join(DEFAULTS["algorithms"]), type=lambda s: s.split(","))
+    ap.add_argument("--algorithms", default=",".join(DEFAULTS["algorithms"]), type=lambda s: s.split(","),
+                    help=f"from {','.join(ALGORITHMS)} (default {','.join(DEFAULTS['algorithms'])})")
+    ap.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                    help="K ranks on each emulated host, sharing its card; --world-sizes then counts hosts "
+                         "(on loopback the hosts are faked for --algorithms hierarchical; default 1)")
     ap.add_argument("--chunks", type=chunks, default="auto",
                     help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)")
     ap.add_argument("--bucket-mb", default="1", type=number_list(float),
@@ -823,7 +834,9 @@ def main(argv=None) -> int:
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
     if bad or not args.algorithms:
         ap.error(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)}")
-    if any(n < 2 for n in args.world_sizes):
+    if not 1 <= args.ranks_per_host <= cluster.MAX_RANKS_PER_HOST:
+        ap.error(f"--ranks-per-host must be 1..{cluster.MAX_RANKS_PER_HOST}, got {args.ranks_per_host}")
+    if any(n * args.ranks_per_host < 2 for n in args.world_sizes):
         ap.error("world sizes must be >= 2")
     if args.warmup < 0 or any(not (mb > 0 and math.isfinite(mb)) for mb in args.bucket_mb):
         ap.error("--warmup must be >= 0 and --bucket-mb positive")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Emulate a small cluster of servers on one Linux machine.
 
-Users run one trainer rank per server, and every server names its NIC
-differently (eth0, ens3, enp1s0, ...).  To prove train.py works like that
+Users run one trainer rank per server (or several: --ranks-per-host K), and
+every server names its NIC differently (eth0, ens3, enp1s0, ...).  To prove train.py works like that
 without real hardware, each emulated "host" is a network namespace with one
 veth NIC renamed to a server-like name and addressed in a private test subnet;
 the other ends of the veths hang off one Linux bridge, which plays the switch.
@@ -38,6 +38,7 @@ SUBNET = "10.213"           # 10.213.X.0/24 per cluster; only ever configured in
 IP_TIMEOUT = 15             # seconds for any single ip/tc call
 GRACE = 5.0                 # seconds the other ranks get after one rank failed
 TBF_LATENCY = "50ms"        # tbf queue length, expressed as time at the capped rate
+MAX_RANKS_PER_HOST = 64     # as train.py's --nproc: more ranks on one machine's cores would look like a hang
 NEEDS_ROOT = "needs root (CAP_NET_ADMIN) to create network namespaces; run it with sudo"
 
 # <prefix><owner pid, base36>-<cluster counter><kind><rank>; kind: b=bridge, v=veth, h=namespace.
@@ -182,14 +183,19 @@ class Cluster:
     namespaces and deletes everything, also when the body raised.
     """
 
-    def __init__(self, hosts: int, rate: str | None = None, nics: list[str] | None = None):
+    def __init__(self, hosts: int, rate: str | None = None, nics: list[str] | None = None,
+                 ranks_per_host: int = 1):
         if not 1 <= hosts <= 253:
             raise ClusterError(f"hosts must be 1..253, got {hosts}")
+        if not 1 <= ranks_per_host <= MAX_RANKS_PER_HOST:
+            raise ClusterError(f"--ranks-per-host must be 1..{MAX_RANKS_PER_HOST}, got {ranks_per_host}")
         nics = list(nics or DEFAULT_NICS)
         for n in nics:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", n) or n == "lo":
                 raise ClusterError(f"bad NIC name {n!r}")
         self.hosts = hosts
+        self.ranks_per_host = ranks_per_host      # ranks 0..K-1 on host 0, K..2K-1 on host 1, ...
+        self.world_size = hosts * ranks_per_host
         self.rate = rate
         self.rate_bits = parse_rate(rate) if rate else None
         self.nics = [nics[i % len(nics)] for i in range(hosts)]     # short lists cycle
@@ -203,19 +209,28 @@ class Cluster:
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
 
-    # -- addressing ---------------------------------------------------------
-    def nic(self, rank: int) -> str:
-        return self.nics[rank]
+    # -- addressing (nic, addr: by host; one rank per host: host = rank) ---------
+    def nic(self, host: int) -> str:
+        return self.nics[host]
 
-    def addr(self, rank: int) -> str:
-        return f"{self.subnet}.{rank + 1}"
+    def addr(self, host: int) -> str:
+        return f"{self.subnet}.{host + 1}"
+
+    def host_of(self, rank: int) -> int:
+        """The host that runs `rank` (ranks are numbered host by host)."""
+        return rank // self.ranks_per_host
+
+    def label(self, rank: int) -> str:
+        """How output lines name `rank`: "host1 ens3", or "host1 ens3 rank3" with several per host."""
+        host = self.host_of(rank)
+        return f"host{host} {self.nic(host)}" + (f" rank{rank}" if self.ranks_per_host > 1 else "")
 
     def train_argv(self, rank: int, port: int, extra: list[str]) -> list[str]:
-        """Exactly the command the README tells users to run on server `rank`."""
+        """Exactly the command the README tells users to run for `rank` on its server."""
         return [sys.executable, "-u", str(REPO / "train.py"),
                 "--init-method", f"tcp://{self.addr(0)}:{port}",
-                "--rank", str(rank), "--world-size", str(self.hosts),
-                "--gloo_socket_ifname", self.nic(rank), *extra]
+                "--rank", str(rank), "--world-size", str(self.world_size),
+                "--gloo_socket_ifname", self.nic(self.host_of(rank)), *extra]
 
     # -- lifecycle ----------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -337,11 +352,11 @@ class Cluster:
 
 def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_output: bool = True,
              grace: float = GRACE) -> int:
-    """Start argvs[r] on host r, stream output, and supervise; see train()."""
+    """Start argvs[r] (rank r) on its host, stream output, and supervise; see train()."""
     out_lock = threading.Lock()
 
     def pump(rank: int, stream) -> None:
-        prefix = f"[host{rank} {cluster.nic(rank)}] ".encode()
+        prefix = f"[{cluster.label(rank)}] ".encode()
         for line in iter(stream.readline, b""):
             with out_lock:
                 sys.stdout.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
@@ -350,7 +365,7 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
     pipe = subprocess.PIPE if prefix_output else None
     # the emulated hosts share this machine's cores: split them, as train.py's local launcher does
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(argvs))))}
-    procs = [cluster.popen(r, argv, env=threads, stdin=subprocess.DEVNULL, stdout=pipe,
+    procs = [cluster.popen(cluster.host_of(r), argv, env=threads, stdin=subprocess.DEVNULL, stdout=pipe,
                            stderr=subprocess.STDOUT if prefix_output else None)
              for r, argv in enumerate(argvs)]
     pumps = [threading.Thread(target=pump, args=(r, p.stdout), daemon=True)
@@ -372,7 +387,8 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
                 rc = p.returncode
                 result = rc if rc > 0 else 128 - rc      # killed by signal N -> 128+N
                 kill_at = now + grace
-                print(f"cluster.py: host{r} ({cluster.nic(r)}) exited with {rc}; "
+                print(f"cluster.py: host{cluster.host_of(r)} ({cluster.nic(cluster.host_of(r))})"
+                      f"{f' rank{r}' if cluster.ranks_per_host > 1 else ''} exited with {rc}; "
                       f"killing the others in {grace:g}s", file=sys.stderr, flush=True)
         time.sleep(0.05)
     for p in procs:
@@ -392,27 +408,31 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
 
 
 def train(hosts: int, extra_args: list[str], rate: str | None = None, nics: list[str] | None = None,
-          port: int = 29500, timeout: float = 600, prefix_output: bool = True, grace: float = GRACE) -> int:
-    """Run train.py on every emulated host, as users would on real servers.
+          port: int = 29500, timeout: float = 600, prefix_output: bool = True, grace: float = GRACE,
+          ranks_per_host: int = 1) -> int:
+    """Run train.py on every emulated host, as users would on real servers (K ranks each,
+    sharing the host's one NIC, with ranks_per_host=K).
 
-    Output is streamed per line, prefixed "[host1 ens3] ".  If a rank fails the
-    others get `grace` seconds, then are killed.  Returns 0 only if every rank
-    returned 0; else the first failing rank's code, or 124 on timeout.
+    Output is streamed per line, prefixed "[host1 ens3] " ("[host1 ens3 rank3] " with several
+    ranks per host).  If a rank fails the others get `grace` seconds, then are killed.  Returns
+    0 only if every rank returned 0; else the first failing rank's code, or 124 on timeout.
     """
-    with Cluster(hosts, rate=rate, nics=nics) as c:
-        return _run_all(c, [c.train_argv(r, port, extra_args) for r in range(hosts)],
+    with Cluster(hosts, rate=rate, nics=nics, ranks_per_host=ranks_per_host) as c:
+        return _run_all(c, [c.train_argv(r, port, extra_args) for r in range(c.world_size)],
                         timeout, prefix_output, grace)
 
 
 def exec_all(hosts: int, template: list[str], rate: str | None = None, nics: list[str] | None = None,
-             timeout: float = 600, prefix_output: bool = True, grace: float = GRACE) -> int:
-    """Run a command template on every host at once (see the CLI's `exec`)."""
+             timeout: float = 600, prefix_output: bool = True, grace: float = GRACE, ranks_per_host: int = 1) -> int:
+    """Run a command template for every rank at once, on its host (see the CLI's `exec`)."""
     if len(template) == 1:                  # one word: a shell command line, like ssh
         template = ["sh", "-c", template[0]]
-    with Cluster(hosts, rate=rate, nics=nics) as c:
+    with Cluster(hosts, rate=rate, nics=nics, ranks_per_host=ranks_per_host) as c:
         argvs = []
-        for r in range(hosts):
-            fields = dict(rank=r, world_size=hosts, addr=c.addr(r), addr0=c.addr(0), nic=c.nic(r))
+        for r in range(c.world_size):
+            host = c.host_of(r)
+            fields = dict(rank=r, world_size=c.world_size, host=host, local_rank=r % ranks_per_host,
+                          addr=c.addr(host), addr0=c.addr(0), nic=c.nic(host))
             try:
                 argvs.append([word.format_map(fields) for word in template])
             except (KeyError, IndexError, ValueError) as e:
@@ -426,6 +446,17 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"cluster.py: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def ranks_per_host(text: str) -> int:
+    """argparse type for --ranks-per-host: a whole number 1..MAX_RANKS_PER_HOST."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_RANKS_PER_HOST:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_RANKS_PER_HOST}, got {text!r}")
+    return value
 
 
 class _Signalled(BaseException):
@@ -448,10 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="cluster.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     for name, help_ in (("train", "run train.py on every host: cluster.py train --hosts 3 -- --epochs 1"),
-                        ("exec", "run a command on every host; template fields {rank} {world_size} "
-                                 "{addr} {addr0} {nic}: cluster.py exec --hosts 2 -- hostname -I")):
+                        ("exec", "run a command on every host (once per rank); template fields {rank} "
+                                 "{world_size} {host} {local_rank} {addr} {addr0} {nic}: "
+                                 "cluster.py exec --hosts 2 -- hostname -I")):
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--hosts", type=int, required=True)
+        p.add_argument("--ranks-per-host", type=ranks_per_host, default=1, metavar="K",
+                       help="ranks on each host, sharing its one NIC (default 1); rank r runs on host r // K")
         p.add_argument("--rate", help="egress cap per host, tc syntax, e.g. 1gbit, 200mbit")
         p.add_argument("--nics", help=f"comma separated NIC names (default {','.join(DEFAULT_NICS)})")
         p.add_argument("--timeout", type=float, default=600, help="hard limit in seconds (exit 124)")
@@ -472,8 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         nics = args.nics.split(",") if args.nics else None
         if args.cmd == "train":
-            return train(args.hosts, rest, args.rate, nics, args.port, args.timeout, grace=args.grace)
-        return exec_all(args.hosts, rest, args.rate, nics, args.timeout, grace=args.grace)
+            return train(args.hosts, rest, args.rate, nics, args.port, args.timeout, grace=args.grace,
+                         ranks_per_host=args.ranks_per_host)
+        return exec_all(args.hosts, rest, args.rate, nics, args.timeout, grace=args.grace,
+                        ranks_per_host=args.ranks_per_host)
     except ClusterError as e:
         print(f"cluster.py: {e}", file=sys.stderr)
         return 2

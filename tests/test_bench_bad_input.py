@@ -13,6 +13,8 @@ CASES = {
     "allreduce: cluster without a cap": ("allreduce.py", ["--cluster"], "--cluster needs --rate"),
     "allreduce: missing candidate": ("allreduce.py", ["--candidate", "/nonexistent/ring.py"], "no such file"),
     "allreduce: missing ring file": ("allreduce.py", ["--ring-file", "/nonexistent/ring.py"], "no such file"),
+    "allreduce: no ranks per host": ("allreduce.py", ["--ranks-per-host", "0"], "--ranks-per-host must be 1..64, got 0"),
+    "train_step: no ranks per host": ("train_step.py", ["--ranks-per-host", "0"], "--ranks-per-host must be 1..64"),
     "train_step: unknown --only": ("train_step.py", ["--loopback", "--only", "nosuch"], "unknown configuration"),
     "train_step: bucket size not a number": ("train_step.py", ["--bucket-mb", "x"], "comma-separated numbers"),
     "train_step: unknown model": ("train_step.py", ["--model", "resnet"], "--model"),

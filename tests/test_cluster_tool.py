@@ -283,6 +283,23 @@ def test_exec_cli_success_template_and_prefixes():
 
 
 @pytest.mark.timeout(30)
+def test_ranks_per_host_share_their_host_and_bad_counts_are_one_line():
+    r, _ = cli("exec", "--hosts", "2", "--ranks-per-host", "2", "--timeout", "20", "--",
+               "echo {rank}/{world_size} host {host} local {local_rank} {nic} {addr}")
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert [re.sub(r"10\.213\.\d+\.", "A.", line) for line in lines] == [
+        "[host0 eth0 rank0] 0/4 host 0 local 0 eth0 A.1", "[host0 eth0 rank1] 1/4 host 0 local 1 eth0 A.1",
+        "[host1 ens3 rank2] 2/4 host 1 local 0 ens3 A.2", "[host1 ens3 rank3] 3/4 host 1 local 1 ens3 A.2"], r.stdout
+    for bad, why in (("0", "must be 1..64"), ("-1", "must be 1..64"), ("two", "expected a whole number"),
+                     ("65", "must be 1..64")):
+        r, _ = cli("train", "--hosts", "2", "--ranks-per-host", bad, "--", "--epochs", "1")
+        assert r.returncode == 2 and r.stdout == "", (bad, r.stdout, r.stderr)
+        assert r.stderr.strip().splitlines() == [
+            f"cluster.py: error: argument --ranks-per-host: {why}, got '{bad}' (see --help)"], r.stderr
+
+
+@pytest.mark.timeout(30)
 def test_cli_timeout_usage_error_and_no_root():
     r, elapsed = cli("exec", "--hosts", "2", "--timeout", "1", "--", "sleep", "30")
     assert r.returncode == 124 and elapsed < 10

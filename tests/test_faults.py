@@ -154,7 +154,7 @@ def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_
     for code, out, err in procs.wait_all(ranks, timeout=60):
         assert code == 2, err
         assert f"different --{setting}" in err and len(err.strip().splitlines()) == 1, err
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["m0.pth.lock"]  # rank 0's lock (utils/outputs.py), nothing else
 
 
 def test_port_in_use_and_unreachable_master(tmp_path):
@@ -253,7 +253,8 @@ def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path, res
     restart_counts: the TORCHELASTIC_RESTART_COUNT the agents give ranks 0 and 1 in attempt 1.
     With --rdzv-backend c10d the node whose worker was healthy restarts it without counting, so
     the two counts differ; the ranks must still find each other, and rank 0 must resume from the
-    checkpoint without --resume, as after any torchrun restart."""
+    checkpoint without --resume, as after any torchrun restart (attempt 0 finished, so attempt 1
+    finds nothing to do)."""
     store, start = agent_store_and_workers(tmp_path)
     first = procs.wait_all([start(0, 0), start(1, 0)], timeout=120)
     assert all(code == 0 for code, _, _ in first), first
@@ -262,7 +263,7 @@ def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path, res
     late.append(start(0, restart_counts[0]))
     second = procs.wait_all(late, timeout=120)
     assert all(code == 0 for code, _, _ in second), second
-    assert f"resuming from {tmp_path / 'c.pt'}" in second[1][1], second[1]
+    assert f"{tmp_path / 'c.pt'} is a finished run" in second[1][1], second[1]  # read without --resume
     del store
 
 
@@ -314,7 +315,7 @@ def test_a_torchrun_attempt_comes_together_after_attempts_that_died_half_way(tmp
     late.append(start(0, 3))
     last = procs.wait_all(late, timeout=120)
     assert all(code == 0 for code, _, _ in last), last
-    assert f"resuming from {tmp_path / 'c.pt'}" in last[1][1], last[1]
+    assert f"{tmp_path / 'c.pt'} is a finished run" in last[1][1], last[1]
     del store
 
 

@@ -1,4 +1,5 @@
-"""Multi-host for real: train.py on emulated servers (scripts/cluster.py), one rank per server.
+"""Multi-host for real: train.py on emulated servers (scripts/cluster.py), one rank per server
+(and two per server for the hierarchical ring).
 
 Each emulated server is a network namespace whose only NIC has a server-like name
 (eth0, ens3, enp1s0), so gloo can only talk over the NIC it was told to use.  The
@@ -75,14 +76,15 @@ def nic_bytes(c, rank, nic=None):
 
 
 def start_ranks(c, argvs, logdir):
-    """Start argvs[r] on host r in its own directory logdir/host<r> (the hosts share one
+    """Start argvs[r] (rank r) on its host in its own directory logdir/host<r> (the hosts share one
     filesystem; default paths such as runs/checkpoint.pt are relative), stdout/stderr to files."""
     procs = []
     for r, argv in enumerate(argvs):
         home = logdir / f"host{r}"
         home.mkdir(exist_ok=True)
         with open(logdir / f"rank{r}.out", "wb") as out, open(logdir / f"rank{r}.err", "wb") as err:
-            procs.append(c.popen(r, argv, env=ENV, cwd=home, stdin=subprocess.DEVNULL, stdout=out, stderr=err))
+            procs.append(c.popen(c.host_of(r), argv, env=ENV, cwd=home, stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=err))
     return procs
 
 
@@ -163,6 +165,38 @@ def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path)
         lo = sum(lo_after[r]) - sum(lo_before[r])
         print(f"host {r} {c.nic(r)}: rx {rx:,} B, tx {tx:,} B (at least {least:,}); lo {lo:,} B")
         assert lo < GRADIENT_BYTES, f"host {r} moved {lo:,} B over lo"   # no gradient took a shortcut
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_per_host_train_hierarchically_to_identical_parameters(tmp_path):
+    """--ranks-per-host 2: the ranks find their hosts (namespaces with one hostname: the netns and
+    the NIC's address tell them apart), sum within a host over loopback, and only 2(H-1)/H of the
+    gradient per step crosses each host's card (a flat ring of 4 ranks: 2(4-1)/4 = 1.5 of it)."""
+    hosts, k, subset, batch = 2, 2, 1280, 16
+    world = hosts * k
+    save = tmp_path / "host0" / "model.pth"
+    with remember(cluster.Cluster(hosts, nics=NICS, ranks_per_host=k)) as c:
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", str(subset), "--batch-size", str(batch),
+                                         "--allreduce", "hierarchical", "--lazy-update", "--metrics", "",
+                                         "--save-path", str(save), "--timeout", "60"]) for r in range(world)]
+        before = [nic_bytes(c, h) for h in range(hosts)]
+        results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=100)
+        after = [nic_bytes(c, h) for h in range(hosts)]
+    assert left_of(_created[-(2 * hosts + 1):]) == []
+
+    assert [code for code, *_ in results] == [0] * world, report(results)
+    out0 = results[0][1]
+    assert "all-reduce hierarchical (chunks auto, overlap on, lazy update), 2 hosts × 2 ranks" in out0, out0
+    m = re.search(SHA_LINE.format(n=world), out0)        # rank 0 compared every rank's parameters
+    assert m, out0
+    assert digest_of(save) == m[2]
+    assert float(re.findall(r"test accuracy ([\d.]+)%", out0)[0]) > 60.0, out0
+
+    steps = math.ceil(subset // world / batch)
+    for h in range(hosts):   # per step about the gradient once (+ start-up: parameters broadcast, checks)
+        tx = after[h][1] - before[h][1]
+        print(f"host {h} {c.nic(h)}: tx {tx:,} B = {tx / steps / GRADIENT_BYTES:.2f} gradients per step")
+        assert steps * GRADIENT_BYTES <= tx <= (1.2 * steps + 3) * GRADIENT_BYTES, (h, tx, steps)
 
 
 @pytest.mark.timeout(90)

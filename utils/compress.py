@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from utils import ring
+from utils import hierarchical, ring
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 # One epoch of the default recipe, --allreduce ring (README, "Compressed gradient sums"): rank 4
@@ -47,15 +47,21 @@ class RingSum:
     """sum_(buffer, wire_dtype=None): one all-reduce of `buffer` over `group`; counts the bytes."""
 
     def __init__(self, algorithm, chunks, group=None):
+        if algorithm == "hierarchical" and group is None:   # a collective: every rank makes it now
+            group = hierarchical.default_hierarchy()
         self.algorithm, self.chunks, self.group = algorithm, chunks, group
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        plain = None if algorithm == "hierarchical" else group   # a Hierarchy spans the default group
+        self.world_size, self.rank = dist.get_world_size(plain), dist.get_rank(plain)
         self.bytes_sent = 0        # by this rank, over all calls
         self.bytes_summed = 0      # the buffers' sizes on the wire, over all calls (for busbw)
 
     def __call__(self, buffer, wire_dtype=None):
         ring.sum_(buffer, self.algorithm, self.chunks, self.group, wire_dtype)
         size = torch.empty(0, dtype=wire_dtype or buffer.dtype).element_size()
-        self.bytes_sent += ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
+        if self.algorithm == "hierarchical":   # loopback legs in the buffer's type, the rest in the wire's
+            self.bytes_sent += self.group.bytes_sent(buffer.numel(), buffer.element_size(), size)
+        else:
+            self.bytes_sent += ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
         self.bytes_summed += buffer.numel() * size
         return buffer
 

@@ -16,6 +16,7 @@ wake-ups and 0.5-0.9 ms of CPU per rank and step, which counts when the ranks sh
 With our rings every bucket has its own process group (its own TCP connections), so the small
 conv bucket, ready last, does not queue behind the big fc bucket on one socket. Each bucket's
 messages match up because each bucket is summed once per step, in its own group, on every rank.
+The hierarchical sum gets its own subgroups per bucket (a utils.hierarchical.Hierarchy each).
 gloo's buckets share one group; they are started in bucket order, the same on every rank.
 
 Lazy update (LazyUpdate, --lazy-update) goes one step further: after backward the trainer does
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from utils import ring
 from utils.compress import NoCompression, RingSum
 from utils.errors import PeerError, first_line
+from utils.hierarchical import Hierarchy
 
 
 def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None):
@@ -129,10 +131,14 @@ class OverlappedGradientSum:
         # One group per bucket lets our rings sum the small conv bucket beside the big one, which
         # the lazy update needs (5% faster at 200 Mbit/s). gloo's buckets share one group: fewer
         # connections on the NIC measured 2% faster at 200 Mbit/s with 4 ranks.
+        # The hierarchical sum needs several subgroups per bucket: a Hierarchy holds them.
         shared = self.gloo_async
         try:
-            groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
-                      for _ in range(1 if shared else len(self.buckets))]
+            if algorithm == "hierarchical":
+                groups = [Hierarchy(timeout=timeout) for _ in self.buckets]
+            else:
+                groups = [dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
+                          for _ in range(1 if shared else len(self.buckets))]
         except RuntimeError as e:
             raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
         self.groups = groups * len(self.buckets) if shared else groups   # bucket i is summed in groups[i]

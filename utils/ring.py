@@ -8,6 +8,8 @@ copied. `average_()` divides by the world size afterwards; that is what training
     two_pass_ring_sum  the original protocol (default): a chain, then the total forwarded.
     ring_sum           bandwidth-optimal reduce-scatter + all-gather.
     gloo_sum           dist.all_reduce, the reference.
+    hierarchical       several ranks per host: loopback within hosts, ring_sum across them
+                       (utils/hierarchical.py).
 
 wire_dtype: every function also takes the type its messages carry (None: the buffer's own). With
 torch.bfloat16 or torch.float16 each hop carries 16-bit values, but a rank adds what it receives
@@ -18,7 +20,8 @@ value, so all ranks still end with the same bits. (gloo_sum cannot: gloo adds in
 group: every function also takes a process group of ALL ranks, in the same order, that has its
 own connections (utils/overlap.py gives each gradient bucket one, so a small bucket need not
 queue behind a big one on the same socket). Peer ranks are the same numbers as in the default
-group. None means the default group.
+group. None means the default group. The hierarchical sum takes a utils.hierarchical.Hierarchy
+(its subgroups) instead; None means one for the default group, made on its first call.
 
 Timeouts: gloo applies the process group's timeout (init_process_group(timeout=...)) to every
 send and receive, so a silent peer turns into an exception instead of a hang.
@@ -139,6 +142,26 @@ def ring_sum(flat, group=None, wire_dtype=None):
 
     Each rank sends 2(N-1)/N of the buffer, the least any all-reduce can. Segment j is
     summed in one fixed order along the ring, so every rank ends with the same bits.
+    """
+    n = dist.get_world_size(group)
+    if n > 1:
+        ring_steps(torch.tensor_split(flat, n), group, 0, 2 * (n - 1), wire_dtype)
+    return flat
+
+
+def ring_steps(segments, group, first, last, wire_dtype=None):
+    """Steps first..last-1 of the ring of ring_sum over `segments` (one view per rank of `group`).
+
+    Steps 0..N-2 are the reduce-scatter, after which rank r holds segments[(r+1) % N] fully
+    summed; steps N-1..2N-3 are the all-gather. Step s sends segments[(r-s) % N] to the right
+    neighbour and receives segments[(r-s-1) % N] from the left (a partial sum lands in scratch
+    and is added; a finished segment is copied). The segments may differ in size (even be
+    empty: both ends know and skip the message). Peers are ranks of `group` (group_dst/src),
+    so `group` may be a subgroup (utils/hierarchical.py runs the two halves on a host's ranks).
+
+    With a wire_dtype, partial sums are rounded once per hop (added in the buffer's type), and
+    the all-gather starts by rounding this rank's finished segment, which it keeps as well: a
+    reduce-scatter alone leaves the finished segment unrounded, the all-gather then rounds it.
 
     Receives are posted one step ahead (message tag = step). gloo's send is a rendezvous: it
     starts only once the receiver's "ready" notice has arrived, and that notice queues behind
@@ -147,31 +170,27 @@ def ring_sum(flat, group=None, wire_dtype=None):
     the same NIC queue. Posted a step early, it is there before the neighbour needs it.
     """
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if n == 1:
-        return flat
-    wire = wire_dtype or flat.dtype
-    exact = wire == flat.dtype
-    segments = torch.tensor_split(flat, n)                        # own values, summed in place
+    wire = wire_dtype or segments[0].dtype
+    exact = wire == segments[0].dtype
+    sizes = [segment.numel() for segment in segments]
     # Rounded copies for the wire: one per segment, never reused while a send may still read it.
     # The all-gather passes finished (rounded) segments; afterwards every rank copies them back.
-    outgoing = segments if exact else torch.tensor_split(torch.empty_like(flat, dtype=wire), n)
-    gathered = segments if exact else torch.tensor_split(torch.empty_like(flat, dtype=wire), n)
-    scratch = [torch.empty_like(segments[0], dtype=wire) for _ in range(2)]   # reduce-scatter steps alternate
+    outgoing = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
+    gathered = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
+    scratch = [torch.empty(max(sizes), dtype=wire) for _ in range(2)]   # reduce-scatter steps alternate
     right, left = (rank + 1) % n, (rank - 1) % n
-    steps = 2 * (n - 1)                                           # n-1 reduce-scatter, n-1 all-gather
 
     def landing(step):
         """(segment index, buffer) for what arrives in `step`: partial sums go to scratch first."""
+        index = (rank - step - 1) % n
         if step < n - 1:
-            index = (rank - step - 1) % n
-            return index, scratch[step % 2][: segments[index].numel()]
-        index = (rank - step + n - 1) % n
+            return index, scratch[step % 2][: sizes[index]]
         return index, gathered[index]
 
-    # Segments are empty when the buffer is smaller than N; both ends know, both skip.
+    # Segments may be empty (a buffer smaller than N); both ends know, both skip.
     def receive(step):
-        buffer = landing(step)[1] if step < steps else None
-        return dist.irecv(buffer, left, group=group, tag=step) if buffer is not None and buffer.numel() else None
+        buffer = landing(step)[1] if step < last else None
+        return dist.irecv(buffer, group=group, group_src=left, tag=step) if buffer is not None and buffer.numel() else None
 
     sends = []
 
@@ -184,26 +203,25 @@ def ring_sum(flat, group=None, wire_dtype=None):
         else:
             segment = gathered[index]
         if segment.numel():
-            sends.append(dist.isend(segment, right, group=group, tag=step))
+            sends.append(dist.isend(segment, group=group, group_dst=right, tag=step))
 
-    incoming = receive(0)
-    send(0, rank)
-    for step in range(steps):
+    incoming = receive(first)
+    send(first, (rank - first) % n)
+    for step in range(first, last):
         upcoming = receive(step + 1)                              # one step ahead
         index, buffer = landing(step)
         if incoming is not None:
             incoming.wait()
         if step < n - 1:
             segments[index].add_(buffer)                          # own + partial from the left (in float32)
-        if step + 1 < steps:
+        if step + 1 < last:
             send(step + 1, index)                                 # pass it on
         incoming = upcoming
     for work in sends:
         work.wait()
-    if not exact:
+    if not exact and last > n - 1:                                # the all-gather ran: keep the rounded sums
         for segment, finished in zip(segments, gathered):
             segment.copy_(finished)
-    return flat
 
 
 def gloo_sum(flat, group=None, wire_dtype=None):
@@ -221,7 +239,7 @@ def gloo_sum(flat, group=None, wire_dtype=None):
     return flat
 
 
-ALGORITHMS = ("two-pass", "ring", "gloo")
+ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 
 
 def sum_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
@@ -232,10 +250,13 @@ def sum_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
         return ring_sum(flat, group, wire_dtype)
     if algorithm == "gloo":
         return gloo_sum(flat, group, wire_dtype)
+    if algorithm == "hierarchical":
+        from utils.hierarchical import hierarchical_sum   # it builds on this module
+        return hierarchical_sum(flat, group, wire_dtype)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
 
 
 def average_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
     """Average `flat` over all ranks in place: the sum, divided by the world size."""
     sum_(flat, algorithm, chunks, group, wire_dtype)
-    return flat.div_(dist.get_world_size(group))
+    return flat.div_(dist.get_world_size(None if algorithm == "hierarchical" else group))

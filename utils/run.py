@@ -25,6 +25,7 @@ from utils import stop
 from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, RingSum, make_compressor, state_for
 from utils.data import step_batches
 from utils.errors import PeerError, Stopped, first_line
+from utils.hierarchical import Hierarchy
 from utils.overlap import LazyUpdate, OverlappedGradientSum, average_gradients
 
 
@@ -66,7 +67,10 @@ class GradientSum:
             if args.lazy_update:
                 self.lazy = LazyUpdate(model, optimizer, scheduler, self.overlapped)
         else:
-            self.ring_sum = RingSum(args.allreduce, args.chunks)
+            group = None                  # the hierarchical sum's subgroups: made by every rank, now
+            if args.allreduce == "hierarchical":
+                group = Hierarchy(timeout=datetime.timedelta(seconds=args.timeout))
+            self.ring_sum = RingSum(args.allreduce, args.chunks, group)
             self.compressor = compressor_for([self.params])
 
     def weigh(self, weight):

@@ -1,0 +1,183 @@
+"""One output folder, one job: rank 0 locks its outputs; a finished run resumes to nothing."""
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import procs
+from procs import REPO
+
+sys.path.insert(0, REPO)
+from utils.errors import UsageError  # noqa: E402
+from utils.model import Net  # noqa: E402
+from utils.outputs import lock_outputs  # noqa: E402
+
+HOST = socket.gethostname()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start(args, cwd):
+    """The local launcher in its own process group, not waited for."""
+    return subprocess.Popen([sys.executable, procs.TRAIN, *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def read(path):
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return None
+
+
+def checkpoint_position(path):
+    try:
+        checkpoint = torch.load(path, weights_only=True)
+    except Exception:
+        return None
+    return checkpoint["epoch"], checkpoint["step"]
+
+
+def snapshot(folder):
+    """Every file in `folder`: name -> (mtime, sha256)."""
+    return {name: (os.stat(folder / name).st_mtime_ns, hashlib.sha256((folder / name).read_bytes()).hexdigest())
+            for name in sorted(os.listdir(folder))}
+
+
+def assert_refused(result, path, pid):
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in (path, f"pid {pid} on {HOST}", "--save-path", "--checkpoint", "--metrics"):
+        assert needle in lines[0], lines[0]
+
+
+def holder_script(folder):
+    """A process that locks the outputs named `folder`/x.* and waits to be killed."""
+    return [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {REPO!r})\n"
+            "from types import SimpleNamespace\nfrom utils.outputs import lock_outputs\n"
+            f"lock_outputs(SimpleNamespace(checkpoint={str(folder / 'x.pt')!r}, save_path={str(folder / 'x.pth')!r}, "
+            f"metrics={str(folder / 'x.jsonl')!r}))\nprint('locked', flush=True)\ntime.sleep(120)"]
+
+
+@pytest.mark.timeout(60)
+def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
+    outputs = SimpleNamespace(checkpoint=str(tmp_path / "x.pt"), save_path=str(tmp_path / "x.pth"),
+                              metrics=str(tmp_path / "x.jsonl"))
+    lock_outputs(outputs, hold=False)  # nobody holds them; a look creates no file
+    assert not list(tmp_path.iterdir())
+    holder = subprocess.Popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for hold in (False, True):
+            with pytest.raises(UsageError, match=rf"--checkpoint {re.escape(outputs.checkpoint)} is in use by "
+                                                 rf"another job \(pid {holder.pid} on {re.escape(HOST)}\)"):
+                lock_outputs(outputs, hold=hold)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        procs.kill_group(holder)
+    lock_outputs(outputs, hold=False)  # free again: the kernel dropped the dead holder's locks
+    again = subprocess.Popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert again.stdout.readline().strip() == "locked"
+        assert read(tmp_path / "x.pt.lock") == f"pid {again.pid} on {HOST}"
+    finally:
+        procs.kill_group(again)
+        again.wait()
+
+
+@pytest.mark.timeout(300)
+def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(tmp_path):
+    args = ["--epochs", "2", "--train-subset", "9600"]
+    first = start(args, str(tmp_path))
+    try:  # the lock names the job: the launcher's pid, written by its rank 0
+        wait_for(lambda: read(tmp_path / "runs" / "checkpoint.pt.lock") == f"pid {first.pid} on {HOST}", 120,
+                 "the first job's rank 0 to take the lock")
+        for mode in ([], ["--rank", "0", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{procs.free_port()}",
+                          "--timeout", "100"]):  # the local launcher, and a rank 0 started by hand
+            started = time.time()
+            second = procs.train([*args, "--seed", "2", *mode], timeout=60, cwd=str(tmp_path))
+            assert_refused(second, os.path.join("runs", "checkpoint.pt"), first.pid)
+            assert time.time() - started < 30  # before rendezvous: it waited for nobody
+        assert first.poll() is None, "the first job stopped while the second one was refused"
+        out, err = first.communicate(timeout=240)
+    finally:
+        procs.kill_group(first)
+    assert first.returncode == 0, err
+    runs = tmp_path / "runs"
+    rows = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert checkpoint_position(runs / "checkpoint.pt") == (3, 0)
+    assert not (runs / "checkpoint.pt.prev").exists()  # nobody set the first job's checkpoint aside
+    model = Net()
+    model.load_state_dict(torch.load(runs / "model_state_dict.pth", weights_only=True))
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    assert re.search(r"sha256 ([0-9a-f]{64})", out).group(1) == hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_job_leaves_no_lock_behind(tmp_path):
+    args = ["--epochs", "1", "--train-subset", "3200", "--save-every", "2", "--metrics", ""]
+    checkpoint = tmp_path / "runs" / "checkpoint.pt"
+    for victim, then in (("the whole job", ["--resume"]), ("the launcher alone", [])):
+        job = start(args, str(tmp_path))
+        try:
+            wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0))[0] == 1, 120, "a mid-epoch checkpoint")
+            if victim == "the whole job":
+                os.killpg(job.pid, signal.SIGKILL)
+            else:  # SIGKILL; its ranks then get SIGTERM from the kernel (PR_SET_PDEATHSIG)
+                job.kill()
+            job.communicate(timeout=30)
+        finally:
+            procs.kill_group(job)
+        result = procs.train([*args, *then], timeout=200, cwd=str(tmp_path))
+        assert result.returncode == 0, (victim, result.stderr)
+        assert ("resuming from" in result.stdout) == bool(then), result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_jobs_with_their_own_outputs_run_side_by_side(tmp_path):
+    common = ["--epochs", "1", "--train-subset", "1280"]
+    other = ["--save-path", "runs/b.pth", "--checkpoint", "runs/b.pt", "--metrics", "runs/b.jsonl"]
+    jobs = [start(common, str(tmp_path)), start([*common, "--seed", "2", *other], str(tmp_path))]
+    results = procs.wait_all(jobs, timeout=240)
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    runs = tmp_path / "runs"
+    for model, metrics in (("model_state_dict.pth", "metrics.jsonl"), ("b.pth", "b.jsonl")):
+        assert len((runs / metrics).read_text().splitlines()) == 1
+        torch.load(runs / model, weights_only=True)
+    assert checkpoint_position(runs / "checkpoint.pt") == checkpoint_position(runs / "b.pt") == (2, 0)
+
+
+@pytest.mark.timeout(300)
+def test_resuming_a_finished_run_does_nothing(tmp_path):
+    run = tmp_path / "run"
+    args = ["--epochs", "1", "--train-subset", "640", "--checkpoint", str(run / "c.pt"),
+            "--save-path", str(run / "m.pth"), "--metrics", str(run / "metrics.jsonl")]
+    assert procs.train(args, timeout=200).returncode == 0
+    before = snapshot(run)
+    line = f"{run / 'c.pt'} is a finished run (1 of 1 epochs); nothing to do"
+    result = procs.train([*args, "--resume"], timeout=100)   # the local launcher: it decides alone
+    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, line, ""), result
+    assert snapshot(run) == before
+    ranks = procs.start_ranks(2, [*args, "--resume", "--timeout", "60"])   # rank 0 tells rank 1
+    results = procs.wait_all(ranks, timeout=100)
+    assert results == [(0, line + "\n", ""), (0, "", "")], results
+    assert snapshot(run) == before

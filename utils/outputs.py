@@ -1,0 +1,87 @@
+"""One output folder, one job: rank 0 holds a lock beside every file it writes.
+
+The lock is an advisory flock on `<output>.lock`, taken by the process itself. The kernel drops
+it when that process ends in any way, SIGKILL included, so a killed job leaves nothing to clean
+up by hand. Lock files stay behind on purpose: deleting one would race with a job that has just
+opened it, and two jobs could then each hold a lock on a different file of the same name.
+"""
+import fcntl
+import os
+import socket
+import time
+
+from utils.errors import UsageError
+
+PROBE_SECONDS = 0.5  # a lock taken for longer than another job's look (hold=False) is a job's
+_held = []  # the open lock files of this process: closing one would release its lock
+
+
+def outputs(args):
+    """(option, path) of every file rank 0 writes, each file once however it is spelled."""
+    seen, found = set(), []
+    for option, path in (("--checkpoint", args.checkpoint), ("--save-path", args.save_path),
+                         ("--metrics", args.metrics)):
+        if path and os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            found.append((option, path))
+    return found
+
+
+def lock_outputs(args, hold=True):
+    """Lock every output of this job, or stop in one line naming the job that has them.
+
+    hold=False only looks (the local launcher, before it starts the rank 0 that will take the
+    locks; a resumed run that is already finished, which writes nothing): it takes each lock and
+    gives it back at once, and creates no file.
+    """
+    taken = []
+    try:
+        for option, path in outputs(args):
+            lock_path = os.path.realpath(path) + ".lock"
+            if not hold and not os.path.exists(lock_path):
+                continue  # every holder creates its lock file first: nobody holds this one
+            try:
+                fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
+                taken.append(fd)
+                locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0)
+                if locked and hold:  # in place, not by rename: a new file would not be the one that is locked
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {job_pid()} on {socket.gethostname()}\n".encode(), 0)
+            except OSError as e:  # another user's lock file, a filesystem without locks (ENOLCK), ...
+                raise UsageError(f"cannot lock {option} {path} ({lock_path}): {e.strerror or e}") from None
+            if not locked:
+                raise UsageError(f"{option} {path} is in use by another job ({holder(fd)}); let it finish, or give "
+                                 f"this job other files with --save-path, --checkpoint and --metrics")
+    except BaseException:
+        for fd in taken:
+            os.close(fd)
+        raise
+    if hold:
+        _held.extend(taken)
+    else:
+        for fd in taken:
+            os.close(fd)
+
+
+def try_lock(fd, patience):
+    """flock(LOCK_EX) without blocking; retried for `patience` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def job_pid():
+    """The pid that stands for this job: the local launcher's, when it started this rank."""
+    return os.environ.get("RING_JOB_PID") or os.getpid()
+
+
+def holder(fd):
+    """What the lock file says about the job that holds it."""
+    text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    return text or "it has not yet written its pid"  # it took the lock a moment ago
