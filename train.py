@@ -8,6 +8,10 @@ On one machine, all ranks over loopback:   python train.py
 Under torchrun:                             torchrun --nproc-per-node 2 train.py
 Evaluate a saved model:                     python train.py --eval --model_path model_state_dict.pth
 
+Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the same step, rank 0
+saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
+servers or another.
+
 This file sets up (arguments, NIC, process group, data, model); utils/run.py trains.
 """
 import argparse
@@ -33,7 +37,8 @@ from utils import hierarchical  # noqa: E402
 from utils.compress import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 from utils.checkpoint import check_writable, load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
-from utils.errors import PeerError, UsageError, first_line  # noqa: E402
+from utils import stop  # noqa: E402
+from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.outputs import lock_outputs  # noqa: E402
 from utils.ring import ALGORITHMS  # noqa: E402
@@ -108,8 +113,11 @@ def parse_args(argv):
     p.add_argument("--metrics", default=os.path.join("runs", "metrics.jsonl"),
                    help="rank 0 appends one JSON line per epoch here ('' to turn off)")
     p.add_argument("--lr", type=positive(float, MAX_LR), default=4e-3, help="peak learning rate (default 0.004)")
+    p.add_argument("--global-batch", type=positive(int),
+                   help=f"images per step in all, shared by the ranks (default {GLOBAL_BATCH}); what a resume "
+                        f"on another number of ranks keeps")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive(int),
-                   help=f"images per step on each rank (default {GLOBAL_BATCH} / world size)")
+                   help="images per step on each rank instead (the global batch is this times the world size)")
     p.add_argument("--seed", type=seed_value, default=1, help="seed for the model and the data order (default 1)")
     p.add_argument("--timeout", type=positive(float, MAX_TIMEOUT), default=120.0,
                    help="seconds to wait for rendezvous and for any send/recv (default 120)")
@@ -169,6 +177,8 @@ def validate(args):
         check_init_method(args.init_method)
     if args.ifname is not None:
         check_interface(args.ifname)
+    if args.batch_size and args.global_batch:
+        raise UsageError("give --global-batch or --batch-size (per rank), not both")
     if args.lazy_update and not args.overlap:
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.eval and not args.model_path:
@@ -181,11 +191,14 @@ def validate(args):
         args.powersgd_warmup = DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup
 
 
-def check_share(train_images, world_size):
-    """Every rank needs at least one training image, or the job trains nothing at all."""
-    if train_images < world_size:
+def check_share(train_images, world_size, global_batch=None):
+    """Every rank needs at least one training image, or the job trains nothing at all (None: not given)."""
+    if train_images is not None and train_images < world_size:
         raise UsageError(f"{train_images} training image(s) (--train-subset) cannot be shared by {world_size} ranks; "
                          f"give at least {world_size}")
+    if global_batch is not None and global_batch < world_size:
+        raise UsageError(f"a global batch of {global_batch} image(s) cannot be shared by {world_size} ranks; "
+                         f"give --global-batch {world_size} or more")
 
 
 def check_outputs(args):
@@ -220,26 +233,25 @@ def launch_local(args, argv):
     print(f"running {n} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), RING_RESUME_COMMAND=resume_command(argv),
                RING_JOB_PID=str(os.getpid()))  # the pid a refused job names: this launcher's
+    stop.install(PROG)   # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
     procs = [subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--rank", str(r),
                                "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}",
                                "--gloo_socket_ifname", lo], env=env, preexec_fn=die_with_parent)
              for r in range(n)]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    stop.forward_to(procs)
     failed, deadline = 0, None
     try:
         while any(p.poll() is None for p in procs):
             if not failed:
                 failed = next((p.returncode for p in procs if p.returncode), 0)
-                if failed:  # the job is lost: let the others say what they saw, then stop them
+                if failed:  # the job is lost or stopped: let the others say what they saw, then stop them
                     deadline = time.time() + LOCAL_GRACE_SECONDS
             if deadline and time.time() > deadline:
-                if failed != 2:  # bad input was already explained in one line
+                if failed not in (EXIT_BAD_INPUT, EXIT_STOPPED):  # those were already explained in one line
                     print(f"{PROG}: a rank failed (exit code {failed}); stopped the other ranks", file=sys.stderr)
                 break
             time.sleep(0.2)
         return failed or next((p.returncode for p in procs if p.returncode), 0)
-    except KeyboardInterrupt:
-        return 130
     finally:
         for p in procs:
             if p.poll() is None:
@@ -347,7 +359,8 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
 def check_same_settings(args, model):
     """Every rank must train the same thing: compare the settings that must match, by name."""
     mine = {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
-            "batch-size": args.batch_size, "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
+            "batch-size": args.batch_size, "global-batch": args.global_batch, "lr": args.lr, "seed": args.seed,
+            "epochs": args.epochs,
             "allreduce": args.allreduce, "chunks": args.chunks, "overlap": args.overlap, "lazy-update": args.lazy_update,
             "bucket-mb": args.bucket_mb, "train-subset": args.train_subset, "compress": args.compress,
             "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
@@ -385,25 +398,43 @@ def compression_settings(args):
     return {"compress": args.compress}
 
 
+def global_batch(args, world_size):
+    """Images per step in all: --global-batch, or --batch-size per rank times the ranks, or the recipe's 64."""
+    return args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH)
+
+
 def checkpoint_settings(args, model, world_size):
-    """The settings a checkpoint records and a resumed run must match, by name."""
+    """The settings a checkpoint records and a resumed run must match, by name. Not the world size:
+    a job may resume on another number of ranks (utils/data.step_batches)."""
     return {"model": f"{type(model).__name__}/{sum(p.numel() for p in model.parameters())}",
-            "world-size": world_size, "batch-size": args.batch_size or max(1, GLOBAL_BATCH // world_size),
-            "lr": args.lr, "seed": args.seed, "epochs": args.epochs, "train-subset": args.train_subset,
-            **compression_settings(args)}
+            "global-batch": global_batch(args, world_size), "lr": args.lr, "seed": args.seed, "epochs": args.epochs,
+            "train-subset": args.train_subset, **compression_settings(args)}
+
+
+def recorded_settings(checkpoint):
+    """(the settings a resume must keep, the world size) of a checkpoint; older ones held the world
+    size and the batch per rank as settings, and no compression."""
+    settings = {"compress": "none", **checkpoint["settings"]}
+    world_size = checkpoint.get("world_size", settings.pop("world-size", None))
+    if "batch-size" in settings:
+        settings["global-batch"] = settings.pop("batch-size") * world_size
+    return settings, world_size
 
 
 def load_checkpoint(args, restarted=False):
     """Rank 0 (and the local launcher): the checkpoint to resume from, checked against this run's
     settings (args.checkpoint_settings), or None. It only reads: see say_where_training_starts.
 
+    It may have been made on another number of ranks: the steps, the data order and the
+    schedule follow from the global batch, which must match (utils/data.step_batches).
     restarted: torchrun started this rank again after a failure; it resumes without --resume."""
     if not (args.resume or restarted) or not os.path.exists(args.checkpoint):
         return None
     checkpoint = safe_load(args.checkpoint, "checkpoint")
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= set(checkpoint):
         raise UsageError(f"checkpoint {args.checkpoint} is not a training checkpoint of this program")
-    for name, value in {"compress": "none", **checkpoint["settings"]}.items():  # older checkpoints: no compression
+    settings, _ = recorded_settings(checkpoint)
+    for name, value in settings.items():
         if args.checkpoint_settings.get(name) != value:
             raise UsageError(f"checkpoint {args.checkpoint} was made with --{name} {value}, this run has "
                              f"{args.checkpoint_settings.get(name)}; resume with the same settings, or "
@@ -420,9 +451,11 @@ def say_finished(args):
     print(f"{args.checkpoint} is a finished run ({args.epochs} of {args.epochs} epochs); nothing to do", flush=True)
 
 
-def say_where_training_starts(args, checkpoint):
+def say_where_training_starts(args, checkpoint, world_size):
     if checkpoint is not None:
-        print(f"resuming from {args.checkpoint}: epoch {checkpoint['epoch']}, after step {checkpoint['step']}",
+        made_on = recorded_settings(checkpoint)[1]
+        resized = f"; resuming on {world_size} ranks; the checkpoint was made on {made_on}" if made_on != world_size else ""
+        print(f"resuming from {args.checkpoint}: epoch {checkpoint['epoch']}, after step {checkpoint['step']}{resized}",
               flush=True)
     elif args.resume:
         print(f"no checkpoint at {args.checkpoint}; starting afresh", flush=True)
@@ -440,8 +473,8 @@ def train(args, data):
     model = Net()
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
     world_size = args.world_size if args.world_size is not None else int(os.environ["WORLD_SIZE"])
-    check_share(len(data[1]), world_size)
-    args.batch_size = args.batch_size or max(1, GLOBAL_BATCH // world_size)
+    args.global_batch = global_batch(args, world_size)
+    check_share(len(data[1]), world_size, args.global_batch)
     args.checkpoint_settings = checkpoint_settings(args, model, world_size)
     attempt_store, restarted = None, False
     if args.rank is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -454,7 +487,7 @@ def train(args, data):
         lock_outputs(args, hold=not done)  # a finished run writes nothing, not even a lock file: it only looks
         if not done:
             remove_stale_temps(args.checkpoint)  # only now: they could have been another job's saves in progress
-            say_where_training_starts(args, checkpoint)
+            say_where_training_starts(args, checkpoint, world_size)
         if checkpoint is None and args.model_path:
             load_model_state(model, args.model_path)
     init_distributed(args, attempt_store)
@@ -478,13 +511,16 @@ def train(args, data):
     if rank == 0:
         if checkpoint is None:
             set_aside_old_checkpoint(args)
+        share = args.global_batch // world_size
+        per_rank = f"{share}" if args.global_batch % world_size == 0 else f"{share}-{share + 1}"
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"{len(data[1]):,} training images, batch {args.batch_size} per rank, "
+              f"{len(data[1]):,} training images, batch {args.global_batch} ({per_rank} per rank), "
               f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'}"
               f"{', lazy update' if args.lazy_update else ''}){compression_note(args)}, {hierarchical.describe(hosts)}",
               flush=True)
         if args.allreduce == "hierarchical" and hierarchical.uneven_note(hosts):
             print(hierarchical.uneven_note(hosts), flush=True)
+    stop.arm()   # from here a signal stops the job after a step, with the checkpoint saved
     run(model, data, args, resume_from=checkpoint)
     dist.destroy_process_group()
 
@@ -514,8 +550,7 @@ def main(argv=None):
                 load_model_state(Net(), args.model_path)
             check_outputs(args)
             lock_outputs(args, hold=False)  # only a look: the lock is its rank 0's to take
-            if args.train_subset:
-                check_share(args.train_subset, args.nproc)
+            check_share(args.train_subset, args.nproc, args.global_batch)
             args.checkpoint_settings = checkpoint_settings(args, Net(), args.nproc)
             if finished(load_checkpoint(args), args):
                 say_finished(args)
@@ -523,6 +558,8 @@ def main(argv=None):
             ensure_mnist(args.data_dir)
             return launch_local(args, argv)
         rank = args.rank if args.rank is not None else os.environ.get("RANK", 0)
+        if not args.eval:
+            stop.install(f"{PROG}: rank {rank}")
         torch.use_deterministic_algorithms(True)
         data = load_mnist(args.data_dir)
         if args.train_subset:
@@ -534,11 +571,14 @@ def main(argv=None):
         return 0
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
     except PeerError as e:
         hint = f"; to resume: {resume_command(argv)}" if e.resumable else ""
         print(f"{PROG}: rank {rank}: {e}{hint}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_LOST_PEER
+    except Stopped as e:
+        print(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print(f"{PROG}: rank {rank}: interrupted", file=sys.stderr, flush=True)
         return 130

@@ -100,8 +100,8 @@ def test_resume_refuses_a_different_compression(tmp_path):
     before = checkpoint.read_bytes()
     for changed, needle in ((["--compress", "bf16"], "made with --compress powersgd, this run has bf16"),
                             ([], "made with --compress powersgd, this run has none"),
-                            (["--compress", "powersgd", "--powersgd-rank", "4"],
-                             "made with --powersgd-rank 2, this run has 4")):
+                            (["--compress", "powersgd", "--powersgd-rank", "2"],
+                             "made with --powersgd-rank 4, this run has 2")):
         result = procs.train([*common, *changed, "--resume"], timeout=120)
         assert result.returncode == 2, result.stderr
         assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -172,14 +172,16 @@ def test_port_in_use_and_unreachable_master(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_resume_refuses_a_different_world_size(tmp_path):
+def test_resume_refuses_a_different_global_batch(tmp_path):
+    """Another number of ranks may resume (tests/test_resize.py), but --batch-size is per rank: on 3 ranks
+    instead of 2 it asks for 96 images a step instead of 64, and that changes the run."""
     args = ["--train-subset", "600", "--epochs", "1", "--metrics", "", "--checkpoint", str(tmp_path / "c.pt"),
-            "--save-path", str(tmp_path / "m.pth")]
+            "--save-path", str(tmp_path / "m.pth"), "--batch-size", "32"]
     assert procs.train(args, timeout=120).returncode == 0
     before = (tmp_path / "c.pt").read_bytes()
     result = procs.train([*args, "--resume", "--nproc", "3"], timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "made with --world-size 2, this run has 3" in result.stderr
+    assert "made with --global-batch 64, this run has 96" in result.stderr
     assert (tmp_path / "c.pt").read_bytes() == before
 
 

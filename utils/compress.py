@@ -3,7 +3,11 @@
 A compressor averages one bucket's flat gradient over all ranks; it moves whatever it sends
 through `sum_`, a RingSum bound to the chosen ring and group, so every --allreduce works:
 
-    compressor.average_(flat, bucket, sum_)      # in place; bucket: which one (its own state)
+    compressor.average_(flat, bucket, sum_, extras=0)    # in place; bucket: which one (its own state)
+
+extras: the last `extras` values of `flat` are not gradients but small whole numbers that ride
+along with the sum (utils/run.py's stop flag): they are summed exactly, never scaled, averaged or
+compressed.
 
     none      sum_(flat), divide by N                                   4 bytes per value
     bf16      sum_(flat, wire_dtype=bfloat16): 16 bits a hop, float32 adds      2 bytes
@@ -19,7 +23,8 @@ through `sum_`, a RingSum bound to the chosen ring and group, so every --allredu
 Every rank ends with bit-identical averages: what is summed comes out of the ring the same on
 every rank, and whatever is computed from it (scales, P, P·Qᵀ) is computed the same way.
 state_dict() is what a checkpoint needs to continue bit for bit; PowerSGD's error buffers are
-this rank's own, so the trainer saves every rank's.
+this rank's own, so the trainer saves every rank's; state_for() says what a rank continues from
+when the job resumes on another number of ranks.
 """
 import math
 
@@ -61,9 +66,16 @@ class RingSum:
         return buffer
 
 
+def gradients_of(flat, extras):
+    """The gradients in `flat`: all but its last `extras` values."""
+    return flat[:flat.numel() - extras]
+
+
 class NoCompression:
-    def average_(self, flat, bucket, sum_):
-        return sum_(flat).div_(sum_.world_size)
+    def average_(self, flat, bucket, sum_, extras=0):
+        sum_(flat)
+        gradients_of(flat, extras).div_(sum_.world_size)
+        return flat
 
     def state_dict(self):
         return {}
@@ -75,8 +87,10 @@ class NoCompression:
 class Bfloat16(NoCompression):
     """bfloat16 has float32's range: no scale needed."""
 
-    def average_(self, flat, bucket, sum_):
-        return sum_(flat, torch.bfloat16).div_(sum_.world_size)
+    def average_(self, flat, bucket, sum_, extras=0):
+        sum_(flat, torch.bfloat16)        # whole numbers up to 256 are exact in bfloat16
+        gradients_of(flat, extras).div_(sum_.world_size)
+        return flat
 
 
 class Float16(NoCompression):
@@ -92,20 +106,24 @@ class Float16(NoCompression):
     def __init__(self):
         self.scales = {}   # bucket -> scale for its next sum
 
-    def average_(self, flat, bucket, sum_):
+    def average_(self, flat, bucket, sum_, extras=0):
         n, scale = sum_.world_size, self.scales.get(bucket)
+        values = gradients_of(flat, extras)   # the extras travel unscaled: whole numbers, exact in float16
         original = flat.clone() if scale is not None else None
         if scale is None:
-            scale = self._safe_scale(flat, sum_)
-        sum_(flat.mul_(scale), torch.float16)
-        if original is not None and not torch.isfinite(flat).all():   # the scale was too bold
+            scale = self._safe_scale(values, sum_)
+        values.mul_(scale)
+        sum_(flat, torch.float16)
+        if original is not None and not torch.isfinite(values).all():   # the scale was too bold
             flat.copy_(original)
-            scale = self._safe_scale(flat, sum_)
-            sum_(flat.mul_(scale), torch.float16)
-        largest = flat.abs().max().item() / scale if flat.numel() else 0.0
+            scale = self._safe_scale(values, sum_)
+            values.mul_(scale)
+            sum_(flat, torch.float16)
+        largest = values.abs().max().item() / scale if values.numel() else 0.0
         if largest > 0 and math.isfinite(largest):
             self.scales[bucket] = power_of_two_below(FP16_MAX / (FP16_HEADROOM * n * largest))
-        return flat.div_(scale * n)
+        values.div_(scale * n)
+        return flat
 
     @staticmethod
     def _safe_scale(flat, sum_):
@@ -153,25 +171,31 @@ class PowerSGD(NoCompression):
             offset += numel
         return matrices, plain
 
-    def average_(self, flat, bucket, sum_):
-        n = sum_.world_size
+    def average_(self, flat, bucket, sum_, extras=0):
+        n, values = sum_.world_size, gradients_of(flat, extras)
         self.steps[bucket] += 1
         if self.steps[bucket] <= self.warmup:
-            return sum_(flat).div_(n)
+            sum_(flat)
+            values.div_(n)
+            return flat
         matrices, plain = self.layout(bucket)
         if self.errors[bucket] is None:
-            self.errors[bucket] = torch.zeros_like(flat)   # stays 0 where nothing is compressed
+            self.errors[bucket] = torch.zeros_like(values)   # stays 0 where nothing is compressed
             self.qs[bucket] = self._initial_qs(bucket, matrices)
         error = self.errors[bucket]
-        flat.add_(error)                            # M = gradient + what earlier steps left out
+        values.add_(error)                          # M = gradient + what earlier steps left out
         ms = [flat[o:o + r * c].view(r, c) for o, r, c in matrices]
-        # Phase 1: the uncompressed tensors and the P's, in one sum.
-        first = torch.cat([flat[o:o + k] for o, k in plain] + [(m @ q).reshape(-1) for m, q in zip(ms, self.qs[bucket])])
+        # Phase 1: the uncompressed tensors, the extras and the P's, in one sum.
+        counts = flat[values.numel():]
+        first = torch.cat([flat[o:o + k] for o, k in plain] + [counts] +
+                          [(m @ q).reshape(-1) for m, q in zip(ms, self.qs[bucket])])
         sum_(first)
         at = 0
         for o, k in plain:
             flat[o:o + k] = first[at:at + k].div_(n)
             at += k
+        counts.copy_(first[at:at + extras])
+        at += extras
         ps = []
         for m in ms:
             ps.append(orthonormalize(first[at:at + m.shape[0] * self.rank].view(m.shape[0], self.rank)))
@@ -201,6 +225,24 @@ class PowerSGD(NoCompression):
     def load_state_dict(self, state):
         self.steps, self.errors = list(state["steps"]), list(state["errors"])
         self.qs = [list(q) if q else q for q in state["qs"]]
+
+
+def state_for(states, rank, world_size):
+    """What `rank` continues from, given every rank's compression state in a checkpoint.
+
+    On as many ranks as the checkpoint was made on: its own. On another number: fp16's scales and
+    PowerSGD's Q's and step counts are the same on every rank, so rank 0's serve everyone.
+    PowerSGD's error buffers are each rank's own, and each update adds back their mean (the sum
+    averages over the ranks): every new rank starts from the old ranks' mean error, so that mean,
+    and with it what the coming updates owe, stays as it was.
+    """
+    if len(states) == world_size:
+        return states[rank]
+    state = dict(states[0])
+    if "errors" in state:
+        state["errors"] = [None if old is None else sum(s["errors"][b] for s in states) / len(states)
+                           for b, old in enumerate(state["errors"])]
+    return state
 
 
 def orthonormalize(p):

@@ -7,6 +7,7 @@ data/ has none of them does torchvision try to download them.
 """
 import gzip
 import hashlib
+import math
 import os
 import shutil
 
@@ -91,15 +92,44 @@ def load_mnist(root="data"):
     return normalize(train.data), train.targets, normalize(test.data), test.targets
 
 
+def epoch_permutation(num_examples, epoch, seed):
+    """The order of the training set in `epoch`: the same on every rank, whatever the number of ranks."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_examples, generator=generator)
+
+
 def epoch_indices(num_examples, epoch, rank, world_size, seed):
-    """This rank's sample indices for `epoch`.
+    """This rank's sample indices for `epoch` in equal shares (the benchmarks' batches).
 
     Every rank draws the same permutation (seeded by seed and epoch) and takes every
     world_size-th entry starting at its rank, so the ranks' shares are disjoint and together
     cover the data once. The tail that doesn't divide evenly is dropped so all ranks take the
     same number of steps.
     """
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    permutation = torch.randperm(num_examples, generator=generator)
     per_rank = num_examples // world_size
-    return permutation[rank::world_size][:per_rank]
+    return epoch_permutation(num_examples, epoch, seed)[rank::world_size][:per_rank]
+
+
+def steps_per_epoch(num_examples, global_batch):
+    return math.ceil(num_examples / global_batch)
+
+
+def step_batches(num_examples, epoch, rank, world_size, seed, global_batch):
+    """This rank's batch for every step of `epoch`, and how many images each step has in all.
+
+    Step s trains on the permutation's entries G*s .. G*(s+1)-1 (G = global_batch; the last step
+    on what is left), and rank r takes those at positions r, r+N, r+2N, ...: every N-th entry of
+    the permutation, so the ranks' shares are disjoint and together cover the epoch once. Where G
+    does not divide by N, the ranks' batches differ by one image (the extra one moves round the
+    ranks from step to step). The steps do not depend on N, so a job resumed on another number of
+    ranks goes on with the first image not yet trained on, and the learning-rate schedule holds.
+    A rank gets no image only in a last step of fewer than N images; its gradient then weighs 0.
+
+    Returns (batches, step_sizes): one index tensor and one image count per step.
+    """
+    mine = epoch_permutation(num_examples, epoch, seed)[rank::world_size]
+    steps = steps_per_epoch(num_examples, global_batch)
+    # this rank's entries before position p of the permutation: those at r + N*j < p
+    before = [max(0, -(-(global_batch * s - rank) // world_size)) for s in range(steps + 1)]
+    batches = [mine[before[s]:before[s + 1]] for s in range(steps)]
+    return batches, [min(global_batch, num_examples - global_batch * s) for s in range(steps)]

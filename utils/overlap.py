@@ -30,6 +30,10 @@ first, while the big fc bucket is still on the wire:
 
 Adam's update of a parameter reads only that parameter's gradient and state, so updating bucket
 by bucket, with the step's learning rate, gives exactly the parameters of one optimizer.step().
+
+The stop flag (utils/stop.py) rides in the last bucket, which holds the first layer: it is summed
+last during backward, and the next forward waits for it first anyway, so learning it right after
+the step (LazyUpdate.apply) costs no overlap.
 """
 import threading
 import time
@@ -43,16 +47,39 @@ from utils.errors import PeerError, first_line
 from utils.hierarchical import Hierarchy
 
 
-def average_gradients(params, sum_, compressor, bucket=0):
+def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None):
     """Replace every rank's gradients of `params` by their average over all ranks.
 
     The gradients travel as one flat buffer, so each hop of the ring is one message. sum_: a
     compress.RingSum (the ring and group); compressor: what travels (utils/compress.py);
-    bucket: which of the compressor's buckets `params` are.
+    bucket: which of the compressor's buckets `params` are. weight and flag: see flat_buffer.
+    Returns the flag's sum over all ranks (None without a flag).
     """
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    compressor.average_(flat, bucket, sum_)
-    set_gradients(params, flat)
+    flat, numel = flat_buffer(params, weight, flag)
+    compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
+    set_gradients(params, flat[:numel])
+    return None if flag is None else flat[numel].item()
+
+
+def flat_buffer(params, weight=1.0, flag=None):
+    """(one buffer of the gradients of `params` times `weight`, then `flag` if given; the gradients' length).
+
+    weight: this rank's share of the step's images times N, where the ranks' batches differ, so
+    that the average over ranks weighs every image of the step alike (1.0 leaves the bits alone).
+    flag: a number summed over the ranks along with the gradients (the stop flag), a few bytes.
+    """
+    grads = [p.grad.reshape(-1) for p in params]
+    if flag is None:
+        flat = torch.cat(grads)
+        numel = flat.numel()
+    else:
+        numel = sum(g.numel() for g in grads)
+        flat = torch.empty(numel + 1)
+        torch.cat(grads, out=flat[:numel])
+        flat[numel] = flag
+    if weight != 1.0:
+        flat[:numel].mul_(weight)
+    return flat, numel
 
 
 def set_gradients(params, flat):
@@ -83,9 +110,14 @@ class OverlappedGradientSum:
     """
 
     def __init__(self, params, algorithm="two-pass", chunks="auto", bucket_bytes=1 << 20, timeout=None,
-                 compressor_for=lambda buckets: NoCompression()):
+                 compressor_for=lambda buckets: NoCompression(), local_flag=lambda: 0.0):
         self.algorithm, self.chunks = algorithm, chunks
         self.buckets = make_buckets(list(reversed(list(params))), bucket_bytes)
+        self.weight = 1.0                               # this step's gradient weight (see flat_buffer)
+        self.weights = [1.0] * len(self.buckets)        # the weight each bucket was started with
+        self.local_flag = local_flag                    # this rank's stop flag, read as the last bucket starts
+        self.flag_bucket = len(self.buckets) - 1        # the first layer's: summed last, needed first
+        self.flag_sum = 0.0                             # the flag summed over ranks, as of the last wait for it
         self.compressor = compressor_for(self.buckets)
         # gloo's own asynchronous all_reduce, started from the hook, when nothing is compressed
         self.gloo_async = algorithm == "gloo" and type(self.compressor) is NoCompression
@@ -133,10 +165,12 @@ class OverlappedGradientSum:
             self.started += 1
 
     def _start(self, i):
+        self.weights[i] = self.weight   # a lazy step's bucket thread may run after the next weight is set
         if not self.gloo_async:
             self.ready[i].set()
             return
-        flat, times = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]), [time.perf_counter()]
+        flag = self.local_flag() if i == self.flag_bucket else None
+        (flat, numel), times = flat_buffer(self.buckets[i], self.weight, flag), [time.perf_counter()]
         self.gloo_bytes_sent += ring.bytes_sent(flat.numel(), flat.element_size(), "gloo",
                                                 self.sums[i].rank, self.sums[i].world_size)
         self.gloo_bytes_summed += flat.numel() * flat.element_size()
@@ -145,7 +179,7 @@ class OverlappedGradientSum:
             work.get_future().add_done_callback(lambda _: times.append(time.perf_counter()))
         except RuntimeError as e:  # raised inside backward: wait_bucket reports it
             self.error, work = e, None
-        self.pending[i] = (flat, work, times)
+        self.pending[i] = (flat, numel, work, times)
 
     def _communicate(self, i):
         try:
@@ -153,7 +187,10 @@ class OverlappedGradientSum:
                 self.ready[i].wait()
                 self.ready[i].clear()
                 start = time.perf_counter()
-                average_gradients(self.buckets[i], self.sums[i], self.compressor, i)
+                flag = self.local_flag() if i == self.flag_bucket else None
+                summed = average_gradients(self.buckets[i], self.sums[i], self.compressor, i, self.weights[i], flag)
+                if flag is not None:
+                    self.flag_sum = summed
                 with self.lock:
                     self.busy_seconds += time.perf_counter() - start
                 self.summed[i].set()
@@ -183,7 +220,7 @@ class OverlappedGradientSum:
                 raise PeerError(first_line(self.error))  # the trainer says where
             self.summed[i].clear()
             return
-        flat, work, times = self.pending[i]     # times: [started, finished (once gloo is done)]
+        flat, numel, work, times = self.pending[i]     # times: [started, finished (once gloo is done)]
         self.pending[i] = None
         try:
             if work is None:
@@ -192,7 +229,9 @@ class OverlappedGradientSum:
         except RuntimeError as e:  # gloo reports a dead or silent peer this way
             raise PeerError(first_line(e)) from None
         self.busy_seconds += (times[1] if len(times) > 1 else time.perf_counter()) - times[0]
-        set_gradients(self.buckets[i], flat.div_(dist.get_world_size(self.groups[i])))
+        if i == self.flag_bucket:
+            self.flag_sum = flat[numel].item()
+        set_gradients(self.buckets[i], flat[:numel].div_(dist.get_world_size(self.groups[i])))
 
     def traffic(self):
         """(bytes this rank sent, bytes of the buffers summed), over all buckets and steps."""
@@ -234,6 +273,10 @@ class LazyUpdate:
     def step(self):
         self.overlapped.backward_done()
         self.due = list(range(len(self.overlapped.buckets)))
+
+    def apply(self, bucket):
+        """Wait for `bucket`'s sum and apply its update now rather than in the next forward."""
+        self._update((bucket,))
 
     def _update(self, buckets):
         for i in buckets:

@@ -3,6 +3,10 @@
     train_model()  one epoch: forward, loss.backward(), gradient_sum.sum(), gradient_sum.step()
     test_model()   accuracy on the 10,000 test images
     run()          the epoch loop: train, evaluate (rank 0), log, save state dict and checkpoint
+
+A signal (utils/stop.py) rides along with a step's gradient sum as a stop flag, so every rank
+learns of it after the same step; then rank 0 saves the checkpoint and every rank raises Stopped.
+A checkpoint records the step and the global batch, not the ranks: it resumes on any number.
 """
 import datetime
 import hashlib
@@ -17,11 +21,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from utils.checkpoint import atomic_save
-from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, RingSum, make_compressor
-from utils.data import epoch_indices
-from utils.errors import PeerError, first_line
+from utils import stop
+from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, RingSum, make_compressor, state_for
+from utils.data import step_batches
+from utils.errors import PeerError, Stopped, first_line
 from utils.hierarchical import Hierarchy
 from utils.overlap import LazyUpdate, OverlappedGradientSum, average_gradients
+
+
+def stop_flag():
+    """This rank's contribution to the stop flag: 1 once it got a signal."""
+    return 1.0 if stop.signalled() else 0.0
 
 
 class GradientSum:
@@ -33,12 +43,15 @@ class GradientSum:
     next forward, which applies it just before it uses those parameters. finish() applies
     anything still due (before evaluating or saving).
     Compression (--compress, utils/compress.py) happens inside the sum, per bucket.
+    weigh() before backward gives this rank's gradient its share of the step's images, and
+    stop_flag() after step() says how many ranks were signalled: the flag was summed with the step.
     """
 
     def __init__(self, model, args, optimizer, scheduler):
         self.params, self.args = list(model.parameters()), args
         self.optimizer, self.scheduler = optimizer, scheduler
         self.overlapped = self.lazy = None
+        self.weight, self.flag_sum = 1.0, 0.0
         self.busy_seconds = self.waited_seconds = 0.0  # communication ran / the training thread waited
 
         def compressor_for(buckets):
@@ -48,7 +61,8 @@ class GradientSum:
         if args.overlap:
             self.overlapped = OverlappedGradientSum(self.params, args.allreduce, args.chunks,
                                                     int(args.bucket_mb * 2**20),
-                                                    datetime.timedelta(seconds=args.timeout), compressor_for)
+                                                    datetime.timedelta(seconds=args.timeout), compressor_for,
+                                                    stop_flag)
             self.compressor = self.overlapped.compressor
             if args.lazy_update:
                 self.lazy = LazyUpdate(model, optimizer, scheduler, self.overlapped)
@@ -59,6 +73,12 @@ class GradientSum:
             self.ring_sum = RingSum(args.allreduce, args.chunks, group)
             self.compressor = compressor_for([self.params])
 
+    def weigh(self, weight):
+        """This step's weight of this rank's gradient: its share of the step's images times N (1.0: equal shares)."""
+        self.weight = weight
+        if self.overlapped is not None:
+            self.overlapped.weight = weight
+
     def sum(self):
         """Average the gradients over all ranks (lazy: just let the buckets' sums run)."""
         start = time.perf_counter()
@@ -68,7 +88,8 @@ class GradientSum:
             self.overlapped.wait()
         else:
             try:
-                average_gradients(self.params, self.ring_sum, self.compressor)
+                self.flag_sum = average_gradients(self.params, self.ring_sum, self.compressor, 0, self.weight,
+                                                  stop_flag())
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(first_line(e)) from None  # train_model says where
             self.busy_seconds += time.perf_counter() - start
@@ -82,6 +103,14 @@ class GradientSum:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
+
+    def stop_flag(self):
+        """How many ranks had a signal when this step's gradients were summed: the same on every rank."""
+        if self.overlapped is None:
+            return self.flag_sum
+        if self.lazy is not None:  # the flag's bucket: the next forward would wait for it first anyway
+            self.lazy.apply(self.overlapped.flag_bucket)
+        return self.overlapped.flag_sum
 
     def finish(self):
         """Apply any update still due (lazy); call before evaluating or saving."""
@@ -122,9 +151,11 @@ def make_optimizer(model, args, steps_per_epoch):
 
 
 def batches_of_epoch(num_examples, epoch, args):
-    """This rank's batches of `epoch`: the same list on every run with the same settings."""
-    indices = epoch_indices(num_examples, epoch, dist.get_rank(), dist.get_world_size(), args.seed)
-    return torch.split(indices, args.batch_size)
+    """This rank's (batch, weight) for every step of `epoch` (utils/data.step_batches); the weight
+    is its share of the step's images times N, so the average over ranks weighs every image alike."""
+    n = dist.get_world_size()
+    batches, sizes = step_batches(num_examples, epoch, dist.get_rank(), n, args.seed, args.global_batch)
+    return [(batch, 1.0 if len(batch) * n == size else len(batch) * n / size) for batch, size in zip(batches, sizes)]
 
 
 class Progress:
@@ -165,7 +196,10 @@ class EpochStats:
 
 
 def train_model(model, gradient_sum, images, labels, batches, epoch, first_step, stats, save_every=0, save=None):
-    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps."""
+    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps.
+
+    A stop flag summed with a step's gradients (any rank got a signal): save after that step and
+    raise Stopped(epoch, step, steps in the epoch), on every rank alike."""
     model.train()
     progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
     step = first_step
@@ -180,13 +214,15 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
         counted[:] = sent, summed
     try:
         for step in range(first_step + 1, len(batches) + 1):
-            batch = batches[step - 1]
+            batch, weight = batches[step - 1]
             start, (busy_before, waited_before) = time.perf_counter(), gradient_sum.seconds()
+            gradient_sum.weigh(weight)
             loss = F.cross_entropy(model(images[batch]), labels[batch])
             loss.backward()
             gradient_sum.sum()
             gradient_sum.step()
-            saving = save_every and step % save_every == 0 and step < len(batches)
+            stopping = gradient_sum.stop_flag() > 0
+            saving = stopping or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
                 gradient_sum.finish()
             busy, waited = gradient_sum.seconds()
@@ -199,6 +235,8 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
             if saving:
                 count_traffic()
                 save(epoch, step, stats)
+            if stopping:
+                raise Stopped(epoch, step, len(batches))
         gradient_sum.finish()
         count_traffic()
     except PeerError as e:
@@ -219,7 +257,8 @@ def test_model(model, images, labels, batch_size=1000):
 def run(model, data, args, resume_from=None):
     """Train for args.epochs epochs; rank 0 evaluates, logs and saves after each.
 
-    `resume_from`: a checkpoint dict (the same on every rank) to continue exactly where it left off.
+    `resume_from`: a checkpoint dict (the same on every rank) to continue exactly where it left off,
+    on this number of ranks or another (then each rank's compression state is compress.state_for's).
     """
     train_images, train_labels, test_images, test_labels = data
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -235,7 +274,7 @@ def run(model, data, args, resume_from=None):
         first_epoch, first_step = resume_from["epoch"], resume_from["step"]
         stats = EpochStats(**resume_from["epoch_stats"])
         if compressed:
-            gradient_sum.load_state_dict(resume_from["compression"][rank])
+            gradient_sum.load_state_dict(state_for(resume_from["compression"], rank, world_size))
 
     def save_checkpoint(epoch, step, stats):
         """Rank 0 writes everything needed to continue after `step` of `epoch` (every rank calls it:
@@ -249,7 +288,7 @@ def run(model, data, args, resume_from=None):
         if rank == 0:
             atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                         "epoch": epoch, "step": step, "epoch_stats": vars(stats),
+                         "epoch": epoch, "step": step, "epoch_stats": vars(stats), "world_size": world_size,
                          "compression": everyone if compressed else None,
                          "settings": args.checkpoint_settings}, args.checkpoint)
 
@@ -257,8 +296,11 @@ def run(model, data, args, resume_from=None):
     for epoch in range(first_epoch, args.epochs + 1):
         start = time.time()
         batches = batches_of_epoch(len(train_labels), epoch, args)
-        train_model(model, gradient_sum, train_images, train_labels, batches, epoch, first_step, stats,
-                    args.save_every, save_checkpoint)
+        try:
+            train_model(model, gradient_sum, train_images, train_labels, batches, epoch, first_step, stats,
+                        args.save_every, save_checkpoint)
+        except Stopped as e:
+            raise Stopped(stopped_line(*e.args, args.checkpoint)) from None
         sent = bytes_sent_per_step(stats)
         if rank == 0:
             accuracy = test_model(model, test_images, test_labels)
@@ -290,6 +332,23 @@ def run(model, data, args, resume_from=None):
         print(f"saved the model to {args.save_path}; parameters identical on all {world_size} ranks "
               f"(sha256 {digest})", flush=True)
     return accuracy
+
+
+def stopped_line(epoch, step, steps, checkpoint):
+    """After a stop: who got which signal, where the job stopped, and where rank 0 saved it (a
+    collective; rank 0 joins it once its save is done, so every rank may say it is saved)."""
+    everyone = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(everyone, (stop.signalled(), checkpoint))
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer while stopping after epoch {epoch}, step {step}: {first_line(e)}") from None
+    by_signal = {}
+    for rank, (signal_name, _) in enumerate(everyone):
+        if signal_name:
+            by_signal.setdefault(signal_name, []).append(str(rank))
+    who = ", ".join(f"{name} to rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
+                    for name, ranks in by_signal.items())
+    return f"stopped after epoch {epoch}, step {step}/{steps} ({who}); checkpoint saved to {everyone[0][1]}"
 
 
 def bytes_sent_per_step(stats):

@@ -1,0 +1,85 @@
+"""Stopping like a production job: SIGTERM or SIGINT stops the job after a step, a second signal at once.
+
+    stop.install(label)    in a rank, before anything slow: from now on signals are handled here
+    stop.arm()             training has begun: a first signal now only asks for a stop
+    stop.signalled()       the first signal's name ("SIGTERM", "SIGINT"), or None
+    stop.forward_to(procs) in the local launcher: pass every signal on to its ranks
+
+Before arm() there is nothing to save, so a signal ends the rank at once. After it, the first
+signal is only noted: the trainer sends the note along with the next gradient sum (utils/run.py),
+so every rank learns of it at the same step, and all stop there once rank 0 has saved. A second
+signal ends the rank at once; a save it cuts short leaves the previous checkpoint whole (saves are
+atomic). A repeat within REPEAT_SECONDS counts as the same request: a terminal's Ctrl-C, or a kill
+of a whole process group or cgroup, reaches a rank twice, directly and through its launcher.
+
+Python runs signal handlers only in the main thread, between bytecodes, so a rank blocked in a
+gloo wait would not run one until the wait ends. Here the C-level handler writes the signal's
+number to a pipe (signal.set_wakeup_fd), and a thread of ours reads it at once. The Python-level
+handler does nothing: no KeyboardInterrupt tears through a save or a gradient sum.
+"""
+import os
+import signal
+import threading
+import time
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_SECONDS = 1.0
+
+_label = "train.py"
+_armed = False
+_first = None          # (signal name, monotonic time) of the first signal
+_forward = None        # the launcher's ranks
+
+
+def install(label):
+    """Handle SIGTERM and SIGINT here from now on; `label` starts the line a signal prints."""
+    global _label
+    _label = label
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    for signum in SIGNALS:
+        signal.signal(signum, lambda *_: None)   # the watch thread does the work
+    threading.Thread(target=_watch, args=(read,), name="signal-watch", daemon=True).start()
+
+
+def arm():
+    global _armed
+    _armed = True
+
+
+def signalled():
+    return _first[0] if _first else None
+
+
+def forward_to(procs):
+    global _forward
+    _forward = list(procs)
+
+
+def _watch(fd):
+    while True:
+        for signum in os.read(fd, 64):
+            _received(signal.Signals(signum))
+
+
+def _received(sig):
+    global _first
+    if _forward is not None:     # the launcher: its ranks decide what a signal means
+        for proc in _forward:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        return
+    if not _armed:
+        _exit(f"stopped by {sig.name} before training began; nothing to save", 128 + sig)
+    now = time.monotonic()
+    if _first is None:
+        _first = (sig.name, now)
+    elif now - _first[1] >= REPEAT_SECONDS:
+        _exit(f"second signal ({sig.name}): stopped at once, without saving this step; the checkpoint "
+              f"saved before stays whole", 128 + sig)
+
+
+def _exit(message, code):
+    os.write(2, f"{_label}: {message}\n".encode())   # not print: the main thread may hold sys.stderr's lock
+    os._exit(code)
