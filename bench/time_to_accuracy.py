@@ -168,9 +168,13 @@ def worker(args) -> int:
         train_images, train_labels = train_images[:cfg["train_subset"]], train_labels[:cfg["train_subset"]]
     if cfg["test_subset"]:
         test_images, test_labels = test_images[:cfg["test_subset"]], test_labels[:cfg["test_subset"]]
-    run_args = argparse.Namespace(batch_size=max(1, cfg["global_batch"] // n), seed=cfg["seed"],
-                                  epochs=cfg["epochs"], lr=cfg["lr"])
-    steps_per_epoch = len(trainer_run.batches_of_epoch(len(train_labels), 1, run_args))
+    run_args = argparse.Namespace(batch_size=max(1, cfg["global_batch"] // n), global_batch=cfg["global_batch"],
+                                  seed=cfg["seed"], epochs=cfg["epochs"], lr=cfg["lr"])
+
+    def batches_of(epoch):
+        """This rank's batches, as the trainer draws them (their weights are 1 when N divides the global batch)."""
+        return [batch for batch, _ in trainer_run.batches_of_epoch(len(train_labels), epoch, run_args)]
+    steps_per_epoch = len(batches_of(1))
     slowest = torch.zeros(1)
 
     def max_over_ranks(seconds: float) -> float:
@@ -182,7 +186,7 @@ def worker(args) -> int:
     torch.manual_seed(cfg["seed"])
     scratch = Net()
     opt, sched = trainer_run.make_optimizer(scratch, run_args, steps_per_epoch)
-    batches = trainer_run.batches_of_epoch(len(train_labels), 1, run_args)
+    batches = batches_of(1)
     warm = min(5, cfg["compute_steps"])
     for s in range(warm + cfg["compute_steps"]):
         if s == warm:
@@ -237,7 +241,7 @@ def worker(args) -> int:
     at = set(eval_steps(steps_per_epoch, cfg["evals_per_epoch"]))
     global_step = 0
     for epoch in range(1, cfg["epochs"] + 1):
-        batches = trainer_run.batches_of_epoch(len(train_labels), epoch, run_args)
+        batches = batches_of(epoch)
         dist.barrier()
         t0 = time.perf_counter()
         for step, batch in enumerate(batches, 1):
