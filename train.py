@@ -570,18 +570,25 @@ def main(argv=None):
             train(args, data)
         return 0
     except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        say(f"{PROG}: error: {e}")
         return EXIT_BAD_INPUT
     except PeerError as e:
         hint = f"; to resume: {resume_command(argv)}" if e.resumable else ""
-        print(f"{PROG}: rank {rank}: {e}{hint}", file=sys.stderr, flush=True)
+        say(f"{PROG}: rank {rank}: {e}{hint}")
         return EXIT_LOST_PEER
     except Stopped as e:
-        print(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}", file=sys.stderr, flush=True)
+        say(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}")
         return EXIT_STOPPED
     except KeyboardInterrupt:
-        print(f"{PROG}: rank {rank}: interrupted", file=sys.stderr, flush=True)
+        say(f"{PROG}: rank {rank}: interrupted")
         return 130
+
+
+def say(line):
+    """One line to stderr in one write: ranks under torchrun or our launcher share one pipe, and
+    print's two writes (text, then newline) let their lines run into each other."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode())
 
 
 if __name__ == "__main__":
