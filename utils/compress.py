@@ -34,7 +34,7 @@ import torch.distributed as dist
 from utils import hierarchical, ring
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
-# One epoch of the default recipe, --allreduce ring (README, "Compressed gradient sums"): rank 4
+# One epoch of the default recipe, --allreduce ring (README, "`--compress`: fewer bytes for slow links"): rank 4
 # reached 99.01% (2 ranks) and 99.02% (4 ranks); rank 2 98.96% and 99.01%, rank 1 98.91% (2 ranks).
 DEFAULT_POWERSGD_RANK = 4
 DEFAULT_POWERSGD_WARMUP = 10   # uncompressed steps first (0 and 100 measured within 0.1 point of 10)
