@@ -37,7 +37,7 @@ from utils import hierarchical  # noqa: E402
 from utils.compress import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 from utils.checkpoint import check_writable, load_model_state, remove_stale_temps, safe_load  # noqa: E402
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
-from utils import stop  # noqa: E402
+from utils import stop, timeline  # noqa: E402
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.outputs import lock_outputs  # noqa: E402
@@ -92,6 +92,13 @@ def chunk_count(text):
     return "auto" if text == "auto" else positive(int, MAX_CHUNKS)(text)
 
 
+def timeline_steps(text):
+    try:
+        return timeline.parse_steps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv):
     p = OneLineParser(prog=PROG, description="Data-parallel MNIST over a hand-written gloo ring.")
     p.add_argument("--rank", type=int, help="this server's rank, 0..world size-1 (omit to run every rank here)")
@@ -136,6 +143,11 @@ def parse_args(argv):
                    help=f"with --compress powersgd: rank of each matrix's approximation (default {DEFAULT_POWERSGD_RANK})")
     p.add_argument("--powersgd-warmup", type=non_negative_int,
                    help=f"with --compress powersgd: uncompressed steps first (default {DEFAULT_POWERSGD_WARMUP})")
+    p.add_argument("--timeline", metavar="PATH",
+                   help="rank 0 writes a Chrome trace of every rank's steps here (open it in ui.perfetto.dev)")
+    p.add_argument("--timeline-steps", metavar="A:B", type=timeline_steps,
+                   help=f"with --timeline: the steps to record, counted over the whole run "
+                        f"(default {timeline.DEFAULT_STEPS[0]}:{timeline.DEFAULT_STEPS[1]})")
     p.add_argument("--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
@@ -181,6 +193,10 @@ def validate(args):
         raise UsageError("give --global-batch or --batch-size (per rank), not both")
     if args.lazy_update and not args.overlap:
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
+    if args.timeline_steps and not args.timeline:
+        raise UsageError("--timeline-steps needs --timeline PATH")
+    if args.timeline and args.timeline_steps is None:
+        args.timeline_steps = timeline.DEFAULT_STEPS
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
     for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
@@ -204,7 +220,7 @@ def check_share(train_images, world_size, global_batch=None):
 def check_outputs(args):
     """Rank 0's output files must be writable before any training starts."""
     for option, path in (("--save-path", args.save_path), ("--checkpoint", args.checkpoint),
-                         ("--metrics", args.metrics)):
+                         ("--metrics", args.metrics), ("--timeline", args.timeline)):
         if path:
             check_writable(path, option)
 
@@ -365,12 +381,13 @@ def check_same_settings(args, model):
             "bucket-mb": args.bucket_mb, "train-subset": args.train_subset, "compress": args.compress,
             "powersgd-rank": args.powersgd_rank, "powersgd-warmup": args.powersgd_warmup}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for rank, theirs in enumerate(everyone):
+    dist.all_gather_object(everyone, (mine, args.timeline_steps if args.timeline else None))
+    for rank, (theirs, _) in enumerate(everyone):
         for name, value in mine.items():
-            if theirs[name] != everyone[0][name]:
-                raise UsageError(f"ranks were started with different --{name}: rank 0 has {everyone[0][name]}, "
+            if theirs[name] != everyone[0][0][name]:
+                raise UsageError(f"ranks were started with different --{name}: rank 0 has {everyone[0][0][name]}, "
                                  f"rank {rank} has {theirs[name]}")
+    args.timeline_steps = everyone[0][1]   # rank 0's --timeline: every rank records, rank 0 writes
 
 
 def broadcast_parameters(model):

@@ -114,6 +114,7 @@ MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
                "reference": 1199882}   # the issue's baseline model, see make_model()
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
 COMPUTE_BOUND = 1.10                   # at 1 Gbit/s, N=2: best <= 1.10 x compute-only
+TIMELINE_BOUND = 1.02                  # issue #15: recording a timeline costs at most 2% of step time
 PEER_TOLERANCE = 1.02                  # issue #13 at 200 Mbit/s: ours compressed <= 1.02 x DDP's same compression
 POWERSGD_COMPUTE_BOUND = 1.30          # issue #13 at 200 Mbit/s, N=2: ours powersgd <= 1.30 x compute-only
 
@@ -171,7 +172,10 @@ def make_configs(args) -> list[dict]:
     if args.only:
         keep = set(args.only) | {"compute", "compute-alone", "compute+wire", "compute+sync", "ddp"}
         configs = [c for c in configs if c["name"] in keep]
-    return configs + compressed
+    configs += compressed
+    if getattr(args, "timeline", False):   # issue #15: each of ours again, recording a timeline
+        configs += [dict(c, name=f"{c['name']}+timeline", timeline=True) for c in configs if c["kind"] == "sum"]
+    return configs
 
 
 def parse_sum_config(name: str) -> dict:
@@ -210,6 +214,7 @@ def worker(args) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
     from utils import run as trainer_run
+    from utils import timeline
     from utils.data import epoch_indices, load_mnist
 
     torch.set_num_threads(1)              # as every rank of train.py on a shared machine
@@ -242,6 +247,8 @@ def worker(args) -> int:
             opt_args = argparse.Namespace(lr=4e-3, epochs=1)
             self.optimizer, self.scheduler = trainer_run.make_optimizer(self.model, opt_args, rounds * k_steps + 1)
             self.gsum = None
+            # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
+            self.recorder = timeline.Recorder(os.devnull, 1, 10 ** 9, 10 ** 9) if spec.get("timeline") else None
             if spec["kind"] == "sum":
                 self.gsum = trainer_run.GradientSum(self.model, argparse.Namespace(
                     allreduce=spec["allreduce"], chunks=spec["chunks"] or 1, overlap=spec["overlap"],
@@ -260,32 +267,40 @@ def worker(args) -> int:
             tx0, sent0 = nic_tx_bytes(nic), gradient_bytes_sent(self.gsum)
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()   # all threads of this rank
             fb = sm = op = 0.0
+            timeline.recorder = self.recorder       # None: off, as without --timeline
             for s in range(k_steps):
                 batch = batches[(first_batch + s) % len(batches)]
-                ta = time.perf_counter()
-                loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
-                if self.wire is not None:
-                    self.wire.start()
-                loss.backward()
-                if self.wire is not None:
-                    self.wire.wait()
-                if self.token is not None:
-                    dist.all_reduce(self.token)     # lockstep: wait for the slowest rank
-                tb = time.perf_counter()
-                if self.gsum is not None:           # as utils/run.train_model
-                    self.gsum.sum()
-                    tc = time.perf_counter()
-                    self.gsum.step()
-                else:
-                    tc = time.perf_counter()
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad()
+                timeline.at_step(first_batch + s + 1)
+                with timeline.span("step"):
+                    ta = time.perf_counter()
+                    with timeline.span("forward"):
+                        loss = F.cross_entropy(self.forward(train_images[batch]), train_labels[batch])
+                    if self.wire is not None:
+                        self.wire.start()
+                    with timeline.span("backward"):
+                        loss.backward()
+                    if self.wire is not None:
+                        self.wire.wait()
+                    if self.token is not None:
+                        dist.all_reduce(self.token)     # lockstep: wait for the slowest rank
+                    tb = time.perf_counter()
+                    if self.gsum is not None:           # as utils/run.train_model
+                        self.gsum.sum()
+                        tc = time.perf_counter()
+                        self.gsum.step()
+                    else:
+                        tc = time.perf_counter()
+                        self.optimizer.step()
+                        self.scheduler.step()
+                        self.optimizer.zero_grad()
                 loss.item()
                 td = time.perf_counter()
                 fb, sm, op = fb + (tb - ta), sm + (tc - tb), op + (td - tc)
             if self.gsum is not None:               # lazy: the last step's update is part of this sample
                 self.gsum.finish()
+            if self.recorder is not None:
+                self.recorder.spans.clear()
+            timeline.recorder = None
             total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             tx1, sent1 = nic_tx_bytes(nic), gradient_bytes_sent(self.gsum)
             return tuple(x / k_steps for x in (total, fb, sm, op, r1.ru_utime - r0.ru_utime,
@@ -583,6 +598,25 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
     if mode != "cluster":
         for t in out:
             t["status"] = "info"
+    return out + timeline_targets(records)
+
+
+def timeline_targets(records: list[dict]) -> list[dict]:
+    """Issue #15: recording a timeline costs at most 2% of step time (any link, loopback too)."""
+    out = []
+    for traced in (r for r in records if r["config"].endswith("+timeline")):
+        plain = next((r for r in records if r["rate"] == traced["rate"] and r["world_size"] == traced["world_size"]
+                      and r["config"] == traced["config"][:-len("+timeline")]), None)
+        if plain is None:
+            continue
+        paired = paired_ratios(traced, plain)
+        ratio, pm = traced["median_ms"] / plain["median_ms"], statistics.median(paired)
+        faster = sum(x < 1 for x in paired)
+        out.append({"target": "timeline on <= 1.02x off", "rate": traced["rate"],
+                    "world_size": traced["world_size"], "status": "PASS" if max(ratio, pm) <= TIMELINE_BOUND else "MISS",
+                    "best": traced["config"], "best_ms": traced["median_ms"], "peer": plain["config"],
+                    "peer_ms": plain["median_ms"], "ratio": ratio, "paired_median_ratio": pm, "bound": TIMELINE_BOUND,
+                    "rounds_faster": faster, "rounds": len(paired), "sign_test_p": sign_test_p(faster, len(paired))})
     return out
 
 
@@ -866,6 +900,8 @@ def results_stem(args, mode: str) -> str:
         parts.append("subset")
     if args.ranks_per_host > 1:
         parts.append(f"{args.ranks_per_host}-per-host")
+    if getattr(args, "timeline", False):
+        parts.append("timeline")
     if getattr(args, "compression", False):
         parts.append("compression")
         if args.compress != DEFAULTS["compress"]:
@@ -919,6 +955,8 @@ def main(argv=None) -> int:
                     help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)")
     ap.add_argument("--only", type=lambda s: s.split(","),
                     help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also run each of our configurations recording a timeline (issue #15: its cost)")
     ap.add_argument("--compression", action="store_true",
                     help="issue #13: add compressed rows, each --compress on each --compress-with configuration of "
                          "ours and DDP with torch's matching comm hook (results files: ...-compression)")

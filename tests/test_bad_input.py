@@ -58,6 +58,11 @@ CASES = {
     "lazy update without overlap": (["--lazy-update", "--no-overlap"], ["--lazy-update needs --overlap"]),
     "missing model file": (["--model_path", "/nonexistent/model.pth"], ["does not exist"]),
     "model path is a folder": (["--model_path", REPO], ["is not a file"]),
+    "timeline window backwards": (["--timeline", "t.json", "--timeline-steps", "5:2"], ["--timeline-steps", "5:2"]),
+    "timeline window not A:B": (["--timeline", "t.json", "--timeline-steps", "7"], ["--timeline-steps", "FIRST:LAST"]),
+    "timeline window without a timeline": (["--timeline-steps", "1:5"], ["needs --timeline"]),
+    "unwritable timeline": (["--timeline", "/proc/timeline.json"], ["cannot write --timeline"]),
+    "timeline is a folder": (["--timeline", REPO], ["--timeline", "is a folder"]),
     # values that pass "positive" but would crash or hang much later
     "lr that overflows Adam's float32 step": (["--lr", "1e38"], ["--lr", "at most"]),
     "timeout beyond gloo's 32-bit milliseconds": (["--timeout", "1e20"], ["--timeout", "at most"]),

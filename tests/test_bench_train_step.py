@@ -153,3 +153,29 @@ def test_compression_targets():
     assert "powersgd N=2 <= 1.30x compute" not in {x["target"] for x in n4} and len(n4) == 2
     lines = train_step.target_lines(train_step.compression_targets(rows))
     assert "PASS  powersgd <= 1.02x DDP+PowerSGD" in lines and "floor: compute+sync" in lines
+
+
+def test_timeline_rows_and_their_overhead_target(monkeypatch):
+    """--timeline (issue #15) runs each of our configurations again recording a timeline; the target:
+    on <= 1.02x off, both the medians' ratio and the paired one."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import train_step
+    parsed = []
+    monkeypatch.setattr(train_step, "run_driver", lambda driver, args, name: parsed.append(args) or 0)
+    assert train_step.main(["--loopback", "--only", "ring+overlap+lazy", "--timeline"]) == 0
+    args = parsed.pop()
+    assert train_step.results_stem(args, "loopback") == "train_step-loopback-subset-timeline"
+    assert train_step.make_configs(args)[-1]["name"] == "ring+overlap+lazy+timeline"
+    assert [c for c in train_step.make_configs(args) if c.get("timeline")] == [
+        dict(next(c for c in train_step.make_configs(args) if c["name"] == "ring+overlap+lazy"),
+             name="ring+overlap+lazy+timeline", timeline=True)]
+
+    def row(config, ms):
+        return {"config": config, "step_ms": ms, "median_ms": sorted(ms)[1], "rate": None, "world_size": 2}
+
+    on = [row("ring+overlap+lazy", [40, 40, 40]), row("ring+overlap+lazy+timeline", [40.4, 40.6, 40.2])]
+    (t,) = train_step.timeline_targets(on)
+    assert t["status"] == "PASS" and t["ratio"] == pytest.approx(40.4 / 40)
+    (t,) = train_step.timeline_targets([on[0], row("ring+overlap+lazy+timeline", [41, 41, 41])])
+    assert t["status"] == "MISS"           # 1.025x
+    assert "timeline on <= 1.02x off" in train_step.target_lines([t])

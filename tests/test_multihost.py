@@ -199,6 +199,28 @@ def test_two_ranks_per_host_train_hierarchically_to_identical_parameters(tmp_pat
         assert steps * GRADIENT_BYTES <= tx <= (1.2 * steps + 3) * GRADIENT_BYTES, (h, tx, steps)
 
 
+@pytest.mark.timeout(120)
+def test_three_hosts_write_one_timeline_on_aligned_clocks(tmp_path):
+    """--timeline on rank 0 alone: every host records, rank 0 writes; host 2's clock is 3 s ahead."""
+    from test_timeline import COMMON, FIRST, LAST, check_trace
+    world, trace = 3, tmp_path / "timeline.json"
+    with remember(cluster.Cluster(world, nics=NICS)) as c:
+        window = ["--timeline", str(trace), "--timeline-steps", f"{FIRST}:{LAST}"]
+        argvs = [c.train_argv(r, 29500, [*COMMON[:-2], "--save-path", str(tmp_path / f"m{r}.pth"),
+                                         "--checkpoint", str(tmp_path / f"c{r}.pt"), *(window if r == 0 else [])])
+                 for r in range(world)]
+        procs = []
+        for r, argv in enumerate(argvs):
+            env = {**ENV, "TIMELINE_TEST_CLOCK_SKEW_S": "0,0,-3"}
+            with open(tmp_path / f"rank{r}.out", "wb") as out, open(tmp_path / f"rank{r}.err", "wb") as err:
+                procs.append(c.popen(r, argv, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=err))
+        results = wait_ranks(c, procs, tmp_path, timeout=100)
+    assert [code for code, *_ in results] == [0] * world, report(results)
+    assert f"timeline of steps {FIRST}-{LAST} written to {trace}" in results[0][1]
+    check_trace(trace, world=world, buckets=2, overlap=True, lazy=False, skews=(0, 0, -3))
+
+
 @pytest.mark.timeout(90)
 def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
     save = tmp_path / "model.pth"

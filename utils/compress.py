@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from utils import hierarchical, ring
+from utils import hierarchical, ring, timeline
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 # One epoch of the default recipe, --allreduce ring (README, "`--compress`: fewer bytes for slow links"): rank 4
@@ -56,12 +56,16 @@ class RingSum:
         self.bytes_summed = 0      # the buffers' sizes on the wire, over all calls (for busbw)
 
     def __call__(self, buffer, wire_dtype=None):
-        ring.sum_(buffer, self.algorithm, self.chunks, self.group, wire_dtype)
         size = torch.empty(0, dtype=wire_dtype or buffer.dtype).element_size()
         if self.algorithm == "hierarchical":   # loopback legs in the buffer's type, the rest in the wire's
-            self.bytes_sent += self.group.bytes_sent(buffer.numel(), buffer.element_size(), size)
+            sent = self.group.bytes_sent(buffer.numel(), buffer.element_size(), size)
         else:
-            self.bytes_sent += ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
+            sent = ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
+        with timeline.span("all-reduce", algorithm=self.algorithm, bytes_sent=sent, bytes=buffer.numel() * size,
+                           chunks=ring.resolve_chunks(self.chunks, buffer.numel(), wire_dtype)
+                           if self.algorithm == "two-pass" else None):
+            ring.sum_(buffer, self.algorithm, self.chunks, self.group, wire_dtype)
+        self.bytes_sent += sent
         self.bytes_summed += buffer.numel() * size
         return buffer
 

@@ -20,7 +20,7 @@ def outputs(args):
     """(option, path) of every file rank 0 writes, each file once however it is spelled."""
     seen, found = set(), []
     for option, path in (("--checkpoint", args.checkpoint), ("--save-path", args.save_path),
-                         ("--metrics", args.metrics)):
+                         ("--metrics", args.metrics), ("--timeline", getattr(args, "timeline", None))):
         if path and os.path.realpath(path) not in seen:
             seen.add(os.path.realpath(path))
             found.append((option, path))
@@ -51,7 +51,7 @@ def lock_outputs(args, hold=True):
                 raise UsageError(f"cannot lock {option} {path} ({lock_path}): {e.strerror or e}") from None
             if not locked:
                 raise UsageError(f"{option} {path} is in use by another job ({holder(fd)}); let it finish, or give "
-                                 f"this job other files with --save-path, --checkpoint and --metrics")
+                                 f"this job other files with --save-path, --checkpoint, --metrics and --timeline")
     except BaseException:
         for fd in taken:
             os.close(fd)

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils import ring
+from utils import ring, timeline
 from utils.compress import NoCompression, RingSum
 from utils.errors import PeerError, first_line
 from utils.hierarchical import Hierarchy
@@ -55,9 +55,10 @@ def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None)
     bucket: which of the compressor's buckets `params` are. weight and flag: see flat_buffer.
     Returns the flag's sum over all ranks (None without a flag).
     """
-    flat, numel = flat_buffer(params, weight, flag)
-    compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
-    set_gradients(params, flat[:numel])
+    with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
+        flat, numel = flat_buffer(params, weight, flag)
+        compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
+        set_gradients(params, flat[:numel])
     return None if flag is None else flat[numel].item()
 
 
@@ -170,7 +171,8 @@ class OverlappedGradientSum:
             self.ready[i].set()
             return
         flag = self.local_flag() if i == self.flag_bucket else None
-        (flat, numel), times = flat_buffer(self.buckets[i], self.weight, flag), [time.perf_counter()]
+        started_ns, times = timeline.now_ns(), [time.perf_counter()]
+        flat, numel = flat_buffer(self.buckets[i], self.weight, flag)
         self.gloo_bytes_sent += ring.bytes_sent(flat.numel(), flat.element_size(), "gloo",
                                                 self.sums[i].rank, self.sums[i].world_size)
         self.gloo_bytes_summed += flat.numel() * flat.element_size()
@@ -179,7 +181,7 @@ class OverlappedGradientSum:
             work.get_future().add_done_callback(lambda _: times.append(time.perf_counter()))
         except RuntimeError as e:  # raised inside backward: wait_bucket reports it
             self.error, work = e, None
-        self.pending[i] = (flat, numel, work, times)
+        self.pending[i] = (flat, numel, work, times, started_ns, timeline.current_step())
 
     def _communicate(self, i):
         try:
@@ -214,21 +216,26 @@ class OverlappedGradientSum:
 
     def wait_bucket(self, i):
         """Block until bucket i is averaged; raises PeerError if communication failed."""
-        if not self.gloo_async:
-            self.summed[i].wait()
-            if self.error is not None:
-                raise PeerError(first_line(self.error))  # the trainer says where
-            self.summed[i].clear()
-            return
-        flat, numel, work, times = self.pending[i]     # times: [started, finished (once gloo is done)]
-        self.pending[i] = None
-        try:
-            if work is None:
-                raise self.error
-            work.wait()
-        except RuntimeError as e:  # gloo reports a dead or silent peer this way
-            raise PeerError(first_line(e)) from None
-        self.busy_seconds += (times[1] if len(times) > 1 else time.perf_counter()) - times[0]
+        with timeline.span("wait", bucket=i):
+            if not self.gloo_async:
+                self.summed[i].wait()
+                if self.error is not None:
+                    raise PeerError(first_line(self.error))  # the trainer says where
+                self.summed[i].clear()
+                return
+            flat, numel, work, times, started_ns, step = self.pending[i]  # times: [started, finished by gloo]
+            self.pending[i] = None
+            try:
+                if work is None:
+                    raise self.error
+                work.wait()
+            except RuntimeError as e:  # gloo reports a dead or silent peer this way
+                raise PeerError(first_line(e)) from None
+        finished = times[1] if len(times) > 1 else time.perf_counter()
+        self.busy_seconds += finished - times[0]
+        if step is not None:      # gloo's threads ran it: drawn on a row of its own
+            timeline.add("sum", started_ns, started_ns + int((finished - times[0]) * 1e9), f"gloo-sum-{i}",
+                         bucket=i, step=step, algorithm="gloo", bytes=flat.numel() * flat.element_size())
         if i == self.flag_bucket:
             self.flag_sum = flat[numel].item()
         set_gradients(self.buckets[i], flat[:numel].div_(dist.get_world_size(self.groups[i])))
@@ -262,6 +269,7 @@ class LazyUpdate:
     def __init__(self, model, optimizer, scheduler, overlapped):
         self.optimizer, self.scheduler, self.overlapped = optimizer, scheduler, overlapped
         self.due = []                 # bucket indices whose update is still to be applied
+        self.due_step = None
         self.waited_seconds = 0.0     # time the training thread blocked on communication
         self.handles = [model.register_forward_hook(lambda *_: self.finish())]
         for module in model.modules():
@@ -273,6 +281,7 @@ class LazyUpdate:
     def step(self):
         self.overlapped.backward_done()
         self.due = list(range(len(self.overlapped.buckets)))
+        self.due_step = timeline.current_step()   # the step these updates belong to, for the timeline
 
     def apply(self, bucket):
         """Wait for `bucket`'s sum and apply its update now rather than in the next forward."""
@@ -285,7 +294,8 @@ class LazyUpdate:
                 self.overlapped.wait_bucket(i)
                 self.waited_seconds += time.perf_counter() - start
                 self.due.remove(i)
-                step_only(self.optimizer, self.overlapped.buckets[i])
+                with timeline.span("optimizer", bucket=i, step=self.due_step):
+                    step_only(self.optimizer, self.overlapped.buckets[i])
                 for p in self.overlapped.buckets[i]:
                     p.grad = None
                 if not self.due:      # the whole step is applied: now the next learning rate

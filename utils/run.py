@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from utils.checkpoint import atomic_save
-from utils import stop
+from utils import stop, timeline
 from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, RingSum, make_compressor, state_for
 from utils.data import step_batches
 from utils.errors import PeerError, Stopped, first_line
@@ -100,9 +100,10 @@ class GradientSum:
         if self.lazy is not None:
             self.lazy.step()
             return
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad()
+        with timeline.span("optimizer"):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
 
     def stop_flag(self):
         """How many ranks had a signal when this step's gradients were summed: the same on every rank."""
@@ -216,11 +217,15 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
         for step in range(first_step + 1, len(batches) + 1):
             batch, weight = batches[step - 1]
             start, (busy_before, waited_before) = time.perf_counter(), gradient_sum.seconds()
+            timeline.at_step((epoch - 1) * len(batches) + step)
             gradient_sum.weigh(weight)
-            loss = F.cross_entropy(model(images[batch]), labels[batch])
-            loss.backward()
-            gradient_sum.sum()
-            gradient_sum.step()
+            with timeline.span("step"):
+                with timeline.span("forward"):
+                    loss = F.cross_entropy(model(images[batch]), labels[batch])
+                with timeline.span("backward"):
+                    loss.backward()
+                gradient_sum.sum()
+                gradient_sum.step()
             stopping = gradient_sum.stop_flag() > 0
             saving = stopping or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
@@ -237,6 +242,9 @@ def train_model(model, gradient_sum, images, labels, batches, epoch, first_step,
                 save(epoch, step, stats)
             if stopping:
                 raise Stopped(epoch, step, len(batches))
+            if timeline.window_ends():   # lazy: this step's update now, so that its sums are in the trace
+                gradient_sum.finish()
+                timeline.write()
         gradient_sum.finish()
         count_traffic()
     except PeerError as e:
@@ -265,6 +273,8 @@ def run(model, data, args, resume_from=None):
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, args))
     optimizer, scheduler = make_optimizer(model, args, steps_per_epoch)
     gradient_sum = GradientSum(model, args, optimizer, scheduler)
+    if getattr(args, "timeline_steps", None):   # rank 0 was given --timeline (train.check_same_settings)
+        timeline.recorder = timeline.Recorder(args.timeline, *args.timeline_steps, args.epochs * steps_per_epoch)
     first_epoch, first_step, stats = 1, 0, EpochStats()
     compressed = getattr(args, "compress", "none") != "none"
     if resume_from is not None:
@@ -286,11 +296,12 @@ def run(model, data, args, resume_from=None):
             except RuntimeError as e:
                 raise PeerError(first_line(e), doing="saving a checkpoint") from None
         if rank == 0:
-            atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                         "epoch": epoch, "step": step, "epoch_stats": vars(stats), "world_size": world_size,
-                         "compression": everyone if compressed else None,
-                         "settings": args.checkpoint_settings}, args.checkpoint)
+            with timeline.span("checkpoint"):
+                atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                             "epoch": epoch, "step": step, "epoch_stats": vars(stats), "world_size": world_size,
+                             "compression": everyone if compressed else None,
+                             "settings": args.checkpoint_settings}, args.checkpoint)
 
     accuracy = None
     for epoch in range(first_epoch, args.epochs + 1):
@@ -300,10 +311,12 @@ def run(model, data, args, resume_from=None):
             train_model(model, gradient_sum, train_images, train_labels, batches, epoch, first_step, stats,
                         args.save_every, save_checkpoint)
         except Stopped as e:
+            timeline.write()
             raise Stopped(stopped_line(*e.args, args.checkpoint)) from None
         sent = bytes_sent_per_step(stats)
         if rank == 0:
-            accuracy = test_model(model, test_images, test_labels)
+            with timeline.span("evaluate"):
+                accuracy = test_model(model, test_images, test_labels)
             seconds = time.time() - start
             loss = stats.loss_sum / max(1, stats.steps)
             comm_share = stats.comm_seconds / stats.step_seconds if stats.step_seconds else 0.0
@@ -324,6 +337,7 @@ def run(model, data, args, resume_from=None):
             save_checkpoint(epoch + 1, 0, stats)
         except PeerError as e:
             raise PeerError(f"lost a peer while {e.doing} after epoch {epoch}: {e}") from None
+    timeline.write()   # if the run ended inside the window
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
     except RuntimeError as e:

@@ -1,0 +1,212 @@
+"""A timeline of every rank (--timeline PATH): where each step's time went, as a Chrome trace.
+
+Each rank records spans while the steps of a window run (--timeline-steps A:B); after step B
+every rank hands its spans to rank 0, which writes one trace-event JSON file that Perfetto UI
+(ui.perfetto.dev) and chrome://tracing open. Every rank is a process of its own, with a row for
+the training thread and a row per bucket's sum:
+
+    rank 0  training   | forward | backward ........... | wait | optimizer | forward ...
+            bucket 0            | sum fc* (1.6 MB) .............|
+            bucket 1                              | sum conv* |
+    rank 1  training   | forward | backward ............. | wait | optimizer | ...
+
+Clocks: every rank times with its own monotonic clock, whose zero differs from server to
+server. At start-up each rank measures its offset to rank 0 with a few round trips (the one
+with the shortest round trip wins; half of it bounds the error) and shifts its spans onto rank
+0's clock, so a straggler shows up as a straggler and not as clock skew. The trace's metadata
+holds every rank's offset and error.
+
+Off (no --timeline), `span` returns one shared do-nothing context: a global read and a test.
+Recording costs a few microseconds a span; there are about ten spans a step.
+"""
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from utils.checkpoint import atomic_write
+
+ROUND_TRIPS = 8                 # per rank, to estimate its clock's offset to rank 0's
+DEFAULT_STEPS = (21, 60)        # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
+_OFF = contextlib.nullcontext()
+# For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number of
+# seconds, as another server's clock would be; the clock alignment must take it out.
+_skew_ns = 0
+
+recorder = None                 # the Recorder of this process while --timeline is on
+
+
+def now_ns():
+    return time.perf_counter_ns() + _skew_ns
+
+
+def span(name, **args):
+    """`with span("forward"):` records the block on this thread's row, while recording.
+    `with span(...) as args:` gives the span's args to add to (None when not recording)."""
+    if recorder is None or not recorder.recording:
+        return _OFF
+    return recorder.span(name, args)
+
+
+def add(name, start_ns, end_ns, row=None, **args):
+    """Record a span timed elsewhere (gloo's asynchronous sums), on `row` or this thread's."""
+    if recorder is not None and recorder.recording:
+        recorder.add(name, start_ns, end_ns, row, args)
+
+
+def at_step(step):
+    """Step `step` (counted over the whole run) begins."""
+    if recorder is not None:
+        recorder.at_step(step)
+
+
+def window_ends():
+    """True after the window's last step: time to write(), once the step's sums are done."""
+    return recorder is not None and recorder.recording and recorder.step == recorder.last
+
+
+def write():
+    """Write the trace now if it is not yet written (a collective: every rank calls it alike)."""
+    if recorder is not None:
+        recorder.write()
+
+
+def current_step():
+    """The step under way (None without --timeline): spans done later for it (a lazy update,
+    gloo's sum, timed once waited for) name it in step=..."""
+    return recorder.step if recorder is not None else None
+
+
+def parse_steps(text):
+    """'A:B' -> (A, B), 1 <= A <= B; ValueError with a message otherwise."""
+    first, sep, last = text.partition(":")
+    try:
+        first, last = int(first), int(last)
+    except ValueError:
+        raise ValueError(f"expected FIRST:LAST step numbers, e.g. 21:60, not {text!r}") from None
+    if not sep or first < 1 or last < first:
+        raise ValueError(f"expected FIRST:LAST with 1 <= FIRST <= LAST, not {text!r}")
+    return first, last
+
+
+class Recorder:
+    """This rank's spans for steps first..last (counted from the run's first step, over epochs)."""
+
+    def __init__(self, path, first, last, total_steps):
+        self.path, self.first, self.last, self.total_steps = path, first, last, total_steps
+        self.step, self.recording, self.written = 0, False, False
+        self.spans = []                # (name, row, start_ns on rank 0's clock, end_ns, args)
+        skews = os.environ.get("TIMELINE_TEST_CLOCK_SKEW_S")
+        if skews:
+            global _skew_ns
+            skews = skews.split(",")
+            _skew_ns = int(float(skews[dist.get_rank() % len(skews)]) * 1e9)
+        self.offset_ns, self.error_ns = align_clock()
+
+    def at_step(self, step):
+        self.step = step
+        self.recording = self.first <= step <= self.last and not self.written
+
+    @contextlib.contextmanager
+    def span(self, name, args):
+        """Yields `args`, which the block may add to (what it learns on the way: bytes sent)."""
+        args.setdefault("step", self.step)    # the step it began in, though it may end in the next
+        start = now_ns()
+        try:
+            yield args
+        finally:
+            self.add(name, start, now_ns(), None, args)
+
+    def add(self, name, start_ns, end_ns, row, args):
+        args.setdefault("step", self.step)
+        row = row or threading.current_thread().name
+        self.spans.append((name, row, start_ns + self.offset_ns, end_ns + self.offset_ns, args))
+
+    def write(self):
+        """Every rank: hand the spans to rank 0, which writes the trace (a collective; once)."""
+        if self.written:
+            return
+        self.recording, self.written = False, True
+        mine = dict(rank=dist.get_rank(), host=socket.gethostname(), pid=os.getpid(), spans=self.spans,
+                    offset_ns=self.offset_ns, error_ns=self.error_ns)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if dist.get_rank() == 0:
+            last = min(self.last, self.total_steps)
+            atomic_write(self.path, json.dumps(chrome_trace(everyone, self.first, last, self.total_steps)).encode())
+            what = f"steps {self.first}-{last}" if self.spans else f"nothing (no step of {self.first}-{last} ran)"
+            print(f"timeline of {what} written to {self.path}", flush=True)
+        self.spans = []
+
+
+def align_clock():
+    """(offset, error) in ns that put this rank's now_ns() on rank 0's clock (a collective).
+
+    Rank 0 answers each other rank in turn: the rank sends, rank 0 replies with its clock t0; the
+    rank, which sent at t1 and heard back at t2, puts t0 at (t1 + t2) / 2, off by at most half the
+    round trip. The shortest of ROUND_TRIPS round trips gives the estimate.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    stamp = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        for other in range(1, n):
+            for _ in range(ROUND_TRIPS):
+                dist.recv(stamp, other)
+                stamp[0] = now_ns()
+                dist.send(stamp, other)
+        return 0, 0
+    best = None
+    for _ in range(ROUND_TRIPS):
+        sent = now_ns()
+        dist.send(stamp, 0)
+        dist.recv(stamp, 0)
+        heard = now_ns()
+        estimate = (stamp.item() - (sent + heard) // 2, (heard - sent + 1) // 2)
+        if best is None or estimate[1] < best[1]:
+            best = estimate
+    return best
+
+
+def chrome_trace(everyone, first, last, total_steps):
+    """The trace-event JSON object: a process per rank, a thread row per recording thread."""
+    events, origin = [], min((s[2] for r in everyone for s in r["spans"]), default=0)
+    for r in everyone:
+        pid = r["rank"]
+        rows = sorted({s[1] for s in r["spans"]}, key=row_order)
+        events.append(dict(ph="M", name="process_name", pid=pid, args=dict(name=f"rank {pid} ({r['host']})")))
+        events.append(dict(ph="M", name="process_sort_index", pid=pid, args=dict(sort_index=pid)))
+        for tid, row in enumerate(rows):
+            events.append(dict(ph="M", name="thread_name", pid=pid, tid=tid, args=dict(name=row_label(row))))
+            events.append(dict(ph="M", name="thread_sort_index", pid=pid, tid=tid, args=dict(sort_index=tid)))
+        for name, row, start, end, args in r["spans"]:
+            events.append(dict(ph="X", name=name, cat=name.split()[0], pid=pid, tid=rows.index(row),
+                               ts=(start - origin) / 1e3, dur=(end - start) / 1e3, args=args))
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"window": f"steps {first} to {last} of {total_steps} (--timeline-steps); "
+                                    f"the other steps are not in this file",
+                          "first_step": first, "last_step": last, "total_steps": total_steps,
+                          "world_size": len(everyone),
+                          "clock_offset_ns": [r["offset_ns"] for r in everyone],
+                          "clock_error_ns": [r["error_ns"] for r in everyone],
+                          "time_zero_ns_on_rank0_clock": origin}}
+
+
+def row_order(row):
+    """The training thread first, then the buckets in order."""
+    if row == "MainThread":
+        return (0, 0, row)
+    number = row.rsplit("-", 1)[-1]
+    return (1, int(number) if number.isdigit() else 0, row)
+
+
+def row_label(row):
+    if row == "MainThread":
+        return "training"
+    if row.startswith("gradient-sum-"):
+        return f"bucket {row.rsplit('-', 1)[-1]} sum"
+    return row
