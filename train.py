@@ -150,6 +150,8 @@ def parse_args(argv):
                         f"(default {timeline.DEFAULT_STEPS[0]}:{timeline.DEFAULT_STEPS[1]})")
     p.add_argument("--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
+    p.add_argument("--test-subset", type=positive(int),
+                   help="evaluate on only the first N of the 10,000 test images (quick runs; default all)")
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
     p.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
     return p.parse_args(argv)
@@ -529,9 +531,10 @@ def train(args, data):
         if checkpoint is None:
             set_aside_old_checkpoint(args)
         share = args.global_batch // world_size
+        test_note = f" ({len(data[3]):,} test images)" if args.test_subset else ""
         per_rank = f"{share}" if args.global_batch % world_size == 0 else f"{share}-{share + 1}"
         print(f"rank 0 of {args.world_size}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"{len(data[1]):,} training images, batch {args.global_batch} ({per_rank} per rank), "
+              f"{len(data[1]):,} training images{test_note}, batch {args.global_batch} ({per_rank} per rank), "
               f"all-reduce {args.allreduce} (chunks {args.chunks}, overlap {'on' if args.overlap else 'off'}"
               f"{', lazy update' if args.lazy_update else ''}){compression_note(args)}, {hierarchical.describe(hosts)}",
               flush=True)
@@ -579,8 +582,9 @@ def main(argv=None):
             stop.install(f"{PROG}: rank {rank}")
         torch.use_deterministic_algorithms(True)
         data = load_mnist(args.data_dir)
-        if args.train_subset:
-            data = (data[0][:args.train_subset], data[1][:args.train_subset], data[2], data[3])
+        if args.train_subset or args.test_subset:
+            data = (data[0][:args.train_subset], data[1][:args.train_subset],
+                    data[2][:args.test_subset], data[3][:args.test_subset])
         if args.eval:
             evaluate(args, data)
         else:

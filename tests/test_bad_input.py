@@ -45,6 +45,7 @@ CASES = {
     "negative lr": (["--lr", "-0.1"], ["--lr"]),
     "nan lr": (["--lr", "nan"], ["--lr"]),
     "zero batch size": (["--batch-size", "0"], ["--batch-size"]),
+    "zero test subset": (["--test-subset", "0"], ["--test-subset"]),
     "global batch smaller than the local ranks": (["--global-batch", "2", "--nproc", "3"],
                                                   ["global batch of 2", "--global-batch 3 or more"]),
     "global and per-rank batch both": (["--global-batch", "64", "--batch-size", "32"], ["not both"]),

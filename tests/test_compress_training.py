@@ -13,7 +13,7 @@ from test_faults import checkpoint_position, final_digest, wait_for
 sys.path.insert(0, REPO)
 from utils import ring  # noqa: E402
 
-SMALL = ["--train-subset", "960", "--epochs", "1", "--bucket-mb", "0.05"]
+SMALL = ["--test-subset", "1000", "--train-subset", "960", "--epochs", "1", "--bucket-mb", "0.05"]
 MODES = {"plain": ["--no-overlap"], "overlapped": ["--overlap"], "lazy": ["--overlap", "--lazy-update"]}
 
 
@@ -74,7 +74,7 @@ def interrupted_run(args, checkpoint):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("compress", [["powersgd", "--powersgd-warmup", "2"], ["fp16"]])
 def test_resume_mid_epoch_with_compression_is_bit_identical(compress, tmp_path):
-    common = ["--train-subset", "1200", "--metrics", "", "--epochs", "2", "--save-every", "3",
+    common = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "--epochs", "2", "--save-every", "3",
               "--lazy-update", "--compress", *compress]
     straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
                            timeout=200)
@@ -94,7 +94,7 @@ def test_resume_mid_epoch_with_compression_is_bit_identical(compress, tmp_path):
 @pytest.mark.timeout(200)
 def test_resume_refuses_a_different_compression(tmp_path):
     checkpoint = tmp_path / "c.pt"
-    common = ["--train-subset", "1200", "--epochs", "2", "--metrics", "", "--save-every", "3",
+    common = ["--test-subset", "1000", "--train-subset", "1200", "--epochs", "2", "--metrics", "", "--save-every", "3",
               "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth")]
     interrupted_run([*common, "--compress", "powersgd"], checkpoint)
     before = checkpoint.read_bytes()

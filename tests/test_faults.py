@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import procs
 
-SUBSET = ["--train-subset", "1200", "--metrics", "", "--epochs", "2"]
+SUBSET = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "--epochs", "2"]
 
 
 def wait_for(predicate, timeout, what):
@@ -69,7 +69,7 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
 
 def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
     checkpoint = tmp_path / "c.pt"
-    args = ["--train-subset", "4000", "--metrics", "", "--epochs", "1", "--save-every", "1",
+    args = ["--test-subset", "1000", "--train-subset", "4000", "--metrics", "", "--epochs", "1", "--save-every", "1",
             "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth")]
     positions = []
     for attempt in range(6):
@@ -101,7 +101,8 @@ def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
                                           ("last", ["--allreduce", "gloo", "--lazy-update"])])
 def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp_path):
     timeout = 10
-    ranks = procs.start_ranks(3, [*mode, "--train-subset", "30000", "--epochs", "1", "--metrics", "", "--timeout",
+    ranks = procs.start_ranks(3, [*mode, "--test-subset", "1000", "--train-subset", "30000", "--epochs", "1",
+                                  "--metrics", "", "--timeout",
                                   str(timeout), "--save-every", "2", "--checkpoint", str(tmp_path / "c.pt"),
                                   "--save-path", str(tmp_path / "m.pth")])
     try:
@@ -175,7 +176,8 @@ def test_port_in_use_and_unreachable_master(tmp_path):
 def test_resume_refuses_a_different_global_batch(tmp_path):
     """Another number of ranks may resume (tests/test_resize.py), but --batch-size is per rank: on 3 ranks
     instead of 2 it asks for 96 images a step instead of 64, and that changes the run."""
-    args = ["--train-subset", "600", "--epochs", "1", "--metrics", "", "--checkpoint", str(tmp_path / "c.pt"),
+    args = ["--test-subset", "1000", "--train-subset", "600", "--epochs", "1", "--metrics", "", "--checkpoint",
+            str(tmp_path / "c.pt"),
             "--save-path", str(tmp_path / "m.pth"), "--batch-size", "32"]
     assert procs.train(args, timeout=120).returncode == 0
     before = (tmp_path / "c.pt").read_bytes()
@@ -278,7 +280,8 @@ def agent_store_and_workers(tmp_path):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
                    TORCHELASTIC_RESTART_COUNT=str(restart_count), OMP_NUM_THREADS="1")
-        return subprocess.Popen([sys.executable, procs.TRAIN, "--train-subset", "128", "--epochs", "1",
+        return subprocess.Popen([sys.executable, procs.TRAIN, "--test-subset", "1000", "--train-subset", "128",
+                                 "--epochs", "1",
                                  "--metrics", "", "--timeout", "30", "--save-path", str(tmp_path / "m.pth"),
                                  "--checkpoint", str(tmp_path / "c.pt")],
                                 env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -77,7 +77,8 @@ def test_uneven_hosts_train_and_say_so_once(tmp_path):
     port, cwd, hosts = free_port(), scratch_dir(), ["a", "a", "b"]
     procs = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), "--world-size", "3", "--init-method",
                                f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", "--epochs", "1",
-                               "--train-subset", "300", "--batch-size", "25", "--allreduce", "hierarchical",
+                               "--test-subset", "1000", "--train-subset", "300", "--batch-size", "25",
+"--allreduce", "hierarchical",
                                "--no-overlap", "--metrics", "", "--save-path", str(tmp_path / "m.pth"),
                                "--checkpoint", str(tmp_path / "c.pt")],
                               env=dict(os.environ, RING_HOST_ID=host, OMP_NUM_THREADS="1"), cwd=cwd,

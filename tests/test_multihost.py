@@ -123,7 +123,8 @@ def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path)
     saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]   # one filesystem: a path each
     with remember(cluster.Cluster(world, nics=NICS)) as c:
         assert [c.nic(r) for r in range(world)] == NICS
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", str(subset), "--batch-size", str(batch),
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", str(subset),
+                                         "--batch-size", str(batch),
                                          "--metrics", "", "--save-path", str(saves[r]), "--timeout", "60"])
                  for r in range(world)]
         before = [nic_bytes(c, r) for r in range(world)]
@@ -149,7 +150,7 @@ def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path)
     # well above chance (10 %), and the saved model scores exactly what rank 0 reported
     reported = re.findall(r"test accuracy ([\d.]+)%", out0)
     assert len(reported) == 1 and float(reported[0]) > 60.0, out0
-    ev = subprocess.run([PY, str(REPO / "train.py"), "--eval", "--model_path", str(saves[0])],
+    ev = subprocess.run([PY, str(REPO / "train.py"), "--eval", "--test-subset", "1000", "--model_path", str(saves[0])],
                         capture_output=True, text=True, timeout=40, env={**os.environ, **ENV})
     assert ev.returncode == 0, ev.stderr
     assert re.findall(r"test accuracy ([\d.]+)%", ev.stdout) == reported, (ev.stdout, out0)
@@ -176,7 +177,8 @@ def test_two_ranks_per_host_train_hierarchically_to_identical_parameters(tmp_pat
     world = hosts * k
     save = tmp_path / "host0" / "model.pth"
     with remember(cluster.Cluster(hosts, nics=NICS, ranks_per_host=k)) as c:
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", str(subset), "--batch-size", str(batch),
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", str(subset),
+                                         "--batch-size", str(batch),
                                          "--allreduce", "hierarchical", "--lazy-update", "--metrics", "",
                                          "--save-path", str(save), "--timeout", "60"]) for r in range(world)]
         before = [nic_bytes(c, h) for h in range(hosts)]
@@ -225,7 +227,8 @@ def test_three_hosts_write_one_timeline_on_aligned_clocks(tmp_path):
 def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
     save = tmp_path / "model.pth"
     argv = [PY, str(SCRIPTS / "cluster.py"), "train", "--hosts", "2", "--timeout", "70", "--",
-            "--epochs", "1", "--train-subset", "600", "--metrics", "", "--save-path", str(save)]
+            "--epochs", "1", "--test-subset", "1000", "--train-subset", "600", "--metrics", "", "--save-path",
+str(save)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**os.environ, **ENV}, start_new_session=True)
     ours = f"{cluster.PREFIX}{cluster._b36(proc.pid)}-"       # the names this CLI run creates
@@ -253,7 +256,8 @@ def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
 def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
     world, timeout = 3, 20
     with remember(cluster.Cluster(world, nics=NICS)) as c:
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", "600", "--metrics", "", "--save-path",
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", "600",
+                                         "--metrics", "", "--save-path",
                                          str(tmp_path / f"host{r}" / "m.pth"), "--timeout", str(timeout)])
                  for r in range(world)]
         argvs[1][argvs[1].index("--gloo_socket_ifname") + 1] = "wlan9"
@@ -292,7 +296,8 @@ def test_survivors_stop_within_the_timeout_when_a_host_drops_off(fault, tmp_path
     every other rank exits non-zero within --timeout + 10 s, with one line that says what happened."""
     world, timeout = 3, 10
     with remember(cluster.Cluster(world, nics=NICS)) as c:
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--train-subset", "30000", "--metrics", "",
+        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", "30000",
+                                         "--metrics", "",
                                          "--save-every", "2", "--timeout", str(timeout)]) for r in range(world)]
         procs = start_ranks(c, argvs, tmp_path)
         checkpoint = tmp_path / "host0" / "runs" / "checkpoint.pt"

@@ -105,7 +105,7 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(tmp_path):
-    args = ["--epochs", "2", "--train-subset", "9600"]
+    args = ["--epochs", "2", "--test-subset", "1000", "--train-subset", "9600"]
     first = start(args, str(tmp_path))
     try:  # the lock names the job: the launcher's pid, written by its rank 0
         wait_for(lambda: read(tmp_path / "runs" / "checkpoint.pt.lock") == f"pid {first.pid} on {HOST}", 120,
@@ -134,7 +134,7 @@ def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(t
 
 @pytest.mark.timeout(300)
 def test_a_killed_job_leaves_no_lock_behind(tmp_path):
-    args = ["--epochs", "1", "--train-subset", "3200", "--save-every", "2", "--metrics", ""]
+    args = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "3200", "--save-every", "2", "--metrics", ""]
     checkpoint = tmp_path / "runs" / "checkpoint.pt"
     for victim, then in (("the whole job", ["--resume"]), ("the launcher alone", [])):
         job = start(args, str(tmp_path))
@@ -154,7 +154,7 @@ def test_a_killed_job_leaves_no_lock_behind(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_jobs_with_their_own_outputs_run_side_by_side(tmp_path):
-    common = ["--epochs", "1", "--train-subset", "1280"]
+    common = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "1280"]
     other = ["--save-path", "runs/b.pth", "--checkpoint", "runs/b.pt", "--metrics", "runs/b.jsonl"]
     jobs = [start(common, str(tmp_path)), start([*common, "--seed", "2", *other], str(tmp_path))]
     results = procs.wait_all(jobs, timeout=240)
@@ -169,7 +169,7 @@ def test_jobs_with_their_own_outputs_run_side_by_side(tmp_path):
 @pytest.mark.timeout(300)
 def test_resuming_a_finished_run_does_nothing(tmp_path):
     run = tmp_path / "run"
-    args = ["--epochs", "1", "--train-subset", "640", "--checkpoint", str(run / "c.pt"),
+    args = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "640", "--checkpoint", str(run / "c.pt"),
             "--save-path", str(run / "m.pth"), "--metrics", str(run / "metrics.jsonl")]
     assert procs.train(args, timeout=200).returncode == 0
     before = snapshot(run)

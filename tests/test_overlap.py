@@ -18,7 +18,8 @@ MODES = {"plain": ["--no-overlap"], "overlapped": ["--overlap"], "lazy": ["--ove
 
 def train_3_ranks(tmp_path, mode, allreduce):
     save = tmp_path / f"{mode}.pth"
-    ranks = procs.start_ranks(3, ["--train-subset", "960", "--epochs", "1", "--metrics", "", "--allreduce", allreduce,
+    ranks = procs.start_ranks(3, ["--test-subset", "1000", "--train-subset", "960", "--epochs", "1", "--metrics",
+                                  "", "--allreduce", allreduce,
                                   "--bucket-mb", "0.05", *MODES[mode],
                                   "--checkpoint", str(tmp_path / f"{mode}.pt"), "--save-path", str(save)])
     results = procs.wait_all(ranks, timeout=150)

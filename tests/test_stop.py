@@ -18,7 +18,8 @@ from test_faults import checkpoint_position, final_digest, wait_for
 
 STOPPED = 3
 STEPS = 100   # 6400 images, 64 a step
-COMMON = ["--train-subset", "6400", "--epochs", "1", "--metrics", "", "--save-every", "4", "--timeout", "30"]
+COMMON = ["--test-subset", "1000", "--train-subset", "6400", "--epochs", "1", "--metrics", "", "--save-every", "4",
+          "--timeout", "30"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")   # as procs.start_ranks: the thread count changes the bits
 
 

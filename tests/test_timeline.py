@@ -21,7 +21,7 @@ from procs import REPO
 SUMMARY = os.path.join(REPO, "scripts", "timeline_summary.py")
 SKEW_S = 5.5
 FIRST, LAST = 4, 11
-COMMON = ["--epochs", "1", "--train-subset", "1280", "--metrics", "", "--timeout", "60",
+COMMON = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "1280", "--metrics", "", "--timeout", "60",
           "--timeline-steps", f"{FIRST}:{LAST}"]           # (the window last: see test_multihost.py)
 
 

@@ -14,7 +14,7 @@ from procs import REPO
 sys.path.insert(0, REPO)
 from utils.model import Net  # noqa: E402
 
-SMALL = ["--epochs", "1", "--train-subset", "2000", "--metrics", ""]
+SMALL = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "2000", "--metrics", ""]
 
 
 def digest_of(path):
@@ -99,7 +99,7 @@ def test_lazy_update_with_step_checkpoints_still_counts_its_communication(allred
     """With --save-every, the lazy update is applied before each save; its wait is the step's."""
     metrics = tmp_path / "metrics.jsonl"
     result = procs.train(["--allreduce", allreduce, "--epochs", "1", "--train-subset", "512", "--lazy-update",
-                          "--save-every", "1",
+                          "--test-subset", "1000", "--save-every", "1",
                           "--metrics", str(metrics), "--save-path", str(tmp_path / "m.pth"),
                           "--checkpoint", str(tmp_path / "c.pt")], timeout=180)
     assert result.returncode == 0, result.stderr
