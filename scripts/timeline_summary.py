@@ -27,15 +27,17 @@ def load(path):
         with open(path) as f:
             trace = json.load(f)
         events = trace["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"timeline_summary.py: cannot read a trace from {path}: {e}")
-    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    spans = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X":
-            spans[e["pid"]].append(dict(name=e["name"], row=rows.get((e["pid"], e["tid"]), str(e["tid"])),
-                                        start=e["ts"] / 1e3, end=(e["ts"] + e["dur"]) / 1e3, args=e.get("args", {})))
-    return dict(spans), trace.get("otherData", {})
+        rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        spans = defaultdict(list)
+        for e in events:
+            if e.get("ph") == "X":
+                spans[e["pid"]].append(dict(name=e["name"], row=rows.get((e["pid"], e["tid"]), str(e["tid"])),
+                                            start=e["ts"] / 1e3, end=(e["ts"] + e["dur"]) / 1e3,
+                                            args=e.get("args", {})))
+        return dict(spans), trace.get("otherData", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"timeline_summary.py: cannot read a trace from {path}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def overlap(a, b):

@@ -117,3 +117,15 @@ def test_torchrun_gloo_overlap_only_rank_0_names_the_file(tmp_path):
     assert result.returncode == 0, result.stderr
     spans = check_trace(trace, world=2, buckets=2, overlap=True, lazy=False)
     assert {s["row"] for s in spans[1] if s["name"] == "sum"} == {"gloo-sum-0", "gloo-sum-1"}
+
+
+@pytest.mark.timeout(60)
+def test_summary_of_a_file_that_is_not_a_trace_is_one_line(tmp_path):
+    for content in (None, "not json", '{"traceEvents": 3}'):
+        path = tmp_path / "t.json"
+        if content is not None:
+            path.write_text(content)
+        result = subprocess.run([sys.executable, SUMMARY, str(path)], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "cannot read a trace" in result.stderr and "Traceback" not in result.stderr
+        path.unlink(missing_ok=True)
