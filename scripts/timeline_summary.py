@@ -116,7 +116,7 @@ def plot(spans, meta, path, steps):
     for rank, mine in sorted(chosen.items()):
         for row in sorted({s["row"] for s in mine}, key=lambda r: (r != "training", r)):
             for s in mine:
-                if s["row"] == row and s["name"] not in ("step", "all-reduce"):
+                if s["row"] == row and s["name"] in COLOURS:
                     ax.broken_barh([(s["start"] - t0, s["end"] - s["start"])], (y - 0.4, 0.8),
                                    color=COLOURS.get(s["name"], "#999999"))
             labels.append(f"rank {rank} {row}")

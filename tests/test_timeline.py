@@ -3,7 +3,7 @@
 Each run records a window of steps and the test checks, per rank and step: one forward, one
 backward and one step span, the optimizer once (once per bucket under --lazy-update), every
 bucket's sum inside its step (after its forward began, before its update ended), overlapped sums
-(all but the last bucket, ready only as backward ends) starting before backward ends, and the clock alignment: one rank's clock is set seconds off
+handed over during backward and running from then on, and the clock alignment: one rank's clock is set seconds off
 (TIMELINE_TEST_CLOCK_SKEW_S), yet on the trace's clock no rank ends a bucket's sum before every
 rank has started it (within the measured error), and the estimated offset is the skew within it.
 """
@@ -57,11 +57,14 @@ def check_trace(path, world, buckets, overlap, lazy, skews=(0.0,)):
             assert len(updates) == (buckets if lazy else 1), (rank, step, updates)
             sums = of("sum", mine)
             assert sorted(s["args"]["bucket"] for s in sums) == list(range(buckets)), (rank, step, sums)
+            ready = {s["args"]["bucket"]: s for s in of("ready")}
             for s in sums:
                 assert forward["start"] <= s["start"] and s["end"] <= max(u["end"] for u in updates), (rank, s)
-                if overlap:     # the last bucket is ready only as backward ends: its sum starts then
+                if overlap:     # handed to its thread (or to gloo) inside backward, summed from then on
+                    hand_over = ready[s["args"]["bucket"]]["start"]
                     assert s["row"] != "training", (rank, s)
-                    assert s["args"]["bucket"] == buckets - 1 or s["start"] < backward["end"], (rank, s, backward)
+                    assert backward["start"] <= hand_over <= backward["end"], (rank, s, backward, hand_over)
+                    assert hand_over <= s["start"] + 1, (rank, s, hand_over)
                 else:
                     assert s["start"] >= backward["end"] and s["row"] == "training", (rank, s, backward)
     slack_us = sum(errors_us) + 1   # the clocks' errors, and the trace's rounding to ns
