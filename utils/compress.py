@@ -63,7 +63,7 @@ class RingSum:
             sent = ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
         with timeline.span("all-reduce", algorithm=self.algorithm, bytes_sent=sent, bytes=buffer.numel() * size,
                            chunks=ring.resolve_chunks(self.chunks, buffer.numel(), wire_dtype)
-                           if self.algorithm == "two-pass" else None):
+                           if self.algorithm == "two-pass" and timeline.recording() else None):
             ring.sum_(buffer, self.algorithm, self.chunks, self.group, wire_dtype)
         self.bytes_sent += sent
         self.bytes_summed += buffer.numel() * size

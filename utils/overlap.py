@@ -167,8 +167,9 @@ class OverlappedGradientSum:
 
     def _start(self, i):
         self.weights[i] = self.weight   # a lazy step's bucket thread may run after the next weight is set
-        now = timeline.now_ns()         # handed over, inside backward (its thread may start a moment later)
-        timeline.add("ready", now, now, bucket=i)
+        if timeline.recording():        # handed over, inside backward (its thread may start a moment later)
+            now = timeline.now_ns()
+            timeline.add("ready", now, now, bucket=i)
         if not self.gloo_async:
             self.ready[i].set()
             return

@@ -45,17 +45,22 @@ def now_ns():
     return time.perf_counter_ns() + _skew_ns
 
 
+def recording():
+    """True while the steps of the window run: callers skip work done only for the trace."""
+    return recorder is not None and recorder.recording
+
+
 def span(name, **args):
     """`with span("forward"):` records the block on this thread's row, while recording.
     `with span(...) as args:` gives the span's args to add to (None when not recording)."""
-    if recorder is None or not recorder.recording:
+    if not recording():
         return _OFF
     return recorder.span(name, args)
 
 
 def add(name, start_ns, end_ns, row=None, **args):
     """Record a span timed elsewhere (gloo's asynchronous sums), on `row` or this thread's."""
-    if recorder is not None and recorder.recording:
+    if recording():
         recorder.add(name, start_ns, end_ns, row, args)
 
 
@@ -67,7 +72,7 @@ def at_step(step):
 
 def window_ends():
     """True after the window's last step: time to write(), once the step's sums are done."""
-    return recorder is not None and recorder.recording and recorder.step == recorder.last
+    return recording() and recorder.step == recorder.last
 
 
 def write():
