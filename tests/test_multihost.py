@@ -75,7 +75,7 @@ def nic_bytes(c, rank, nic=None):
     return rx, tx
 
 
-def start_ranks(c, argvs, logdir):
+def start_ranks(c, argvs, logdir, env=ENV):
     """Start argvs[r] (rank r) on its host in its own directory logdir/host<r> (the hosts share one
     filesystem; default paths such as runs/checkpoint.pt are relative), stdout/stderr to files."""
     procs = []
@@ -83,7 +83,7 @@ def start_ranks(c, argvs, logdir):
         home = logdir / f"host{r}"
         home.mkdir(exist_ok=True)
         with open(logdir / f"rank{r}.out", "wb") as out, open(logdir / f"rank{r}.err", "wb") as err:
-            procs.append(c.popen(c.host_of(r), argv, env=ENV, cwd=home, stdin=subprocess.DEVNULL, stdout=out,
+            procs.append(c.popen(c.host_of(r), argv, env=env, cwd=home, stdin=subprocess.DEVNULL, stdout=out,
                                  stderr=err))
     return procs
 
@@ -211,12 +211,7 @@ def test_three_hosts_write_one_timeline_on_aligned_clocks(tmp_path):
         argvs = [c.train_argv(r, 29500, [*COMMON[:-2], "--save-path", str(tmp_path / f"m{r}.pth"),
                                          "--checkpoint", str(tmp_path / f"c{r}.pt"), *(window if r == 0 else [])])
                  for r in range(world)]
-        procs = []
-        for r, argv in enumerate(argvs):
-            env = {**ENV, "TIMELINE_TEST_CLOCK_SKEW_S": "0,0,-3"}
-            with open(tmp_path / f"rank{r}.out", "wb") as out, open(tmp_path / f"rank{r}.err", "wb") as err:
-                procs.append(c.popen(r, argv, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=err))
+        procs = start_ranks(c, argvs, tmp_path, env={**ENV, "TIMELINE_TEST_CLOCK_SKEW_S": "0,0,-3"})
         results = wait_ranks(c, procs, tmp_path, timeout=100)
     assert [code for code, *_ in results] == [0] * world, report(results)
     assert f"timeline of steps {FIRST}-{LAST} written to {trace}" in results[0][1]
