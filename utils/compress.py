@@ -151,6 +151,10 @@ def power_of_two_below(x):
 class PowerSGD(NoCompression):
     """Rank-R PowerSGD with error feedback and warm-started Q, per bucket.
 
+    A Q (cols x R) is kept as the transpose of a row-major R x cols tensor, and the products are
+    written with M's rows as the long side (P = (Qᵀ·Mᵀ)ᵀ, Qᵀ = Pᵀ·M): single-threaded BLAS takes
+    about 6x longer for M·Q and Mᵀ·P with R columns (fc1, rank 4: 470 µs against 75 µs).
+
     buckets: the parameters of each bucket, in the order of its flat buffer.
     warmup: steps summed uncompressed (and without error feedback) before compression starts.
     """
@@ -192,7 +196,7 @@ class PowerSGD(NoCompression):
         # Phase 1: the uncompressed tensors, the extras and the P's, in one sum.
         counts = flat[values.numel():]
         first = torch.cat([flat[o:o + k] for o, k in plain] + [counts] +
-                          [(m @ q).reshape(-1) for m, q in zip(ms, self.qs[bucket])])
+                          [(q.t() @ m.t()).t().reshape(-1) for m, q in zip(ms, self.qs[bucket])])
         sum_(first)
         at = 0
         for o, k in plain:
@@ -204,12 +208,12 @@ class PowerSGD(NoCompression):
         for m in ms:
             ps.append(orthonormalize(first[at:at + m.shape[0] * self.rank].view(m.shape[0], self.rank)))
             at += m.shape[0] * self.rank
-        # Phase 2: the Q's.
-        second = torch.cat([(m.t() @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms else torch.empty(0)
+        # Phase 2: the Q's, each as Qᵀ = Pᵀ·M (R x cols, row after row).
+        second = torch.cat([(p.t() @ m).reshape(-1) for m, p in zip(ms, ps)]) if ms else torch.empty(0)
         sum_(second).div_(n)
         at, qs = 0, []
         for (offset, rows, cols), m, p in zip(matrices, ms, ps):
-            q = second[at:at + cols * self.rank].view(cols, self.rank).clone()
+            q = second[at:at + cols * self.rank].view(self.rank, cols).clone().t()
             at += cols * self.rank
             approximation = p @ q.t()
             torch.sub(m, approximation, out=error[offset:offset + rows * cols].view(rows, cols))
@@ -221,7 +225,7 @@ class PowerSGD(NoCompression):
     def _initial_qs(self, bucket, matrices):
         """Random Q's, the same on every rank (seeded by the run's seed and the bucket)."""
         generator = torch.Generator().manual_seed(self.seed * 1000 + bucket)
-        return [torch.randn(cols, self.rank, generator=generator) for _, _, cols in matrices]
+        return [torch.randn(self.rank, cols, generator=generator).t() for _, _, cols in matrices]
 
     def state_dict(self):
         return {"steps": list(self.steps), "errors": list(self.errors), "qs": [list(q) if q else q for q in self.qs]}
