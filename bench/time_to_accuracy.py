@@ -57,12 +57,13 @@ from common import (  # noqa: E402
     DDP_HOOKS, REPO, RESULTS, cluster, descendants, fmt, foreign_cpu, free_port, gradient_bytes_sent, LaunchError,
     loadavg, make_ddp, nic_tx_bytes, number_list, OneLineParser, parse_rate, proc_table, run_driver, run_world)
 from utils.checkpoint import atomic_write  # noqa: E402
+from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 
 COMPRESSIONS = ("none",) + DDP_HOOKS           # none, fp16, bf16, powersgd
 DEFAULTS = {"rate": "200mbit", "world_sizes": [2, 4], "epochs": 2, "evals_per_epoch": 4, "target": 0.99,
             "global_batch": 64, "lr": 4e-3, "seed": 1, "ours": "ring+overlap+lazy",
             "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"],
-            "powersgd_rank": 4, "powersgd_warmup": 10}   # PowerSGD: utils/compress.py's defaults
+            "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
 MODEL_NUMEL = 421642                           # utils/model.Net
 ALGORITHMS = ("two-pass", "ring", "gloo")
 

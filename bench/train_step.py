@@ -103,13 +103,14 @@ from common import (  # noqa: E402
     loadavg, make_ddp, nic_tx_bytes, number_list, OneLineParser, parse_rate, proc_table, run_driver, p_text, run_world,
     sign_test_p)
 from utils.checkpoint import atomic_write  # noqa: E402
+from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 # The default plan; results_stem() names the files after whatever a run changed from it.
 DEFAULTS = {"rates": ["1gbit", "200mbit"], "world_sizes": [2, 4], "model": "trainer", "batch_size": 32,
             "algorithms": ["two-pass", "ring", "gloo"], "compression": False,
             # --compression (issue #13): which compressions, on which of our configurations, PowerSGD's settings
             "compress": list(DDP_HOOKS), "compress_with": ["ring+overlap+lazy"],
-            "powersgd_rank": 4, "powersgd_warmup": 10}   # PowerSGD: utils/compress.py's defaults
+            "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
 MODEL_NUMEL = {"trainer": 421642,      # utils/model.Net
                "reference": 1199882}   # the issue's baseline model, see make_model()
 DDP_TOLERANCE = 1.00                   # "matches or beats DDP": best ms/step <= 1.00 x DDP's
