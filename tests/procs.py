@@ -1,10 +1,14 @@
-"""Starting real processes from tests, with a hard timeout that kills them all."""
+"""Starting real processes from tests, with a hard timeout that kills them all; reading what they left."""
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -78,3 +82,26 @@ def wait_all(procs, timeout):
         for p in procs:
             kill_group(p)
     return results
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def checkpoint_position(path):
+    try:
+        checkpoint = torch.load(path, weights_only=True)
+    except Exception:
+        return None
+    return checkpoint["epoch"], checkpoint["step"]
+
+
+def final_digest(stdout):
+    match = re.search(r"sha256 ([0-9a-f]{64})", stdout)
+    assert match, stdout
+    return match.group(1)

@@ -3,7 +3,6 @@
 They need root (CAP_NET_ADMIN); in CI (CI=true) they run as root and must not
 skip.  No test depends on train.py.  Every test has a hard timeout.
 """
-import os
 import re
 import signal
 import subprocess

@@ -1,7 +1,6 @@
 """Faults: dead or missing peers, kills during saving, exact resume, mismatched ranks."""
 import datetime
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -9,35 +8,12 @@ import sys
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import procs
+from procs import checkpoint_position, final_digest, wait_for
 
 SUBSET = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "--epochs", "2"]
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def checkpoint_position(path):
-    try:
-        checkpoint = torch.load(path, weights_only=True)
-    except Exception:
-        return None
-    return checkpoint["epoch"], checkpoint["step"]
-
-
-def final_digest(stdout):
-    match = re.search(r"sha256 ([0-9a-f]{64})", stdout)
-    assert match, stdout
-    return match.group(1)
 
 
 def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 import procs
 from procs import REPO
-from test_faults import checkpoint_position, final_digest, wait_for
+from procs import checkpoint_position, final_digest, wait_for
 
 sys.path.insert(0, REPO)
 from utils.compress import state_for  # noqa: E402

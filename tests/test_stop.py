@@ -14,7 +14,7 @@ import time
 import pytest
 
 import procs
-from test_faults import checkpoint_position, final_digest, wait_for
+from procs import checkpoint_position, final_digest, wait_for
 
 STOPPED = 3
 STEPS = 100   # 6400 images, 64 a step
