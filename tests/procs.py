@@ -84,6 +84,24 @@ def wait_all(procs, timeout):
     return results
 
 
+def run_workers(worker, world_size, tmp_path, extra=(), env=None, timeout=200):
+    """Run `worker RANK WORLD_SIZE PORT OUT *extra` for every rank (one gloo job over loopback);
+    each must exit 0. Returns what each rank saved to its OUT, in rank order."""
+    port = free_port()
+    outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
+    ranks = [subprocess.Popen([sys.executable, worker, str(r), str(world_size), str(port), str(outs[r]), *extra],
+                              env=env(r) if env else None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+             for r in range(world_size)]
+    try:
+        for code, _, err in wait_all(ranks, timeout=timeout):
+            assert code == 0, err
+    finally:
+        for p in ranks:
+            kill_group(p)
+    return [torch.load(o, weights_only=True) for o in outs]
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.time() + timeout
     while time.time() < deadline:

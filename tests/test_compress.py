@@ -3,31 +3,14 @@
 Real processes and gloo over loopback; tests/compress_worker.py is one rank.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from compress_worker import SHAPES, SIZES, inputs, low_rank
-from procs import free_port, kill_group, wait_all
+from procs import run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "compress_worker.py")
-
-
-def run_ranks(world_size, tmp_path):
-    port = free_port()
-    outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world_size), str(port), str(outs[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for r in range(world_size)]
-    try:
-        for code, out, err in wait_all(procs, timeout=200):
-            assert code == 0, err
-    finally:
-        for p in procs:
-            kill_group(p)
-    return [torch.load(o, weights_only=True) for o in outs]
 
 
 def assert_same_on_every_rank(results, part):
@@ -39,7 +22,7 @@ def assert_same_on_every_rank(results, part):
 @pytest.fixture(scope="module", params=[1, 2, 3, 4, 5])
 def ranks(request, tmp_path_factory):
     world_size = request.param
-    return world_size, run_ranks(world_size, tmp_path_factory.mktemp(f"compress{world_size}"))
+    return world_size, run_workers(WORKER, world_size, tmp_path_factory.mktemp(f"compress{world_size}"))
 
 
 @pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hierarchical_worker import inputs, sizes
-from procs import TRAIN, free_port, kill_group, scratch_dir, wait_all
+from procs import TRAIN, free_port, run_workers, scratch_dir, wait_all
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils.hierarchical import blocks, describe, hosts_of, plan  # noqa: E402
@@ -31,20 +31,9 @@ WORLD = len(TOPOLOGIES[0].split(","))
 
 @pytest.mark.timeout(150)
 def test_hierarchical_sums_exactly_once_and_identically(tmp_path):
-    port = free_port()
-    outs = [tmp_path / f"rank{r}.pt" for r in range(WORLD)]
     first = TOPOLOGIES[0].split(",")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(WORLD), str(port), str(outs[r]), *TOPOLOGIES],
-                              env=dict(os.environ, RING_HOST_ID=first[r], OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for r in range(WORLD)]
-    try:
-        for code, out, err in wait_all(procs, timeout=120):
-            assert code == 0, err
-    finally:
-        for p in procs:
-            kill_group(p)
-    results = [torch.load(o, weights_only=True) for o in outs]
+    results = run_workers(WORKER, WORLD, tmp_path, TOPOLOGIES, timeout=120,
+                          env=lambda r: dict(os.environ, RING_HOST_ID=first[r], OMP_NUM_THREADS="1"))
     checked = 0
     for topology in TOPOLOGIES:
         hosts = hosts_of(topology.split(","))

@@ -1,12 +1,10 @@
 """The ring sums: correct against a float64 reference and bit-identical on every rank."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from procs import free_port, kill_group, wait_all
+from procs import run_workers
 from ring_worker import cases, inputs
 
 WORKER = os.path.join(os.path.dirname(__file__), "ring_worker.py")
@@ -15,18 +13,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "ring_worker.py")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_every_algorithm_sums_exactly_once_and_identically(world_size, tmp_path):
-    port = free_port()
-    outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world_size), str(port), str(outs[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for r in range(world_size)]
-    try:
-        for code, out, err in wait_all(procs, timeout=200):
-            assert code == 0, err
-    finally:
-        for p in procs:
-            kill_group(p)
-    results = [torch.load(o, weights_only=True) for o in outs]
+    results = run_workers(WORKER, world_size, tmp_path)
     checked = 0
     for size, algorithm, chunks in cases(world_size):
         key = f"{size}/{algorithm}/{chunks}"
