@@ -26,8 +26,14 @@ point at or above --target (so it is accurate to one evaluation interval).
 once and without communication (the fair baseline when N ranks share this machine's cores);
 that step time (max over ranks) times the configuration's step count.
 
+Configurations run one after the other, so a slower spell of the machine lands on one of them.
+--repeats K trains each K times, round-robin (run 1 of every configuration, then run 2, ...), and
+adds a table of medians with each DDP configuration's time to the target against our best's,
+run by run.
+
     sudo python3 bench/time_to_accuracy.py                   # 200mbit, N = 2 and 4, 2 epochs
     python3 bench/time_to_accuracy.py --loopback --world-sizes 2 --epochs 1 --train-subset 6400
+    sudo python3 bench/time_to_accuracy.py --world-sizes 2 --configs ours+powersgd,ddp+powersgd --repeats 3
 
 Output: a markdown table (with the exact command), a PNG of test accuracy vs training seconds
 (one line per configuration, a panel per N) and the JSON, written atomically as
@@ -62,7 +68,7 @@ from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noq
 COMPRESSIONS = ("none",) + DDP_HOOKS           # none, fp16, bf16, powersgd
 DEFAULTS = {"rate": "200mbit", "world_sizes": [2, 4], "epochs": 2, "evals_per_epoch": 4, "target": 0.99,
             "global_batch": 64, "lr": 4e-3, "seed": 1, "ours": "ring+overlap+lazy",
-            "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"],
+            "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"], "repeats": 1,
             "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
 MODEL_NUMEL = 421642                           # utils/model.Net
 ALGORITHMS = ("two-pass", "ring", "gloo")
@@ -136,13 +142,18 @@ def results_stem(args, mode: str) -> str:
         parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
     if sorted(args.configs) != sorted(DEFAULTS["configs"]):
         parts.append("subset")
+    if args.repeats != DEFAULTS["repeats"]:
+        parts.append(f"x{args.repeats}")
     return "-".join(parts)
 
 
 def label(record_or_name, ours: str) -> str:
-    """A configuration's name for tables and plots: 'ours' spelt out as its algorithm."""
+    """A configuration's name for tables and plots: 'ours' spelt out as its algorithm; with --repeats,
+    which run."""
     name = record_or_name if isinstance(record_or_name, str) else record_or_name["config"]
-    return name.replace("ours", f"ours {ours}", 1) if name.startswith("ours") else name
+    name = name.replace("ours", f"ours {ours}", 1) if name.startswith("ours") else name
+    run = None if isinstance(record_or_name, str) else record_or_name.get("run")
+    return f"{name} (run {run})" if run else name
 
 
 # --------------------------------------------------------------------------- worker
@@ -369,6 +380,41 @@ def free_network(rows: list[dict]) -> dict | None:
             "to_target_s": ms * ref["steps_to_target"] / 1e3 if ref["steps_to_target"] else None}
 
 
+def medians(records: list[dict], ours: str, target: float) -> str:
+    """With --repeats: per N and configuration, the median over its runs, and each DDP configuration
+    against our best, run by run (the runs went round-robin, so run r of each saw the same machine)."""
+    head = (f"| N | configuration | runs | median time to {target:.1%} (s) | each run (s) | median ms/step "
+            f"| median x compute | time to {target:.1%} / our best's, run by run |")
+    lines = [head, "|--:|:--|--:|--:|:--|--:|--:|:--|"]
+    for n in sorted({r["world_size"] for r in records}):
+        rows = [r for r in records if r["world_size"] == n]
+        by_config = {}
+        for r in rows:
+            by_config.setdefault(r["config"], []).append(r)
+
+        def median_time(runs):
+            times = [r["time_to_target_s"] for r in runs]
+            return statistics.median(times) if None not in times else None
+        ours_runs = {c: runs for c, runs in by_config.items() if runs[0]["kind"] == "ours"}
+        timed = {c: t for c, runs in ours_runs.items() if (t := median_time(runs)) is not None}
+        best = min(timed, key=timed.get) if timed else None
+        for config, runs in by_config.items():
+            times = [r["time_to_target_s"] for r in runs]
+            paired = ""
+            if best and runs[0]["kind"] == "ddp":
+                ours_by_run = {r["run"]: r["time_to_target_s"] for r in by_config[best]}
+                ratios = [ours_by_run[r["run"]] / r["time_to_target_s"] for r in runs
+                          if r["time_to_target_s"] and ours_by_run.get(r["run"])]
+                paired = f"{label(best, ours)}: " + ", ".join(f"{x:.3f}x" for x in ratios)
+            lines.append("| " + " | ".join([
+                str(n), label(config, ours), str(len(runs)), fmt(median_time(runs), "{:.1f}", "not reached"),
+                ", ".join(fmt(t, "{:.1f}", "-") for t in times),
+                fmt(statistics.median(r["ms_per_step"] for r in runs), "{:.1f}"),
+                fmt(statistics.median(t / r["compute_x_steps_to_target_s"] for t, r in zip(times, runs))
+                    if None not in times else None, "{:.2f}x"), paired]) + " |")
+    return "\n".join(lines)
+
+
 def plot(records: list[dict], path: Path, title: str, worlds: list[int], ours: str, target: float) -> None:
     """Test accuracy vs training seconds, a line per configuration, a panel per N."""
     import matplotlib
@@ -424,41 +470,43 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
                 print(f"# cluster {rate}: {cl.hosts} hosts "
                       f"{', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}", flush=True)
             k = 0
-            for n in args.world_sizes:
-                for spec in specs:
-                    k += 1
-                    tag = f"n{n}-{spec['name'].replace('+', '-')}"
-                    cfg_path, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
-                    port = (29700 + 7 * k + os.getpid() % 5) if cl else free_port()
-                    host0 = cl.addr(0) if cl else "127.0.0.1"
-                    cfg_path.write_text(json.dumps({
-                        "world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
-                        "spec": spec, "ours": ours, "seed": args.seed, "epochs": args.epochs, "lr": args.lr,
-                        "global_batch": args.global_batch, "train_subset": args.train_subset,
-                        "test_subset": args.test_subset, "evals_per_epoch": args.evals_per_epoch, "compute_steps": args.compute_steps,
-                        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
-                        "out": str(out_path), "label": rate or "loopback"}))
-                    timeout = args.timeout or (120 + 2 * est[n])
-                    t, cpu_before, load_before, mine = time.time(), proc_table(), loadavg(), set()
-                    procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-{tag}.log",
-                                      timeout, f"{rate or 'loopback'} N={n} {spec['name']}",
-                                      env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
-                                      while_running=lambda ps: mine.update(descendants({p.pid for p in ps})))
-                    if not out_path.exists():
-                        raise LaunchError(f"N={n} {spec['name']}: the ranks exited without writing {out_path}")
-                    rec = summarize(json.loads(out_path.read_text()), spec, n, args.target, args.epochs)
-                    cores, top = foreign_cpu(cpu_before, proc_table(), mine | {p.pid for p in procs}, time.time() - t)
-                    rec["load"] = {"foreign_cpu_cores": round(cores, 2), "foreign_top": top,
-                                   "loadavg_before": load_before, "loadavg_after": loadavg()}
-                    if cores > 0.1:
-                        print(f"  WARNING N={n} {spec['name']}: other processes used {cores:.2f} of {os.cpu_count()} "
-                              f"cores during the run ({', '.join(top)}); times may be inflated", flush=True)
-                    records.append(rec)
-                    done(records)
-                    print(f"  N={n} {label(rec, args.ours)}: {fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')}"
-                          f" to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
-                          f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
-                          flush=True)
+            for n, run, spec in ((n, run, spec) for n in args.world_sizes for run in range(1, args.repeats + 1)
+                                 for spec in specs):   # round-robin: run r of every configuration, then r+1
+                k += 1
+                tag = f"n{n}-{spec['name'].replace('+', '-')}-{run}"
+                cfg_path, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
+                port = (29700 + 7 * k + os.getpid() % 5) if cl else free_port()
+                host0 = cl.addr(0) if cl else "127.0.0.1"
+                cfg_path.write_text(json.dumps({
+                    "world_size": n, "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
+                    "spec": spec, "ours": ours, "seed": args.seed, "epochs": args.epochs, "lr": args.lr,
+                    "global_batch": args.global_batch, "train_subset": args.train_subset,
+                    "test_subset": args.test_subset, "evals_per_epoch": args.evals_per_epoch, "compute_steps": args.compute_steps,
+                    "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
+                    "out": str(out_path), "label": rate or "loopback"}))
+                timeout = args.timeout or (120 + 2 * est[n])
+                t, cpu_before, load_before, mine = time.time(), proc_table(), loadavg(), set()
+                procs = run_world(str(Path(__file__).resolve()), n, cfg_path, cl, f"rank{{rank}}-{tag}.log",
+                                  timeout, f"{rate or 'loopback'} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else ""),
+                                  env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
+                                  while_running=lambda ps: mine.update(descendants({p.pid for p in ps})))
+                if not out_path.exists():
+                    raise LaunchError(f"N={n} {spec['name']}: the ranks exited without writing {out_path}")
+                rec = summarize(json.loads(out_path.read_text()), spec, n, args.target, args.epochs)
+                if args.repeats > 1:
+                    rec["run"] = run
+                cores, top = foreign_cpu(cpu_before, proc_table(), mine | {p.pid for p in procs}, time.time() - t)
+                rec["load"] = {"foreign_cpu_cores": round(cores, 2), "foreign_top": top,
+                               "loadavg_before": load_before, "loadavg_after": loadavg()}
+                if cores > 0.1:
+                    print(f"  WARNING N={n} {spec['name']}: other processes used {cores:.2f} of {os.cpu_count()} "
+                          f"cores during the run ({', '.join(top)}); times may be inflated", flush=True)
+                records.append(rec)
+                done(records)
+                print(f"  N={n} {label(rec, args.ours)}: {fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')}"
+                      f" to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
+                      f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
+                      flush=True)
     return records
 
 
@@ -472,6 +520,8 @@ def write_results(args, records, mode, rate, command, notes, started, complete=T
     warning = (f"WARNING: utils.run.GradientSum counts no bytes (it predates compression): "
                f"{', '.join(uncounted)} ran UNCOMPRESSED" if uncounted else "")
     tbl = table(records, args.ours, args.target, args.epochs)
+    if args.repeats > 1:
+        tbl += f"\n\nMedians over {args.repeats} runs, run round-robin:\n\n" + medians(records, args.ours, args.target)
     load_line = "; ".join(f"N={r['world_size']} {r['config']}: other processes {r['load']['foreign_cpu_cores']:.2f} cores"
                           for r in records)
     partial = "" if complete else f"**PARTIAL: {len(records)} world(s) done when this was written.**  \n"
@@ -486,7 +536,7 @@ def write_results(args, records, mode, rate, command, notes, started, complete=T
         "global_batch": args.global_batch, "train_subset": args.train_subset,
         "test_subset": args.test_subset, "lr": args.lr, "seed": args.seed,
         "ours": args.ours, "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
-        "compute_steps": args.compute_steps, "configs": args.configs,
+        "compute_steps": args.compute_steps, "configs": args.configs, "repeats": args.repeats,
         "host": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "kernel": platform.release()},
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
@@ -520,11 +570,12 @@ def driver(args) -> int:
     print(f"# time-to-accuracy benchmark: mode={mode}, "
           + (f"egress cap per host {rate}" if rate else "127.0.0.1, no cap")
           + f", N={','.join(map(str, args.world_sizes))}; configurations {', '.join(args.configs)} "
-          f"(each in its own world, one after the other)")
+          f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})")
     print(f"# {notes}")
-    print("# estimate (generous) " + ", ".join(f"N={n} ~{len(specs) * s:.0f}s" for n, s in est.items()), flush=True)
+    print("# estimate (generous) " + ", ".join(f"N={n} ~{len(specs) * args.repeats * s:.0f}s" for n, s in est.items()),
+          flush=True)
     started = time.time()
-    total = len(specs) * len(args.world_sizes)
+    total = len(specs) * len(args.world_sizes) * args.repeats
 
     def save(records):
         """Write the results so far (atomically): a failed or interrupted run keeps its finished worlds."""
@@ -591,6 +642,8 @@ def main(argv=None) -> int:
     ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULTS["powersgd_rank"])
     ap.add_argument("--powersgd-warmup", type=int, default=DEFAULTS["powersgd_warmup"],
                     help=f"plain steps before PowerSGD starts, ours and DDP's (default {DEFAULTS['powersgd_warmup']}; >= 2)")
+    ap.add_argument("--repeats", type=positive(int), default=DEFAULTS["repeats"],
+                    help="train every configuration this many times, round-robin, and report medians (default 1)")
     ap.add_argument("--compute-steps", type=positive(int), default=40,
                     help="compute-only steps timed per world (default 40)")
     ap.add_argument("--timeout", type=float, default=0, help="hard limit per world in s (default: from the plan)")

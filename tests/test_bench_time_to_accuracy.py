@@ -82,6 +82,24 @@ def test_a_quick_or_partial_run_never_overwrites_the_full_results(monkeypatch):
                 "ours+powersgd,ddp+powersgd,ours+bf16,ddp+fp16,ours,ddp") == "time_to_accuracy-cluster-n4-ev2"
     assert stem("--powersgd-rank", "2") == "time_to_accuracy-cluster-r2w10"
     assert stem("--ours", "gloo+overlap") == "time_to_accuracy-cluster-gloo+overlap"
+    assert stem("--repeats", "3") == "time_to_accuracy-cluster-x3"
+
+
+def test_repeats_give_medians_and_each_run_against_our_best():
+    def record(config, kind, run, seconds, ms):
+        return {"config": config, "kind": kind, "run": run, "world_size": 2, "time_to_target_s": seconds,
+                "ms_per_step": ms, "compute_x_steps_to_target_s": 20.0}
+    records = [record("ours+powersgd", "ours", 1, 30.0, 25.0), record("ddp+powersgd", "ddp", 1, 33.0, 27.0),
+               record("ours+powersgd", "ours", 2, 36.0, 29.0), record("ddp+powersgd", "ddp", 2, 30.0, 26.0),
+               record("ours+powersgd", "ours", 3, 31.0, 26.0), record("ddp+powersgd", "ddp", 3, 40.0, 30.0),
+               record("ours+bf16", "ours", 1, None, 40.0), record("ours+bf16", "ours", 2, 50.0, 41.0),
+               record("ours+bf16", "ours", 3, 51.0, 42.0)]
+    lines = tta.medians(records, "two-pass", 0.99).splitlines()
+    assert lines[2] == "| 2 | ours two-pass+powersgd | 3 | 31.0 | 30.0, 36.0, 31.0 | 26.0 | 1.55x |  |"
+    assert lines[3] == ("| 2 | ddp+powersgd | 3 | 33.0 | 33.0, 30.0, 40.0 | 27.0 | 1.65x | "
+                        "ours two-pass+powersgd: 0.909x, 1.200x, 0.775x |")
+    assert lines[4] == "| 2 | ours two-pass+bf16 | 3 | not reached | -, 50.0, 51.0 | 41.0 | - |  |"
+    assert tta.label(records[2], "two-pass") == "ours two-pass+powersgd (run 2)"
 
 
 def test_defaults_follow_the_trainer():
@@ -102,13 +120,14 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
     r = subprocess.run([sys.executable, BENCH, "--loopback", "--world-sizes", "2", "--epochs", "1",
                         "--train-subset", "640", "--test-subset", "500", "--evals-per-epoch", "2",
                         "--configs", "ours+powersgd,ddp+powersgd", "--powersgd-rank", "2", "--powersgd-warmup", "2",
-                        "--compute-steps", "3",
+                        "--compute-steps", "3", "--repeats", "2",
                         "--target", "0.5", "--timeout", "150", "--results-dir", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
-    stem = "time_to_accuracy-loopback-n2-e1-ev2-sub640-test500-r2w2-subset"
+    stem = "time_to_accuracy-loopback-n2-e1-ev2-sub640-test500-r2w2-subset-x2"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
-    assert [row["config"] for row in data["results"]] == ["ours+powersgd", "ddp+powersgd"]
+    assert [(row["config"], row["run"]) for row in data["results"]] == [   # round-robin
+        ("ours+powersgd", 1), ("ddp+powersgd", 1), ("ours+powersgd", 2), ("ddp+powersgd", 2)]
     for row in data["results"]:
         assert row["params_identical"] is True and row["steps"] == 10 and row["steps_per_epoch"] == 10
         assert [p["step"] for p in row["points"]] == [0, 5, 10]
@@ -117,7 +136,8 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
     ours = data["results"][0]
     assert ours["counts_bytes"] is True and ours["sent_kb_per_step"] > 0
     md = (tmp_path / f"{stem}.md").read_text()
-    assert "`python3 bench/time_to_accuracy.py --loopback" in md and "| 2 | ours ring+overlap+lazy+powersgd |" in md
+    assert "`python3 bench/time_to_accuracy.py --loopback" in md and "| 2 | ours ring+overlap+lazy+powersgd (run 2) |" in md
+    assert "Medians over 2 runs" in md and "| 2 | ddp+powersgd | 2 |" in md
     png = (tmp_path / f"{stem}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
