@@ -384,7 +384,7 @@ def medians(records: list[dict], ours: str, target: float) -> str:
     """With --repeats: per N and configuration, the median over its runs, and each DDP configuration
     against our best, run by run (the runs went round-robin, so run r of each saw the same machine)."""
     head = (f"| N | configuration | runs | median time to {target:.1%} (s) | each run (s) | median ms/step "
-            f"| median x compute | time to {target:.1%} / our best's, run by run |")
+            f"| median x compute | our best's time to {target:.1%} / this one's, run by run |")
     lines = [head, "|--:|:--|--:|--:|:--|--:|--:|:--|"]
     for n in sorted({r["world_size"] for r in records}):
         rows = [r for r in records if r["world_size"] == n]
