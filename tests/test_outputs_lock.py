@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import procs
-from procs import REPO
+from procs import REPO, checkpoint_position, wait_for
 
 sys.path.insert(0, REPO)
 from utils.errors import UsageError  # noqa: E402
@@ -22,15 +22,6 @@ from utils.model import Net  # noqa: E402
 from utils.outputs import lock_outputs  # noqa: E402
 
 HOST = socket.gethostname()
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start(args, cwd):
@@ -44,14 +35,6 @@ def read(path):
         return open(path).read().strip()
     except OSError:
         return None
-
-
-def checkpoint_position(path):
-    try:
-        checkpoint = torch.load(path, weights_only=True)
-    except Exception:
-        return None
-    return checkpoint["epoch"], checkpoint["step"]
 
 
 def snapshot(folder):
