@@ -162,15 +162,16 @@ class PowerSGD(NoCompression):
 
     def __init__(self, buckets, rank, warmup, seed=0):
         self.rank, self.warmup, self.seed = rank, warmup, seed
-        self.shapes = [[tuple(p.shape) for p in bucket] for bucket in buckets]
+        self.layouts = [self.layout([tuple(p.shape) for p in bucket]) for bucket in buckets]
         self.steps = [0] * len(buckets)             # sums done, per bucket
         self.errors = [None] * len(buckets)         # flat error buffer per bucket, once compressing
         self.qs = [None] * len(buckets)             # per bucket: list of Q (cols x R) per matrix
 
-    def layout(self, bucket):
-        """([(offset, rows, cols)] of the tensors worth compressing, [(offset, numel)] of the rest)."""
+    def layout(self, shapes):
+        """([(offset, rows, cols)] of the tensors worth compressing, [(offset, numel)] of the rest),
+        for a bucket of tensors of these shapes."""
         matrices, plain, offset = [], [], 0
-        for shape in self.shapes[bucket]:
+        for shape in shapes:
             numel = math.prod(shape)
             rows = shape[0] if len(shape) >= 2 else 0
             if rows and (rows + numel // rows) * self.rank * MIN_COMPRESSION < numel:
@@ -187,7 +188,7 @@ class PowerSGD(NoCompression):
             sum_(flat)
             values.div_(n)
             return flat
-        matrices, plain = self.layout(bucket)
+        matrices, plain = self.layouts[bucket]
         if self.errors[bucket] is None:
             self.errors[bucket] = torch.zeros_like(values)   # stays 0 where nothing is compressed
             self.qs[bucket] = self._initial_qs(bucket, matrices)
