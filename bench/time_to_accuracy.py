@@ -380,6 +380,12 @@ def free_network(rows: list[dict]) -> dict | None:
             "to_target_s": ms * ref["steps_to_target"] / 1e3 if ref["steps_to_target"] else None}
 
 
+def median_time(runs: list[dict]) -> float | None:
+    """The median time to target over `runs`; None if any run never reached it."""
+    times = [r["time_to_target_s"] for r in runs]
+    return statistics.median(times) if None not in times else None
+
+
 def medians(records: list[dict], ours: str, target: float) -> str:
     """With --repeats: per N and configuration, the median over its runs, and each DDP configuration
     against our best, run by run (the runs went round-robin, so run r of each saw the same machine)."""
@@ -387,24 +393,19 @@ def medians(records: list[dict], ours: str, target: float) -> str:
             f"| median x compute | our best's time to {target:.1%} / this one's, run by run |")
     lines = [head, "|--:|:--|--:|--:|:--|--:|--:|:--|"]
     for n in sorted({r["world_size"] for r in records}):
-        rows = [r for r in records if r["world_size"] == n]
         by_config = {}
-        for r in rows:
-            by_config.setdefault(r["config"], []).append(r)
-
-        def median_time(runs):
-            times = [r["time_to_target_s"] for r in runs]
-            return statistics.median(times) if None not in times else None
-        ours_runs = {c: runs for c, runs in by_config.items() if runs[0]["kind"] == "ours"}
-        timed = {c: t for c, runs in ours_runs.items() if (t := median_time(runs)) is not None}
-        best = min(timed, key=timed.get) if timed else None
+        for r in records:
+            if r["world_size"] == n:
+                by_config.setdefault(r["config"], []).append(r)
+        ours_timed = {c: median_time(runs) for c, runs in by_config.items() if runs[0]["kind"] == "ours"}
+        ours_timed = {c: t for c, t in ours_timed.items() if t is not None}
+        best = min(ours_timed, key=ours_timed.get) if ours_timed else None
         for config, runs in by_config.items():
             times = [r["time_to_target_s"] for r in runs]
             paired = ""
             if best and runs[0]["kind"] == "ddp":
                 ours_by_run = {r["run"]: r["time_to_target_s"] for r in by_config[best]}
-                ratios = [ours_by_run[r["run"]] / r["time_to_target_s"] for r in runs
-                          if r["time_to_target_s"] and ours_by_run.get(r["run"])]
+                ratios = [ours_by_run[r["run"]] / r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
                 paired = f"{label(best, ours)}: " + ", ".join(f"{x:.3f}x" for x in ratios)
             lines.append("| " + " | ".join([
                 str(n), label(config, ours), str(len(runs)), fmt(median_time(runs), "{:.1f}", "not reached"),
