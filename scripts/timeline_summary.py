@@ -118,7 +118,7 @@ def plot(spans, meta, path, steps):
             for s in mine:
                 if s["row"] == row and s["name"] in COLOURS:
                     ax.broken_barh([(s["start"] - t0, s["end"] - s["start"])], (y - 0.4, 0.8),
-                                   color=COLOURS.get(s["name"], "#999999"))
+                                   color=COLOURS[s["name"]])
             labels.append(f"rank {rank} {row}")
             y += 1
     ax.set_yticks(range(len(labels)), labels)
