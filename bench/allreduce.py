@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS, cluster, fmt, free_port, LaunchError, number_list, OneLineParser, parse_rate, run_driver,
     p_text, ratios_to_gloo, run_world, sign_test_p)
-from utils.checkpoint import atomic_write  # noqa: E402
+from utils.checkpoint import write_file  # noqa: E402
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
 DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")   # hierarchical: with --ranks-per-host
@@ -258,7 +258,7 @@ def worker(args) -> int:
 
     out["failures"] = failures
     if rank == 0:
-        atomic_write(Path(cfg["out"]), json.dumps(out).encode())
+        write_file(Path(cfg["out"]), json.dumps(out).encode())
     dist.barrier()
     dist.destroy_process_group()
     return 3 if failures else 0
@@ -529,7 +529,7 @@ def plot(records: list[dict], path: Path, title: str, rate_bytes: float | None, 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    write_file(path, buf.getvalue())
 
 
 def driver(args) -> int:
@@ -651,8 +651,8 @@ def driver(args) -> int:
     }
     out_dir = Path(args.results_dir)
     stem = results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc, k)
-    atomic_write(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
-    atomic_write(out_dir / f"{stem}.md", md.encode())
+    write_file(out_dir / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())  # the real ring's
+    write_file(out_dir / f"{stem}.md", md.encode())
     plot(records, out_dir / f"{stem}.png", title, rate_bytes, wire["burst_bytes"] if wire else 0)
 
     print()

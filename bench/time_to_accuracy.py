@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     DDP_HOOKS, REPO, RESULTS, cluster, descendants, fmt, foreign_cpu, free_port, gradient_bytes_sent, LaunchError,
     loadavg, make_ddp, nic_tx_bytes, number_list, OneLineParser, parse_rate, proc_table, run_driver, run_world)
-from utils.checkpoint import atomic_write  # noqa: E402
+from utils.checkpoint import write_file  # noqa: E402
 from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 
 COMPRESSIONS = ("none",) + DDP_HOOKS           # none, fp16, bf16, powersgd
@@ -284,7 +284,7 @@ def worker(args) -> int:
     dist.all_gather_object(tx, [None if tx_start is None or tx_end is None else tx_end - tx_start,
                                 None if sent_start is None or sent_end is None else sent_end - sent_start])
     if rank == 0:
-        atomic_write(Path(cfg["out"]), json.dumps({
+        write_file(Path(cfg["out"]), json.dumps({
             "world_size": n, "steps_per_epoch": steps_per_epoch, "steps": global_step,
             "batch_size": run_args.batch_size, "compute_step_s": compute_s, "points": points,
             "train_seconds": train_s, "wall_seconds": time.time() - wall_start,
@@ -454,7 +454,7 @@ def plot(records: list[dict], path: Path, title: str, worlds: list[int], ours: s
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    write_file(path, buf.getvalue())
 
 
 def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda records: None) -> list[dict]:
@@ -546,8 +546,8 @@ def write_results(args, records, mode, rate, command, notes, started, complete=T
         "results": records,
     }
     out = Path(args.results_dir) / results_stem(args, mode)
-    atomic_write(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
-    atomic_write(out.with_suffix(".md"), md.encode())
+    write_file(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
+    write_file(out.with_suffix(".md"), md.encode())
     plot(records, out.with_suffix(".png"), title, args.world_sizes, args.ours, args.target)
     return out, tbl, warning
 

@@ -102,7 +102,7 @@ from common import (  # noqa: E402
     DDP_HOOKS, REPO, RESULTS, cluster, descendants, fmt, foreign_cpu, free_port, gradient_bytes_sent, LaunchError,
     loadavg, make_ddp, nic_tx_bytes, number_list, OneLineParser, parse_rate, proc_table, run_driver, p_text, run_world,
     sign_test_p)
-from utils.checkpoint import atomic_write  # noqa: E402
+from utils.checkpoint import write_file  # noqa: E402
 from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 # The default plan; results_stem() names the files after whatever a run changed from it.
@@ -338,7 +338,7 @@ def worker(args) -> int:
     counts = [gradient_bytes_sent(r.gsum) is not None for r in runners]
     dist.all_gather_object(everyone, {"times": times, "digests": digests, "counts_bytes": counts})
     if rank == 0:
-        atomic_write(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
+        write_file(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
     for r in runners:
         r.close()
     if wire is not None:
@@ -759,7 +759,7 @@ def plot(records: list[dict], path: Path, title: str, rates: list[str | None], w
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    write_file(path, buf.getvalue())
 
 
 # --------------------------------------------------------------------------- driver
@@ -866,8 +866,8 @@ def driver(args) -> int:
         "targets": targets, "results": records,
     }
     out = Path(args.results_dir) / results_stem(args, mode)
-    atomic_write(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
-    atomic_write(out.with_suffix(".md"), md.encode())
+    write_file(out.with_suffix(".json"), (json.dumps(result, indent=1) + "\n").encode())
+    write_file(out.with_suffix(".md"), md.encode())
     plot(records, out.with_suffix(".png"), title, rates, worlds)
 
     print(f"\n{table(records, mode)}\n\nLoad during the runs: {load_line}\n")

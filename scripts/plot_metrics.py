@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from utils.checkpoint import atomic_write  # noqa: E402
+from utils.checkpoint import write_file  # noqa: E402
 
 PROG = "plot_metrics.py"
 REQUIRED = ("epoch", "train_loss", "test_accuracy")
@@ -204,7 +204,7 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    atomic_write(out, buf.getvalue())
+    write_file(out, buf.getvalue())
 
 
 def main(argv=None) -> int:

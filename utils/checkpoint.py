@@ -1,21 +1,139 @@
-"""Saving without ever leaving half a file, and loading only what is safe to load."""
+"""The checkpoint's owner, and every file the program writes.
+
+A checkpoint is a plain dict (SCHEMA), written by rank 0 after an epoch, every --save-every steps
+and on a stop; it holds everything to continue exactly after `step` of `epoch`, on this number of
+ranks or another:
+
+    model, optimizer, scheduler, rng     the state dicts, and torch's random state
+    epoch, step                          continue after this step (step 0: at the epoch's start)
+    epoch_stats                          the epoch's log-line sums so far (utils/run.EpochStats)
+    world_size                           the ranks it was made on
+    compression                          every rank's compression state (None: uncompressed)
+    settings                             {flag: value} a resume must keep (Config.must_keep + model)
+    config                               the whole utils.config.Config, for the record
+
+    state = training_state(...); save(state, path)       rank 0
+    checkpoint = load(path, expected_settings)           checked, or one UsageError line
+    finished(checkpoint, epochs)                         the end of a run: nothing left to train
+    restore(checkpoint, optimizer, scheduler, sync, rank, world_size) -> (epoch, step, stats)
+
+Files (write_file): a regular file, or one not there yet, is written atomically (a temp file in
+the same folder, fsync, rename), so a crash leaves the old file or the new one, never a mix. A
+symlink is written through to its target, whose folder gets the temp file; the link stays. A
+character or block device or a FIFO is written in place (/dev/null, a pipe to another program);
+a socket or a folder is refused in one line.
+"""
 import io
 import os
 import pickle
 import re
+import stat
 import tempfile
 import warnings
 
 import torch
 
+from utils.compress import state_for
 from utils.errors import UsageError
 
+SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}   # required keys
 
-def atomic_write(path, data):
-    """Write bytes to a temp file in the same folder, fsync, then rename over `path`.
 
-    A crash at any moment leaves either the old file or the new one, never a mix.
-    """
+def training_state(model, optimizer, scheduler, epoch, step, stats, world_size, compression, settings, config):
+    """The checkpoint dict of a run after `step` of `epoch` (see the module's docstring)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(), "epoch": epoch, "step": step, "epoch_stats": stats,
+            "world_size": world_size, "compression": compression, "settings": settings, "config": config}
+
+
+def save(state, path):
+    """torch.save `state` to `path` (see write_file)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_file(path, buffer.getvalue())
+
+
+def upgrade(checkpoint):
+    """(the settings a resume must keep, the world size) of a checkpoint; older ones held the world
+    size and the batch per rank as settings, and no compression."""
+    settings = {"compress": "none", **checkpoint["settings"]}
+    world_size = checkpoint.get("world_size", settings.pop("world-size", None))
+    if "batch-size" in settings:
+        settings["global-batch"] = settings.pop("batch-size") * world_size
+    return settings, world_size
+
+
+def load(path, expected):
+    """The checkpoint at `path`, checked against this run's settings `expected` ({flag: value}).
+
+    It may have been made on another number of ranks: the steps, the data order and the schedule
+    follow from the global batch, which must match (utils/data.step_batches)."""
+    checkpoint = safe_load(path, "checkpoint")
+    if not isinstance(checkpoint, dict) or not SCHEMA <= set(checkpoint):
+        raise UsageError(f"checkpoint {path} is not a training checkpoint of this program")
+    for name, value in upgrade(checkpoint)[0].items():
+        if expected.get(name) != value:
+            raise UsageError(f"checkpoint {path} was made with --{name} {value}, this run has "
+                             f"{expected.get(name)}; resume with the same settings, or start afresh without --resume")
+    return checkpoint
+
+
+def finished(checkpoint, epochs):
+    """Whether `checkpoint` is the end of a run: every epoch done, nothing left to train."""
+    return checkpoint is not None and checkpoint["epoch"] > epochs and checkpoint["step"] == 0
+
+
+def restore(checkpoint, optimizer, scheduler, sync, rank, world_size):
+    """Continue from `checkpoint` (the model is loaded already): returns (epoch, step, epoch_stats).
+    On another number of ranks each rank's compression state is compress.state_for's."""
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    torch.set_rng_state(checkpoint["rng"])
+    if checkpoint.get("compression"):
+        sync.load_state_dict(state_for(checkpoint["compression"], rank, world_size))
+    return checkpoint["epoch"], checkpoint["step"], checkpoint["epoch_stats"]
+
+
+def set_aside(path):
+    """A fresh start keeps the previous run's checkpoint as <path>.prev (through a symlink: its
+    target's); returns whether there was one. A device or FIFO is left alone."""
+    target = os.path.realpath(path)
+    if not os.path.isfile(target):
+        return False
+    os.replace(target, target + ".prev")
+    return True
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def write_file(path, data):
+    """Write bytes to `path`: atomically for a regular file, through a symlink, in place for a
+    device or FIFO (see the module's docstring). OSError: the write failed (a full disk, /dev/full)."""
+    target = os.path.realpath(path)
+    kind = special_kind(target)
+    if kind is None:
+        _atomic_write(target, data)
+    elif kind in ("device", "FIFO"):
+        with open(target, "wb") as f:
+            f.write(data)
+    else:
+        raise UsageError(f"cannot write {path}: it is a {kind}")
+
+
+def special_kind(path):
+    """None for a regular file or one not there yet; else 'device', 'FIFO', 'folder', 'socket'."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "FIFO" if stat.S_ISFIFO(mode) else "folder" if stat.S_ISDIR(mode) else "socket"
+
+
+def _atomic_write(path, data):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
@@ -38,9 +156,17 @@ def atomic_write(path, data):
 
 def check_writable(path, option):
     """Fail now, in one line, if `path` cannot be written: not after an epoch of training."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    target = os.path.realpath(path)
+    kind = special_kind(target)
+    if kind == "folder":
         raise UsageError(f"{option} {path} is a folder; give a file name in it")
+    if kind == "socket":
+        raise UsageError(f"{option} {path} is a socket; give a file, a device or a FIFO")
+    if kind is not None:
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"cannot write {option} {path}: permission denied")
+        return
+    folder = os.path.dirname(target)
     try:
         os.makedirs(folder, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=folder)
@@ -50,13 +176,6 @@ def check_writable(path, option):
         raise UsageError(f"cannot write {option} {path}: {e.strerror or e}") from None
 
 
-def atomic_save(obj, path):
-    """torch.save `obj` to `path` atomically (see atomic_write)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write(path, buffer.getvalue())
-
-
 def current_umask():
     mask = os.umask(0)
     os.umask(mask)
@@ -64,10 +183,11 @@ def current_umask():
 
 
 def remove_stale_temps(path):
-    """Delete temp files that a save killed half-way left next to `path`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(folder):
-        prefix = os.path.basename(path) + "."
+    """Delete temp files that a save killed half-way left next to `path` (its target's folder)."""
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
+    if special_kind(target) is None and os.path.isdir(folder):
+        prefix = os.path.basename(target) + "."
         for name in os.listdir(folder):
             if name.startswith(prefix) and name.endswith(".tmp"):
                 os.remove(os.path.join(folder, name))

@@ -1,7 +1,7 @@
 """Compressed gradient sums: fewer bytes through the rings of utils/ring.py on slow links.
 
 A compressor averages one bucket's flat gradient over all ranks; it moves whatever it sends
-through `sum_`, a RingSum bound to the chosen ring and group, so every --allreduce works:
+through `sum_`, an all-reduce object of utils/allreduce.py, so every --allreduce works:
 
     compressor.average_(flat, bucket, sum_, extras=0)    # in place; bucket: which one (its own state)
 
@@ -29,9 +29,6 @@ when the job resumes on another number of ranks.
 import math
 
 import torch
-import torch.distributed as dist
-
-from utils import hierarchical, ring, timeline
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 # One epoch of the default recipe over five seeds (bench/results/accuracy/one-epoch-seeds.md): rank 4 with
@@ -42,33 +39,6 @@ DEFAULT_POWERSGD_WARMUP = 10   # uncompressed steps first
 FP16_MAX = 65504.0
 FP16_HEADROOM = 16      # the last sum's largest value lands this far below FP16_MAX / N
 MIN_COMPRESSION = 2     # PowerSGD compresses a matrix only if that saves at least half of it
-
-
-class RingSum:
-    """sum_(buffer, wire_dtype=None): one all-reduce of `buffer` over `group`; counts the bytes."""
-
-    def __init__(self, algorithm, chunks, group=None):
-        if algorithm == "hierarchical" and group is None:   # a collective: every rank makes it now
-            group = hierarchical.default_hierarchy()
-        self.algorithm, self.chunks, self.group = algorithm, chunks, group
-        plain = None if algorithm == "hierarchical" else group   # a Hierarchy spans the default group
-        self.world_size, self.rank = dist.get_world_size(plain), dist.get_rank(plain)
-        self.bytes_sent = 0        # by this rank, over all calls
-        self.bytes_summed = 0      # the buffers' sizes on the wire, over all calls (for busbw)
-
-    def __call__(self, buffer, wire_dtype=None):
-        size = torch.empty(0, dtype=wire_dtype or buffer.dtype).element_size()
-        if self.algorithm == "hierarchical":   # loopback legs in the buffer's type, the rest in the wire's
-            sent = self.group.bytes_sent(buffer.numel(), buffer.element_size(), size)
-        else:
-            sent = ring.bytes_sent(buffer.numel(), size, self.algorithm, self.rank, self.world_size)
-        with timeline.span("all-reduce", algorithm=self.algorithm, bytes_sent=sent, bytes=buffer.numel() * size,
-                           chunks=ring.resolve_chunks(self.chunks, buffer.numel(), wire_dtype)
-                           if self.algorithm == "two-pass" and timeline.recording() else None):
-            ring.sum_(buffer, self.algorithm, self.chunks, self.group, wire_dtype)
-        self.bytes_sent += sent
-        self.bytes_summed += buffer.numel() * size
-        return buffer
 
 
 def gradients_of(flat, extras):

@@ -39,8 +39,8 @@ wrong; a wrong grouping costs speed, never correctness.
 
 Process groups: a Hierarchy holds the subgroups of one sum: one per host with more than one
 rank, one per cross-host ring. dist.new_group is a collective of all ranks, so every rank
-creates every Hierarchy at the same point, in the same order (utils/overlap.py makes one per
-gradient bucket, so buckets never share connections).
+creates every Hierarchy at the same point, in the same order (utils/gradsync.py makes one per
+gradient bucket, so buckets never share connections; utils/allreduce.Hierarchical owns it).
 """
 import fcntl
 import os
@@ -262,36 +262,6 @@ class Hierarchy:
             j = self.host.index(dist.get_rank())
             sent += sum(sizes[(j - s - 1) % k] for s in range(2 * (k - 1))) * element_size
         for shard, group in self.rings:
-            sent += ring.bytes_sent(edge[shard + 1] - edge[shard], wire_element_size, "ring",
-                                    dist.get_rank(group), dist.get_world_size(group))
+            sent += ring.ring_bytes_sent(edge[shard + 1] - edge[shard], wire_element_size,
+                                         dist.get_rank(group), dist.get_world_size(group))
         return sent
-
-
-_default = None
-
-
-def hierarchical_sum(flat, group=None, wire_dtype=None):
-    """ring.sum_'s entry: sum `flat` with Hierarchy `group` (None: default_hierarchy())."""
-    if group is None:
-        group = default_hierarchy()
-    if not isinstance(group, Hierarchy):
-        raise TypeError("the hierarchical sum needs a utils.hierarchical.Hierarchy as its group, "
-                        f"not {type(group).__name__}")
-    return group.sum_(flat, wire_dtype)
-
-
-def default_hierarchy():
-    """One Hierarchy for the default group, created (a collective, with the default group's
-    timeout) on the first call."""
-    global _default
-    if _default is None:
-        _default = Hierarchy(timeout=default_timeout())
-    return _default
-
-
-def default_timeout():
-    """The default group's timeout (new groups would otherwise get torch's 30 minutes)."""
-    try:
-        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return None

@@ -2,32 +2,25 @@
 
 The lock is an advisory flock on `<output>.lock`, taken by the process itself. The kernel drops
 it when that process ends in any way, SIGKILL included, so a killed job leaves nothing to clean
-up by hand. Lock files stay behind on purpose: deleting one would race with a job that has just
-opened it, and two jobs could then each hold a lock on a different file of the same name.
+up by hand: the next job takes the lock file over. A job that ends by itself (done, stopped, a
+lost peer, bad input) removes its lock files (release()). It unlinks each while still holding
+its lock, and a taker checks, once locked, that the file it locked is still the one at that
+path (else it opens the new one): so two jobs never each hold a lock on a different file of the
+same name. Devices and FIFOs (--save-path /dev/null) get no lock file: nothing is left beside them.
 """
 import fcntl
 import os
 import socket
 import time
 
+from utils.checkpoint import special_kind
 from utils.errors import UsageError
 
 PROBE_SECONDS = 0.5  # a lock taken for longer than another job's look (hold=False) is a job's
 _held = []  # the open lock files of this process: closing one would release its lock
 
 
-def outputs(args):
-    """(option, path) of every file rank 0 writes, each file once however it is spelled."""
-    seen, found = set(), []
-    for option, path in (("--checkpoint", args.checkpoint), ("--save-path", args.save_path),
-                         ("--metrics", args.metrics), ("--timeline", getattr(args, "timeline", None))):
-        if path and os.path.realpath(path) not in seen:
-            seen.add(os.path.realpath(path))
-            found.append((option, path))
-    return found
-
-
-def lock_outputs(args, hold=True):
+def lock_outputs(outputs, hold=True):
     """Lock every output of this job, or stop in one line naming the job that has them.
 
     hold=False only looks (the local launcher, before it starts the rank 0 that will take the
@@ -36,14 +29,15 @@ def lock_outputs(args, hold=True):
     """
     taken = []
     try:
-        for option, path in outputs(args):
+        for option, path in outputs.files():
+            if special_kind(os.path.realpath(path)) is not None:
+                continue  # a device or FIFO: written in place, by whoever names it
             lock_path = os.path.realpath(path) + ".lock"
             if not hold and not os.path.exists(lock_path):
                 continue  # every holder creates its lock file first: nobody holds this one
             try:
-                fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
-                taken.append(fd)
-                locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0)
+                fd, locked = open_and_lock(lock_path, hold)
+                taken.append((fd, lock_path))
                 if locked and hold:  # in place, not by rename: a new file would not be the one that is locked
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"pid {job_pid()} on {socket.gethostname()}\n".encode(), 0)
@@ -53,13 +47,45 @@ def lock_outputs(args, hold=True):
                 raise UsageError(f"{option} {path} is in use by another job ({holder(fd)}); let it finish, or give "
                                  f"this job other files with --save-path, --checkpoint, --metrics and --timeline")
     except BaseException:
-        for fd in taken:
+        for fd, _ in taken:
             os.close(fd)
         raise
     if hold:
         _held.extend(taken)
     else:
-        for fd in taken:
+        for fd, _ in taken:
+            os.close(fd)
+
+
+def open_and_lock(lock_path, hold):
+    """(fd, locked) of the lock file at `lock_path`; a file its holder removed meanwhile is
+    left for the one now at that path."""
+    while True:
+        try:
+            fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
+        except FileNotFoundError:   # only a look opens without creating: the holder just released it
+            return os.open(os.devnull, os.O_RDONLY), True
+        locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0)
+        if not locked or same_file(fd, lock_path):
+            return fd, locked
+        os.close(fd)   # locked a file that is gone: its holder released it just now
+
+
+def same_file(fd, path):
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def release():
+    """Remove this process's lock files and let go of their locks (the end of a job)."""
+    while _held:
+        fd, lock_path = _held.pop()
+        try:
+            if same_file(fd, lock_path):
+                os.unlink(lock_path)
+        finally:
             os.close(fd)
 
 

@@ -3,13 +3,13 @@
 Every function here takes ONE flat, contiguous tensor, the same size on every rank, and
 replaces it in place with the element-wise sum over all ranks. Every rank ends with
 bit-identical values: each element is added up in one place, in one order, and then only
-copied. `average_()` divides by the world size afterwards; that is what training calls.
+copied. utils/allreduce.py wraps each in an object (--allreduce picks one), which counts the
+bytes and draws the timeline; utils/hierarchical.py builds its sum from ring_steps.
 
     two_pass_ring_sum  the original protocol (default): a chain, then the total forwarded.
     ring_sum           bandwidth-optimal reduce-scatter + all-gather.
+    ring_steps         any run of ring_sum's steps, over a group's ranks (the hierarchical sum).
     gloo_sum           dist.all_reduce, the reference.
-    hierarchical       several ranks per host: loopback within hosts, ring_sum across them
-                       (utils/hierarchical.py).
 
 wire_dtype: every function also takes the type its messages carry (None: the buffer's own). With
 torch.bfloat16 or torch.float16 each hop carries 16-bit values, but a rank adds what it receives
@@ -18,10 +18,9 @@ not compound along the ring. The finished sum is rounded once, and every rank ke
 value, so all ranks still end with the same bits. (gloo_sum cannot: gloo adds in the wire type.)
 
 group: every function also takes a process group of ALL ranks, in the same order, that has its
-own connections (utils/overlap.py gives each gradient bucket one, so a small bucket need not
+own connections (utils/gradsync.py gives each gradient bucket one, so a small bucket need not
 queue behind a big one on the same socket). Peer ranks are the same numbers as in the default
-group. None means the default group. The hierarchical sum takes a utils.hierarchical.Hierarchy
-(its subgroups) instead; None means one for the default group, made on its first call.
+group. None means the default group.
 
 Timeouts: gloo applies the process group's timeout (init_process_group(timeout=...)) to every
 send and receive, so a silent peer turns into an exception instead of a hang.
@@ -47,15 +46,18 @@ def resolve_chunks(chunks, numel, wire_dtype=None):
     return auto_chunks(numel, torch.empty(0, dtype=wire_dtype or torch.float32).element_size())
 
 
-def bytes_sent(numel, element_size, algorithm, rank, n):
-    """How many bytes `rank` sends in one sum of `numel` elements (what the epoch line reports).
-
-    two-pass: every rank sends the buffer once in pass 1, and ranks 0..N-3 once more in pass 2.
-    ring: 2(N-1) segments of about 1/N. gloo runs a ring too; counted as ours."""
+def two_pass_bytes_sent(numel, element_size, rank, n):
+    """How many bytes `rank` sends in one two-pass sum of `numel` elements: the buffer once in
+    pass 1, and once more in pass 2 on ranks 0..N-3."""
     if n == 1:
         return 0
-    if algorithm == "two-pass":
-        return numel * element_size * (2 if rank < n - 2 else 1)
+    return numel * element_size * (2 if rank < n - 2 else 1)
+
+
+def ring_bytes_sent(numel, element_size, rank, n):
+    """How many bytes `rank` sends in one ring_sum of `numel` elements: 2(N-1) segments of about 1/N."""
+    if n == 1:
+        return 0
     sizes = [len(s) for s in torch.tensor_split(torch.empty(numel, dtype=torch.uint8), n)]
     sent = sum(sizes[(rank - step) % n] for step in range(n - 1))                    # reduce-scatter
     sent += sum(sizes[(rank + 1 - step) % n] for step in range(n - 1))               # all-gather
@@ -237,26 +239,3 @@ def gloo_sum(flat, group=None, wire_dtype=None):
             dist.all_reduce(narrow, group=group)
             flat.copy_(narrow)
     return flat
-
-
-ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
-
-
-def sum_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
-    """Sum `flat` over all ranks in place with the named algorithm (chunks: a number or "auto")."""
-    if algorithm == "two-pass":
-        return two_pass_ring_sum(flat, resolve_chunks(chunks, flat.numel(), wire_dtype), group, wire_dtype)
-    if algorithm == "ring":
-        return ring_sum(flat, group, wire_dtype)
-    if algorithm == "gloo":
-        return gloo_sum(flat, group, wire_dtype)
-    if algorithm == "hierarchical":
-        from utils.hierarchical import hierarchical_sum   # it builds on this module
-        return hierarchical_sum(flat, group, wire_dtype)
-    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
-
-
-def average_(flat, algorithm="two-pass", chunks=1, group=None, wire_dtype=None):
-    """Average `flat` over all ranks in place: the sum, divided by the world size."""
-    sum_(flat, algorithm, chunks, group, wire_dtype)
-    return flat.div_(dist.get_world_size(None if algorithm == "hierarchical" else group))

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils.checkpoint import atomic_write
+from utils.checkpoint import write_file
 
 ROUND_TRIPS = 8                 # per rank, to estimate its clock's offset to rank 0's
 DEFAULT_STEPS = (21, 60)        # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
@@ -143,8 +143,13 @@ class Recorder:
         dist.all_gather_object(everyone, mine)
         if dist.get_rank() == 0:
             last = min(self.last, self.total_steps)
-            atomic_write(self.path, json.dumps(chrome_trace(everyone, self.first, last, self.total_steps)).encode())
             what = f"steps {self.first}-{last}" if self.spans else f"nothing (no step of {self.first}-{last} ran)"
+            try:
+                write_file(self.path, json.dumps(chrome_trace(everyone, self.first, last, self.total_steps)).encode())
+            except OSError as e:   # a full disk, /dev/full: the trace is lost, the training goes on
+                os.write(2, f"train.py: rank 0: could not write the timeline to {self.path}: "
+                            f"{e.strerror or e}; training goes on\n".encode())
+                return
             print(f"timeline of {what} written to {self.path}", flush=True)
         self.spans = []
 

@@ -1,0 +1,80 @@
+"""The final sha256 of a short run for every gradient-sum combination: the bits a change must keep.
+
+    python bench/digests.py                  # run every combination, compare with bench/results/digests.json
+    python bench/digests.py --write          # record them (only when an issue asks the bits to change)
+    python bench/digests.py --only two-pass  # the combinations whose name contains this
+
+A combination is --allreduce x (--no-overlap | --overlap | --overlap --lazy-update) x --compress,
+on 2 ranks (and a few on 3, where the global batch does not divide), 30 steps: long enough for
+PowerSGD's 10 warm-up steps to end. Each run is `python train.py` (the local launcher), 1 thread
+per rank, with a timeout. Exit code 1 when any digest differs from the table.
+"""
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TABLE = REPO / "bench" / "results" / "digests.json"
+SHORT_RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--metrics", ""]
+TIMEOUT = 120
+
+
+def combinations():
+    """{name: extra train.py flags}."""
+    found = {}
+    for allreduce, mode, compress in itertools.product(("two-pass", "ring", "gloo", "hierarchical"),
+                                                       ("no-overlap", "overlap", "lazy"),
+                                                       ("none", "bf16", "fp16", "powersgd")):
+        flags = ["--allreduce", allreduce, "--compress", compress,
+                 *{"no-overlap": ["--no-overlap"], "overlap": ["--overlap"], "lazy": ["--lazy-update"]}[mode]]
+        found[f"{allreduce}/{mode}/{compress}"] = ["--nproc", "2", *flags]
+    for allreduce in ("two-pass", "ring", "hierarchical"):
+        found[f"{allreduce}/overlap/powersgd/3-ranks"] = ["--nproc", "3", "--allreduce", allreduce,
+                                                          "--compress", "powersgd"]
+    return found
+
+
+def digest_of(flags):
+    with tempfile.TemporaryDirectory(prefix="digests-") as folder:
+        out = subprocess.run([sys.executable, str(REPO / "train.py"), *SHORT_RUN, *flags,
+                              "--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt"],
+                             cwd=folder, capture_output=True, text=True, timeout=TIMEOUT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    match = re.search(r"sha256 ([0-9a-f]{64})", out.stdout)
+    if out.returncode or not match:
+        return f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or ['?'])[-1]}"
+    return match.group(1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="bench/digests.py", description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help=f"record the digests in {TABLE.relative_to(REPO)}")
+    p.add_argument("--only", default="", help="only the combinations whose name contains this")
+    args = p.parse_args(argv)
+    recorded = json.loads(TABLE.read_text()) if TABLE.exists() else {}
+    got, differ = {}, []
+    for name, flags in combinations().items():
+        if args.only not in name:
+            continue
+        start = time.time()
+        got[name] = digest_of(flags)
+        verdict = ("new" if name not in recorded else "same" if recorded[name] == got[name] else "DIFFERS")
+        if verdict == "DIFFERS":
+            differ.append(name)
+        print(f"{name:40s} {got[name][:16]}  {verdict:8s} {time.time() - start:4.1f} s", flush=True)
+    if args.write:
+        TABLE.write_text(json.dumps({**recorded, **got}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(got)} digests to {TABLE}")
+    print(f"{len(got) - len(differ)} of {len(got)} as recorded" if recorded else "nothing recorded yet")
+    return 1 if differ and not args.write else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

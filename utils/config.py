@@ -1,0 +1,184 @@
+"""The run's settings: frozen dataclasses built from the command line in one place (from_args).
+
+    Recipe   what is trained: epochs, learning rate, batch, seed, data subsets
+    Sync     how the gradients are summed: --allreduce, --chunks, --overlap, --compress, ...
+    Outputs  what rank 0 writes: model, checkpoint, metrics, timeline
+    Job      where this process runs: its rank, the world, the rendezvous, the card
+    Config   all four; the checkpoint stores it whole (Config.to_dict)
+
+Each field says, in its metadata, the flag it comes from and whether every rank must have the
+same value (agree: utils/distributed.agree compares them by name) and whether a resume must
+keep it (resume: utils/checkpoint.load compares them with the checkpoint's). Both checks read
+these lists, so a new setting is checked once it is declared here. Defaults are resolved here
+(the global batch, PowerSGD's rank and warm-up, the timeline's steps), never in the core.
+"""
+import dataclasses
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
+from utils.errors import UsageError
+from utils.timeline import DEFAULT_STEPS as DEFAULT_TIMELINE_STEPS
+
+GLOBAL_BATCH = 64            # the recipe: 64 images per step in all, however many ranks share them
+
+
+def setting(default, flag, agree=False, resume=False):
+    return field(default=default, metadata=dict(flag=flag, agree=agree, resume=resume))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    batch_size: Optional[int] = setting(None, "batch-size", agree=True)   # per rank, as given (or None)
+    global_batch: int = setting(GLOBAL_BATCH, "global-batch", agree=True, resume=True)   # resolved
+    lr: float = setting(4e-3, "lr", agree=True, resume=True)
+    seed: int = setting(1, "seed", agree=True, resume=True)
+    epochs: int = setting(2, "epochs", agree=True, resume=True)
+    train_subset: Optional[int] = setting(None, "train-subset", agree=True, resume=True)
+    test_subset: Optional[int] = setting(None, "test-subset")
+
+
+@dataclass(frozen=True)
+class Sync:
+    allreduce: str = setting("two-pass", "allreduce", agree=True)
+    chunks: Union[int, str] = setting("auto", "chunks", agree=True)
+    overlap: bool = setting(True, "overlap", agree=True)
+    lazy_update: bool = setting(False, "lazy-update", agree=True)
+    bucket_mb: float = setting(1.0, "bucket-mb", agree=True)
+    compress: str = setting("none", "compress", agree=True, resume=True)
+    powersgd_rank: Optional[int] = setting(None, "powersgd-rank", agree=True, resume=True)     # None: not powersgd
+    powersgd_warmup: Optional[int] = setting(None, "powersgd-warmup", agree=True, resume=True)
+    timeout: float = setting(120.0, "timeout")   # seconds for rendezvous and every send/recv
+
+
+@dataclass(frozen=True)
+class Outputs:
+    save_path: str = setting(os.path.join("runs", "model_state_dict.pth"), "save-path")
+    checkpoint: str = setting(os.path.join("runs", "checkpoint.pt"), "checkpoint")
+    save_every: int = setting(0, "save-every")
+    metrics: str = setting(os.path.join("runs", "metrics.jsonl"), "metrics")        # '' : off
+    timeline: Optional[str] = setting(None, "timeline")
+    timeline_steps: Optional[Tuple[int, int]] = setting(None, "timeline-steps")   # set with timeline
+
+    def files(self):
+        """(flag, path) of every file rank 0 writes, each file once however it is spelled."""
+        seen, found = set(), []
+        for option, path in (("--checkpoint", self.checkpoint), ("--save-path", self.save_path),
+                             ("--metrics", self.metrics), ("--timeline", self.timeline)):
+            if path and os.path.realpath(path) not in seen:
+                seen.add(os.path.realpath(path))
+                found.append((option, path))
+        return found
+
+
+@dataclass(frozen=True)
+class Job:
+    rank: Optional[int] = None          # None: the local launcher, which starts every rank here
+    world_size: int = 2
+    init_method: Optional[str] = None
+    ifname: Optional[str] = None
+    torchrun: bool = False              # RANK etc. came from torchrun's environment
+    nproc: int = 2
+    data_dir: str = "data"
+    model_path: Optional[str] = None
+    resume: bool = False
+    eval: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    job: Job
+    recipe: Recipe
+    sync: Sync
+    outputs: Outputs
+
+    def must_agree(self):
+        """{flag: value} that every rank must have alike, in a fixed order."""
+        return {f.metadata["flag"]: getattr(part, f.name) for part in (self.recipe, self.sync)
+                for f in dataclasses.fields(part) if f.metadata["agree"]}
+
+    def must_keep(self):
+        """{flag: value} that a resumed run must have as the checkpoint recorded it (PowerSGD's
+        rank and warm-up only under --compress powersgd: None is no setting)."""
+        return {f.metadata["flag"]: getattr(part, f.name) for part in (self.recipe, self.sync)
+                for f in dataclasses.fields(part) if f.metadata["resume"]
+                and not (f.name.startswith("powersgd") and getattr(part, f.name) is None)}
+
+    def to_dict(self):
+        return {"recipe": dataclasses.asdict(self.recipe), "sync": dataclasses.asdict(self.sync),
+                "outputs": dataclasses.asdict(self.outputs)}
+
+
+def from_args(args, environ=os.environ):
+    """The Config of a parsed command line (train.parse_args), validated, defaults resolved.
+    UsageError (one line, exit code 2) for what does not go together."""
+    if args.rank is not None or args.world_size is not None:
+        if args.rank is None or args.world_size is None:
+            raise UsageError("--rank and --world-size go together")
+        if args.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
+        if not 0 <= args.rank < args.world_size:
+            raise UsageError(f"--rank must be between 0 and {args.world_size - 1} (world size {args.world_size}), "
+                             f"got {args.rank}")
+        if args.init_method is None:
+            raise UsageError("--init-method is required with --rank, e.g. --init-method tcp://192.168.0.1:23456")
+    if args.init_method is not None:
+        check_init_method(args.init_method)
+    if args.ifname is not None:
+        check_interface(args.ifname)
+    if args.batch_size and args.global_batch:
+        raise UsageError("give --global-batch or --batch-size (per rank), not both")
+    if args.lazy_update and not args.overlap:
+        raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
+    if args.timeline_steps and not args.timeline:
+        raise UsageError("--timeline-steps needs --timeline PATH")
+    if args.eval and not args.model_path:
+        raise UsageError("--eval needs --model_path")
+    for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
+        if value is not None and args.compress != "powersgd":
+            raise UsageError(f"{option} needs --compress powersgd (this run has --compress {args.compress})")
+    torchrun = args.rank is None and "RANK" in environ and not args.eval
+    if args.rank is not None:
+        rank, world_size, init_method = args.rank, args.world_size, args.init_method
+    elif torchrun:
+        rank, world_size, init_method = int(environ["RANK"]), int(environ["WORLD_SIZE"]), "env://"
+    else:
+        rank, world_size, init_method = None, args.nproc, None
+    powersgd = args.compress == "powersgd"
+    return Config(
+        job=Job(rank=rank, world_size=world_size, init_method=init_method, ifname=args.ifname, torchrun=torchrun,
+                nproc=args.nproc, data_dir=args.data_dir, model_path=args.model_path, resume=args.resume,
+                eval=args.eval),
+        recipe=Recipe(batch_size=args.batch_size,
+                      global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size
+                                                         else GLOBAL_BATCH),
+                      lr=args.lr, seed=args.seed, epochs=args.epochs, train_subset=args.train_subset,
+                      test_subset=args.test_subset),
+        sync=Sync(allreduce=args.allreduce, chunks=args.chunks, overlap=args.overlap, lazy_update=args.lazy_update,
+                  bucket_mb=args.bucket_mb, compress=args.compress,
+                  powersgd_rank=(args.powersgd_rank or DEFAULT_POWERSGD_RANK) if powersgd else None,
+                  powersgd_warmup=(DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup)
+                  if powersgd else None,
+                  timeout=args.timeout),
+        outputs=Outputs(save_path=args.save_path, checkpoint=args.checkpoint, save_every=args.save_every,
+                        metrics=args.metrics, timeline=args.timeline,
+                        timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None))
+
+
+def check_init_method(url):
+    if url == "env://":
+        return
+    match = re.fullmatch(r"tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d+)", url)
+    if match is None:
+        raise UsageError(f"malformed --init-method {url!r}; expected tcp://HOST:PORT, e.g. tcp://192.168.0.1:23456")
+    if not 1 <= int(match.group(2)) <= 65535:
+        raise UsageError(f"port {match.group(2)} in --init-method is out of range (1-65535)")
+
+
+def check_interface(name):
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise UsageError(f"network interface {name!r} not found on this host; it has: {', '.join(names)}")

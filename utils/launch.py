@@ -1,0 +1,140 @@
+"""Starting the ranks of a job and watching them: the local launcher, and one supervisor for all.
+
+    launch_local(script, argv, nproc)   `python train.py` with no --rank: every rank here, over loopback
+    supervise(procs, timeout, grace)    wait for one job's processes; stop them all when one fails
+
+supervise is the one process supervisor: the local launcher, scripts/cluster.py, the benchmarks
+and the tests use it. Distributed code hangs when it fails, so a job's processes are watched
+together: once one fails, the others get `grace` seconds to say what they saw, then they are
+killed; at `timeout` every one is killed; and whatever is still running when supervise returns,
+or is interrupted, is killed (its whole process group, if it leads one).
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from utils import stop
+from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
+
+GRACE_SECONDS = 5.0
+POLL_SECONDS = 0.2
+
+
+@dataclass
+class Outcome:
+    """What supervise saw of one job."""
+    codes: list                       # each process's exit code (None: killed at the timeout, still unreaped)
+    failed: int = 0                   # the first non-zero exit code, 0 if none
+    timed_out: bool = False
+    killed: bool = False              # some were still running when supervise stopped them
+    outputs: Optional[list] = None    # [(stdout, stderr)] of processes started with pipes, else None
+
+
+def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS):
+    """Wait for every process of `procs`; see the module's docstring. Pipes (stdout/stderr=PIPE)
+    are read as they fill, so a chatty process never blocks on a full pipe."""
+    readers = [collect(p) for p in procs]
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    failed, grace_ends, timed_out = 0, None, False
+    try:
+        while any(p.poll() is None for p in procs):
+            if not failed:
+                failed = next((p.returncode for p in procs if p.returncode), 0)
+                if failed:   # the job is lost: let the others say what they saw, then stop them
+                    grace_ends = time.monotonic() + grace
+            now = time.monotonic()
+            if grace_ends is not None and now > grace_ends:
+                break
+            if deadline is not None and now > deadline:
+                timed_out = True
+                break
+            time.sleep(poll)
+    finally:
+        killed = any(p.poll() is None for p in procs)
+        for p in procs:
+            kill(p)
+    for p in procs:
+        p.wait()
+    outputs = [reader() for reader in readers] if any(p.stdout or p.stderr for p in procs) else None
+    failed = failed or next((p.returncode for p in procs if p.returncode), 0)
+    return Outcome([p.returncode for p in procs], failed, timed_out, killed, outputs)
+
+
+def collect(proc):
+    """Read proc's pipes in threads; returns a function giving (stdout, stderr) once it has ended."""
+    parts, threads = {}, []
+    for name in ("stdout", "stderr"):
+        stream = getattr(proc, name)
+        if stream is not None:
+            thread = threading.Thread(target=lambda s=stream, n=name: parts.__setitem__(n, s.read()), daemon=True)
+            thread.start()
+            threads.append(thread)
+
+    def result():
+        for thread in threads:
+            thread.join()
+        return parts.get("stdout"), parts.get("stderr")
+    return result
+
+
+def kill(proc):
+    """SIGKILL a process that is still running: its whole group if it leads one."""
+    if proc.poll() is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.kill()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_interface():
+    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
+
+
+def die_with_parent():
+    """In a child: get SIGTERM if the launcher dies, even by SIGKILL (Linux only)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch_local(script, argv, nproc, prog="train.py", environ=None):
+    """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code."""
+    port, lo = free_port(), loopback_interface()
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
+    env = dict(environ or os.environ, OMP_NUM_THREADS=str(threads),
+               RING_JOB_PID=str(os.getpid()))  # the pid a refused job names: this launcher's
+    stop.install(prog)   # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
+    procs = []
+    try:
+        for r in range(nproc):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-u", os.path.abspath(script), *argv, "--rank", str(r), "--world-size", str(nproc),
+                 "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", lo],
+                env=env, preexec_fn=die_with_parent))
+        stop.forward_to(procs)
+        outcome = supervise(procs, grace=GRACE_SECONDS)
+    finally:
+        for p in procs:
+            kill(p)
+    if outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED):   # those were explained in one line
+        print(f"{prog}: a rank failed (exit code {outcome.failed}); stopped the other ranks", file=sys.stderr)
+    return outcome.failed

@@ -1,0 +1,83 @@
+"""Lazy update (--lazy-update): each bucket's optimizer update applied as the next forward needs it.
+
+After backward the trainer does not wait at all. Each bucket's update is applied just before the
+next forward first uses its parameters. The next step's forward starts with conv1, whose small
+bucket is done first, while the big fc bucket is still on the wire:
+
+    main thread:   backward ... | forward: [step conv*] conv1 conv2 [step fc*] fc1 fc2 | backward
+    bucket 0:      sum fc* ..........................................|
+    bucket 1:              sum conv* |
+
+Adam's update of a parameter reads only that parameter's gradient and state, so updating bucket
+by bucket, with the step's learning rate, gives exactly the parameters of one optimizer.step().
+"""
+import time
+
+from utils import timeline
+
+
+class LazyUpdate:
+    """Applies one training step's optimizer update bucket by bucket, as the next forward needs it.
+
+    step() after backward only notes that an update is due. A forward pre-hook on each layer
+    waits for that layer's bucket and updates it; a hook after the whole forward updates anything
+    the forward did not use and advances the learning-rate schedule, so backward always starts
+    from fully updated parameters. finish() applies whatever is due at once (before evaluating
+    or saving).
+    """
+
+    def __init__(self, model, optimizer, scheduler, overlapped):
+        self.optimizer, self.scheduler, self.overlapped = optimizer, scheduler, overlapped
+        self.due = []                 # bucket indices whose update is still to be applied
+        self.due_step = None
+        self.waited_seconds = 0.0     # time the training thread blocked on communication
+        self.handles = [model.register_forward_hook(lambda *_: self.finish())]
+        for module in model.modules():
+            mine = sorted({overlapped.bucket_of[p] for p in module.parameters(recurse=False)})
+            if mine:
+                self.handles.append(module.register_forward_pre_hook(
+                    lambda *_, buckets=tuple(mine): self._update(buckets)))
+
+    def step(self):
+        self.due = list(range(len(self.overlapped.buckets)))
+        self.due_step = timeline.current_step()   # the step these updates belong to, for the timeline
+
+    def apply(self, bucket):
+        """Wait for `bucket`'s sum and apply its update now rather than in the next forward."""
+        self._update((bucket,))
+
+    def _update(self, buckets):
+        for i in buckets:
+            if i in self.due:
+                start = time.perf_counter()
+                self.overlapped.wait_bucket(i)
+                self.waited_seconds += time.perf_counter() - start
+                self.due.remove(i)
+                with timeline.span("optimizer", bucket=i, step=self.due_step):
+                    step_only(self.optimizer, self.overlapped.buckets[i])
+                for p in self.overlapped.buckets[i]:
+                    p.grad = None
+                if not self.due:      # the whole step is applied: now the next learning rate
+                    self.scheduler.step()
+
+    def finish(self):
+        self._update(tuple(self.due))
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def step_only(optimizer, params):
+    """optimizer.step() for `params` alone, with the optimizer's current settings.
+
+    For optimizers whose update is per parameter (Adam, SGD), stepping a model in pieces gives
+    bit for bit the same result as one step over all of it.
+    """
+    wanted = {id(p) for p in params}
+    groups = optimizer.param_groups
+    optimizer.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in wanted]) for g in groups]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
