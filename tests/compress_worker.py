@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.compress import RingSum, make_compressor  # noqa: E402
+from utils.allreduce import make_allreduce  # noqa: E402
+from utils.compress import make_compressor  # noqa: E402
 
 SIZES = (1, 7, 9973, 100_003)
 SHAPES = [(32, 1, 3, 3), (32,), (64, 288), (10, 129), (5,)]   # conv, bias, matrices, a vector
@@ -34,10 +35,10 @@ def half_precision(rank, n):
                 for scale in ((1.0, 1e-7, 1e6) if name == "fp16" else (1.0,)):
                     compressor = make_compressor(name, [[torch.empty(size)]])
                     flat = inputs(rank, size, scale)
-                    compressor.average_(flat, 0, RingSum(algorithm, chunks))
+                    compressor.average_(flat, 0, make_allreduce(algorithm, chunks))
                     results[f"{name}/{algorithm}/{size}/{scale:g}"] = flat
     # fp16's scale comes from the last sum: a gradient 1e4 times larger must not overflow
-    compressor, sum_ = make_compressor("fp16", [[torch.empty(9973)]]), RingSum("ring", 1)
+    compressor, sum_ = make_compressor("fp16", [[torch.empty(9973)]]), make_allreduce("ring", 1)
     for step, scale in enumerate((1.0, 1e4)):
         flat = inputs(rank, 9973, scale, step)
         compressor.average_(flat, 0, sum_)
@@ -52,7 +53,7 @@ def powersgd_low_rank(rank, n):
         params = [torch.empty(40, 30), torch.empty(30)]
         compressor = make_compressor("powersgd", [params], powersgd_rank=2, powersgd_warmup=0, seed=3)
         flat = torch.cat([low_rank(rank, 40, 30, 2).reshape(-1), inputs(rank, 30)])
-        compressor.average_(flat, 0, RingSum(algorithm, "auto"))
+        compressor.average_(flat, 0, make_allreduce(algorithm, "auto"))
         results[algorithm] = flat
     return results
 
@@ -62,7 +63,7 @@ def powersgd_books(rank, n, steps=6):
     params = [torch.empty(s) for s in SHAPES]
     numel = sum(p.numel() for p in params)
     compressor = make_compressor("powersgd", [params], powersgd_rank=2, powersgd_warmup=2, seed=1)
-    sum_, updates = RingSum("ring", 1), []
+    sum_, updates = make_allreduce("ring", 1), []
     for step in range(steps):
         flat = inputs(rank, numel, 1.0, step)
         updates.append(compressor.average_(flat, 0, sum_).clone())

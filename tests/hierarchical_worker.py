@@ -4,7 +4,7 @@ argv: rank world_size port out topology [topology ...]. A topology is the host i
 0, 1, ... ("0,0,1,1": ranks 0 and 1 share host 0, ranks 2 and 3 host 1); ranks beyond it sit
 that one out, so one world of processes checks many topologies. The first topology covers the
 world and is found the way train.py finds it: RING_HOST_ID (the test sets each rank's id in it)
-and discover(), through ring.sum_ with no group; it is also summed with bfloat16 on the wire.
+and discover(), through make_allreduce("hierarchical") with its default hosts; it is also summed with bfloat16 on the wire.
 The others go to Hierarchy directly.
 """
 import datetime
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils import hierarchical, ring  # noqa: E402
+from utils.allreduce import make_allreduce  # noqa: E402
 
 
 def inputs(rank, size):
@@ -40,9 +41,9 @@ if __name__ == "__main__":
         hosts = hierarchical.hosts_of(topology.split(","))
         if i == 0:
             assert hierarchical.discover() == hosts, (hierarchical.discover(), hosts)
-            group = None                                  # ring.sum_ makes the default Hierarchy
+            allreduce = make_allreduce("hierarchical")    # over discover()'s hosts, the default group's timeout
         else:
-            group = hierarchical.Hierarchy(hosts, timeout)
+            allreduce = make_allreduce("hierarchical", timeout=timeout, hosts=hosts)
         ring_group = None                                 # one rank per host: compare with `ring`
         if all(len(h) == 1 for h in hosts):               # (new_group: every rank, in the same order)
             ring_group = dist.new_group(list(range(len(hosts))), timeout=timeout)
@@ -50,11 +51,11 @@ if __name__ == "__main__":
             continue
         for size in sizes(hosts):
             flat = inputs(rank, size)
-            ring.sum_(flat, "hierarchical", 1, group)
+            allreduce.sum_(flat)
             results[f"{topology}/{size}"] = flat
             if i == 0:                                    # compressed: bfloat16 across hosts
                 flat = inputs(rank, size)
-                results[f"{topology}/{size}/bf16"] = ring.sum_(flat, "hierarchical", 1, group, torch.bfloat16)
+                results[f"{topology}/{size}/bf16"] = allreduce.sum_(flat, torch.bfloat16)
             if ring_group is not None:                    # one rank per host: must be `ring`, bit for bit
                 results[f"{topology}/{size}/ring"] = ring.ring_sum(inputs(rank, size), ring_group)
     torch.save(results, out)

@@ -1,8 +1,6 @@
 """Starting real processes from tests, with a hard timeout that kills them all; reading what they left."""
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,19 +10,13 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, REPO)
+from utils.launch import free_port, kill, supervise  # noqa: E402,F401  (free_port: for the tests)
 
 
 def kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL proc's whole process group (every test starts its processes in sessions of their own)."""
+    kill(proc, group=True)
 
 
 def scratch_dir():
@@ -36,14 +28,10 @@ def run(argv, timeout, cwd=None, env=None):
     """Run argv in its own process group; on timeout kill the whole group and fail."""
     proc = subprocess.Popen(argv, cwd=cwd or scratch_dir(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
+    outcome = supervise([proc], timeout=timeout, poll=0.05)   # kills the group on the way out, whatever happens
+    out, err = outcome.outputs[0]
+    if outcome.timed_out:
         raise AssertionError(f"{argv} did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        kill_group(proc)  # anything it left behind
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
@@ -64,24 +52,14 @@ def start_ranks(world_size, args, port=None):
 
 
 def wait_all(procs, timeout):
-    """Wait for every process; kill all at the deadline. Returns [(returncode, stdout, stderr)]."""
-    import time
-    deadline = time.time() + timeout
-    results = []
-    try:
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    kill_group(q)
-                out, err = p.communicate()
-                raise AssertionError(f"a rank did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-            results.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            kill_group(p)
-    return results
+    """Wait for every process (a failed one stops nobody); kill all at the deadline and fail.
+    Returns [(returncode, stdout, stderr)]."""
+    outcome = supervise(procs, timeout=timeout, grace=None, poll=0.05)
+    if outcome.timed_out:
+        out, err = next(((o, e) for p, (o, e) in zip(procs, outcome.outputs) if p.returncode is None or
+                         p.returncode < 0), outcome.outputs[0])
+        raise AssertionError(f"a rank did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outcome.outputs)]
 
 
 def run_workers(worker, world_size, tmp_path, extra=(), env=None, timeout=200):

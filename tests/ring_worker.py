@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import ring  # noqa: E402
+from utils.allreduce import make_allreduce  # noqa: E402
 
 
 def inputs(rank, size):
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     results = {}
     for size, algorithm, chunks in cases(world_size):
         flat = inputs(rank, size)
-        ring.sum_(flat, algorithm, chunks)
+        make_allreduce(algorithm, chunks).sum_(flat)
         results[f"{size}/{algorithm}/{chunks}"] = flat
     torch.save(results, out)
     dist.destroy_process_group()

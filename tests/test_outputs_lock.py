@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import procs
 from procs import REPO, checkpoint_position, wait_for
 
 sys.path.insert(0, REPO)
+from utils.config import Outputs  # noqa: E402
 from utils.errors import UsageError  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.outputs import lock_outputs  # noqa: E402
@@ -54,15 +54,15 @@ def assert_refused(result, path, pid):
 def holder_script(folder):
     """A process that locks the outputs named `folder`/x.* and waits to be killed."""
     return [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {REPO!r})\n"
-            "from types import SimpleNamespace\nfrom utils.outputs import lock_outputs\n"
-            f"lock_outputs(SimpleNamespace(checkpoint={str(folder / 'x.pt')!r}, save_path={str(folder / 'x.pth')!r}, "
+            "from utils.config import Outputs\nfrom utils.outputs import lock_outputs\n"
+            f"lock_outputs(Outputs(checkpoint={str(folder / 'x.pt')!r}, save_path={str(folder / 'x.pth')!r}, "
             f"metrics={str(folder / 'x.jsonl')!r}))\nprint('locked', flush=True)\ntime.sleep(120)"]
 
 
 @pytest.mark.timeout(60)
 def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
-    outputs = SimpleNamespace(checkpoint=str(tmp_path / "x.pt"), save_path=str(tmp_path / "x.pth"),
-                              metrics=str(tmp_path / "x.jsonl"))
+    outputs = Outputs(checkpoint=str(tmp_path / "x.pt"), save_path=str(tmp_path / "x.pth"),
+                      metrics=str(tmp_path / "x.jsonl"))
     lock_outputs(outputs, hold=False)  # nobody holds them; a look creates no file
     assert not list(tmp_path.iterdir())
     holder = subprocess.Popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)

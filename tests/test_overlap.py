@@ -44,7 +44,7 @@ def test_buckets_follow_backward_order():
     import sys
     sys.path.insert(0, procs.REPO)
     from utils.model import Net
-    from utils.overlap import make_buckets
+    from utils.gradsync import make_buckets
     params = list(reversed(list(Net().parameters())))
     buckets = make_buckets(params, 64 * 1024)
     assert [p for b in buckets for p in b] == params  # every parameter once, in backward order

@@ -36,17 +36,20 @@ class Outcome:
     outputs: Optional[list] = None    # [(stdout, stderr)] of processes started with pipes, else None
 
 
-def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS):
+def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS, ok_codes=(0,), while_running=None):
     """Wait for every process of `procs`; see the module's docstring. Pipes (stdout/stderr=PIPE)
-    are read as they fill, so a chatty process never blocks on a full pipe."""
+    are read as they fill, so a chatty process never blocks on a full pipe. An exit code outside
+    `ok_codes` is a failure; grace=None: a failure stops nobody (each process ends by itself or at
+    the timeout). while_running(procs), if given, is called every `poll` seconds."""
     readers = [collect(p) for p in procs]
+    leaders = [leads_group(p) for p in procs]
     deadline = time.monotonic() + timeout if timeout is not None else None
     failed, grace_ends, timed_out = 0, None, False
     try:
-        while any(p.poll() is None for p in procs):
+        while any([p.poll() is None for p in procs]):   # a list: poll every one, each round
             if not failed:
-                failed = next((p.returncode for p in procs if p.returncode), 0)
-                if failed:   # the job is lost: let the others say what they saw, then stop them
+                failed = next((p.returncode for p in procs if p.returncode not in (None, *ok_codes)), 0)
+                if failed and grace is not None:   # the job is lost: the others say what they saw, then stop
                     grace_ends = time.monotonic() + grace
             now = time.monotonic()
             if grace_ends is not None and now > grace_ends:
@@ -54,15 +57,20 @@ def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS):
             if deadline is not None and now > deadline:
                 timed_out = True
                 break
+            if while_running is not None:
+                while_running(procs)
             time.sleep(poll)
     finally:
-        killed = any(p.poll() is None for p in procs)
-        for p in procs:
-            kill(p)
+        killed = any([p.poll() is None for p in procs])
+        for p, leader in zip(procs, leaders):
+            kill(p, leader)
     for p in procs:
-        p.wait()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:   # stuck in the kernel: SIGKILLed, it goes when it can
+            pass
     outputs = [reader() for reader in readers] if any(p.stdout or p.stderr for p in procs) else None
-    failed = failed or next((p.returncode for p in procs if p.returncode), 0)
+    failed = failed or next((p.returncode for p in procs if p.returncode not in ok_codes), 0)
     return Outcome([p.returncode for p in procs], failed, timed_out, killed, outputs)
 
 
@@ -83,17 +91,25 @@ def collect(proc):
     return result
 
 
-def kill(proc):
-    """SIGKILL a process that is still running: its whole group if it leads one."""
-    if proc.poll() is not None:
-        return
+def leads_group(proc):
     try:
-        if os.getpgid(proc.pid) == proc.pid:
+        return os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return False
+
+
+def kill(proc, group=None):
+    """SIGKILL a process and, if it leads a process group (group=None: look now), the whole group,
+    even once it has exited itself: what it started may still be running."""
+    if group is None:
+        group = proc.returncode is None and leads_group(proc)
+    if group:
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
-            return
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+    if proc.poll() is None:
+        proc.kill()
 
 
 def free_port():
