@@ -17,7 +17,6 @@ This file sets up (arguments, NIC, process group, data, model); utils/run.py tra
 import argparse
 import dataclasses
 import datetime
-import math
 import os
 import shlex
 import sys
@@ -32,7 +31,9 @@ import torch.distributed as dist  # noqa: E402
 from utils import checkpoint, hierarchical, stop, timeline  # noqa: E402
 from utils.allreduce import ALGORITHMS  # noqa: E402
 from utils.compress import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
-from utils.config import GLOBAL_BATCH, from_args  # noqa: E402
+from utils.config import (GLOBAL_BATCH, MAX_NPROC, MAX_POWERSGD_RANK, MAX_LR, MAX_TIMEOUT, OneLineParser,  # noqa: E402
+                          check_share, chunk_count, from_args, non_negative_int, positive, seed_value,
+                          timeline_steps)
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
 from utils.distributed import agree, broadcast_parameters, init_distributed, model_name, torchrun_attempt_store  # noqa: E402
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
@@ -42,57 +43,6 @@ from utils.outputs import lock_outputs, release  # noqa: E402
 from utils.run import run, test_model  # noqa: E402
 
 PROG = "train.py"
-MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
-MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it overflows (and far below, NaN)
-MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like a hang
-MAX_NPROC = 64  # ranks on one machine; for more, use several servers
-MAX_SEED = 2**32 - 1
-MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
-def positive(kind, most=None):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {text!r}")
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        if most is not None and value > most:
-            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text!r}")
-        return value
-    return parse
-
-
-def seed_value(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
-    return value
-
-
-def non_negative_int(text):
-    return 0 if text.strip() == "0" else positive(int)(text)
-
-
-def chunk_count(text):
-    return "auto" if text == "auto" else positive(int, MAX_CHUNKS)(text)
-
-
-def timeline_steps(text):
-    try:
-        return timeline.parse_steps(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
 
 def parse_args(argv):
     p = OneLineParser(prog=PROG, description="Data-parallel MNIST over a hand-written gloo ring.")
@@ -150,16 +100,6 @@ def parse_args(argv):
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
     p.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
     return p.parse_args(argv)
-
-
-def check_share(train_images, world_size, global_batch=None):
-    """Every rank needs at least one training image, or the job trains nothing at all (None: not given)."""
-    if train_images is not None and train_images < world_size:
-        raise UsageError(f"{train_images} training image(s) (--train-subset) cannot be shared by {world_size} ranks; "
-                         f"give at least {world_size}")
-    if global_batch is not None and global_batch < world_size:
-        raise UsageError(f"a global batch of {global_batch} image(s) cannot be shared by {world_size} ranks; "
-                         f"give --global-batch {world_size} or more")
 
 
 def check_outputs(config):

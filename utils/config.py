@@ -12,7 +12,9 @@ keep it (resume: utils/checkpoint.load compares them with the checkpoint's). Bot
 these lists, so a new setting is checked once it is declared here. Defaults are resolved here
 (the global batch, PowerSGD's rank and warm-up, the timeline's steps), never in the core.
 """
+import argparse
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -21,9 +23,16 @@ from typing import Optional, Tuple, Union
 
 from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.errors import UsageError
+from utils import timeline
 from utils.timeline import DEFAULT_STEPS as DEFAULT_TIMELINE_STEPS
 
 GLOBAL_BATCH = 64            # the recipe: 64 images per step in all, however many ranks share them
+MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
+MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it overflows (and far below, NaN)
+MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like a hang
+MAX_NPROC = 64  # ranks on one machine; for more, use several servers
+MAX_SEED = 2**32 - 1
+MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
 
 
 def setting(default, flag, agree=False, resume=False):
@@ -182,3 +191,59 @@ def check_interface(name):
     names = [n for _, n in socket.if_nameindex()]
     if name not in names:
         raise UsageError(f"network interface {name!r} not found on this host; it has: {', '.join(names)}")
+
+
+def check_share(train_images, world_size, global_batch=None):
+    """Every rank needs at least one training image, or the job trains nothing at all (None: not given)."""
+    if train_images is not None and train_images < world_size:
+        raise UsageError(f"{train_images} training image(s) (--train-subset) cannot be shared by {world_size} ranks; "
+                         f"give at least {world_size}")
+    if global_batch is not None and global_batch < world_size:
+        raise UsageError(f"a global batch of {global_batch} image(s) cannot be shared by {world_size} ranks; "
+                         f"give --global-batch {world_size} or more")
+
+
+# --- the command line's value types (train.parse_args): a bad value is one line, exit code 2 ----------
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def positive(kind, most=None):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {text!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text!r}")
+        return value
+    return parse
+
+
+def seed_value(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
+    return value
+
+
+def non_negative_int(text):
+    return 0 if text.strip() == "0" else positive(int)(text)
+
+
+def chunk_count(text):
+    return "auto" if text == "auto" else positive(int, MAX_CHUNKS)(text)
+
+
+def timeline_steps(text):
+    try:
+        return timeline.parse_steps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
