@@ -181,8 +181,6 @@ def train(config, data):
         if resume_from is None and checkpoint.set_aside(config.outputs.checkpoint):
             print(f"starting afresh; the earlier checkpoint is kept as {config.outputs.checkpoint}.prev", flush=True)
         print(start_line(config, model, data, hosts), flush=True)
-        if config.sync.allreduce == "hierarchical" and hierarchical.uneven_note(hosts):
-            print(hierarchical.uneven_note(hosts), flush=True)
     stop.arm()   # from here a signal stops the job after a step, with the checkpoint saved
     run(model, data, config, resume_from=resume_from)
     dist.destroy_process_group()

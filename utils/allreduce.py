@@ -89,6 +89,10 @@ class AllReduce:
     def trace_chunks(self, numel, wire_dtype):
         return None
 
+    def note(self):
+        """What rank 0 says about this sum at start-up, if anything (None)."""
+        return None
+
     def _sum(self, flat, wire_dtype):
         raise NotImplementedError
 
@@ -164,6 +168,9 @@ class Hierarchical(AllReduce):
 
     def bytes_for(self, numel, element_size, wire_size):   # loopback legs in the buffer's type
         return self.hierarchy.bytes_sent(numel, element_size, wire_size)
+
+    def note(self):
+        return hierarchical.uneven_note(self.hierarchy.hosts)
 
 
 def element_size(dtype):

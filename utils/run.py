@@ -173,6 +173,8 @@ def run(model, data, config, resume_from=None):
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, recipe))
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
     gradient_sync = make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, stop_flag)
+    if rank == 0 and gradient_sync.allreduces[0].note():
+        print(gradient_sync.allreduces[0].note(), flush=True)
     if outputs.timeline_steps:   # rank 0 was given --timeline (utils/distributed.agree)
         timeline.recorder = timeline.Recorder(outputs.timeline, *outputs.timeline_steps,
                                               recipe.epochs * steps_per_epoch)
