@@ -11,7 +11,8 @@ available on every kernel; tbf is).
 
 Usable both as a module (tests and benchmarks: ``Cluster``, ``train``,
 ``cleanup_stale``) and as a CLI (``train``, ``exec``, ``cleanup``).  Standard
-library only; shells out to ``ip`` and ``tc`` (iproute2).  Needs root
+library only, plus the repo's one process supervisor (utils/launch.py); shells
+out to ``ip`` and ``tc`` (iproute2).  Needs root
 (CAP_NET_ADMIN + CAP_SYS_ADMIN).  Every external call has a timeout, and
 teardown always runs, so nothing is left behind; leftovers of runs that were
 SIGKILLed carry their owner's pid in their names and are removed by the next
@@ -32,6 +33,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from utils.launch import supervise  # noqa: E402
+
 DEFAULT_NICS = ["eth0", "ens3", "enp1s0", "eno1", "eth1", "ens4", "enp2s0", "eno2"]
 PREFIX = "mnr"              # every namespace / bridge / veth we create starts with this
 SUBNET = "10.213"           # 10.213.X.0/24 per cluster; only ever configured inside our namespaces
@@ -352,59 +356,66 @@ class Cluster:
 
 def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_output: bool = True,
              grace: float = GRACE) -> int:
-    """Start argvs[r] (rank r) on its host, stream output, and supervise; see train()."""
+    """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.launch.supervise); see train()."""
     out_lock = threading.Lock()
 
-    def pump(rank: int, stream) -> None:
+    def pump(rank: int, fd: int) -> None:
         prefix = f"[{cluster.label(rank)}] ".encode()
-        for line in iter(stream.readline, b""):
-            with out_lock:
-                sys.stdout.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-                sys.stdout.flush()
+        with open(fd, "rb") as stream:
+            for line in iter(stream.readline, b""):
+                with out_lock:
+                    sys.stdout.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                    sys.stdout.flush()
 
-    pipe = subprocess.PIPE if prefix_output else None
     # the emulated hosts share this machine's cores: split them, as train.py's local launcher does
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(argvs))))}
-    procs = [cluster.popen(cluster.host_of(r), argv, env=threads, stdin=subprocess.DEVNULL, stdout=pipe,
-                           stderr=subprocess.STDOUT if prefix_output else None)
-             for r, argv in enumerate(argvs)]
-    pumps = [threading.Thread(target=pump, args=(r, p.stdout), daemon=True)
-             for r, p in enumerate(procs) if prefix_output]
-    for t in pumps:
-        t.start()
-    deadline, kill_at, result = time.monotonic() + timeout, None, 0
-    while any([p.poll() is None for p in procs]):     # a list: poll every one, every round
-        now = time.monotonic()
-        if now > deadline:
-            print(f"cluster.py: timeout after {timeout}s; killing all hosts", file=sys.stderr, flush=True)
-            result = 124
-            break
-        if kill_at is not None and now > kill_at:
-            print("cluster.py: grace period over; killing remaining hosts", file=sys.stderr, flush=True)
-            break
-        for r, p in enumerate(procs):
-            if p.returncode not in (None, 0) and result == 0:
-                rc = p.returncode
-                result = rc if rc > 0 else 128 - rc      # killed by signal N -> 128+N
-                kill_at = now + grace
-                print(f"cluster.py: host{cluster.host_of(r)} ({cluster.nic(cluster.host_of(r))})"
-                      f"{f' rank{r}' if cluster.ranks_per_host > 1 else ''} exited with {rc}; "
-                      f"killing the others in {grace:g}s", file=sys.stderr, flush=True)
-        time.sleep(0.05)
-    for p in procs:
-        cluster.kill(p)
+    procs, pumps = [], []
+    for r, argv in enumerate(argvs):
+        if not prefix_output:
+            procs.append(cluster.popen(cluster.host_of(r), argv, env=threads, stdin=subprocess.DEVNULL))
+            continue
+        # our own pipe, not stdout=PIPE: supervise would read a PIPE to its end, we stream it line by line
+        read_end, write_end = os.pipe()
         try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass                            # teardown's namespace sweep gets it
+            procs.append(cluster.popen(cluster.host_of(r), argv, env=threads, stdin=subprocess.DEVNULL,
+                                       stdout=write_end, stderr=subprocess.STDOUT))
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        pumps.append(threading.Thread(target=pump, args=(r, read_end), daemon=True))
+        pumps[-1].start()
+
+    first_failure = None
+
+    def announce(rank: int) -> None:
+        host = cluster.host_of(rank)
+        print(f"cluster.py: host{host} ({cluster.nic(host)}){f' rank{rank}' if cluster.ranks_per_host > 1 else ''}"
+              f" exited with {procs[rank].returncode}; killing the others in {grace:g}s", file=sys.stderr, flush=True)
+
+    def watch(procs: list[subprocess.Popen]) -> None:
+        nonlocal first_failure
+        codes = [p.poll() for p in procs]       # every one, every round (supervise's own poll stops at a live one)
+        if first_failure is None:
+            first_failure = next((r for r, rc in enumerate(codes) if rc not in (None, 0)), None)
+            if first_failure is not None:
+                announce(first_failure)
+
+    outcome = supervise(procs, timeout=timeout, grace=grace, poll=0.05, while_running=watch)
+    if outcome.timed_out:
+        print(f"cluster.py: timeout after {timeout}s; killing all hosts", file=sys.stderr, flush=True)
+    elif outcome.killed:                        # a rank failed and the grace period ran out
+        if first_failure is None:               # (failed and grace ran out between two watches)
+            first_failure = outcome.codes.index(outcome.failed)
+            announce(first_failure)
+        print("cluster.py: grace period over; killing remaining hosts", file=sys.stderr, flush=True)
     for t in pumps:
         t.join(timeout=5)
-    if result == 0:
-        for p in procs:
-            if p.returncode != 0:
-                rc = p.returncode
-                return rc if rc > 0 else 128 - rc
-    return result
+    if outcome.timed_out:
+        return 124
+    rc = outcome.codes[first_failure] if first_failure is not None else outcome.failed
+    return rc if rc >= 0 else 128 - rc          # killed by signal N -> 128+N
 
 
 def train(hosts: int, extra_args: list[str], rate: str | None = None, nics: list[str] | None = None,
