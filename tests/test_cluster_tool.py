@@ -16,6 +16,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 CLUSTER_PY = SCRIPTS / "cluster.py"
 sys.path.insert(0, str(SCRIPTS))
 import cluster  # noqa: E402
+import netns  # noqa: E402
 
 PY = sys.executable
 
@@ -25,12 +26,12 @@ pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
 def leftovers(tag):
     """Our namespaces and links that belong to the cluster `tag`."""
-    nss, links = cluster._our_objects()
+    nss, links = netns._our_objects()
     return [n for n in nss + links if of_cluster(n, tag)]
 
 
 def of_cluster(name, tag):
-    m = cluster._NAME_RE.match(name)
+    m = netns._NAME_RE.match(name)
     return bool(m) and f"{cluster.PREFIX}{m[1]}-{m[2]}" == tag
 
 
@@ -45,7 +46,7 @@ def readline(proc, timeout=10):
 
 
 def pid_dead(pid):
-    return cluster._pid_dead(pid)
+    return netns._pid_dead(pid)
 
 
 # Small socket programs run inside the namespaces.
@@ -218,7 +219,7 @@ def test_teardown_leaves_nothing(body_raises):
 
 @pytest.mark.timeout(30)
 def test_failed_setup_leaves_nothing(monkeypatch):
-    monkeypatch.setattr(cluster, "TBF_LATENCY", "not-a-time")     # the tc call of host 0 fails
+    monkeypatch.setattr(netns, "TBF_LATENCY", "not-a-time")     # the tc call of host 0 fails
     c = cluster.Cluster(2, rate="1gbit")
     with pytest.raises(cluster.ClusterError, match="tc -n"):
         with c:
@@ -232,7 +233,7 @@ def test_processes_still_running_at_exit_are_killed():
         # one child escapes the process group (setsid); the namespace sweep must still get it
         proc = c.popen(0, ["sh", "-c", "setsid sleep 300 & exec sleep 300"])
         deadline = time.monotonic() + 10
-        while len(pids := cluster._netns_pids(c.names[0])) < 2:
+        while len(pids := netns._netns_pids(c.names[0])) < 2:
             assert time.monotonic() < deadline, pids
             time.sleep(0.05)
     assert proc.returncode == -signal.SIGKILL
@@ -323,14 +324,14 @@ def test_cli_tears_down_on_signal(sig):
                             stderr=subprocess.PIPE, text=True)
     try:
         assert readline(proc, 20).endswith("started")
-        ours = [n for n in sum(cluster._our_objects(), []) if n.startswith(f"mnr{cluster._b36(proc.pid)}-")]
+        ours = [n for n in sum(netns._our_objects(), []) if n.startswith(f"mnr{netns._b36(proc.pid)}-")]
         assert len(ours) == 5
         proc.send_signal(sig)
         assert proc.wait(timeout=15) == 128 + sig
     finally:
         proc.kill()
         proc.communicate(timeout=10)
-    assert not [n for n in sum(cluster._our_objects(), []) if n in ours]
+    assert not [n for n in sum(netns._our_objects(), []) if n in ours]
 
 
 OWNER = r'''

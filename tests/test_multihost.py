@@ -26,6 +26,7 @@ SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(REPO))
 import cluster  # noqa: E402
+import netns  # noqa: E402
 from utils.model import Net  # noqa: E402
 
 PY = sys.executable
@@ -226,7 +227,7 @@ def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
 str(save)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**os.environ, **ENV}, start_new_session=True)
-    ours = f"{cluster.PREFIX}{cluster._b36(proc.pid)}-"       # the names this CLI run creates
+    ours = f"{cluster.PREFIX}{netns._b36(proc.pid)}-"       # the names this CLI run creates
     try:
         out, err = proc.communicate(timeout=80)
     except subprocess.TimeoutExpired:
