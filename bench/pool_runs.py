@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OneLineParser, p_text, ratios_to_gloo, sign_test_p  # noqa: E402
+from harness import OneLineParser, p_text, ratios_to_gloo, sign_test_p  # noqa: E402
 
 
 def pool(runs: list[dict]) -> list[dict]:

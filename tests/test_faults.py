@@ -22,7 +22,7 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
                            timeout=200)
     assert straight.returncode == 0, straight.stderr
 
-    # The interrupted run updates lazily (utils/overlap.LazyUpdate): its checkpoints, and the
+    # The interrupted run updates lazily (utils/lazy.LazyUpdate): its checkpoints, and the
     # resumed run, must still match the plain, uninterrupted one bit for bit.
     checkpoint = tmp_path / "b.pt"
     args = [*common, "--lazy-update", "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")]

@@ -1,0 +1,122 @@
+"""What the two training benchmarks (train_step.py, time_to_accuracy.py) measure ours against: torch
+DDP with its compression hooks, and a step that sums nothing (compute only); and the NIC's byte
+counter they both read.
+
+Every one of them runs through utils.run.train_step, the trainer's own step, in the place of a
+utils.gradsync object: LocalStep has the same methods (weigh, after_backward, step, finish,
+stats, close), so compute only, DDP and ours differ in nothing but the gradient sum.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import harness  # noqa: F401  # puts the repository on sys.path
+from utils.allreduce import ALGORITHMS
+
+DDP_HOOKS = ("fp16", "bf16", "powersgd")   # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook
+
+
+def parse_ours(text: str) -> dict:
+    """One of our configurations, '<algorithm>[+overlap[+lazy]]' ("ring+overlap+lazy") -> its
+    settings {allreduce, overlap, lazy_update}; ValueError for anything else."""
+    alg, *flags = text.split("+")
+    if alg not in ALGORITHMS or flags not in ([], ["overlap"], ["overlap", "lazy"]):
+        raise ValueError(f"expected <algorithm>[+overlap[+lazy]] with algorithm one of {', '.join(ALGORITHMS)}, "
+                         f"got {text!r}")
+    return {"allreduce": alg, "overlap": "overlap" in flags, "lazy_update": "lazy" in flags}
+
+
+def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=None, powersgd_warmup=None,
+             timeout=120.0, chunks="auto", bucket_mb=1.0):
+    """The utils.config.Sync of one of our configurations, as train.py would build it from its flags
+    (PowerSGD's rank and warm-up only with compress="powersgd"). overlap=False is the plain
+    "<algorithm>": backward, then the whole sum."""
+    from utils.config import Sync
+    powersgd = compress == "powersgd"
+    return Sync(allreduce=allreduce, chunks=chunks, overlap=overlap, lazy_update=lazy_update, bucket_mb=bucket_mb,
+                compress=compress, powersgd_rank=powersgd_rank if powersgd else None,
+                powersgd_warmup=powersgd_warmup if powersgd else None, timeout=timeout)
+
+
+class LocalStep:
+    """A gradient sync that sums nothing: the optimizer step alone, as utils.gradsync does it.
+    Compute only uses it, and DDP, which has summed during backward already."""
+
+    def __init__(self, optimizer, scheduler):
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def weigh(self, weight):
+        pass
+
+    def after_backward(self):
+        pass
+
+    def step(self):
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+
+    def finish(self):
+        pass
+
+    def stats(self):
+        return None
+
+    def close(self):
+        pass
+
+
+def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_warmup: int = 2, seed: int = 0):
+    """torch DDP (gloo) around `model`, with one of its compression comm hooks (None: plain DDP).
+
+    "powersgd" runs with the whole gradient in ONE bucket: over gloo, DDP's powerSGD_hook aborts
+    ("Received data size doesn't match expected size") when the model has two buckets, whose P/Q
+    all-reduce chains can start in different orders on different ranks. So both the first-bucket
+    cap (dist._DEFAULT_FIRST_BUCKET_BYTES, read by older torch) and bucket_cap_mb go above the
+    gradient's size. PowerSGDState: rank `powersgd_rank`, plain all-reduce for the first
+    `powersgd_warmup` steps (torch needs >= 2 with error feedback / warm start, its defaults).
+    Returns (ddp_module, hook_state or None)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook not in (None, *DDP_HOOKS):
+        raise ValueError(f"unknown DDP hook {hook!r}")
+    kwargs = {}
+    if hook == "powersgd":
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int((grad_mb + 1) * 2**20)
+        kwargs["bucket_cap_mb"] = grad_mb + 1
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+    state = None
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=max(2, powersgd_warmup), random_seed=seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp, state
+
+
+def bytes_sent(gradient_sync) -> int | None:
+    """Bytes this rank has sent for gradient sums so far (utils.gradsync's stats()), or None where
+    nothing counts them (LocalStep: compute only, DDP)."""
+    stats = gradient_sync.stats()
+    return None if stats is None else stats["bytes_sent"]
+
+
+def nic_tx_bytes(nic: str | None) -> int | None:
+    """Bytes this network namespace has sent on `nic` so far (/proc/self/net/dev), or None (no such NIC,
+    or loopback, where every rank's traffic shares one counter)."""
+    if not nic or nic == "lo":
+        return None
+    try:
+        for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
+            name, _, fields = line.partition(":")
+            if name.strip() == nic:
+                return int(fields.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
