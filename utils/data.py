@@ -2,8 +2,9 @@
 
 The repository ships the original IDX files gzip-compressed in data/MNIST/raw/. They are
 decompressed once (atomically, so ranks starting together don't trip over each other),
-checked against the published md5 sums, and read with torchvision.datasets.MNIST. Only when
-data/ has none of them does torchvision try to download them.
+checked against the published md5 sums, and read here (read_idx: a header, then the bytes;
+torchvision's reader gives the same tensors but costs every rank a second of start-up to
+import). Only when data/ has none of them does torchvision try to download them.
 """
 import gzip
 import hashlib
@@ -12,7 +13,6 @@ import os
 import shutil
 
 import torch
-from torchvision.datasets import MNIST
 
 from utils.errors import UsageError
 
@@ -74,6 +74,7 @@ def ensure_mnist(root="data"):
     """Make root/MNIST/raw/ hold the four verified files, downloading them only if none are there."""
     if prepare_raw_files(root):
         return
+    from torchvision.datasets import MNIST   # only to download: a second of start-up otherwise spent for nothing
     existed = os.path.exists(root)
     try:
         for train in (True, False):
@@ -88,8 +89,24 @@ def ensure_mnist(root="data"):
 def load_mnist(root="data"):
     """Return (train_images, train_labels, test_images, test_labels) as tensors."""
     ensure_mnist(root)
-    train, test = MNIST(root, train=True), MNIST(root, train=False)
-    return normalize(train.data), train.targets, normalize(test.data), test.targets
+    raw = os.path.join(root, "MNIST", "raw")
+    train, test = (read_idx(os.path.join(raw, f"{kind}-images-idx3-ubyte")) for kind in ("train", "t10k"))
+    train_labels, test_labels = (read_idx(os.path.join(raw, f"{kind}-labels-idx1-ubyte")).long()
+                                 for kind in ("train", "t10k"))
+    return normalize(train), train_labels, normalize(test), test_labels
+
+
+def read_idx(path):
+    """An IDX file of unsigned bytes as a uint8 tensor of its shape: a 4-byte magic number (0, 0,
+    0x08 for unsigned bytes, the number of dimensions), each dimension as a big-endian 32-bit
+    size, then the values in row-major order."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:3] != b"\x00\x00\x08":
+        raise UsageError(f"{path} is not an IDX file of unsigned bytes")
+    dims = data[3]
+    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims)]
+    return torch.frombuffer(bytearray(data[4 + 4 * dims:]), dtype=torch.uint8).view(*shape)
 
 
 def epoch_permutation(num_examples, epoch, seed):

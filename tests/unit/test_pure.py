@@ -97,3 +97,15 @@ def test_timeline_steps_parse():
     for bad in ("60:21", "0:3", "x", "5"):
         with pytest.raises(ValueError):
             timeline.parse_steps(bad)
+
+
+def test_mnist_is_read_as_torchvision_reads_it():
+    import os
+    from torchvision.datasets import MNIST
+    from conftest import REPO
+    root = os.path.join(REPO, "data")
+    data.ensure_mnist(root)
+    raw = os.path.join(root, "MNIST", "raw")
+    test = MNIST(root, train=False)
+    assert torch.equal(data.read_idx(os.path.join(raw, "t10k-images-idx3-ubyte")), test.data)
+    assert torch.equal(data.read_idx(os.path.join(raw, "t10k-labels-idx1-ubyte")).long(), test.targets)
