@@ -28,10 +28,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from utils import checkpoint, hierarchical, stop, timeline  # noqa: E402
-from utils.allreduce import ALGORITHMS  # noqa: E402
-from utils.compress import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
-from utils.config import (GLOBAL_BATCH, MAX_NPROC, MAX_POWERSGD_RANK, MAX_LR, MAX_TIMEOUT, OneLineParser,  # noqa: E402
+from utils import checkpoint, hierarchical, stop  # noqa: E402
+from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP,  # noqa: E402
+                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_NPROC, MAX_POWERSGD_RANK, MAX_LR, MAX_TIMEOUT,
+                          OneLineParser,
                           check_share, chunk_count, from_args, non_negative_int, positive, seed_value,
                           timeline_steps)
 from utils.data import ensure_mnist, load_mnist  # noqa: E402
@@ -92,7 +92,7 @@ def parse_args(argv):
                    help="rank 0 writes a Chrome trace of every rank's steps here (open it in ui.perfetto.dev)")
     p.add_argument("--timeline-steps", metavar="A:B", type=timeline_steps,
                    help=f"with --timeline: the steps to record, counted over the whole run "
-                        f"(default {timeline.DEFAULT_STEPS[0]}:{timeline.DEFAULT_STEPS[1]})")
+                        f"(default {DEFAULT_TIMELINE_STEPS[0]}:{DEFAULT_TIMELINE_STEPS[1]})")
     p.add_argument("--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
     p.add_argument("--test-subset", type=positive(int),
@@ -102,14 +102,15 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def check_outputs(config):
-    """rank 0's output files must be writable before any training starts."""
+def preflight(config, world_size, train_images):
+    """What rank 0, or the local launcher for all its ranks, checks before anyone trains (one
+    error line, not one per rank): the outputs can be written and no other job holds them, the
+    ranks can share the data, and the checkpoint to resume from (returned, or None) matches this
+    run. It only looks; rank 0 takes the lock afterwards."""
     for option, path in config.outputs.files():
         checkpoint.check_writable(path, option)
-
-
-def resumable(config):
-    """The checkpoint to resume from, checked against this run (or None); it only reads."""
+    lock_outputs(config.outputs, hold=False)
+    check_share(train_images, world_size, config.recipe.global_batch)
     if config.job.resume and os.path.exists(config.outputs.checkpoint):
         return checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
     return None
@@ -141,17 +142,16 @@ def evaluate(config, data):
 def train(config, data):
     torch.manual_seed(config.recipe.seed)
     model, job = Net(), config.job
+    check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
     if job.torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         attempt_store, restarted = torchrun_attempt_store(job.rank, job.world_size,
                                                           datetime.timedelta(seconds=config.sync.timeout))
     resume_from = None
-    check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     if job.rank == 0:  # before rendezvous, so that a bad file or another job's outputs fail fast
         if restarted:  # torchrun started this rank again after a failure: it resumes without --resume
             config = dataclasses.replace(config, job=dataclasses.replace(job, resume=True))
-        check_outputs(config)
-        resume_from = resumable(config)
+        resume_from = preflight(config, job.world_size, len(data[1]))
         done = checkpoint.finished(resume_from, config.recipe.epochs)
         lock_outputs(config.outputs, hold=not done)  # a finished run writes nothing, not even a lock file
         if not done:
@@ -217,10 +217,7 @@ def main(argv=None):
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
             if job.model_path:
                 checkpoint.load_model_state(Net(), job.model_path)
-            check_outputs(config)
-            lock_outputs(config.outputs, hold=False)  # only a look: the lock is its rank 0's to take
-            check_share(config.recipe.train_subset, job.nproc, config.recipe.global_batch)
-            if checkpoint.finished(resumable(config), config.recipe.epochs):
+            if checkpoint.finished(preflight(config, job.nproc, config.recipe.train_subset), config.recipe.epochs):
                 say_finished(config)
                 return 0
             ensure_mnist(job.data_dir)

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from utils import hierarchical, ring, timeline
-
-ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
+from utils.config import ALGORITHMS
 
 
 class Work:

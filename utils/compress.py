@@ -30,12 +30,8 @@ import math
 
 import torch
 
-COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
-# One epoch of the default recipe over five seeds (bench/results/accuracy/one-epoch-seeds.md): rank 4 with
-# 10 plain steps averages 98.97% (2 ranks) and 99.00% (4 ranks), 0.02-0.03 points below no compression, as
-# DDP's own PowerSGD hook does; rank 8 or 100 plain steps gain 0.01-0.03 points, less than the seeds' spread.
-DEFAULT_POWERSGD_RANK = 4
-DEFAULT_POWERSGD_WARMUP = 10   # uncompressed steps first
+from utils.config import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: F401 (read here)
+
 FP16_MAX = 65504.0
 FP16_HEADROOM = 16      # the last sum's largest value lands this far below FP16_MAX / N
 MIN_COMPRESSION = 2     # PowerSGD compresses a matrix only if that saves at least half of it

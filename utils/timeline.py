@@ -32,7 +32,6 @@ import torch.distributed as dist
 from utils.checkpoint import write_file
 
 ROUND_TRIPS = 8                 # per rank, to estimate its clock's offset to rank 0's
-DEFAULT_STEPS = (21, 60)        # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
 _OFF = contextlib.nullcontext()
 # For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number of
 # seconds, as another server's clock would be; the clock alignment must take it out.
@@ -85,18 +84,6 @@ def current_step():
     """The step under way (None without --timeline): spans done later for it (a lazy update,
     gloo's sum, timed once waited for) name it in step=..."""
     return recorder.step if recorder is not None else None
-
-
-def parse_steps(text):
-    """'A:B' -> (A, B), 1 <= A <= B; ValueError with a message otherwise."""
-    first, sep, last = text.partition(":")
-    try:
-        first, last = int(first), int(last)
-    except ValueError:
-        raise ValueError(f"expected FIRST:LAST step numbers, e.g. 21:60, not {text!r}") from None
-    if not sep or first < 1 or last < first:
-        raise ValueError(f"expected FIRST:LAST with 1 <= FIRST <= LAST, not {text!r}")
-    return first, last
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from utils import compress, data, hierarchical, ring, timeline
+from utils import compress, config, data, hierarchical, ring
 from utils.gradsync import flat_buffer, make_buckets, set_gradients
 from utils.lazy import step_only
 from utils.model import Net
@@ -93,10 +93,10 @@ def test_compression_helpers():
 
 
 def test_timeline_steps_parse():
-    assert timeline.parse_steps("21:60") == (21, 60)
+    assert config.parse_steps("21:60") == (21, 60)
     for bad in ("60:21", "0:3", "x", "5"):
         with pytest.raises(ValueError):
-            timeline.parse_steps(bad)
+            config.parse_steps(bad)
 
 
 def test_mnist_is_read_as_torchvision_reads_it():
