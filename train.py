@@ -12,7 +12,9 @@ Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the sam
 saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
 servers or another.
 
-This file sets up (arguments, NIC, process group, data, model); utils/run.py trains.
+This file sets up: the command line becomes a utils.config.Config; then it evaluates, starts every
+rank here (utils/launch.py), or joins the process group (utils/distributed.py) and hands over to
+utils/run.py, which trains. Exceptions become one line and an exit code (utils/errors.py).
 """
 import argparse
 import dataclasses
@@ -25,24 +27,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors with stack traces; we report them in one line
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from utils import checkpoint, hierarchical, stop  # noqa: E402
+# Only modules without torch here: a bad command line, and the local launcher, answer before torch
+# loads (a second or two). What trains imports torch and the rest where it starts (train, evaluate).
+from utils import stop  # noqa: E402
 from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP,  # noqa: E402
-                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_NPROC, MAX_POWERSGD_RANK, MAX_LR, MAX_TIMEOUT,
-                          OneLineParser,
-                          check_share, chunk_count, from_args, non_negative_int, positive, seed_value,
-                          timeline_steps)
-from utils.data import ensure_mnist, load_mnist  # noqa: E402
-from utils.distributed import agree, broadcast_parameters, init_distributed, model_name, torchrun_attempt_store  # noqa: E402
+                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK, MAX_TIMEOUT,
+                          OneLineParser, check_share, chunk_count, from_args, non_negative_int, positive,
+                          seed_value, timeline_steps)
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
+from utils.files import check_writable, remove_stale_temps, set_aside  # noqa: E402
 from utils.launch import launch_local  # noqa: E402
-from utils.model import Net  # noqa: E402
+from utils.mnist import ensure_mnist  # noqa: E402
 from utils.outputs import lock_outputs, release  # noqa: E402
-from utils.run import run, test_model  # noqa: E402
 
 PROG = "train.py"
+
 
 def parse_args(argv):
     p = OneLineParser(prog=PROG, description="Data-parallel MNIST over a hand-written gloo ring.")
@@ -105,15 +104,19 @@ def parse_args(argv):
 def preflight(config, world_size, train_images):
     """What rank 0, or the local launcher for all its ranks, checks before anyone trains (one
     error line, not one per rank): the outputs can be written and no other job holds them, the
-    ranks can share the data, and the checkpoint to resume from (returned, or None) matches this
-    run. It only looks; rank 0 takes the lock afterwards."""
+    ranks can share the data, and the checkpoint to resume from matches this run. Returns (that
+    checkpoint or None, whether it is a finished run). It only looks; rank 0 takes the lock afterwards."""
     for option, path in config.outputs.files():
-        checkpoint.check_writable(path, option)
+        check_writable(path, option)
     lock_outputs(config.outputs, hold=False)
     check_share(train_images, world_size, config.recipe.global_batch)
     if config.job.resume and os.path.exists(config.outputs.checkpoint):
-        return checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
-    return None
+        from utils import checkpoint
+        from utils.distributed import model_name
+        from utils.model import Net
+        resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
+        return resume_from, checkpoint.finished(resume_from, config.recipe.epochs)
+    return None, False
 
 
 def say_finished(config):
@@ -121,10 +124,9 @@ def say_finished(config):
     print(f"{path} is a finished run ({epochs} of {epochs} epochs); nothing to do", flush=True)
 
 
-def say_where_training_starts(config, resume_from, world_size):
-    path = config.outputs.checkpoint
+def say_where_training_starts(config, resume_from, made_on):
+    path, world_size = config.outputs.checkpoint, config.job.world_size
     if resume_from is not None:
-        made_on = checkpoint.upgrade(resume_from)[1]
         resized = f"; resuming on {world_size} ranks; the checkpoint was made on {made_on}" if made_on != world_size else ""
         print(f"resuming from {path}: epoch {resume_from['epoch']}, after step {resume_from['step']}{resized}",
               flush=True)
@@ -133,13 +135,24 @@ def say_where_training_starts(config, resume_from, world_size):
 
 
 def evaluate(config, data):
+    from utils.checkpoint import load_model_state
+    from utils.model import Net
+    from utils.run import test_model
     model = Net()
-    checkpoint.load_model_state(model, config.job.model_path)
+    load_model_state(model, config.job.model_path)
     accuracy = test_model(model, data[2], data[3])
     print(f"test accuracy {accuracy:.2%} ({config.job.model_path}, {len(data[3])} images)")
 
 
 def train(config, data):
+    import torch
+    import torch.distributed as dist
+
+    from utils import checkpoint, hierarchical
+    from utils.distributed import agree, broadcast_parameters, init_distributed, torchrun_attempt_store
+    from utils.model import Net
+    from utils.run import run
+
     torch.manual_seed(config.recipe.seed)
     model, job = Net(), config.job
     check_share(len(data[1]), job.world_size, config.recipe.global_batch)
@@ -151,12 +164,11 @@ def train(config, data):
     if job.rank == 0:  # before rendezvous, so that a bad file or another job's outputs fail fast
         if restarted:  # torchrun started this rank again after a failure: it resumes without --resume
             config = dataclasses.replace(config, job=dataclasses.replace(job, resume=True))
-        resume_from = preflight(config, job.world_size, len(data[1]))
-        done = checkpoint.finished(resume_from, config.recipe.epochs)
+        resume_from, done = preflight(config, job.world_size, len(data[1]))
         lock_outputs(config.outputs, hold=not done)  # a finished run writes nothing, not even a lock file
         if not done:
-            checkpoint.remove_stale_temps(config.outputs.checkpoint)  # only now: they could have been another job's
-            say_where_training_starts(config, resume_from, job.world_size)
+            remove_stale_temps(config.outputs.checkpoint)  # only now: they could have been another job's
+            say_where_training_starts(config, resume_from, resume_from and checkpoint.upgrade(resume_from)[1])
         if resume_from is None and job.model_path:
             checkpoint.load_model_state(model, job.model_path)
     init_distributed(job, config.sync.timeout, attempt_store)
@@ -178,15 +190,16 @@ def train(config, data):
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if job.rank == 0:
-        if resume_from is None and checkpoint.set_aside(config.outputs.checkpoint):
+        if resume_from is None and set_aside(config.outputs.checkpoint):
             print(f"starting afresh; the earlier checkpoint is kept as {config.outputs.checkpoint}.prev", flush=True)
-        print(start_line(config, model, data, hosts), flush=True)
+        print(start_line(config, sum(p.numel() for p in model.parameters()), data, hierarchical.describe(hosts)),
+              flush=True)
     stop.arm()   # from here a signal stops the job after a step, with the checkpoint saved
     run(model, data, config, resume_from=resume_from)
     dist.destroy_process_group()
 
 
-def start_line(config, model, data, hosts):
+def start_line(config, parameters, data, hosts):
     """Rank 0's line before the first step: what is trained, and how the sum is done."""
     n, batch, sync = config.job.world_size, config.recipe.global_batch, config.sync
     share = batch // n
@@ -195,10 +208,10 @@ def start_line(config, model, data, hosts):
     compress = f", compress {sync.compress}" if sync.compress != "none" else ""
     if sync.compress == "powersgd":
         compress = f", compress powersgd (rank {sync.powersgd_rank}, {sync.powersgd_warmup} warm-up steps)"
-    return (f"rank 0 of {n}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+    return (f"rank 0 of {n}: {parameters:,} parameters, "
             f"{len(data[1]):,} training images{test_note}, batch {batch} ({per_rank} per rank), "
             f"all-reduce {sync.allreduce} (chunks {sync.chunks}, overlap {'on' if sync.overlap else 'off'}"
-            f"{', lazy update' if sync.lazy_update else ''}){compress}, {hierarchical.describe(hosts)}")
+            f"{', lazy update' if sync.lazy_update else ''}){compress}, {hosts}")
 
 
 def resume_command(argv):
@@ -215,9 +228,11 @@ def main(argv=None):
         config = from_args(parse_args(argv))
         job = config.job
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
-            if job.model_path:
-                checkpoint.load_model_state(Net(), job.model_path)
-            if checkpoint.finished(preflight(config, job.nproc, config.recipe.train_subset), config.recipe.epochs):
+            if job.model_path:   # the only check that needs torch
+                from utils.checkpoint import load_model_state
+                from utils.model import Net
+                load_model_state(Net(), job.model_path)
+            if preflight(config, job.nproc, config.recipe.train_subset)[1]:
                 say_finished(config)
                 return 0
             ensure_mnist(job.data_dir)
@@ -225,6 +240,8 @@ def main(argv=None):
         rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
         if not job.eval:
             stop.install(f"{PROG}: rank {rank}")
+        import torch
+        from utils.data import load_mnist
         torch.use_deterministic_algorithms(True)
         data = load_mnist(job.data_dir)
         recipe = config.recipe

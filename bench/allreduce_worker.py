@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from harness import rotated, start_worker
-from utils.checkpoint import write_file
+from utils.files import write_file
 
 ELEMENT = 4                           # bytes per float32
 

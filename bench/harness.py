@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]          # utils/ (ranks), scripts/cluster.py (driver)
 import cluster  # noqa: E402
-from utils.checkpoint import write_file  # noqa: E402
+from utils.files import write_file  # noqa: E402
+from utils.errors import UsageError  # noqa: E402
 from utils.launch import free_port, kill, supervise  # noqa: E402
 from utils.model import Net  # noqa: E402
 
@@ -223,6 +224,9 @@ def run_driver(driver, args, prog: str) -> int:
         return 2
     except cluster.ClusterError as e:
         print(f"{prog}: cluster: {e}", file=sys.stderr)
+        return 2
+    except UsageError as e:   # a results file that could not be written (a full disk)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

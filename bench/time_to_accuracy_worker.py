@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness import REPO, digest, start_worker
 from peers import LocalStep, bytes_sent, make_ddp, nic_tx_bytes, our_sync
-from utils.checkpoint import write_file
+from utils.files import write_file
 
 
 def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from harness import REPO, digest, numel, rotated, start_worker
 from peers import LocalStep, bytes_sent, make_ddp, nic_tx_bytes, our_sync
-from utils.checkpoint import write_file
+from utils.files import write_file
 
 
 def make_model(name: str):

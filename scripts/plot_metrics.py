@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from utils.checkpoint import write_file  # noqa: E402
+from utils.files import write_file  # noqa: E402
+from utils.errors import UsageError  # noqa: E402
 
 PROG = "plot_metrics.py"
 REQUIRED = ("epoch", "train_loss", "test_accuracy")
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
             runs = read_runs(path)
             series += [(label(name, run, k, len(runs)), run) for k, run in enumerate(runs)]
         plot(series, out, args.title)
-    except BadInput as e:
+    except (BadInput, UsageError) as e:   # UsageError: write_file could not write the PNG
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -17,24 +17,20 @@ ranks or another:
     finished(checkpoint, epochs)                         the end of a run: nothing left to train
     restore(checkpoint, optimizer, scheduler, sync, rank, world_size) -> (epoch, step, stats)
 
-Files (write_file): a regular file, or one not there yet, is written atomically (a temp file in
-the same folder, fsync, rename), so a crash leaves the old file or the new one, never a mix. A
-symlink is written through to its target, whose folder gets the temp file; the link stays. A
-character or block device or a FIFO is written in place (/dev/null, a pipe to another program);
-a socket or a folder is refused in one line.
+Checkpoints, state dicts and every other output are written by utils/files.write_file (atomic
+for a regular file, through a symlink, in place for a device or FIFO).
 """
 import io
 import os
 import pickle
 import re
-import stat
-import tempfile
 import warnings
 
 import torch
 
 from utils.compress import state_for
 from utils.errors import UsageError
+from utils.files import write_file
 
 SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}   # required keys
 
@@ -92,105 +88,6 @@ def restore(checkpoint, optimizer, scheduler, sync, rank, world_size):
     if checkpoint.get("compression"):
         sync.load_state_dict(state_for(checkpoint["compression"], rank, world_size))
     return checkpoint["epoch"], checkpoint["step"], checkpoint["epoch_stats"]
-
-
-def set_aside(path):
-    """A fresh start keeps the previous run's checkpoint as <path>.prev (through a symlink: its
-    target's); returns whether there was one. A device or FIFO is left alone."""
-    target = os.path.realpath(path)
-    if not os.path.isfile(target):
-        return False
-    os.replace(target, target + ".prev")
-    return True
-
-
-# --- files -------------------------------------------------------------------------------------
-
-def write_file(path, data):
-    """Write bytes to `path`: atomically for a regular file, through a symlink, in place for a
-    device or FIFO (see the module's docstring). OSError: the write failed (a full disk, /dev/full)."""
-    target = os.path.realpath(path)
-    kind = special_kind(target)
-    if kind is None:
-        _atomic_write(target, data)
-    elif kind in ("device", "FIFO"):
-        with open(target, "wb") as f:
-            f.write(data)
-    else:
-        raise UsageError(f"cannot write {path}: it is a {kind}")
-
-
-def special_kind(path):
-    """None for a regular file or one not there yet; else 'device', 'FIFO', 'folder', 'socket'."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    return "FIFO" if stat.S_ISFIFO(mode) else "folder" if stat.S_ISDIR(mode) else "socket"
-
-
-def _atomic_write(path, data):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; give it a normal file's mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def check_writable(path, option):
-    """Fail now, in one line, if `path` cannot be written: not after an epoch of training."""
-    target = os.path.realpath(path)
-    kind = special_kind(target)
-    if kind == "folder":
-        raise UsageError(f"{option} {path} is a folder; give a file name in it")
-    if kind == "socket":
-        raise UsageError(f"{option} {path} is a socket; give a file, a device or a FIFO")
-    if kind is not None:
-        if not os.access(target, os.W_OK):
-            raise UsageError(f"cannot write {option} {path}: permission denied")
-        return
-    folder = os.path.dirname(target)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise UsageError(f"cannot write {option} {path}: {e.strerror or e}") from None
-
-
-def current_umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def remove_stale_temps(path):
-    """Delete temp files that a save killed half-way left next to `path` (its target's folder)."""
-    target = os.path.realpath(path)
-    folder = os.path.dirname(target)
-    if special_kind(target) is None and os.path.isdir(folder):
-        prefix = os.path.basename(target) + "."
-        for name in os.listdir(folder):
-            if name.startswith(prefix) and name.endswith(".tmp"):
-                os.remove(os.path.join(folder, name))
 
 
 def safe_load(path, what="file"):

@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from utils.checkpoint import special_kind
+from utils.files import special_kind
 from utils.errors import UsageError
 
 PROBE_SECONDS = 0.5  # a lock taken for longer than another job's look (hold=False) is a job's

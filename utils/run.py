@@ -99,6 +99,10 @@ class EpochStats:
         self.bytes_summed = bytes_summed    # the summed buffers' size on the wire (compressed)
 
 
+TIMES = (("busy_seconds", "busy_seconds"), ("comm_seconds", "waited_seconds"))
+BYTES = (("bytes_sent", "bytes_sent"), ("bytes_summed", "bytes_summed"))
+
+
 def train_model(model, gradient_sync, images, labels, batches, epoch, first_step, stats, save_every=0, save=None):
     """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps.
 
@@ -107,21 +111,14 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
     model.train()
     progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
     step = first_step
-    counted = gradient_sync.stats()
+    seen = gradient_sync.stats()   # what stats already holds of gradient_sync's running totals
 
-    def count(final=False):
-        """Add the time and bytes of the sums since the last count. Lazy: a step's sums finish in
-        the next forward, so bytes are counted only where finish() has applied every step."""
-        nonlocal counted
+    def count(names):
+        """Add what gradient_sync did since the last count to stats: (stats field, its stats() key)."""
         now = gradient_sync.stats()
-        stats.busy_seconds += now["busy_seconds"] - counted["busy_seconds"]
-        stats.comm_seconds += now["waited_seconds"] - counted["waited_seconds"]
-        if final:
-            stats.bytes_sent += now["bytes_sent"] - counted["bytes_sent"]
-            stats.bytes_summed += now["bytes_summed"] - counted["bytes_summed"]
-            counted = now
-        else:
-            counted = dict(now, bytes_sent=counted["bytes_sent"], bytes_summed=counted["bytes_summed"])
+        for field, key in names:
+            setattr(stats, field, getattr(stats, field) + now[key] - seen[key])
+            seen[key] = now[key]
     try:
         for step in range(first_step + 1, len(batches) + 1):
             batch, weight = batches[step - 1]
@@ -132,7 +129,9 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
             saving = stopping or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
                 gradient_sync.finish()
-            count(final=saving)
+            count(TIMES)
+            if saving:   # lazy: only now are all of this step's sums done, so bytes are counted here
+                count(BYTES)
             stats.step_seconds += time.perf_counter() - start
             stats.loss_sum += loss.item()
             stats.steps += 1
@@ -145,7 +144,7 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
                 gradient_sync.finish()
                 timeline.write()
         gradient_sync.finish()
-        count(final=True)
+        count(TIMES + BYTES)
     except PeerError as e:
         raise PeerError(f"lost a peer while {e.doing} (epoch {epoch}, step {step}): {e}") from None
     finally:

@@ -22,6 +22,8 @@ import signal
 import threading
 import time
 
+from utils import outputs
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_SECONDS = 1.0
 
@@ -82,4 +84,5 @@ def _received(sig):
 
 def _exit(message, code):
     os.write(2, f"{_label}: {message}\n".encode())   # not print: the main thread may hold sys.stderr's lock
+    outputs.release()   # rank 0's lock files: a job stopped at once leaves none behind either
     os._exit(code)

@@ -29,7 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils.checkpoint import write_file
+from utils.files import write_file
+from utils.errors import UsageError
 
 ROUND_TRIPS = 8                 # per rank, to estimate its clock's offset to rank 0's
 _OFF = contextlib.nullcontext()
@@ -133,9 +134,8 @@ class Recorder:
             what = f"steps {self.first}-{last}" if self.spans else f"nothing (no step of {self.first}-{last} ran)"
             try:
                 write_file(self.path, json.dumps(chrome_trace(everyone, self.first, last, self.total_steps)).encode())
-            except OSError as e:   # a full disk, /dev/full: the trace is lost, the training goes on
-                os.write(2, f"train.py: rank 0: could not write the timeline to {self.path}: "
-                            f"{e.strerror or e}; training goes on\n".encode())
+            except UsageError as e:   # a full disk, /dev/full: the trace is lost, the training goes on
+                os.write(2, f"train.py: rank 0: could not write the timeline ({e}); training goes on\n".encode())
                 return
             print(f"timeline of {what} written to {self.path}", flush=True)
         self.spans = []

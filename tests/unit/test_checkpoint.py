@@ -1,4 +1,5 @@
-"""The checkpoint's schema, its checks and upgrade; every written file: atomic, through a symlink, in place for a device or FIFO."""
+"""The checkpoint's schema, its checks and upgrade (utils/checkpoint.py); every written file: atomic, through a
+symlink, in place for a device or FIFO (utils/files.py)."""
 import os
 import socket
 import stat
@@ -7,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from utils import checkpoint
+from utils import checkpoint, files
 from utils.errors import UsageError
 from utils.model import Net
 
@@ -71,28 +72,28 @@ def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
     target.parent.mkdir()
     target.write_bytes(b"old")
     link.symlink_to(target)
-    checkpoint.write_file(str(link), b"new")
+    files.write_file(str(link), b"new")
     assert link.is_symlink() and target.read_bytes() == b"new"
     assert sorted(os.listdir(tmp_path / "real")) == ["m.pth"]
-    assert checkpoint.set_aside(str(link)) and (tmp_path / "real" / "m.pth.prev").read_bytes() == b"new"
+    assert files.set_aside(str(link)) and (tmp_path / "real" / "m.pth.prev").read_bytes() == b"new"
     assert link.is_symlink()
 
 
 def test_a_device_is_written_in_place_never_replaced():
     before = os.stat("/dev/null")
-    checkpoint.write_file("/dev/null", b"x" * 1000)
+    files.write_file("/dev/null", b"x" * 1000)
     after = os.stat("/dev/null")
     assert stat.S_ISCHR(after.st_mode) and after.st_ino == before.st_ino
-    assert not checkpoint.set_aside("/dev/null")   # a fresh start moves no device aside
-    checkpoint.check_writable("/dev/null", "--save-path")
-    checkpoint.remove_stale_temps("/dev/null")     # looks at no folder of devices
+    assert not files.set_aside("/dev/null")   # a fresh start moves no device aside
+    files.check_writable("/dev/null", "--save-path")
+    files.remove_stale_temps("/dev/null")     # looks at no folder of devices
 
 
 def test_a_full_device_fails_instead_of_reporting_success():
     if not os.path.exists("/dev/full"):
         pytest.fail("this test needs Linux's /dev/full")
-    with pytest.raises(OSError):
-        checkpoint.write_file("/dev/full", b"x")
+    with pytest.raises(UsageError, match="cannot write /dev/full: No space left on device"):
+        files.write_file("/dev/full", b"x")
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
@@ -102,25 +103,25 @@ def test_a_fifo_is_written_in_place(tmp_path):
     got = []
     reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
     reader.start()
-    checkpoint.write_file(str(fifo), b"through the pipe")
+    files.write_file(str(fifo), b"through the pipe")
     reader.join(10)
     assert got == [b"through the pipe"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
 def test_folders_and_sockets_are_refused_in_one_line(tmp_path):
     with pytest.raises(UsageError, match="is a folder"):
-        checkpoint.check_writable(str(tmp_path), "--checkpoint")
+        files.check_writable(str(tmp_path), "--checkpoint")
     path = tmp_path / "s"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(path))
         with pytest.raises(UsageError, match="is a socket"):
-            checkpoint.check_writable(str(path), "--metrics")
+            files.check_writable(str(path), "--metrics")
         with pytest.raises(UsageError, match="is a socket"):
-            checkpoint.write_file(str(path), b"x")
+            files.write_file(str(path), b"x")
 
 
 def test_stale_temps_of_a_killed_save_are_removed(tmp_path):
     (tmp_path / "c.pt.abc123.tmp").write_bytes(b"half")
     (tmp_path / "other.tmp").write_bytes(b"not ours")
-    checkpoint.remove_stale_temps(str(tmp_path / "c.pt"))
+    files.remove_stale_temps(str(tmp_path / "c.pt"))
     assert sorted(os.listdir(tmp_path)) == ["other.tmp"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from utils import compress, config, data, hierarchical, ring
+from utils import compress, config, data, hierarchical, mnist, ring
 from utils.gradsync import flat_buffer, make_buckets, set_gradients
 from utils.lazy import step_only
 from utils.model import Net
@@ -104,7 +104,7 @@ def test_mnist_is_read_as_torchvision_reads_it():
     from torchvision.datasets import MNIST
     from conftest import REPO
     root = os.path.join(REPO, "data")
-    data.ensure_mnist(root)
+    mnist.ensure_mnist(root)
     raw = os.path.join(root, "MNIST", "raw")
     test = MNIST(root, train=False)
     assert torch.equal(data.read_idx(os.path.join(raw, "t10k-images-idx3-ubyte")), test.data)

@@ -67,3 +67,16 @@ def test_train_py_only_sets_up_and_modules_stay_small():
     for path in [*sources("utils"), "train.py"]:
         lines = sum(1 for _ in open(os.path.join(REPO, path)))
         assert lines <= MOST_LINES, f"{path} has {lines} lines"
+
+
+def test_a_bad_command_line_and_the_launcher_need_no_torch():
+    """torch takes a second or two to import: a bad command line, and the local launcher's checks,
+    answer without it (every rank imports it where it starts training)."""
+    import subprocess
+    import sys
+    light = "utils.config, utils.errors, utils.files, utils.launch, utils.mnist, utils.outputs, utils.stop"
+    probe = (f"import sys; sys.path.insert(0, {REPO!r}); import {light}; import train; "
+             f"code = train.main(['--lr', '-1']); print(code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["2", "False"], (result.stdout, result.stderr)
+    assert "--lr" in result.stderr
