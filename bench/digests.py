@@ -8,6 +8,10 @@ A combination is --allreduce x (--no-overlap | --overlap | --overlap --lazy-upda
 on 2 ranks (and a few on 3, where the global batch does not divide), 30 steps: long enough for
 PowerSGD's 10 warm-up steps to end. Each run is `python train.py` (the local launcher), 1 thread
 per rank, with a timeout. Exit code 1 when any digest differs from the table.
+
+The bits depend on the CPU's kernels too (torch picks convolution and matrix kernels by the
+CPU's vector units): the table records the machine it was made on, and a run on another CPU
+says so instead of blaming the code.
 """
 import argparse
 import itertools
@@ -53,12 +57,23 @@ def digest_of(flags):
     return match.group(1)
 
 
+def machine():
+    """What the bits depend on besides the code: the CPU, torch's kernel choice, torch's version."""
+    import torch
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU")
+    return f"{model}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="bench/digests.py", description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help=f"record the digests in {TABLE.relative_to(REPO)}")
     p.add_argument("--only", default="", help="only the combinations whose name contains this")
     args = p.parse_args(argv)
-    recorded = json.loads(TABLE.read_text()) if TABLE.exists() else {}
+    table = json.loads(TABLE.read_text()) if TABLE.exists() else {"machine": None, "digests": {}}
+    recorded, here = table["digests"], machine()
+    if recorded and table["machine"] != here:
+        print(f"note: the table was recorded on {table['machine']}; this is {here}: a difference may be the machine's")
     got, differ = {}, []
     for name, flags in combinations().items():
         if args.only not in name:
@@ -70,7 +85,7 @@ def main(argv=None):
             differ.append(name)
         print(f"{name:40s} {got[name][:16]}  {verdict:8s} {time.time() - start:4.1f} s", flush=True)
     if args.write:
-        TABLE.write_text(json.dumps({**recorded, **got}, indent=1, sort_keys=True) + "\n")
+        TABLE.write_text(json.dumps({"machine": here, "digests": {**recorded, **got}}, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(got)} digests to {TABLE}")
     print(f"{len(got) - len(differ)} of {len(got)} as recorded" if recorded else "nothing recorded yet")
     return 1 if differ and not args.write else 0
