@@ -240,9 +240,9 @@ def main(argv=None):
         rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
         if not job.eval:
             stop.install(f"{PROG}: rank {rank}")
-        import torch
         from utils.data import load_mnist
-        torch.use_deterministic_algorithms(True)
+        from utils.model import use_deterministic_algorithms
+        use_deterministic_algorithms()
         data = load_mnist(job.data_dir)
         recipe = config.recipe
         if recipe.train_subset or recipe.test_subset:

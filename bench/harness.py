@@ -238,7 +238,8 @@ def start_worker(cfg: dict, rank: int, deterministic: bool = True):
     import torch.distributed as dist
     torch.set_num_threads(1)
     if deterministic:
-        torch.use_deterministic_algorithms(True)
+        from utils.model import use_deterministic_algorithms
+        use_deterministic_algorithms()
     dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=cfg["world_size"],
                             timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
     return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

@@ -1,4 +1,5 @@
 """The CNN: two 3x3 convolutions with max-pooling, then two fully connected layers."""
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -23,3 +24,16 @@ class Net(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
         return self.fc2(x)
+
+
+def use_deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True), without its import of torch._inductor.
+
+    The public call also sets the flag of torch.compile's inductor, which this program never uses,
+    and importing inductor (and dynamo with it) costs every rank 1.3 s of CPU at start-up. The flag
+    that the eager kernels read is the one set here; where this private call is missing (another
+    torch), the public one does the same."""
+    if hasattr(torch._C, "_set_deterministic_algorithms"):
+        torch._C._set_deterministic_algorithms(True, warn_only=False)
+    else:
+        torch.use_deterministic_algorithms(True)

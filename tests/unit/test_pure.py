@@ -109,3 +109,14 @@ def test_mnist_is_read_as_torchvision_reads_it():
     test = MNIST(root, train=False)
     assert torch.equal(data.read_idx(os.path.join(raw, "t10k-images-idx3-ubyte")), test.data)
     assert torch.equal(data.read_idx(os.path.join(raw, "t10k-labels-idx1-ubyte")).long(), test.targets)
+
+
+def test_deterministic_algorithms_are_on_without_importing_inductor():
+    import subprocess
+    import sys
+    from conftest import REPO
+    probe = (f"import sys; sys.path.insert(0, {REPO!r}); import torch; from utils.model import "
+             f"use_deterministic_algorithms as d; d(); "
+             f"print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+    assert out.split() == ["True", "False"], out
