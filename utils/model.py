@@ -29,10 +29,12 @@ class Net(nn.Module):
 def use_deterministic_algorithms():
     """torch.use_deterministic_algorithms(True), without its import of torch._inductor.
 
-    The public call also sets the flag of torch.compile's inductor, which this program never uses,
-    and importing inductor (and dynamo with it) costs every rank 1.3 s of CPU at start-up. The flag
-    that the eager kernels read is the one set here; where this private call is missing (another
-    torch), the public one does the same."""
+    The public call also sets the flag of torch.compile's inductor, which this program never uses;
+    importing inductor (and dynamo with it) costs 1.3 s of CPU. A rank that trains imports dynamo
+    later anyway (the optimizer's first add_param_group does), but one whose model file, outputs or
+    settings are bad now says so that much sooner, and --eval never pays. The flag the eager
+    kernels read is the one set here; where this private call is missing (another torch), the
+    public one does the same."""
     if hasattr(torch._C, "_set_deterministic_algorithms"):
         torch._C._set_deterministic_algorithms(True, warn_only=False)
     else:
