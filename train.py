@@ -243,11 +243,7 @@ def main(argv=None):
         from utils.data import load_mnist
         from utils.model import use_deterministic_algorithms
         use_deterministic_algorithms()
-        data = load_mnist(job.data_dir)
-        recipe = config.recipe
-        if recipe.train_subset or recipe.test_subset:
-            data = (data[0][:recipe.train_subset], data[1][:recipe.train_subset],
-                    data[2][:recipe.test_subset], data[3][:recipe.test_subset])
+        data = load_mnist(job.data_dir, config.recipe.train_subset, config.recipe.test_subset)
         if job.eval:
             evaluate(config, data)
         else:

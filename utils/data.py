@@ -16,18 +16,22 @@ MEAN, STD = 0.1307, 0.3081
 
 
 def normalize(images_uint8):
-    """uint8 images (N, 28, 28) -> float32 (N, 1, 28, 28), standardised like the MNIST example."""
-    return ((images_uint8.float() / 255.0 - MEAN) / STD).unsqueeze(1)
+    """uint8 images (N, 28, 28) -> float32 (N, 1, 28, 28), standardised like the MNIST example:
+    (x / 255 - MEAN) / STD, in place on the one float copy (the same bits, a third of the passes)."""
+    return images_uint8.float().div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
 
 
-def load_mnist(root="data"):
-    """Return (train_images, train_labels, test_images, test_labels) as tensors."""
+def load_mnist(root="data", train_subset=None, test_subset=None):
+    """Return (train_images, train_labels, test_images, test_labels) as tensors: the first
+    train_subset / test_subset of each (None: all). Only those are normalised, which is most of
+    a rank's start-up on a quick run."""
     ensure_mnist(root)
     raw = os.path.join(root, "MNIST", "raw")
-    train, test = (read_idx(os.path.join(raw, f"{kind}-images-idx3-ubyte")) for kind in ("train", "t10k"))
-    train_labels, test_labels = (read_idx(os.path.join(raw, f"{kind}-labels-idx1-ubyte")).long()
-                                 for kind in ("train", "t10k"))
-    return normalize(train), train_labels, normalize(test), test_labels
+    loaded = []
+    for kind, first in (("train", train_subset), ("t10k", test_subset)):
+        images = read_idx(os.path.join(raw, f"{kind}-images-idx3-ubyte"))[:first]
+        loaded += [normalize(images), read_idx(os.path.join(raw, f"{kind}-labels-idx1-ubyte"))[:first].long()]
+    return tuple(loaded)
 
 
 def read_idx(path):

@@ -120,3 +120,14 @@ def test_deterministic_algorithms_are_on_without_importing_inductor():
              f"print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
     assert out.split() == ["True", "False"], out
+
+
+def test_a_subset_is_the_first_images_of_the_whole_normalised_alike():
+    import os
+    from conftest import REPO
+    root = os.path.join(REPO, "data")
+    whole, part = data.load_mnist(root), data.load_mnist(root, 300, 20)
+    for w, p, n in zip(whole, part, (300, 300, 20, 20)):
+        assert torch.equal(w[:n], p) and len(p) == n
+    raw = data.read_idx(os.path.join(root, "MNIST", "raw", "t10k-images-idx3-ubyte"))
+    assert torch.equal(whole[2], ((raw.float() / 255.0 - data.MEAN) / data.STD).unsqueeze(1))   # the bits as ever
