@@ -31,7 +31,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 # loads (a second or two). What trains imports torch and the rest where it starts (train, evaluate).
 from utils import stop  # noqa: E402
 from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP,  # noqa: E402
-                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK, MAX_TIMEOUT,
+                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_HEARTBEAT, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK, MAX_TIMEOUT,
                           OneLineParser, check_share, chunk_count, from_args, non_negative_int, positive,
                           seed_value, timeline_steps)
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
@@ -72,6 +72,11 @@ def parse_args(argv):
     p.add_argument("--seed", type=seed_value, default=1, help="seed for the model and the data order (default 1)")
     p.add_argument("--timeout", type=positive(float, MAX_TIMEOUT), default=120.0,
                    help="seconds to wait for rendezvous and for any send/recv (default 120)")
+    p.add_argument("--recover", action=argparse.BooleanOptionalAction, default=None,
+                   help="when a rank is lost, the others go on without it, from the last step (default on, "
+                        "off under torchrun, which restarts every rank); --no-recover: they save that step and exit 1")
+    p.add_argument("--heartbeat", type=positive(float, MAX_HEARTBEAT), default=5.0,
+                   help="seconds of silence after which a rank is taken for lost (default 5)")
     p.add_argument("--allreduce", choices=ALGORITHMS, default="two-pass", help="gradient sum (default two-pass)")
     p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -150,6 +155,7 @@ def train(config, data):
 
     from utils import checkpoint, hierarchical
     from utils.distributed import agree, broadcast_parameters, init_distributed, torchrun_attempt_store
+    from utils.membership import start_membership
     from utils.model import Net
     from utils.run import run
 
@@ -187,6 +193,7 @@ def train(config, data):
             model.load_state_dict(resume_from["model"])
         broadcast_parameters(model)
         hosts = hierarchical.discover()   # which ranks share a server: for the log, and the hierarchical sum
+        membership = start_membership(job) if job.world_size > 1 else None
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if job.rank == 0:
@@ -195,7 +202,7 @@ def train(config, data):
         print(start_line(config, sum(p.numel() for p in model.parameters()), data, hierarchical.describe(hosts)),
               flush=True)
     stop.arm()   # from here a signal stops the job after a step, with the checkpoint saved
-    run(model, data, config, resume_from=resume_from)
+    run(model, data, config, resume_from=resume_from, membership=membership)
     dist.destroy_process_group()
 
 
@@ -236,7 +243,8 @@ def main(argv=None):
                 say_finished(config)
                 return 0
             ensure_mnist(job.data_dir)
-            return launch_local(__file__, argv, job.nproc, PROG, dict(os.environ, RING_RESUME_COMMAND=resume_command(argv)))
+            return launch_local(__file__, argv, job.nproc, PROG, dict(os.environ, RING_RESUME_COMMAND=resume_command(argv)),
+                                keep_going=job.recover)
         rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
         if not job.eval:
             stop.install(f"{PROG}: rank {rank}")

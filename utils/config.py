@@ -33,6 +33,7 @@ DEFAULT_POWERSGD_RANK = 4
 DEFAULT_POWERSGD_WARMUP = 10   # uncompressed steps first
 DEFAULT_TIMELINE_STEPS = (21, 60)   # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
 MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
+MAX_HEARTBEAT = 3600.0  # seconds
 MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it overflows (and far below, NaN)
 MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like a hang
 MAX_NPROC = 64  # ranks on one machine; for more, use several servers
@@ -100,6 +101,8 @@ class Job:
     model_path: Optional[str] = None
     resume: bool = False
     eval: bool = False
+    recover: bool = True                # a lost rank: the others go on (False: they save and exit 1)
+    heartbeat: float = 5.0              # seconds of silence after which a rank is taken for lost
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ def from_args(args, environ=os.environ):
     return Config(
         job=Job(rank=rank, world_size=world_size, init_method=init_method, ifname=args.ifname, torchrun=torchrun,
                 nproc=args.nproc, data_dir=args.data_dir, model_path=args.model_path, resume=args.resume,
-                eval=args.eval),
+                eval=args.eval, recover=(not torchrun) if args.recover is None else args.recover,
+                heartbeat=args.heartbeat),
         recipe=Recipe(batch_size=args.batch_size,
                       global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size
                                                          else GLOBAL_BATCH),

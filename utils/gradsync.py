@@ -143,6 +143,12 @@ class GradientSync:
     def close(self):
         pass
 
+    def abandon(self):
+        """After a lost peer: whether the last step train_step returned from was left undone
+        (lazy: its update was still being applied; what of it was applied is taken back)."""
+        self.close()
+        return False
+
     def _average(self, i, weight):
         flag = self.local_flag() if i == self.flag_bucket else None
         summed = average_gradients(self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag)
@@ -301,6 +307,10 @@ class LazySync(OverlappedSync):
     def close(self):
         self.lazy.close()
         super().close()
+
+    def abandon(self):
+        self.close()
+        return self.lazy.undo()
 
 
 def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=lambda: 0.0):

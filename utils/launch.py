@@ -131,8 +131,10 @@ def die_with_parent():
         pass
 
 
-def launch_local(script, argv, nproc, prog="train.py", environ=None):
-    """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code."""
+def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=False):
+    """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code.
+    keep_going: a rank that dies does not stop the others (they go on without it, --recover);
+    the job then succeeds if every rank that ended by itself succeeded."""
     port, lo = free_port(), loopback_interface()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
@@ -147,10 +149,15 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None):
                  "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", lo],
                 env=env, preexec_fn=die_with_parent))
         stop.forward_to(procs)
-        outcome = supervise(procs, grace=GRACE_SECONDS)
+        outcome = supervise(procs, grace=None if keep_going else GRACE_SECONDS)
     finally:
         for p in procs:
             kill(p)
+    lost = [r for r, code in enumerate(outcome.codes) if code is not None and code < 0]
+    if keep_going and lost and all(code == 0 for code in outcome.codes if code is None or code >= 0):
+        print(f"{prog}: the job finished without rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+              f"(killed by a signal)", file=sys.stderr)
+        return 0
     if outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED):   # those were explained in one line
         print(f"{prog}: a rank failed (exit code {outcome.failed}); stopped the other ranks", file=sys.stderr)
     return outcome.failed

@@ -30,6 +30,7 @@ class LazyUpdate:
         self.optimizer, self.scheduler, self.overlapped = optimizer, scheduler, overlapped
         self.due = []                 # bucket indices whose update is still to be applied
         self.due_step = None
+        self.kept = []                # (param, its value, its optimizer state) before a partial update
         self.waited_seconds = 0.0     # time the training thread blocked on communication
         self.handles = [model.register_forward_hook(lambda *_: self.finish())]
         for module in model.modules():
@@ -53,19 +54,36 @@ class LazyUpdate:
                 self.overlapped.wait_bucket(i)
                 self.waited_seconds += time.perf_counter() - start
                 self.due.remove(i)
+                if self.due:   # part of a step: what it changes is kept, in case the rest never comes
+                    self.kept += [(p, p.detach().clone(), keep_state(self.optimizer.state.get(p, {})))
+                                  for p in self.overlapped.buckets[i]]
                 with timeline.span("optimizer", bucket=i, step=self.due_step):
                     step_only(self.optimizer, self.overlapped.buckets[i])
                 for p in self.overlapped.buckets[i]:
                     p.grad = None
                 if not self.due:      # the whole step is applied: now the next learning rate
                     self.scheduler.step()
+                    self.kept = []
 
     def finish(self):
         self._update(tuple(self.due))
 
+    def undo(self):
+        """After a lost peer: take back the part of a step applied so far (its other buckets'
+        sums will never come). Returns True if a step was due, which then counts as not done."""
+        for p, value, state in self.kept:
+            p.data.copy_(value)
+            self.optimizer.state[p] = state
+        self.kept, due, self.due = [], bool(self.due), []
+        return due
+
     def close(self):
         for handle in self.handles:
             handle.remove()
+
+
+def keep_state(state):
+    return {k: v.clone() if hasattr(v, "clone") else v for k, v in state.items()}
 
 
 def step_only(optimizer, params):

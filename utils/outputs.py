@@ -20,8 +20,11 @@ PROBE_SECONDS = 0.5  # a lock taken for longer than another job's look (hold=Fal
 _held = []  # the open lock files of this process: closing one would release its lock
 
 
-def lock_outputs(outputs, hold=True):
+def lock_outputs(outputs, hold=True, take_from=()):
     """Lock every output of this job, or stop in one line naming the job that has them.
+
+    take_from: what holder() says of processes whose locks this one may take over (a job whose
+    rank 0 was lost and is frozen, not dead, still holds them: utils/recovery.py).
 
     hold=False only looks (the local launcher, before it starts the rank 0 that will take the
     locks; a resumed run that is already finished, which writes nothing): it takes each lock and
@@ -37,6 +40,11 @@ def lock_outputs(outputs, hold=True):
                 continue  # every holder creates its lock file first: nobody holds this one
             try:
                 fd, locked = open_and_lock(lock_path, hold)
+                if not locked and holder(fd) in take_from:   # ours: remove it, so a new file is locked
+                    if same_file(fd, lock_path):
+                        os.unlink(lock_path)
+                    os.close(fd)
+                    fd, locked = open_and_lock(lock_path, hold)
                 taken.append((fd, lock_path))
                 if locked and hold:  # in place, not by rename: a new file would not be the one that is locked
                     os.ftruncate(fd, 0)

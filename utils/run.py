@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from utils import checkpoint, stop, timeline
+from utils import checkpoint, faults, stop, timeline
 from utils.data import step_batches
 from utils.distributed import check_identical_parameters, model_name
 from utils.errors import PeerError, Stopped, first_line
@@ -42,11 +42,13 @@ def make_optimizer(model, recipe, steps_per_epoch):
 
 
 def batches_of_epoch(num_examples, epoch, recipe):
-    """This rank's (batch, weight) for every step of `epoch` (utils/data.step_batches); the weight
-    is its share of the step's images times N, so the average over ranks weighs every image alike."""
+    """This rank's (batch, weight, images of the step in all) for every step of `epoch`
+    (utils/data.step_batches); the weight is its share of the step's images times N, so the
+    average over ranks weighs every image alike."""
     n = dist.get_world_size()
     batches, sizes = step_batches(num_examples, epoch, dist.get_rank(), n, recipe.seed, recipe.global_batch)
-    return [(batch, 1.0 if len(batch) * n == size else len(batch) * n / size) for batch, size in zip(batches, sizes)]
+    return [(batch, 1.0 if len(batch) * n == size else len(batch) * n / size, size)
+            for batch, size in zip(batches, sizes)]
 
 
 def train_step(model, gradient_sync, images, labels, weight=1.0):
@@ -57,6 +59,7 @@ def train_step(model, gradient_sync, images, labels, weight=1.0):
             loss = F.cross_entropy(model(images), labels)
         with timeline.span("backward"):
             loss.backward()
+        faults.point("sum")
         gradient_sync.after_backward()   # the sum over all ranks (overlapped: already running)
         gradient_sync.step()
     return loss
@@ -90,8 +93,9 @@ class EpochStats:
     """What an epoch's log line reports; carried in mid-epoch checkpoints."""
 
     def __init__(self, loss_sum=0.0, steps=0, comm_seconds=0.0, step_seconds=0.0, busy_seconds=0.0,
-                 bytes_sent=0, bytes_summed=0):
+                 bytes_sent=0, bytes_summed=0, images=0):
         self.loss_sum, self.steps = loss_sum, steps
+        self.images = images                # the steps' images in all, every rank's (each step once)
         self.comm_seconds = comm_seconds    # the step waited for communication this long
         self.busy_seconds = busy_seconds    # communication ran this long (hidden or not)
         self.step_seconds = step_seconds
@@ -99,12 +103,25 @@ class EpochStats:
         self.bytes_summed = bytes_summed    # the summed buffers' size on the wire (compressed)
 
 
+class Done:
+    """The last two steps this rank completed, (epoch, step, a copy of the epoch's stats then):
+    where a job that lost a rank goes on from (utils/recovery.py)."""
+
+    def __init__(self, epoch, step, stats):
+        self.last = self.before = (epoch, step, EpochStats(**vars(stats)))
+
+    def add(self, epoch, step, stats):
+        self.before, self.last = self.last, (epoch, step, EpochStats(**vars(stats)))
+
+
 TIMES = (("busy_seconds", "busy_seconds"), ("comm_seconds", "waited_seconds"))
 BYTES = (("bytes_sent", "bytes_sent"), ("bytes_summed", "bytes_summed"))
 
 
-def train_model(model, gradient_sync, images, labels, batches, epoch, first_step, stats, save_every=0, save=None):
-    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps.
+def train_model(model, gradient_sync, images, labels, batches, epoch, first_step, stats, save_every=0, save=None,
+                done=None):
+    """Train on `batches[first_step:]` of `epoch`; `save(epoch, step, stats)` every save_every steps;
+    `done` (a Done) notes each step.
 
     A stop flag summed with a step's gradients (any rank got a signal): save after that step and
     raise Stopped(epoch, step, steps in the epoch), on every rank alike."""
@@ -121,9 +138,10 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
             seen[key] = now[key]
     try:
         for step in range(first_step + 1, len(batches) + 1):
-            batch, weight = batches[step - 1]
+            batch, weight, size = batches[step - 1]
             start = time.perf_counter()
             timeline.at_step((epoch - 1) * len(batches) + step)
+            faults.at_step((epoch - 1) * len(batches) + step)
             loss = train_step(model, gradient_sync, images[batch], labels[batch], weight)
             stopping = gradient_sync.stop_count() > 0
             saving = stopping or (save_every and step % save_every == 0 and step < len(batches))
@@ -135,6 +153,9 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
             stats.step_seconds += time.perf_counter() - start
             stats.loss_sum += loss.item()
             stats.steps += 1
+            stats.images += size
+            if done is not None:
+                done.add(epoch, step, stats)
             progress.update(step, stats.loss_sum / stats.steps)
             if saving:
                 save(epoch, step, stats)
@@ -160,75 +181,102 @@ def test_model(model, images, labels, batch_size=1000):
     return correct / len(labels)
 
 
-def run(model, data, config, resume_from=None):
+def run(model, data, config, resume_from=None, membership=None):
     """Train for config.recipe.epochs epochs; rank 0 evaluates, logs and saves after each.
 
     `resume_from`: a checkpoint dict (the same on every rank) to continue exactly where it left off,
-    on this number of ranks or another (utils/checkpoint.restore).
+    on this number of ranks or another (utils/checkpoint.restore). `membership`: this rank's
+    utils.membership.Membership; with it, a lost rank costs at most the step in flight
+    (utils/recovery.py), without it a lost rank stops the job.
     """
     recipe, outputs = config.recipe, config.outputs
     train_images, train_labels, test_images, test_labels = data
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, recipe))
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
     gradient_sync = make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, stop_flag)
-    if rank == 0 and gradient_sync.allreduces[0].note():
+    if dist.get_rank() == 0 and gradient_sync.allreduces[0].note():
         print(gradient_sync.allreduces[0].note(), flush=True)
     if outputs.timeline_steps:   # rank 0 was given --timeline (utils/distributed.agree)
         timeline.recorder = timeline.Recorder(outputs.timeline, *outputs.timeline_steps,
                                               recipe.epochs * steps_per_epoch)
-    first_epoch, first_step, stats = 1, 0, EpochStats()
-    compressed = config.sync.compress != "none"
+    epoch, first_step, stats = 1, 0, EpochStats()
     if resume_from is not None:
-        first_epoch, first_step, epoch_stats = checkpoint.restore(resume_from, optimizer, scheduler, gradient_sync,
-                                                                  rank, world_size)
+        epoch, first_step, epoch_stats = checkpoint.restore(resume_from, optimizer, scheduler, gradient_sync,
+                                                            dist.get_rank(), dist.get_world_size())
         stats = EpochStats(**epoch_stats)
     settings = {"model": model_name(model), **config.must_keep()}
+
+    def state(epoch, step, stats, everyone=None):
+        """The checkpoint dict of this rank after `step` of `epoch` (everyone: every rank's compression state)."""
+        return checkpoint.training_state(model, optimizer, scheduler, epoch, step, vars(stats),
+                                         dist.get_world_size(), everyone, settings, config.to_dict())
 
     def save_checkpoint(epoch, step, stats):
         """Rank 0 writes everything needed to continue after `step` of `epoch` (every rank calls it:
         a compressed run's checkpoint holds every rank's compression state)."""
-        everyone = [None] * world_size
-        if compressed:
+        everyone = [None] * dist.get_world_size()
+        if config.sync.compress != "none":
             try:
                 dist.all_gather_object(everyone, gradient_sync.state_dict())
             except RuntimeError as e:
                 raise PeerError(first_line(e), doing="saving a checkpoint") from None
-        if rank == 0:
+        faults.point("save")
+        if dist.get_rank() == 0:
             with timeline.span("checkpoint"):
-                checkpoint.save(checkpoint.training_state(
-                    model, optimizer, scheduler, epoch, step, vars(stats), world_size,
-                    everyone if compressed else None, settings, config.to_dict()), outputs.checkpoint)
+                checkpoint.save(state(epoch, step, stats, everyone if config.sync.compress != "none" else None),
+                                outputs.checkpoint)
 
+    recovery = None
+    if membership is not None:
+        from utils.recovery import Recovery
+        recovery = Recovery(membership, config, model, optimizer, scheduler, state, lambda: make_gradient_sync(
+            model, config.sync, optimizer, scheduler, recipe.seed, stop_flag), EpochStats)
+    done = Done(epoch, first_step, stats)
     accuracy = None
-    for epoch in range(first_epoch, recipe.epochs + 1):
-        start = time.time()
-        batches = batches_of_epoch(len(train_labels), epoch, recipe)
+    while epoch <= recipe.epochs:
         try:
-            train_model(model, gradient_sync, train_images, train_labels, batches, epoch, first_step, stats,
-                        outputs.save_every, save_checkpoint)
-        except Stopped as e:
-            timeline.write()
-            raise Stopped(stopped_line(*e.args, outputs.checkpoint)) from None
-        sent = bytes_sent_per_step(stats)
-        if rank == 0:
-            with timeline.span("evaluate"):
-                accuracy = test_model(model, test_images, test_labels)
-            report_epoch(model, epoch, time.time() - start, stats, accuracy, sent, config, world_size)
-        first_step, stats = 0, EpochStats()
-        try:
-            save_checkpoint(epoch + 1, 0, stats)
+            accuracy = train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, save_checkpoint, done)
+            epoch, first_step, stats = epoch + 1, 0, EpochStats()
+            done = Done(epoch, first_step, stats)
         except PeerError as e:
-            raise PeerError(f"lost a peer while {e.doing} after epoch {epoch}: {e}") from None
+            if recovery is None:
+                raise
+            undone = gradient_sync.abandon()
+            epoch, first_step, stats = done.before if undone else done.last
+            gradient_sync, (epoch, first_step, stats) = recovery.go_on(e, gradient_sync, (epoch, first_step, stats))
+            done = Done(epoch, first_step, stats)
     timeline.write()   # if the run ended inside the window
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
     except RuntimeError as e:
         raise PeerError(f"lost a peer at the end of training: {first_line(e)}") from None
-    if rank == 0:
-        print(f"saved the model to {outputs.save_path}; parameters identical on all {world_size} ranks "
+    if dist.get_rank() == 0:
+        print(f"saved the model to {outputs.save_path}; parameters identical on all {dist.get_world_size()} ranks "
               f"(sha256 {digest})", flush=True)
     gradient_sync.close()
+    return accuracy
+
+
+def train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, save_checkpoint, done):
+    """What is left of `epoch`: its steps, then rank 0 evaluates and reports, and the checkpoint."""
+    train_images, train_labels, test_images, test_labels = data
+    start, accuracy = time.time(), None
+    batches = batches_of_epoch(len(train_labels), epoch, config.recipe)
+    try:
+        train_model(model, gradient_sync, train_images, train_labels, batches, epoch, first_step, stats,
+                    config.outputs.save_every, save_checkpoint, done)
+    except Stopped as e:
+        timeline.write()
+        raise Stopped(stopped_line(*e.args, config.outputs.checkpoint)) from None
+    sent = bytes_sent_per_step(stats)
+    if dist.get_rank() == 0:
+        with timeline.span("evaluate"):
+            accuracy = test_model(model, test_images, test_labels)
+        report_epoch(model, epoch, time.time() - start, stats, accuracy, sent, config, dist.get_world_size())
+    try:
+        save_checkpoint(epoch + 1, 0, EpochStats())
+    except PeerError as e:
+        raise PeerError(f"lost a peer while {e.doing} after epoch {epoch}: {e}") from None
     return accuracy
 
 
@@ -246,7 +294,14 @@ def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_siz
         append_metrics(config.outputs.metrics, dict(
             epoch=epoch, train_loss=loss, test_accuracy=accuracy, seconds=seconds, comm_share=comm_share,
             busbw_gbps=busbw, world_size=world_size, allreduce=config.sync.allreduce, overlap=config.sync.overlap,
-            compress=config.sync.compress, bytes_sent_per_step=max(sent), bytes_sent_per_step_by_rank=sent))
+            compress=config.sync.compress, bytes_sent_per_step=max(sent), bytes_sent_per_step_by_rank=sent,
+            images=stats.images, members=membership_of_job()))
+
+
+def membership_of_job():
+    """The ids (first ranks) of the ranks in the job now."""
+    from utils import recovery
+    return recovery.members() or list(range(dist.get_world_size()))
 
 
 def stopped_line(epoch, step, steps, checkpoint):

@@ -1,0 +1,301 @@
+"""Who is in the job: heartbeats beside gloo, and the survivors' agreement when a rank is lost.
+
+    membership = Membership(me, heartbeat, address)       every rank, after the first rendezvous
+    membership.start(book, token)                         the ranks' control addresses, exchanged once
+    decision = membership.agree(report)                   after a lost peer: who goes on, from where
+    membership.join(decision, timeout)                    the survivors' new default process group
+
+Each rank keeps a small UDP socket on gloo's card. Every heartbeat/5 seconds it tells every
+member "alive, generation g"; a member not heard for `heartbeat` seconds is taken for silent
+(SIGSTOP, a cut link, a frozen server). A generation ends (break_()) when gloo reports an error,
+when a member falls silent, or when a member says its generation has ended. Ending it shuts
+down every TCP connection of this process (cut_connections): gloo's waits on them fail at once,
+on this rank and on every peer blocked on it, so no rank waits out --timeout. A rank whose
+connections were cut can neither send into the survivors' buffers nor take part in a step.
+
+The agreement, on every rank that is still running:
+
+    every rank:  "recovering g, my position (epoch, step)"   to every member, every 50 ms
+    a member is gone when its port refuses (a killed process), or it stays silent
+    the leader (the lowest rank that is not gone), once every member has answered or is gone:
+        quorum?  more than half of generation g, or exactly half with g's lowest rank
+        no:      raise NoQuorum: nobody goes on on this side (no split brain)
+        yes:     host a store, send "generation g+1: these members, this store, this source"
+    every member of g+1: a new gloo group on that store (join); the source's state goes to all
+
+A member of an older generation that speaks up (a frozen server woken by SIGCONT) is told it
+was fenced out; it stops (Fenced) without writing anything: the survivors own the checkpoint.
+"""
+import fcntl
+import json
+import os
+import socket
+import struct
+import threading
+import time
+
+import torch.distributed as dist
+
+SETTLE_SECONDS = 1.0      # every live member answers within this; a silent one is gone after it
+RECOVERY_BEAT = 0.05      # seconds between messages while recovering
+MAX_AGREE_SECONDS = 60.0  # an agreement that takes longer is given up (NoQuorum)
+
+
+class NoQuorum(Exception):
+    """The ranks still reachable are too few to go on (or this side of a split lost)."""
+
+    def __init__(self, alive, members):
+        super().__init__(f"only rank{'s' if len(alive) > 1 else ''} {', '.join(map(str, sorted(alive)))} of "
+                         f"{len(members)} {'are' if len(alive) > 1 else 'is'} reachable: not a majority, so this "
+                         f"side stops (the other side, if it has the majority, goes on)")
+        self.alive, self.members = alive, members
+
+
+class Fenced(Exception):
+    """The job went on without this rank (it was frozen or cut off meanwhile)."""
+
+
+def card_address(ifname, toward="127.0.0.1"):
+    """The IPv4 address of network card `ifname`, or else of the card that reaches host `toward`."""
+    if ifname:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.split(",")[0][:15].encode()))
+                return socket.inet_ntoa(packed[20:24])   # SIOCGIFADDR
+            except OSError:
+                pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((toward, 9))   # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def cut_connections():
+    """Shut down every connected TCP socket of this process (gloo's pairs, store clients): every
+    wait on them fails now, here and at the other end. Listening sockets are left alone (gloo
+    aborts if its listener fails); shutdown, not close, so no descriptor is reused under gloo."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=int(name))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                s.getpeername()           # raises unless connected
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.detach()
+
+
+def start_membership(job):
+    """This rank's Membership (utils.config.Job `job`), on the card gloo uses; the ranks' control
+    addresses are exchanged through the default group (a collective)."""
+    from utils.outputs import job_pid
+    toward = os.environ.get("MASTER_ADDR", "127.0.0.1") if job.init_method == "env://" else \
+        job.init_method[len("tcp://"):].rsplit(":", 1)[0]
+    membership = Membership(job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")))
+    mine = {"address": membership.address, "pid": job_pid(), "host": socket.gethostname(), "token": os.urandom(8).hex()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    membership.start(dict(enumerate(everyone)), everyone[0]["token"])
+    from utils import faults
+    faults.setup(job.rank)
+    return membership
+
+
+def has_quorum(alive, members):
+    """More than half of `members`, or exactly half holding their lowest rank."""
+    alive = set(alive) & set(members)
+    return 2 * len(alive) > len(members) or (2 * len(alive) == len(members) and min(members) in alive)
+
+
+class Membership:
+    """This rank's view of the job (see the module's docstring). `me` is the rank's id for the
+    whole job: its rank in the first generation."""
+
+    def __init__(self, me, heartbeat, address):
+        self.me, self.heartbeat = me, heartbeat
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((address, 0))
+        self.address = self.sock.getsockname()
+        self.lock = threading.Lock()
+        self.book, self.token = {}, None      # id -> {"address", "pid", "host"}; the job's random id
+        self.generation, self.members = 0, []
+        self.state = "training"               # or "recovering"
+        self.report = None                    # while recovering: this rank's position
+        self.heard, self.refused, self.reports = {}, set(), {}
+        self.decisions, self.sending = [], None   # decisions received; the one this leader sends
+        self.fenced_at = None                 # the generation that went on without this rank
+        self.broken, self.reason, self.lost = threading.Event(), None, None   # why it ended; who was lost
+        self.peers = {}                       # id -> a UDP socket connected to it (sees refusals)
+
+    def start(self, book, token):
+        """Begin: `book` maps every id to its address (this rank's `address` among them)."""
+        self.book, self.token = book, token
+        self.members = sorted(book)
+        now = time.monotonic()
+        self.heard = {m: now for m in self.members}
+        for target in (self._receive, self._beat):
+            threading.Thread(target=target, name=f"membership-{target.__name__[1:]}", daemon=True).start()
+
+    def rank_of(self, member):
+        return self.members.index(member)
+
+    # -- the threads ---------------------------------------------------------------------------
+    def _send(self, member, message):
+        peer = self.peers.get(member)
+        if peer is None:
+            peer = self.peers[member] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            peer.connect(tuple(self.book[member]["address"]))
+        try:
+            peer.send(json.dumps(dict(message, job=self.token, id=self.me)).encode())
+        except ConnectionRefusedError:      # nothing listens there any more: the process is gone
+            with self.lock:
+                self.refused.add(member)
+            if member in self.members and self.state == "training":
+                self.break_(f"rank {member} is gone (its port refused)", lost=member)
+        except OSError:
+            pass
+
+    def _beat(self):
+        while True:
+            with self.lock:
+                message = {"t": "alive", "g": self.generation, "state": self.state, "report": self.report}
+                targets = [m for m in self.members if m != self.me]
+                decision = self.sending
+            for member in targets:
+                self._send(member, message)
+            if decision is not None:
+                for member in decision["members"]:
+                    if member != self.me:
+                        self._send(member, decision)
+            if self.state == "training":
+                now = time.monotonic()
+                silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
+                if silent:
+                    self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
+            time.sleep(RECOVERY_BEAT if self.state != "training" else min(0.5, self.heartbeat / 5))
+
+    def _receive(self):
+        while True:
+            try:
+                data, _ = self.sock.recvfrom(65536)
+                message = json.loads(data)
+            except (OSError, ValueError):
+                continue
+            if message.get("job") != self.token:
+                continue
+            sender, kind, generation = message.get("id"), message.get("t"), message.get("g", -1)
+            with self.lock:
+                self.heard[sender] = time.monotonic()
+                self.refused.discard(sender)
+                current, members, state = self.generation, self.members, self.state
+                if kind == "alive" and message.get("state") == "recovering":
+                    self.reports[sender] = (generation, message.get("report"))
+                elif kind == "decision":
+                    self.decisions.append(message)
+                elif kind == "fenced" and message["g"] > current:
+                    self.fenced_at = message["g"]
+            if kind == "alive" and generation < current and sender not in members:
+                self._send(sender, {"t": "fenced", "g": current})   # it missed a generation: tell it
+            elif kind == "alive" and generation == current and message.get("state") == "recovering" \
+                    and state == "training":
+                self.break_(f"rank {sender} lost a peer")
+            elif kind == "alive" and generation > current and state == "training":
+                self.break_(f"rank {sender} is at a newer generation")   # then the agreement finds out
+
+    # -- ending a generation, agreeing on the next ------------------------------------------------
+    def break_(self, reason, lost=None):
+        """End this generation: note why, and cut every connection (once)."""
+        with self.lock:
+            if self.broken.is_set():
+                return
+            self.reason, self.lost = reason, lost
+            self.broken.set()
+        cut_connections()
+
+    def agree(self, report, tried=()):
+        """Block until this generation's survivors agree; returns the decision (a dict: "g",
+        "members", "store", "source", "position", "reports"). Raises NoQuorum or Fenced.
+        report: this rank's position, [epoch, step] (the step it last completed)."""
+        self.break_("this rank lost a peer")
+        started = time.monotonic()
+        with self.lock:
+            self.state, self.report, self.sending = "recovering", report, None
+        generation, members = self.generation, self.members
+        while True:
+            with self.lock:
+                if self.fenced_at is not None:
+                    raise Fenced(f"the job went on without this rank (generation {self.fenced_at})")
+                mine = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
+                        and d["id"] not in tried]
+                outsider = [d for d in self.decisions if d["g"] > generation and self.me not in d["members"]]
+                reports = {m: r for m, (g, r) in self.reports.items() if g == generation and m in members}
+                reports[self.me] = report
+                now, heard, refused = time.monotonic(), dict(self.heard), set(self.refused)
+            if mine:
+                return mine[0]
+            if outsider:
+                raise Fenced(f"the job went on without this rank (generation {outsider[0]['g']})")
+            settled = now - started > SETTLE_SECONDS
+            gone = {m for m in members if m not in reports and
+                    (m in refused or m == self.lost or (settled and now - heard.get(m, 0) > self.heartbeat))}
+            pending = [m for m in members if m not in reports and m not in gone]
+            if not pending and min(set(members) - gone) == self.me:
+                if not has_quorum(reports, members):
+                    raise NoQuorum(set(reports), members)
+                return self._decide(generation, reports)
+            if now - started > MAX_AGREE_SECONDS:
+                raise NoQuorum(set(reports), members)
+            time.sleep(0.01)
+
+    def _decide(self, generation, reports):
+        """The leader: the next generation's members, store and source (the furthest position)."""
+        store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
+        members = sorted(reports)
+        furthest = max(tuple(r) for r in reports.values())
+        decision = {"t": "decision", "g": generation + 1, "id": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
+                    "members": members, "store": [self.book[self.me]["address"][0], store.port],
+                    "source": min(m for m in members if tuple(reports[m]) == furthest),
+                    "position": list(furthest), "reports": {str(m): reports[m] for m in members}}
+        with self.lock:
+            self.sending, self.leader_store = decision, store
+        return decision
+
+    def join(self, decision, timeout, gloo_timeout):
+        """Form the decided generation's default process group; returns this rank's new rank.
+        A RuntimeError if a member does not come within `timeout` (then agree() again)."""
+        import datetime
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError, AssertionError):
+            pass
+        host, port = decision["store"]
+        members = decision["members"]
+        if decision["members"][0] == self.me and self.sending is decision:
+            store = self.leader_store
+        else:
+            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=dist.PrefixStore(decision["id"], store), rank=members.index(self.me),
+                                world_size=len(members), timeout=datetime.timedelta(seconds=timeout))
+        dist.barrier()
+        dist.group.WORLD._get_backend(torch_cpu())._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
+        with self.lock:
+            self.generation, self.members = decision["g"], members
+            self.state, self.report, self.sending = "training", None, None
+            self.reports, self.decisions, self.lost = {}, [], None
+            now = time.monotonic()
+            self.heard = {m: now for m in members}
+            self.broken.clear()
+        return members.index(self.me)
+
+
+def torch_cpu():
+    import torch
+    return torch.device("cpu")

@@ -1,0 +1,156 @@
+"""Going on without a lost rank: the trainer's side of utils/membership.py.
+
+    recovery = Recovery(membership, config, model, optimizer, scheduler, state, make_sync, make_stats)
+    sync, (epoch, step, stats) = recovery.go_on(error, old_sync, (epoch, step, stats))
+
+When a step fails (a peer died, fell silent or was cut off), utils/run.py abandons the step in
+flight and hands over here, with the last step this rank completed. Then:
+
+    1. The survivors agree (membership.agree) who is left and the furthest step any of them
+       completed. A rank that completed step k holds exactly the state every rank would have
+       after k: the sum of step k had every rank's gradient in it, the dead one's included.
+    2. With --recover (the default) and a quorum, they form a new process group on a store the
+       leader hosts, the rank at the furthest step sends its whole training state to the others
+       (the checkpoint dict of utils/checkpoint.py, in memory), and training goes on from there
+       on the survivors, with the same global batch: each step's images are shared among fewer
+       ranks, as a resume on fewer ranks does, so every image is still trained once. It is that
+       resume, without the process restart: the oracle tests compare the two bit for bit.
+    3. Otherwise (--no-recover, no quorum), the lowest surviving rank writes the checkpoint of its
+       last completed step to its own --checkpoint and every survivor exits 1. A rank that was
+       fenced out (the others went on without it) writes nothing.
+
+PowerSGD's error buffers are each rank's own: a dead rank's is lost. The survivors go on from the
+mean of the error buffers of those at the furthest step, as a resume on another number of ranks does.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from utils import checkpoint, outputs, timeline
+from utils.compress import state_for
+from utils.errors import PeerError, first_line
+from utils.membership import Fenced, NoQuorum
+
+_membership = None
+
+
+def members():
+    """The ids (first-generation ranks) of the job's members now; None without a membership."""
+    return list(_membership.members) if _membership is not None else None
+
+
+class Recovery:
+    def __init__(self, membership, config, model, optimizer, scheduler, state, make_sync, make_stats):
+        global _membership
+        _membership = membership
+        self.membership, self.config = membership, config
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state = state            # state(epoch, step, stats, compression) -> the checkpoint dict
+        self.make_sync = make_sync    # () -> a gradient sync over the default group (utils/gradsync.py)
+        self.make_stats = make_stats  # (**epoch_stats) -> utils.run.EpochStats
+        self.writes = membership.me == 0   # this process holds the output locks (rank 0 took them)
+
+    def go_on(self, error, old_sync, position):
+        """After `error` (a PeerError): the new gradient sync and the position to go on from."""
+        epoch, step, stats = position
+        membership, started = self.membership, time.monotonic()
+        before = list(membership.members)
+        reason = membership.reason if membership.lost is not None else short_reason(error)
+        tried = []
+        while True:
+            try:
+                decision = membership.agree([epoch, step], tried)
+            except Fenced as e:
+                raise PeerError(f"{e}; it wrote nothing (the survivors hold the job's checkpoint); "
+                                f"restart this server's command to start a job afresh", resumable=False) from None
+            except NoQuorum as e:
+                raise PeerError(f"{first_line(error)}; {e}{self.save_last_step(position, e.alive, old_sync)}") from None
+            if not self.config.job.recover:
+                survivors = decision["members"]
+                raise PeerError(f"{first_line(error)} (--no-recover)"
+                                f"{self.save_last_step(position, survivors, old_sync)}") from None
+            try:
+                membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
+                break
+            except (RuntimeError, ValueError) as e:   # a member did not come: agree again without it
+                tried.append(decision["id"])
+                print(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again",
+                      flush=True)
+        lost = [m for m in before if m not in membership.members]
+        source = membership.rank_of(decision["source"])
+        furthest = tuple(decision["position"])
+        shared = [self.state(epoch, step, stats) if dist.get_rank() == source else None]
+        dist.broadcast_object_list(shared, src=source)
+        state = shared[0]
+        if dist.get_rank() != source:
+            self.model.load_state_dict(state["model"])
+        checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)   # (no compression state in it)
+        sync = self.make_sync()
+        compressed = self.config.sync.compress != "none"
+        if compressed:   # the error buffers of those at the furthest step, the source's first
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (tuple([epoch, step]) == furthest, old_sync.state_dict()))
+            states = [everyone[source][1]] + [s for r, (at, s) in enumerate(everyone) if at and r != source]
+            sync.load_state_dict(state_for(states, dist.get_rank(), dist.get_world_size()))
+        if dist.get_rank() == 0:
+            self.take_outputs()
+        at, (epoch, step) = step + 1, furthest
+        seconds = time.monotonic() - started
+        lost_text = ", ".join(map(str, lost)) if lost else "none"
+        print(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {lost_text} at epoch {epoch}, step "
+              f"{at} ({reason}); continuing on {dist.get_world_size()} rank{'s' if dist.get_world_size() > 1 else ''} "
+              f"from step {step} (members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
+              f"{'; the lost ranks’ PowerSGD error feedback is dropped' if compressed and lost else ''})", flush=True)
+        if timeline.recording():
+            now = timeline.now_ns()
+            timeline.add("membership", now, now, lost=lost, members=list(membership.members))
+        return sync, (epoch, step, self.make_stats(**state["epoch_stats"]))
+
+    def save_last_step(self, position, survivors, old_sync):
+        """The lowest survivor writes its last completed step; the text that says where."""
+        epoch, step, stats = position
+        writer = min(survivors)
+        where = f"epoch {epoch}, step {step}" if step else f"the start of epoch {epoch}"
+        if writer != self.membership.me:
+            return f"; rank {writer} saves the checkpoint of {where}"
+        path = self.config.outputs.checkpoint
+        if further_along(path, position):
+            return f"; {path} is further along already (kept)"
+        try:
+            self.take_outputs()
+        except Exception as e:   # another job holds it
+            return f"; could not write the checkpoint ({first_line(e)})"
+        # compressed: only this rank's own compression state; a resume treats it as a resize does
+        everyone = [old_sync.state_dict()] if self.config.sync.compress != "none" else None
+        checkpoint.save(self.state(epoch, step, stats, everyone), path)
+        return f"; saved the checkpoint of {where} to {path}"
+
+    def take_outputs(self):
+        """This rank now writes the job's files: take their locks, from a lost member if need be."""
+        if self.writes:
+            return
+        ours = {f"pid {entry['pid']} on {entry['host']}" for entry in self.membership.book.values()}
+        outputs.lock_outputs(self.config.outputs, hold=True, take_from=ours)
+        self.writes = True
+
+
+def further_along(path, position):
+    """Whether the checkpoint at `path` is past `position` (so that a late writer keeps it)."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return False
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return (saved["epoch"], saved["step"]) > tuple(position[:2])
+    except Exception:
+        return False
+
+
+def short_reason(error):
+    text = str(error).lower()
+    for words, reason in (("reset", "connection reset"), ("closed", "connection closed"),
+                          ("refused", "connection refused"), ("timed out", "timed out")):
+        if words in text:
+            return reason
+    return first_line(error)
