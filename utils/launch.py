@@ -131,6 +131,21 @@ def die_with_parent():
         pass
 
 
+def stragglers_stopped(grace):
+    """For supervise's while_running: once a rank has finished (exit 0, the job is done), kill the
+    ranks still running `grace` seconds later (a frozen rank the job went on without)."""
+    finished = []
+
+    def check(procs):
+        if not finished and any(p.poll() == 0 for p in procs):
+            finished.append(time.monotonic())
+        if finished and time.monotonic() - finished[0] > grace:
+            for p in procs:
+                if p.poll() is None:
+                    kill(p)
+    return check
+
+
 def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=False):
     """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code.
     keep_going: a rank that dies does not stop the others (they go on without it, --recover);
@@ -149,7 +164,8 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
                  "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", lo],
                 env=env, preexec_fn=die_with_parent))
         stop.forward_to(procs)
-        outcome = supervise(procs, grace=None if keep_going else GRACE_SECONDS)
+        outcome = supervise(procs, grace=None if keep_going else GRACE_SECONDS,
+                            while_running=stragglers_stopped(GRACE_SECONDS) if keep_going else None)
     finally:
         for p in procs:
             kill(p)

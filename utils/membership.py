@@ -234,7 +234,7 @@ class Membership:
                 if self.fenced_at is not None:
                     raise Fenced(f"the job went on without this rank (generation {self.fenced_at})")
                 mine = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
-                        and d["id"] not in tried]
+                        and d["name"] not in tried]
                 outsider = [d for d in self.decisions if d["g"] > generation and self.me not in d["members"]]
                 reports = {m: r for m, (g, r) in self.reports.items() if g == generation and m in members}
                 reports[self.me] = report
@@ -260,7 +260,7 @@ class Membership:
         store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
         members = sorted(reports)
         furthest = max(tuple(r) for r in reports.values())
-        decision = {"t": "decision", "g": generation + 1, "id": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
+        decision = {"t": "decision", "g": generation + 1, "name": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
                     "members": members, "store": [self.book[self.me]["address"][0], store.port],
                     "source": min(m for m in members if tuple(reports[m]) == furthest),
                     "position": list(furthest), "reports": {str(m): reports[m] for m in members}}
@@ -282,7 +282,7 @@ class Membership:
             store = self.leader_store
         else:
             store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=dist.PrefixStore(decision["id"], store), rank=members.index(self.me),
+        dist.init_process_group("gloo", store=dist.PrefixStore(decision["name"], store), rank=members.index(self.me),
                                 world_size=len(members), timeout=datetime.timedelta(seconds=timeout))
         dist.barrier()
         dist.group.WORLD._get_backend(torch_cpu())._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))

@@ -33,6 +33,7 @@ from utils.compress import state_for
 from utils.errors import PeerError, first_line
 from utils.membership import Fenced, NoQuorum
 
+MAX_ATTEMPTS = 3   # new groups that did not form before the survivors give up
 _membership = None
 
 
@@ -75,7 +76,10 @@ class Recovery:
                 membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
                 break
             except (RuntimeError, ValueError) as e:   # a member did not come: agree again without it
-                tried.append(decision["id"])
+                tried.append(decision["name"])
+                if len(tried) >= MAX_ATTEMPTS:
+                    raise PeerError(f"{first_line(error)}; the survivors could not form a new group {len(tried)} times "
+                                    f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}") from None
                 print(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again",
                       flush=True)
         lost = [m for m in before if m not in membership.members]
@@ -86,6 +90,8 @@ class Recovery:
         state = shared[0]
         if dist.get_rank() != source:
             self.model.load_state_dict(state["model"])
+        for p in self.model.parameters():   # the abandoned step's gradients must not add to the next one's
+            p.grad = None
         checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)   # (no compression state in it)
         sync = self.make_sync()
         compressed = self.config.sync.compress != "none"

@@ -143,6 +143,11 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
             timeline.at_step((epoch - 1) * len(batches) + step)
             faults.at_step((epoch - 1) * len(batches) + step)
             loss = train_step(model, gradient_sync, images[batch], labels[batch], weight)
+            stats.loss_sum += loss.item()
+            stats.steps += 1
+            stats.images += size
+            if done is not None:   # its sums are done or (lazy) under way: gradient_sync.abandon() tells
+                done.add(epoch, step, stats)
             stopping = gradient_sync.stop_count() > 0
             saving = stopping or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
@@ -151,11 +156,6 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
             if saving:   # lazy: only now are all of this step's sums done, so bytes are counted here
                 count(BYTES)
             stats.step_seconds += time.perf_counter() - start
-            stats.loss_sum += loss.item()
-            stats.steps += 1
-            stats.images += size
-            if done is not None:
-                done.add(epoch, step, stats)
             progress.update(step, stats.loss_sum / stats.steps)
             if saving:
                 save(epoch, step, stats)
