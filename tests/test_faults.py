@@ -1,6 +1,7 @@
 """Faults: dead or missing peers, kills during saving, exact resume, mismatched ranks."""
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,14 +72,15 @@ def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
 
 # Each victim with another way of summing: the survivors notice in sum(), in the comm threads,
 # (lazy) in the next forward's hooks, or (gloo) in the wait for gloo's asynchronous all_reduce;
-# all must say so in one line.
+# with --no-recover all must say so in one line, and the lowest survivor saves the last step
+# (tests/test_recovery.py: without it, they go on).
 @pytest.mark.parametrize("victim, mode", [("first", ["--overlap"]), ("middle", ["--lazy-update"]),
                                           ("last", ["--no-overlap"]), ("first", ["--allreduce", "gloo"]),
                                           ("last", ["--allreduce", "gloo", "--lazy-update"])])
 def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp_path):
     timeout = 10
-    ranks = procs.start_ranks(3, [*mode, "--test-subset", "1000", "--train-subset", "30000", "--epochs", "1",
-                                  "--metrics", "", "--timeout",
+    ranks = procs.start_ranks(3, [*mode, "--no-recover", "--test-subset", "1000", "--train-subset", "30000",
+                                  "--epochs", "1", "--metrics", "", "--timeout",
                                   str(timeout), "--save-every", "2", "--checkpoint", str(tmp_path / "c.pt"),
                                   "--save-path", str(tmp_path / "m.pth")])
     try:
@@ -101,6 +103,13 @@ def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp
         assert len(lines) == 1 and "Traceback" not in err, err
         assert lines[0].startswith(f"train.py: rank {rank}: lost a peer"), lines[0]
         assert "to resume: python3 -u train.py" in lines[0] and lines[0].endswith("--resume"), lines[0]
+        writer = 1 if index == 0 else 0
+        if rank == writer:
+            assert f"(--no-recover); saved the checkpoint of epoch 1, step " in lines[0], lines[0]
+        else:
+            assert f"(--no-recover); rank {writer} saves the checkpoint of epoch 1, step " in lines[0], lines[0]
+    said = re.search(r"saved the checkpoint of epoch 1, step (\d+)", results[writer][2])
+    assert checkpoint_position(tmp_path / "c.pt") == (1, int(said.group(1)))   # the last step, not the last --save-every
 
 
 def test_a_rank_that_never_shows_up(tmp_path):

@@ -1,0 +1,124 @@
+"""A lost rank costs at most the step in flight: real processes, real signals (RING_FAULT makes a
+rank send itself SIGKILL, SIGSTOP or SIGTERM at a chosen step, utils/faults.py).
+
+The oracle: a job that loses a rank as step k+1 begins and goes on in place must end with the same
+bits as the same job stopped by SIGTERM after step k and resumed with --resume on the survivors.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import procs
+from procs import checkpoint_position, final_digest
+
+SHORT = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
+K = 12   # the step the faults come after (30 steps in all)
+
+
+def faulted(fault, args, cwd, timeout=120):
+    return procs.train([*SHORT, *args], timeout=timeout, cwd=cwd, env=dict(os.environ, RING_FAULT=fault))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """SIGTERM after step K on 3 ranks, then --resume on 2: the digest a shrink from 3 to 2 must end with."""
+    cwd = str(tmp_path_factory.mktemp("reference"))
+    stopped = faulted(f"0:{K}:TERM", ["--nproc", "3"], cwd)
+    assert stopped.returncode == 3 and f"stopped after epoch 1, step {K}/30" in stopped.stderr, stopped.stderr
+    resumed = procs.train([*SHORT, "--nproc", "2", "--resume"], timeout=120, cwd=cwd)
+    assert resumed.returncode == 0, resumed.stderr
+    return final_digest(resumed.stdout)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault, extra", [(f"0:{K + 1}:KILL", []),                       # rank 0: the leader and writer
+                                          (f"1:{K + 1}:KILL:sum", ["--lazy-update"]),    # the middle rank, mid-sum
+                                          (f"2:{K + 1}:KILL:sum", ["--no-overlap", "--allreduce", "ring"])],
+                         ids=["rank0-kill", "middle-kill-during-lazy-sum", "last-kill-ring"])
+def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(reference, fault, extra, tmp_path):
+    lost = int(fault[0])
+    result = faulted(fault, ["--nproc", "3", *extra], str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    survivors = [r for r in range(3) if r != lost]
+    for r in survivors:   # one line on every survivor
+        assert f"rank {r}: lost rank {lost} at epoch 1, step {K + 1} (" in result.stdout, result.stdout
+        assert f"continuing on 2 ranks from step {K} (members {survivors[0]}, {survivors[1]}," in result.stdout
+    assert f"the job finished without rank {lost}" in result.stderr
+    assert final_digest(result.stdout) == reference
+    metrics = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text())
+    assert metrics["images"] == 1920 and metrics["members"] == survivors and metrics["world_size"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_powersgd_goes_on_after_a_lost_rank(tmp_path):
+    result = faulted(f"1:{K + 1}:KILL:sum", ["--nproc", "3", "--compress", "powersgd", "--powersgd-warmup", "2"],
+                     str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "the lost ranks’ PowerSGD error feedback is dropped" in result.stdout
+    assert "parameters identical on all 2 ranks" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_two_servers_rank_0s_side_goes_on_and_rank_1s_side_stops_with_the_last_step(tmp_path):
+    """Rank 1 alone is half of the job without its lowest rank: it must not go on (no split brain);
+    it saves the step it completed last and exits 1."""
+    result = faulted(f"0:{K + 1}:KILL", [], str(tmp_path))
+    assert result.returncode != 0
+    assert "only rank 1 of 2 is reachable: not a majority, so this side stops" in result.stderr, result.stderr
+    assert f"saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt" in result.stderr
+    assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, K)
+    assert not (tmp_path / "runs" / "checkpoint.pt.lock").exists()
+
+
+@pytest.mark.timeout(300)
+def test_no_recover_saves_the_last_completed_step_and_exits_1(tmp_path):
+    result = faulted(f"1:{K + 1}:KILL", ["--no-recover"], str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert f"(--no-recover); saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt; to resume:" \
+        in result.stderr, result.stderr
+    assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, K)
+    resumed = procs.train([*SHORT, "--resume"], timeout=120, cwd=str(tmp_path))
+    assert resumed.returncode == 0 and f"after step {K}" in resumed.stdout, resumed.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
+    """SIGSTOP: silence for --heartbeat seconds; the others go on. SIGCONT later: the woken rank
+    finds the job went on without it, and stops without writing anything."""
+    args = [*SHORT, "--nproc", "3", "--heartbeat", "2", "--epochs", "3", "--metrics", "m.jsonl"]
+    launcher = procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, *args], cwd=tmp_path,
+                                      env=dict(os.environ, RING_FAULT=f"2:{K + 1}:STOP"), text=True,
+                                      stdout=procs.subprocess.PIPE, stderr=procs.subprocess.PIPE, start_new_session=True)
+    try:
+        def frozen():
+            for pid in os.listdir("/proc"):
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+                    state = open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
+                except OSError:
+                    continue
+                if "--rank" in cmd and cmd[cmd.index("--rank") + 1] == "2" and str(tmp_path) in \
+                        os.readlink(f"/proc/{pid}/cwd") and state == "T":
+                    return int(pid)
+        procs.wait_for(frozen, 60, "rank 2 to stop itself")
+        time.sleep(4)          # the others notice after 2 s and go on
+        os.kill(frozen(), signal.SIGCONT)
+        outcome = procs.supervise([launcher], timeout=180, poll=0.05)
+    finally:
+        procs.kill_group(launcher)
+    out, err = outcome.outputs[0]
+    assert not outcome.timed_out, err
+    assert "lost rank 2 at epoch 1" in out and "(rank 2 was silent for 2 s)" in out, out
+    assert "train.py: rank 2: the job went on without this rank (generation 1); it wrote nothing" in err, err
+    assert "parameters identical on all 2 ranks" in out
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [row["images"] for row in rows] == [1920] * 3 and rows[-1]["members"] == [0, 1]
+
+
+def test_bad_heartbeat_is_one_line():
+    for value in ("0", "-1", "nan"):
+        result = procs.train(["--heartbeat", value], timeout=30)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
