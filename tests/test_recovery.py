@@ -22,13 +22,11 @@ def faulted(fault, args, cwd, timeout=120):
     return procs.train([*SHORT, *args], timeout=timeout, cwd=cwd, env=dict(os.environ, RING_FAULT=fault))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(extra, cwd):
     """SIGTERM after step K on 3 ranks, then --resume on 2: the digest a shrink from 3 to 2 must end with."""
-    cwd = str(tmp_path_factory.mktemp("reference"))
-    stopped = faulted(f"0:{K}:TERM", ["--nproc", "3"], cwd)
+    stopped = faulted(f"0:{K}:TERM", ["--nproc", "3", *extra], cwd)
     assert stopped.returncode == 3 and f"stopped after epoch 1, step {K}/30" in stopped.stderr, stopped.stderr
-    resumed = procs.train([*SHORT, "--nproc", "2", "--resume"], timeout=120, cwd=cwd)
+    resumed = procs.train([*SHORT, "--nproc", "2", "--resume", *extra], timeout=120, cwd=cwd)
     assert resumed.returncode == 0, resumed.stderr
     return final_digest(resumed.stdout)
 
@@ -38,17 +36,19 @@ def reference(tmp_path_factory):
                                           (f"1:{K + 1}:KILL:sum", ["--lazy-update"]),    # the middle rank, mid-sum
                                           (f"2:{K + 1}:KILL:sum", ["--no-overlap", "--allreduce", "ring"])],
                          ids=["rank0-kill", "middle-kill-during-lazy-sum", "last-kill-ring"])
-def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(reference, fault, extra, tmp_path):
+def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(fault, extra, tmp_path):
     lost = int(fault[0])
-    result = faulted(fault, ["--nproc", "3", *extra], str(tmp_path))
+    (tmp_path / "shrunk").mkdir()
+    (tmp_path / "stopped").mkdir()
+    result = faulted(fault, ["--nproc", "3", *extra], str(tmp_path / "shrunk"))
     assert result.returncode == 0, result.stderr
     survivors = [r for r in range(3) if r != lost]
     for r in survivors:   # one line on every survivor
         assert f"rank {r}: lost rank {lost} at epoch 1, step {K + 1} (" in result.stdout, result.stdout
         assert f"continuing on 2 ranks from step {K} (members {survivors[0]}, {survivors[1]}," in result.stdout
     assert f"the job finished without rank {lost}" in result.stderr
-    assert final_digest(result.stdout) == reference
-    metrics = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text())
+    assert final_digest(result.stdout) == reference(extra, str(tmp_path / "stopped"))
+    metrics = json.loads((tmp_path / "shrunk" / "runs" / "metrics.jsonl").read_text())
     assert metrics["images"] == 1920 and metrics["members"] == survivors and metrics["world_size"] == 2
 
 

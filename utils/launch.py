@@ -170,10 +170,13 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
         for p in procs:
             kill(p)
     lost = [r for r, code in enumerate(outcome.codes) if code is not None and code < 0]
-    if keep_going and lost and all(code == 0 for code in outcome.codes if code is None or code >= 0):
+    said = next((code for code in outcome.codes if code is not None and code > 0), 0)   # a rank's own exit code
+    if keep_going and lost and not said and 0 in outcome.codes:
         print(f"{prog}: the job finished without rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
               f"(killed by a signal)", file=sys.stderr)
         return 0
+    if said and lost:   # a rank was killed and the others said why they stopped: their code tells what happened
+        return said
     if outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED):   # those were explained in one line
         print(f"{prog}: a rank failed (exit code {outcome.failed}); stopped the other ranks", file=sys.stderr)
     return outcome.failed

@@ -23,6 +23,7 @@ PowerSGD's error buffers are each rank's own: a dead rank's is lost. The survivo
 mean of the error buffers of those at the furthest step, as a resume on another number of ranks does.
 """
 import os
+import sys
 import time
 
 import torch
@@ -80,8 +81,7 @@ class Recovery:
                 if len(tried) >= MAX_ATTEMPTS:
                     raise PeerError(f"{first_line(error)}; the survivors could not form a new group {len(tried)} times "
                                     f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}") from None
-                print(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again",
-                      flush=True)
+                say(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again")
         lost = [m for m in before if m not in membership.members]
         source = membership.rank_of(decision["source"])
         furthest = tuple(decision["position"])
@@ -105,10 +105,10 @@ class Recovery:
         at, (epoch, step) = step + 1, furthest
         seconds = time.monotonic() - started
         lost_text = ", ".join(map(str, lost)) if lost else "none"
-        print(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {lost_text} at epoch {epoch}, step "
+        say(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {lost_text} at epoch {epoch}, step "
               f"{at} ({reason}); continuing on {dist.get_world_size()} rank{'s' if dist.get_world_size() > 1 else ''} "
               f"from step {step} (members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
-              f"{'; the lost ranks’ PowerSGD error feedback is dropped' if compressed and lost else ''})", flush=True)
+              f"{'; the lost ranks’ PowerSGD error feedback is dropped' if compressed and lost else ''})")
         if timeline.recording():
             now = timeline.now_ns()
             timeline.add("membership", now, now, lost=lost, members=list(membership.members))
@@ -151,6 +151,12 @@ def further_along(path, position):
         return (saved["epoch"], saved["step"]) > tuple(position[:2])
     except Exception:
         return False
+
+
+def say(line):
+    """One line to stdout in one write: every survivor says it, and they may share one pipe."""
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 def short_reason(error):
