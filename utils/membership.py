@@ -244,8 +244,10 @@ class Membership:
             if outsider:
                 raise Fenced(f"the job went on without this rank (generation {outsider[0]['g']})")
             settled = now - started > SETTLE_SECONDS
-            gone = {m for m in members if m not in reports and
-                    (m in refused or m == self.lost or (settled and now - heard.get(m, 0) > self.heartbeat))}
+            gone = {m for m in members if m != self.me and
+                    (m in refused or (m == self.lost and m not in reports) or
+                     (settled and now - heard.get(m, 0) > self.heartbeat))}   # (a reporter may die too)
+            reports = {m: r for m, r in reports.items() if m not in gone}
             pending = [m for m in members if m not in reports and m not in gone]
             if not pending and min(set(members) - gone) == self.me:
                 if not has_quorum(reports, members):
@@ -266,6 +268,9 @@ class Membership:
                     "position": list(furthest), "reports": {str(m): reports[m] for m in members}}
         with self.lock:
             self.sending, self.leader_store = decision, store
+        for member in members:     # now, not only with the next beat: a leader that stops (--no-recover) leaves at once
+            if member != self.me:
+                self._send(member, decision)
         return decision
 
     def join(self, decision, timeout, gloo_timeout):
