@@ -77,6 +77,8 @@ def parse_args(argv):
                         "off under torchrun, which restarts every rank); --no-recover: they save that step and exit 1")
     p.add_argument("--heartbeat", type=positive(float, MAX_HEARTBEAT), default=5.0,
                    help="seconds of silence after which a rank is taken for lost (default 5)")
+    p.add_argument("--join", nargs="?", const="", metavar="HOST:PORT",
+                   help="join the running job at its next step: through --init-method, or HOST:PORT of any member")
     p.add_argument("--allreduce", choices=ALGORITHMS, default="two-pass", help="gradient sum (default two-pass)")
     p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -154,13 +156,19 @@ def train(config, data):
     import torch.distributed as dist
 
     from utils import checkpoint, hierarchical
-    from utils.distributed import agree, broadcast_parameters, init_distributed, torchrun_attempt_store
+    from utils.distributed import agree, broadcast_parameters, init_distributed, join_running_job, model_name
+    from utils.distributed import torchrun_attempt_store
     from utils.membership import start_membership
     from utils.model import Net
     from utils.run import run
 
     torch.manual_seed(config.recipe.seed)
     model, job = Net(), config.job
+    if job.join is not None:   # a server joining a running job: the members send it everything
+        membership, decision = join_running_job(config, model_name(model))
+        stop.arm()
+        run(model, data, config, membership=membership, joining=decision)
+        return
     check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
     if job.torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -193,7 +201,7 @@ def train(config, data):
             model.load_state_dict(resume_from["model"])
         broadcast_parameters(model)
         hosts = hierarchical.discover()   # which ranks share a server: for the log, and the hierarchical sum
-        membership = start_membership(job) if job.world_size > 1 else None
+        membership = start_membership(job, {"model": model_name(model), **config.must_agree()}) if job.world_size > 1 else None
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if job.rank == 0:

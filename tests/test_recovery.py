@@ -122,3 +122,82 @@ def test_bad_heartbeat_is_one_line():
     for value in ("0", "-1", "nan"):
         result = procs.train(["--heartbeat", value], timeout=30)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
+def start_job(world_size, args, port, cwd, env=None):
+    """Every rank of a job started as on its own server (--rank, --init-method), in `cwd`."""
+    return [procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, "--rank", str(r), "--world-size",
+                                    str(world_size), "--init-method", f"tcp://127.0.0.1:{port}",
+                                    "--gloo_socket_ifname", "lo", *args],
+                                   env=dict(env or os.environ, OMP_NUM_THREADS="1"), cwd=cwd, text=True,
+                                   stdout=procs.subprocess.PIPE, stderr=procs.subprocess.PIPE, start_new_session=True)
+            for r in range(world_size)]
+
+
+JOIN_RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60", "--save-every", "5"]
+
+
+@pytest.mark.timeout(400)
+def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_resume(tmp_path):
+    """A job of 2; a third server starts with --join and is taken in after some step k. The job must
+    end as the same job stopped after k on 2 ranks and resumed on 3 would."""
+    port = procs.free_port()
+    ranks = start_job(2, JOIN_RUN, port, str(tmp_path))
+    joiner = None
+    try:
+        procs.wait_for(lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120,
+                       "training to begin")
+        started = time.monotonic()
+        joiner = procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, "--rank", "2", "--world-size", "3",
+                                         "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo",
+                                         *JOIN_RUN, "--join"], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                        cwd=str(tmp_path), text=True, stdout=procs.subprocess.PIPE,
+                                        stderr=procs.subprocess.PIPE, start_new_session=True)
+        results = procs.wait_all([*ranks, joiner], timeout=300)
+    finally:
+        for p in [*ranks, *([joiner] if joiner else [])]:
+            procs.kill_group(p)
+    assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
+    out, joined = results[0][1], results[2][1]
+    k = int(procs.re.search(r"rank 2 joined after epoch 1, step (\d+); continuing on 3 ranks \(members 0, 1, 2", out)
+            .group(1))
+    assert f"rank 2: joined the job after epoch 1, step {k}, as rank 2 of 3 (members 0, 1, 2)" in joined, joined
+    assert time.monotonic() - started < 60
+    assert "parameters identical on all 3 ranks" in out
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["images"] == 6400 and rows[-1]["members"] == [0, 1, 2]
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    stopped = faulted(f"0:{k}:TERM", [*JOIN_RUN[:-2], "--nproc", "2"], str(reference))
+    assert stopped.returncode == 3 and f"stopped after epoch 1, step {k}/100" in stopped.stderr, stopped.stderr
+    resumed = procs.train([*JOIN_RUN[:-2], "--nproc", "3", "--resume"], timeout=200, cwd=str(reference))
+    assert resumed.returncode == 0, resumed.stderr
+    assert final_digest(out) == final_digest(resumed.stdout)
+
+
+@pytest.mark.timeout(200)
+def test_join_to_nowhere_or_with_other_settings_is_one_line_and_exit_2(tmp_path):
+    port = procs.free_port()
+    nowhere = procs.train(["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}",
+                           "--timeout", "3", "--join"], timeout=60, cwd=str(tmp_path))
+    assert nowhere.returncode == 2 and nowhere.stderr.count("\n") == 1, nowhere.stderr
+    assert f"no running job answered at 127.0.0.1:{port} within 3 s" in nowhere.stderr
+    malformed = procs.train(["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}",
+                             "--join", "nowhere"], timeout=60, cwd=str(tmp_path))
+    assert malformed.returncode == 2 and "malformed --join 'nowhere'" in malformed.stderr, malformed.stderr
+
+    ranks = start_job(2, JOIN_RUN, port, str(tmp_path))
+    try:
+        procs.wait_for(lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120,
+                       "training to begin")
+        other = procs.train(["--rank", "2", "--world-size", "3", "--init-method", f"tcp://127.0.0.1:{port}",
+                             "--gloo_socket_ifname", "lo", *JOIN_RUN, "--lr", "0.01", "--join"], timeout=60,
+                            cwd=str(tmp_path))
+        results = procs.wait_all(ranks, timeout=200)
+    finally:
+        for r in ranks:
+            procs.kill_group(r)
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert "refused this server: the job has --lr 0.004, this server has 0.01" in other.stderr, other.stderr
+    assert [code for code, _, _ in results] == [0, 0]

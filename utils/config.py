@@ -103,6 +103,7 @@ class Job:
     eval: bool = False
     recover: bool = True                # a lost rank: the others go on (False: they save and exit 1)
     heartbeat: float = 5.0              # seconds of silence after which a rank is taken for lost
+    join: Optional[str] = None          # join a running job: "" (through --init-method) or "HOST:PORT"
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,13 @@ def from_args(args, environ=os.environ):
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.timeline_steps and not args.timeline:
         raise UsageError("--timeline-steps needs --timeline PATH")
+    if args.join is not None:
+        if args.rank is None:
+            raise UsageError("--join needs this server's --rank, --world-size and --init-method (its original command)")
+        if args.join and not re.fullmatch(r"[A-Za-z0-9.-]+:\d{1,5}", args.join):
+            raise UsageError(f"malformed --join {args.join!r}; expected HOST:PORT of a member, e.g. 192.168.0.2:23456")
+        if args.timeline:
+            raise UsageError("--join does not work with --timeline yet")
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
     for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
@@ -169,7 +177,7 @@ def from_args(args, environ=os.environ):
         job=Job(rank=rank, world_size=world_size, init_method=init_method, ifname=args.ifname, torchrun=torchrun,
                 nproc=args.nproc, data_dir=args.data_dir, model_path=args.model_path, resume=args.resume,
                 eval=args.eval, recover=(not torchrun) if args.recover is None else args.recover,
-                heartbeat=args.heartbeat),
+                heartbeat=args.heartbeat, join=args.join),
         recipe=Recipe(batch_size=args.batch_size,
                       global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size
                                                          else GLOBAL_BATCH),

@@ -112,6 +112,39 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
         time.sleep(0.05)
 
 
+def join_running_job(config, model):
+    """A server started with --join: ask a member of the running job to take it in, and join the
+    group it decides (utils/membership.py). Returns (membership, decision). model: its name."""
+    from utils import faults
+    from utils.membership import Membership, card_address, join_candidates
+    job = config.job
+    where = job.join or job.init_method[len("tcp://"):]
+    host, port = where.rsplit(":", 1)
+    if job.ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
+    membership = Membership(None, job.heartbeat, card_address(job.ifname, host))
+    try:
+        decision = membership.request_join(join_candidates(host, int(port), MAX_JOIN_CANDIDATES),
+                                           {"model": model, **config.must_agree()}, job.rank, config.sync.timeout)
+    except ValueError as e:
+        raise UsageError(f"the job at {where} refused this server: {e}") from None
+    except RuntimeError:
+        raise UsageError(f"no running job answered at {where} within {config.sync.timeout:g} s "
+                         f"(wrong address, the job is over, or a firewall on its UDP ports)") from None
+    try:
+        membership.join(decision, timeout=job.heartbeat + 5, gloo_timeout=config.sync.timeout)
+    except (RuntimeError, ValueError) as e:
+        raise PeerError(f"the job took this server in but its group did not form: {first_line(e)}",
+                        resumable=False) from None
+    membership.settings = {"model": model, **config.must_agree()}
+    membership.start_beating()
+    faults.setup(membership.me)
+    return membership, decision
+
+
+MAX_JOIN_CANDIDATES = 64   # a joining server asks the job's port + 0..63 (the members' control sockets)
+
+
 def agree(config, model):
     """Every rank must train the same thing: compare config.must_agree() (and the model), by name.
     Returns the config with rank 0's --timeline steps: every rank records, rank 0 writes."""

@@ -93,16 +93,20 @@ def cut_connections():
             s.detach()
 
 
-def start_membership(job):
+def start_membership(job, settings):
     """This rank's Membership (utils.config.Job `job`), on the card gloo uses; the ranks' control
-    addresses are exchanged through the default group (a collective)."""
+    addresses are exchanged through the default group (a collective). settings: what a joining
+    server must have alike."""
     from utils.outputs import job_pid
     toward = os.environ.get("MASTER_ADDR", "127.0.0.1") if job.init_method == "env://" else \
         job.init_method[len("tcp://"):].rsplit(":", 1)[0]
-    membership = Membership(job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")))
+    port = int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
+    membership = Membership(job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")),
+                            port + job.rank if port else 0)
     mine = {"address": membership.address, "pid": job_pid(), "host": socket.gethostname(), "token": os.urandom(8).hex()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    membership.settings = settings
     membership.start(dict(enumerate(everyone)), everyone[0]["token"])
     from utils import faults
     faults.setup(job.rank)
@@ -110,19 +114,22 @@ def start_membership(job):
 
 
 def has_quorum(alive, members):
-    """More than half of `members`, or exactly half holding their lowest rank."""
+    """More than half of `members` (in rank order), or exactly half holding their rank 0."""
     alive = set(alive) & set(members)
-    return 2 * len(alive) > len(members) or (2 * len(alive) == len(members) and min(members) in alive)
+    return 2 * len(alive) > len(members) or (2 * len(alive) == len(members) and members[0] in alive)
 
 
 class Membership:
     """This rank's view of the job (see the module's docstring). `me` is the rank's id for the
     whole job: its rank in the first generation."""
 
-    def __init__(self, me, heartbeat, address):
+    def __init__(self, me, heartbeat, address, port=0):
         self.me, self.heartbeat = me, heartbeat
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((address, 0))
+        try:   # the job's port + this rank: where a joining server looks (join_candidates)
+            self.sock.bind((address, port))
+        except OSError:
+            self.sock.bind((address, 0))
         self.address = self.sock.getsockname()
         self.lock = threading.Lock()
         self.book, self.token = {}, None      # id -> {"address", "pid", "host"}; the job's random id
@@ -134,6 +141,9 @@ class Membership:
         self.fenced_at = None                 # the generation that went on without this rank
         self.broken, self.reason, self.lost = threading.Event(), None, None   # why it ended; who was lost
         self.peers = {}                       # id -> a UDP socket connected to it (sees refusals)
+        self.settings = None                  # what a joining server must have alike (Config.must_agree)
+        self.joining = {}                     # the leader: nonce -> join request of a server waiting to join
+        self.nonce, self.refusal = None, None # a joining server: its request's nonce; why it was refused
 
     def start(self, book, token):
         """Begin: `book` maps every id to its address (this rank's `address` among them)."""
@@ -172,9 +182,7 @@ class Membership:
             for member in targets:
                 self._send(member, message)
             if decision is not None:
-                for member in decision["members"]:
-                    if member != self.me:
-                        self._send(member, decision)
+                self._send_decision(decision)
             if self.state == "training":
                 now = time.monotonic()
                 silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
@@ -189,9 +197,17 @@ class Membership:
                 message = json.loads(data)
             except (OSError, ValueError):
                 continue
-            if message.get("job") != self.token:
+            kind = message.get("t")
+            if kind == "join":
+                self._on_join(message)
                 continue
-            sender, kind, generation = message.get("id"), message.get("t"), message.get("g", -1)
+            mine = self.nonce is not None and (message.get("nonce") == self.nonce or self.nonce in message.get("joined", {}))
+            if message.get("job") != self.token and not mine:
+                continue
+            if kind == "refused":
+                self.refusal = message.get("reason")
+                continue
+            sender, generation = message.get("id"), message.get("g", -1)
             with self.lock:
                 self.heard[sender] = time.monotonic()
                 self.refused.discard(sender)
@@ -249,7 +265,7 @@ class Membership:
                      (settled and now - heard.get(m, 0) > self.heartbeat))}   # (a reporter may die too)
             reports = {m: r for m, r in reports.items() if m not in gone}
             pending = [m for m in members if m not in reports and m not in gone]
-            if not pending and min(set(members) - gone) == self.me:
+            if not pending and next(m for m in members if m not in gone) == self.me:
                 if not has_quorum(reports, members):
                     raise NoQuorum(set(reports), members)
                 return self._decide(generation, reports)
@@ -260,18 +276,123 @@ class Membership:
     def _decide(self, generation, reports):
         """The leader: the next generation's members, store and source (the furthest position)."""
         store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
-        members = sorted(reports)
+        members = [m for m in self.members if m in reports]   # in rank order: rank 0 stays first if alive
         furthest = max(tuple(r) for r in reports.values())
         decision = {"t": "decision", "g": generation + 1, "name": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
                     "members": members, "store": [self.book[self.me]["address"][0], store.port],
-                    "source": min(m for m in members if tuple(reports[m]) == furthest),
+                    "source": next(m for m in members if tuple(reports[m]) == furthest),
                     "position": list(furthest), "reports": {str(m): reports[m] for m in members}}
         with self.lock:
             self.sending, self.leader_store = decision, store
-        for member in members:     # now, not only with the next beat: a leader that stops (--no-recover) leaves at once
-            if member != self.me:
-                self._send(member, decision)
+        self._send_decision(decision)   # now, not only with the next beat: a leader that stops (--no-recover) leaves at once
         return decision
+
+    def _send_decision(self, decision):
+        for member in decision["members"]:
+            if member != self.me and member not in decision.get("joined", {}).values():
+                self._send(member, decision)
+        for nonce, member in decision.get("joined", {}).items():   # joiners are not in the book yet
+            self.sock.sendto(json.dumps(dict(decision, job=self.token, id=self.me)).encode(),
+                             tuple(decision["book"][str(member)]["address"]))
+
+    # -- growing: a server joins at a step boundary ---------------------------------------------
+    def _on_join(self, message):
+        """A join request (utils/recovery.py: --join): the leader takes it, any other member passes it on."""
+        with self.lock:
+            leader = self.members[0] if self.members else None
+            if leader is None or self.state != "training":
+                return
+        if leader != self.me:
+            self._send(leader, message)
+            return
+        theirs, joiner = message.get("settings") or {}, tuple(message["entry"]["address"])
+        for name, value in (self.settings or {}).items():
+            if theirs.get(name) != value:
+                reply = {"t": "refused", "nonce": message["nonce"], "reason": f"the job has --{name} {value}, "
+                         f"this server has {theirs.get(name)}; join with the job's settings"}
+                self.sock.sendto(json.dumps(reply).encode(), joiner)
+                return
+        with self.lock:
+            self.joining.setdefault(message["nonce"], message)
+
+    def wants_growth(self):
+        """The leader has a server waiting to join (it rides in the stop flag: utils/run.py)."""
+        return bool(self.joining) and self.members[0] == self.me
+
+    def grow(self, report, timeout):
+        """Every member, at the step boundary whose sum said a server waits: the next generation,
+        the members and the waiting servers (the leader decides; the others wait for it)."""
+        generation = self.generation
+        with self.lock:
+            self.state = "growing"
+        if self.members[0] == self.me:
+            return self._decide_growth(report)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                found = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]]
+            if found:
+                return found[0]
+            time.sleep(0.01)
+        with self.lock:
+            self.state = "training"
+        raise RuntimeError(f"rank {self.members[0]} decided nothing within {timeout:g} s")
+
+    def _decide_growth(self, report):
+        with self.lock:
+            waiting = list(self.joining.values())
+        book = {str(m): entry for m, entry in self.book.items()}
+        joined, members = {}, list(self.members)
+        for request in waiting:
+            want, taken = request.get("want"), {int(m) for m in book} | set(joined.values())
+            member = want if want is not None and want not in members else max(taken) + 1   # its old rank if free
+            joined[request["nonce"]] = member
+            book[str(member)] = request["entry"]
+            members.append(member)
+        store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
+        decision = {"t": "decision", "g": self.generation + 1,
+                    "name": f"{self.generation + 1}.{self.me}.{os.urandom(4).hex()}", "members": members,
+                    "store": [self.book[self.me]["address"][0], store.port], "source": self.me,
+                    "position": list(report), "book": book, "joined": joined}
+        with self.lock:
+            self.sending, self.leader_store = decision, store
+        self._send_decision(decision)
+        return decision
+
+    def request_join(self, candidates, settings, want, timeout):
+        """A new server: ask the job at `candidates` ((host, port), any member) to take it in at its
+        next step; returns the decision, or raises RuntimeError (refused: its reason; or no answer)."""
+        from utils.outputs import job_pid
+        self.nonce = os.urandom(6).hex()
+        request = {"t": "join", "nonce": self.nonce, "want": want, "settings": settings,
+                   "entry": {"address": list(self.address), "pid": job_pid(), "host": socket.gethostname()}}
+        threading.Thread(target=self._receive, name="membership-receive", daemon=True).start()
+        deadline, wire = time.monotonic() + timeout, json.dumps(request).encode()
+        while time.monotonic() < deadline:
+            for candidate in candidates:
+                try:
+                    self.sock.sendto(wire, candidate)
+                except OSError:
+                    pass
+            for _ in range(20):
+                if self.refusal is not None:
+                    raise ValueError(self.refusal)
+                with self.lock:
+                    found = [d for d in self.decisions if self.nonce in d.get("joined", {})]
+                if found:
+                    decision = found[0]
+                    self.me, self.token = decision["joined"][self.nonce], decision["job"]
+                    self.book = {int(m): entry for m, entry in decision["book"].items()}
+                    self.members, self.generation = decision["members"], decision["g"] - 1
+                    return decision
+                time.sleep(0.01)
+        raise RuntimeError(f"no member of a job answered within {timeout:g} s")
+
+    def start_beating(self):
+        """A joined server: heartbeats from now on (its receiver runs since request_join)."""
+        now = time.monotonic()
+        self.heard = {m: now for m in self.members}
+        threading.Thread(target=self._beat, name="membership-beat", daemon=True).start()
 
     def join(self, decision, timeout, gloo_timeout):
         """Form the decided generation's default process group; returns this rank's new rank.
@@ -293,12 +414,24 @@ class Membership:
         dist.group.WORLD._get_backend(torch_cpu())._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
         with self.lock:
             self.generation, self.members = decision["g"], members
+            for m, entry in decision.get("book", {}).items():
+                if self.book.get(int(m)) != entry and int(m) in self.peers:   # a new server under an old rank
+                    self.peers.pop(int(m)).close()
+                self.book[int(m)] = entry
+            self.refused -= set(members)
+            for nonce in decision.get("joined", {}):
+                self.joining.pop(nonce, None)
             self.state, self.report, self.sending = "training", None, None
             self.reports, self.decisions, self.lost = {}, [], None
             now = time.monotonic()
             self.heard = {m: now for m in members}
             self.broken.clear()
         return members.index(self.me)
+
+
+def join_candidates(host, port, count):
+    """Where a joining server asks: the members' control sockets listen on PORT + their rank."""
+    return [(host, port + i) for i in range(count)]
 
 
 def torch_cpu():

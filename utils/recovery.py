@@ -83,41 +83,68 @@ class Recovery:
                                     f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}") from None
                 say(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again")
         lost = [m for m in before if m not in membership.members]
-        source = membership.rank_of(decision["source"])
+        sync, (epoch_now, step_now, stats) = self.form(decision, old_sync, position)
+        seconds = time.monotonic() - started
+        say(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} at epoch {epoch}, "
+            f"step {step + 1} ({reason}); continuing on {plural(dist.get_world_size(), 'rank')} from step {step_now} "
+            f"(members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
+            f"{'; the lost ranks’ PowerSGD error feedback is dropped' if self.config.sync.compress == 'powersgd' else ''})")
+        self.mark("lost", lost)
+        return sync, (epoch_now, step_now, stats)
+
+    def grow(self, old_sync, position):
+        """At a step boundary whose sum said a server waits to join: take it in. Returns the new
+        sync and the position (unchanged); a failure on the way is a lost peer (go_on)."""
+        membership, started = self.membership, time.monotonic()
+        before = list(membership.members)
+        try:
+            decision = membership.grow(list(position[:2]), timeout=membership.heartbeat + 5)
+            membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
+        except (RuntimeError, ValueError) as e:
+            return self.go_on(PeerError(f"a server failed to join: {first_line(e)}"), old_sync, position)
+        old_sync.close()
+        sync, position = self.form(decision, old_sync, position)
+        joined = [m for m in membership.members if m not in before]
+        say(f"rank {membership.me}: rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined after "
+            f"epoch {position[0]}, step {position[1]}; continuing on {plural(dist.get_world_size(), 'rank')} "
+            f"(members {', '.join(map(str, membership.members))}, {time.monotonic() - started:.2f} s)")
+        self.mark("joined", joined)
+        return sync, position
+
+    def form(self, decision, old_sync, position):
+        """In the decided generation's group (joined already): the source's state to every member
+        (a joining server: position None, old_sync None), a new gradient sync over the new group.
+        Returns (sync, (epoch, step, stats))."""
+        source = self.membership.rank_of(decision["source"])
         furthest = tuple(decision["position"])
-        shared = [self.state(epoch, step, stats) if dist.get_rank() == source else None]
+        shared = [self.state(*position) if dist.get_rank() == source else None]
         dist.broadcast_object_list(shared, src=source)
         state = shared[0]
         if dist.get_rank() != source:
             self.model.load_state_dict(state["model"])
-        for p in self.model.parameters():   # the abandoned step's gradients must not add to the next one's
+        for p in self.model.parameters():   # an abandoned step's gradients must not add to the next one's
             p.grad = None
         checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)   # (no compression state in it)
         sync = self.make_sync()
-        compressed = self.config.sync.compress != "none"
-        if compressed:   # the error buffers of those at the furthest step, the source's first
+        if self.config.sync.compress != "none":   # the error buffers of those at the furthest step, the source's first
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, (tuple([epoch, step]) == furthest, old_sync.state_dict()))
+            mine = old_sync.state_dict() if old_sync is not None else None
+            dist.all_gather_object(everyone, (position is not None and tuple(position[:2]) == furthest, mine))
             states = [everyone[source][1]] + [s for r, (at, s) in enumerate(everyone) if at and r != source]
             sync.load_state_dict(state_for(states, dist.get_rank(), dist.get_world_size()))
         if dist.get_rank() == 0:
             self.take_outputs()
-        at, (epoch, step) = step + 1, furthest
-        seconds = time.monotonic() - started
-        lost_text = ", ".join(map(str, lost)) if lost else "none"
-        say(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {lost_text} at epoch {epoch}, step "
-              f"{at} ({reason}); continuing on {dist.get_world_size()} rank{'s' if dist.get_world_size() > 1 else ''} "
-              f"from step {step} (members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
-              f"{'; the lost ranks’ PowerSGD error feedback is dropped' if compressed and lost else ''})")
+        return sync, (state["epoch"], state["step"], self.make_stats(**state["epoch_stats"]))
+
+    def mark(self, what, ranks):
         if timeline.recording():
             now = timeline.now_ns()
-            timeline.add("membership", now, now, lost=lost, members=list(membership.members))
-        return sync, (epoch, step, self.make_stats(**state["epoch_stats"]))
+            timeline.add("membership", now, now, **{what: ranks, "members": list(self.membership.members)})
 
     def save_last_step(self, position, survivors, old_sync):
         """The lowest survivor writes its last completed step; the text that says where."""
         epoch, step, stats = position
-        writer = min(survivors)
+        writer = next(m for m in self.membership.members if m in survivors)   # the lowest rank
         where = f"epoch {epoch}, step {step}" if step else f"the start of epoch {epoch}"
         if writer != self.membership.me:
             return f"; rank {writer} saves the checkpoint of {where}"
@@ -151,6 +178,10 @@ def further_along(path, position):
         return (saved["epoch"], saved["step"]) > tuple(position[:2])
     except Exception:
         return False
+
+
+def plural(n, word):
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def say(line):

@@ -28,9 +28,18 @@ from utils.errors import PeerError, Stopped, first_line
 from utils.gradsync import make_gradient_sync
 
 
-def stop_flag():
-    """This rank's contribution to the stop flag: 1 once it got a signal."""
-    return 1.0 if stop.signalled() else 0.0
+JOIN_FLAG = 64.0   # the flag's sum: ranks with a signal + 64 if a server waits to join (exact, < 256)
+
+
+def stop_flag(membership=None):
+    """This rank's contribution to the flag: 1 once it got a signal; plus JOIN_FLAG on the leader
+    while a server waits to join (utils/membership.py), so that every rank learns of it at one step."""
+    joining = membership is not None and membership.wants_growth()
+    return (1.0 if stop.signalled() else 0.0) + (JOIN_FLAG if joining else 0.0)
+
+
+class Joining(Exception):
+    """The step just done said a server waits to join: every rank takes it in now."""
 
 
 def make_optimizer(model, recipe, steps_per_epoch):
@@ -148,8 +157,9 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
             stats.images += size
             if done is not None:   # its sums are done or (lazy) under way: gradient_sync.abandon() tells
                 done.add(epoch, step, stats)
-            stopping = gradient_sync.stop_count() > 0
-            saving = stopping or (save_every and step % save_every == 0 and step < len(batches))
+            flags = gradient_sync.stop_count()
+            stopping, joining = flags % JOIN_FLAG > 0, flags >= JOIN_FLAG
+            saving = stopping or joining or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
                 gradient_sync.finish()
             count(TIMES)
@@ -157,10 +167,12 @@ def train_model(model, gradient_sync, images, labels, batches, epoch, first_step
                 count(BYTES)
             stats.step_seconds += time.perf_counter() - start
             progress.update(step, stats.loss_sum / stats.steps)
-            if saving:
+            if saving and not joining:
                 save(epoch, step, stats)
             if stopping:
                 raise Stopped(epoch, step, len(batches))
+            if joining:
+                raise Joining()
             if timeline.window_ends():   # lazy: this step's update now, so that its sums are in the trace
                 gradient_sync.finish()
                 timeline.write()
@@ -181,20 +193,23 @@ def test_model(model, images, labels, batch_size=1000):
     return correct / len(labels)
 
 
-def run(model, data, config, resume_from=None, membership=None):
+def run(model, data, config, resume_from=None, membership=None, joining=None):
     """Train for config.recipe.epochs epochs; rank 0 evaluates, logs and saves after each.
 
     `resume_from`: a checkpoint dict (the same on every rank) to continue exactly where it left off,
     on this number of ranks or another (utils/checkpoint.restore). `membership`: this rank's
     utils.membership.Membership; with it, a lost rank costs at most the step in flight
-    (utils/recovery.py), without it a lost rank stops the job.
+    (utils/recovery.py), without it a lost rank stops the job. `joining`: the decision that took
+    this server into a running job (--join); it starts from the state a member sends.
     """
     recipe, outputs = config.recipe, config.outputs
     train_images, train_labels, test_images, test_labels = data
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, recipe))
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
-    gradient_sync = make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, stop_flag)
-    if dist.get_rank() == 0 and gradient_sync.allreduces[0].note():
+    flag = lambda: stop_flag(membership)  # noqa: E731
+    gradient_sync = make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, flag) \
+        if joining is None else None   # a joining server makes its own with the members (Recovery.form)
+    if gradient_sync is not None and dist.get_rank() == 0 and gradient_sync.allreduces[0].note():
         print(gradient_sync.allreduces[0].note(), flush=True)
     if outputs.timeline_steps:   # rank 0 was given --timeline (utils/distributed.agree)
         timeline.recorder = timeline.Recorder(outputs.timeline, *outputs.timeline_steps,
@@ -230,13 +245,19 @@ def run(model, data, config, resume_from=None, membership=None):
     if membership is not None:
         from utils.recovery import Recovery
         recovery = Recovery(membership, config, model, optimizer, scheduler, state, lambda: make_gradient_sync(
-            model, config.sync, optimizer, scheduler, recipe.seed, stop_flag), EpochStats)
+            model, config.sync, optimizer, scheduler, recipe.seed, flag), EpochStats)
+    if joining is not None:
+        gradient_sync, (epoch, first_step, stats) = recovery.form(joining, None, None)
+        say_joined(membership, epoch, first_step)
     done = Done(epoch, first_step, stats)
     accuracy = None
     while epoch <= recipe.epochs:
         try:
             accuracy = train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, save_checkpoint, done)
             epoch, first_step, stats = epoch + 1, 0, EpochStats()
+            done = Done(epoch, first_step, stats)
+        except Joining:
+            gradient_sync, (epoch, first_step, stats) = recovery.grow(gradient_sync, done.last)
             done = Done(epoch, first_step, stats)
         except PeerError as e:
             if recovery is None:
@@ -296,6 +317,11 @@ def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_siz
             busbw_gbps=busbw, world_size=world_size, allreduce=config.sync.allreduce, overlap=config.sync.overlap,
             compress=config.sync.compress, bytes_sent_per_step=max(sent), bytes_sent_per_step_by_rank=sent,
             images=stats.images, members=membership_of_job()))
+
+
+def say_joined(membership, epoch, step):
+    print(f"rank {membership.me}: joined the job after epoch {epoch}, step {step}, as rank {dist.get_rank()} of "
+          f"{dist.get_world_size()} (members {', '.join(map(str, membership.members))})", flush=True)
 
 
 def membership_of_job():
