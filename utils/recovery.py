@@ -32,6 +32,7 @@ import torch.distributed as dist
 from utils import checkpoint, outputs, timeline
 from utils.compress import state_for
 from utils.errors import PeerError, first_line
+from utils.files import check_writable
 from utils.membership import Fenced, NoQuorum
 
 MAX_ATTEMPTS = 3   # new groups that did not form before the survivors give up
@@ -165,6 +166,8 @@ class Recovery:
         if self.writes:
             return
         ours = {f"pid {entry['pid']} on {entry['host']}" for entry in self.membership.book.values()}
+        for option, path in self.config.outputs.files():   # on this server they may not exist yet
+            check_writable(path, option)
         outputs.lock_outputs(self.config.outputs, hold=True, take_from=ours)
         self.writes = True
 
