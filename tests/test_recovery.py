@@ -201,3 +201,20 @@ def test_join_to_nowhere_or_with_other_settings_is_one_line_and_exit_2(tmp_path)
     assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
     assert "refused this server: the job has --lr 0.004, this server has 0.01" in other.stderr, other.stderr
     assert [code for code, _, _ in results] == [0, 0]
+
+
+@pytest.mark.timeout(300)
+def test_under_torchrun_a_restart_resumes_from_the_step_before_the_fault(tmp_path):
+    """torchrun restarts every worker after a failure (recovery is off under it): the survivor saves
+    the last step it completed, so the restarted job loses at most the step in flight."""
+    (tmp_path / "straight").mkdir()
+    straight = procs.train([*SHORT, "--metrics", ""], timeout=120, cwd=str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1", RING_FAULT=f"1:{K + 1}:KILL", RING_FAULT_ONCE=str(tmp_path / "fired"))
+    result = procs.run([procs.sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--max-restarts", "1", "--master-port", str(procs.free_port()), procs.TRAIN, *SHORT,
+                        "--metrics", ""], timeout=240, cwd=str(tmp_path), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt" in result.stderr, result.stderr[-3000:]
+    assert f"resuming from runs/checkpoint.pt: epoch 1, after step {K}" in result.stdout, result.stdout
+    assert final_digest(result.stdout) == final_digest(straight.stdout)

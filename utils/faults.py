@@ -7,7 +7,9 @@ at a known moment (a real signal to a real process, sent by the rank to itself).
 
 RANK is the rank in the job's first generation; STEP counts from the run's first step, over
 epochs; PHASE is step (default), sum, or save (as the checkpoint after that step is written).
-Each fault fires once. Without RING_FAULT nothing here does anything.
+Each fault fires once per process; with RING_FAULT_ONCE=PATH, once per job (the first process to
+fire creates PATH: a rank that torchrun restarts does not kill itself again). Without RING_FAULT
+nothing here does anything.
 """
 import os
 import signal
@@ -44,4 +46,10 @@ def point(phase):
         step, signum, where = fault
         if step == _step and where == phase:
             _faults.remove(fault)
+            once = os.environ.get("RING_FAULT_ONCE")
+            if once:
+                try:
+                    os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    continue
             os.kill(os.getpid(), signum)
