@@ -64,7 +64,7 @@ def worker(args) -> int:
         if s == warm:
             dist.barrier()
             t0 = time.perf_counter()
-        batch, weight = batches[s % len(batches)]
+        batch, weight, _ = batches[s % len(batches)]
         train_step(scratch, local, train_images[batch], train_labels[batch], weight).item()
     compute_s = max_over_ranks((time.perf_counter() - t0) / cfg["compute_steps"])
     del scratch, local
@@ -111,7 +111,7 @@ def worker(args) -> int:
         batches = batches_of_epoch(len(train_labels), epoch, recipe)
         dist.barrier()
         t0 = time.perf_counter()
-        for step, (batch, weight) in enumerate(batches, 1):
+        for step, (batch, weight, _) in enumerate(batches, 1):
             loss_sum += train_step(forward, sync, train_images[batch], train_labels[batch], weight).item()
             loss_steps += 1
             global_step += 1

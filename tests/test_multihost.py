@@ -288,12 +288,13 @@ def test_no_namespace_veth_or_bridge_is_left():
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fault", ["link cut", "host killed"])
 def test_survivors_stop_within_the_timeout_when_a_host_drops_off(fault, tmp_path):
-    """A host whose link goes down (silence: no reset reaches anyone) or whose rank dies mid-epoch:
-    every other rank exits non-zero within --timeout + 10 s, with one line that says what happened."""
+    """With --no-recover, a host whose link goes down (silence: no reset reaches anyone) or whose rank
+    dies mid-epoch: every other rank exits 1 within --timeout + 10 s, with one line that says what
+    happened, and the last step is saved (tests/test_recovery*.py: without --no-recover they go on)."""
     world, timeout = 3, 10
     with remember(cluster.Cluster(world, nics=NICS)) as c:
         argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", "30000",
-                                         "--metrics", "",
+                                         "--metrics", "", "--no-recover",
                                          "--save-every", "2", "--timeout", str(timeout)]) for r in range(world)]
         procs = start_ranks(c, argvs, tmp_path)
         checkpoint = tmp_path / "host0" / "runs" / "checkpoint.pt"

@@ -118,6 +118,7 @@ def join_running_job(config, model):
     from utils import faults
     from utils.membership import Membership, card_address, join_candidates
     job = config.job
+    faults.log(event="join-ready")   # torch and the data are loaded: what bench/recovery.py times from
     where = job.join or job.init_method[len("tcp://"):]
     host, port = where.rsplit(":", 1)
     if job.ifname:

@@ -7,12 +7,17 @@ at a known moment (a real signal to a real process, sent by the rank to itself).
 
 RANK is the rank in the job's first generation; STEP counts from the run's first step, over
 epochs; PHASE is step (default), sum, or save (as the checkpoint after that step is written).
+RING_EVENTS=PATH: each fault, and each rank's first completed step after a change of members
+(utils/recovery.py), is appended there as a JSON line with its time (bench/recovery.py reads it).
+
 Each fault fires once per process; with RING_FAULT_ONCE=PATH, once per job (the first process to
 fire creates PATH: a rank that torchrun restarts does not kill itself again). Without RING_FAULT
 nothing here does anything.
 """
+import json
 import os
 import signal
+import time
 
 _faults = None     # [(rank, step, signal, phase)] of this process, once parsed
 _step = None
@@ -27,9 +32,25 @@ def _parse(me):
     return found
 
 
+_me = None
+
+
 def setup(me):
-    global _faults
+    global _faults, _me
+    _me = me
     _faults = _parse(me) if os.environ.get("RING_FAULT") else []
+
+
+def log(**event):
+    """Append `event` (with the time and this rank) to RING_EVENTS, if set."""
+    path = os.environ.get("RING_EVENTS")
+    if path:
+        line = json.dumps(dict(event, time=time.time(), rank=_me)) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
 
 def at_step(step):
@@ -52,4 +73,5 @@ def point(phase):
                     os.close(os.open(once, os.O_CREAT | os.O_EXCL))
                 except FileExistsError:
                     continue
+            log(event="fault", signal=signum.name, step=step, phase=phase)
             os.kill(os.getpid(), signum)

@@ -116,11 +116,15 @@ class Done:
     """The last two steps this rank completed, (epoch, step, a copy of the epoch's stats then):
     where a job that lost a rank goes on from (utils/recovery.py)."""
 
-    def __init__(self, epoch, step, stats):
+    def __init__(self, epoch, step, stats, first=None):
         self.last = self.before = (epoch, step, EpochStats(**vars(stats)))
+        self.first = first   # called once, after the first step (after a change of members: its time)
 
     def add(self, epoch, step, stats):
         self.before, self.last = self.last, (epoch, step, EpochStats(**vars(stats)))
+        if self.first is not None:
+            self.first, first = None, self.first
+            first(epoch, step)
 
 
 TIMES = (("busy_seconds", "busy_seconds"), ("comm_seconds", "waited_seconds"))
@@ -249,7 +253,7 @@ def run(model, data, config, resume_from=None, membership=None, joining=None):
     if joining is not None:
         gradient_sync, (epoch, first_step, stats) = recovery.form(joining, None, None)
         say_joined(membership, epoch, first_step)
-    done = Done(epoch, first_step, stats)
+    done = Done(epoch, first_step, stats, first_step_after("joined") if joining is not None else None)
     accuracy = None
     while epoch <= recipe.epochs:
         try:
@@ -258,14 +262,14 @@ def run(model, data, config, resume_from=None, membership=None, joining=None):
             done = Done(epoch, first_step, stats)
         except Joining:
             gradient_sync, (epoch, first_step, stats) = recovery.grow(gradient_sync, done.last)
-            done = Done(epoch, first_step, stats)
+            done = Done(epoch, first_step, stats, first_step_after("grew"))
         except PeerError as e:
             if recovery is None:
                 raise
             undone = gradient_sync.abandon()
             epoch, first_step, stats = done.before if undone else done.last
             gradient_sync, (epoch, first_step, stats) = recovery.go_on(e, gradient_sync, (epoch, first_step, stats))
-            done = Done(epoch, first_step, stats)
+            done = Done(epoch, first_step, stats, first_step_after("shrank"))
     timeline.write()   # if the run ended inside the window
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
@@ -317,6 +321,12 @@ def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_siz
             busbw_gbps=busbw, world_size=world_size, allreduce=config.sync.allreduce, overlap=config.sync.overlap,
             compress=config.sync.compress, bytes_sent_per_step=max(sent), bytes_sent_per_step_by_rank=sent,
             images=stats.images, members=membership_of_job()))
+
+
+def first_step_after(change):
+    """What Done calls after the first step on new members: the time, for bench/recovery.py."""
+    return lambda epoch, step: faults.log(event="first-step", after=change, epoch=epoch, step=step,
+                                          world_size=dist.get_world_size())
 
 
 def say_joined(membership, epoch, step):

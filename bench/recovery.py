@@ -1,0 +1,183 @@
+"""What a lost or joining server costs a running job (issue: live recovery), measured on real runs.
+
+    python bench/recovery.py                          # faults, joins and the steady-state cost, loopback
+    python bench/recovery.py --rates 1gbit,200mbit    # the steady-state cost on emulated hosts too (root)
+    python bench/recovery.py --faults 5 --world-size 3
+
+Every trial is `python train.py` itself on N ranks (1 thread each). RING_FAULT (utils/faults.py)
+makes one rank, chosen at random (rank 0 included), send itself SIGKILL or SIGSTOP at a random
+step; RING_EVENTS records the fault's time and each survivor's first completed step after the
+change of members. Reported, as medians with min and max:
+
+    fault -> next completed step   the fault's time to the last survivor's first completed step
+    steps lost                     completed steps redone: the step after the one they went on from
+    join -> first step             a server started with --join: from its process being ready
+                                   (torch imported, data loaded) to its first completed step
+    steady-state cost              one epoch with --recover (heartbeats, the agreement's bookkeeping)
+                                   against --no-recover, side by side in alternating order
+
+Targets (bench/targets.py: RECOVERY): kill <= 2 s; SIGSTOP <= heartbeat + 2 s; join <= 5 s; cost <= 3%.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (RESULTS, REPO, bench_parser, command_line, emulated_cluster, host_info, number_list,  # noqa: E402
+                     positive, results_stem, write_results)
+from utils.launch import free_port, kill, supervise  # noqa: E402
+
+TRAIN = str(REPO / "train.py")
+RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--metrics", "m.jsonl", "--timeout", "60"]
+STEPS = 100          # 6400 images, 64 a step
+HEARTBEAT = 2.0
+TARGETS = {"kill": 2.0, "stop": HEARTBEAT + 2.0, "join": 5.0, "cost": 1.03}
+
+
+def events(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
+
+
+def fault_trial(kind, world_size, rng, tmp):
+    """One run with one fault; (seconds from the fault to the last survivor's next step, steps lost)."""
+    rank, step = rng.randrange(world_size), rng.randrange(10, STEPS - 10)
+    cwd = Path(tempfile.mkdtemp(dir=tmp))
+    env = dict(os.environ, RING_FAULT=f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}",
+               RING_EVENTS=str(cwd / "events.jsonl"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, TRAIN, *RUN, "--nproc", str(world_size), "--heartbeat", str(HEARTBEAT)],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    outcome = supervise([proc], timeout=240)
+    if outcome.codes != [0]:
+        raise RuntimeError(f"{kind} of rank {rank} at step {step}: exit {outcome.codes}\n{outcome.outputs[0][1][-2000:]}")
+    seen = events(cwd / "events.jsonl")
+    fault = next(e for e in seen if e["event"] == "fault")
+    firsts = [e for e in seen if e["event"] == "first-step" and e["after"] == "shrank"]
+    if len(firsts) != world_size - 1:
+        raise RuntimeError(f"{kind} of rank {rank}: {len(firsts)} survivors went on, expected {world_size - 1}")
+    return max(e["time"] for e in firsts) - fault["time"], fault["step"] - min(e["step"] for e in firsts), rank
+
+
+def join_trial(world_size, rng, tmp):
+    """A job loses a rank (SIGKILL); its server is started again with --join: (ready -> first step, s)."""
+    rank, step = rng.randrange(1, world_size), rng.randrange(10, 30)
+    cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
+    log = cwd / "events.jsonl"
+    common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
+              "lo", *RUN, "--heartbeat", str(HEARTBEAT)]
+    env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
+    ranks = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), *common], cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r in range(world_size)]
+    joiner = None
+    try:
+        deadline = time.monotonic() + 120
+        while ranks[rank].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        joiner = subprocess.Popen([sys.executable, TRAIN, "--rank", str(rank), *common, "--join"], cwd=cwd,
+                                  env=dict(env, RING_FAULT=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        outcome = supervise([*[r for i, r in enumerate(ranks) if i != rank], joiner], timeout=240, grace=None)
+    finally:
+        for p in [*ranks, *([joiner] if joiner else [])]:
+            kill(p, group=True)
+    if any(code != 0 for code in outcome.codes):
+        raise RuntimeError(f"join of rank {rank}: exit codes {outcome.codes}\n{outcome.outputs}")
+    seen = events(log)
+    ready = next(e for e in seen if e["event"] == "join-ready")
+    first = next(e for e in seen if e["event"] == "first-step" and e["after"] == "joined")
+    return first["time"] - ready["time"]
+
+
+def epoch_seconds(recover, world_size, tmp, cl=None, port=None):
+    """One fault-free epoch, --recover or --no-recover: the epoch's seconds from metrics.jsonl."""
+    cwd = Path(tempfile.mkdtemp(dir=tmp))
+    flag = "--recover" if recover else "--no-recover"
+    if cl is None:
+        proc = subprocess.Popen([sys.executable, TRAIN, *RUN, "--nproc", str(world_size), flag], cwd=cwd,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        procs = [proc]
+    else:
+        homes = [cwd / f"host{r}" for r in range(cl.world_size)]
+        for home in homes:
+            home.mkdir()
+        procs = [cl.popen(cl.host_of(r), cl.train_argv(r, port, [*RUN, flag]), env={"OMP_NUM_THREADS": "1"},
+                          cwd=homes[r], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(cl.world_size)]
+        cwd = homes[0]
+    outcome = supervise(procs, timeout=240)
+    if outcome.failed:
+        raise RuntimeError(f"{flag}: exit codes {outcome.codes}")
+    return json.loads((cwd / "m.jsonl").read_text().splitlines()[-1])["seconds"]
+
+
+def cost(world_size, pairs, tmp, cl=None):
+    ratios, times = [], {"recover": [], "no-recover": []}
+    for i in range(pairs):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        got = {r: epoch_seconds(r, world_size, tmp, cl, 29400 + 2 * i + k) for k, r in enumerate(order)}
+        times["recover"].append(got[True])
+        times["no-recover"].append(got[False])
+        ratios.append(got[True] / got[False])
+    return {"ratio_median": statistics.median(ratios), "ratios": ratios, "seconds": times}
+
+
+def summary(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main(argv=None):
+    ap = bench_parser(__doc__)
+    ap.add_argument("--world-size", type=positive(int), default=3)
+    ap.add_argument("--faults", type=positive(int), default=5, help="trials per kind of fault (default 5)")
+    ap.add_argument("--pairs", type=positive(int), default=5, help="side-by-side epochs for the cost (default 5)")
+    ap.add_argument("--rates", type=number_list(str), default=[], help="also measure the cost on emulated hosts")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    rng, started = random.Random(args.seed), time.time()
+    result = {"command": command_line("recovery.py"), "host": host_info(), "world_size": args.world_size,
+              "heartbeat": HEARTBEAT, "targets": TARGETS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("kill", "stop"):
+            trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
+            result[kind] = dict(summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials],
+                                ranks=[t[2] for t in trials])
+            print(f"{kind}: fault -> next step {result[kind]['median']:.2f} s (median of {args.faults}; "
+                  f"{result[kind]['min']:.2f}-{result[kind]['max']:.2f}), completed steps lost "
+                  f"{max(result[kind]['steps_lost'])} at most, ranks {result[kind]['ranks']}", flush=True)
+        joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults)]
+        result["join"] = summary(joins)
+        print(f"join: ready -> first step {result['join']['median']:.2f} s (median of {args.faults}; "
+              f"{result['join']['min']:.2f}-{result['join']['max']:.2f})", flush=True)
+        result["cost"] = {"loopback": cost(args.world_size, args.pairs, tmp)}
+        for rate in args.rates:
+            with emulated_cluster(rate, 2) as cl:
+                result["cost"][rate] = cost(2, args.pairs, tmp, cl)
+        for where, c in result["cost"].items():
+            print(f"steady-state cost, {where}: --recover / --no-recover epoch time {c['ratio_median']:.3f} "
+                  f"(median of {args.pairs} pairs: {', '.join(f'{r:.3f}' for r in c['ratios'])})", flush=True)
+    result["seconds"] = time.time() - started
+    md = "\n".join([f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", "",
+                    "| what | median | min | max | target |", "|---|---|---|---|---|",
+                    *[f"| {k}: fault → next completed step (s) | {result[k]['median']:.2f} | {result[k]['min']:.2f} | "
+                      f"{result[k]['max']:.2f} | ≤ {TARGETS[k]:g} |" for k in ("kill", "stop")],
+                    f"| join: ready → first step (s) | {result['join']['median']:.2f} | {result['join']['min']:.2f} | "
+                    f"{result['join']['max']:.2f} | ≤ {TARGETS['join']:g} |",
+                    *[f"| steady-state cost, {w} (epoch time ratio) | {c['ratio_median']:.3f} | {min(c['ratios']):.3f} | "
+                      f"{max(c['ratios']):.3f} | ≤ {TARGETS['cost']:g} |" for w, c in result["cost"].items()],
+                    "", f"Completed steps lost: kill {result['kill']['steps_lost']}, stop {result['stop']['steps_lost']}."])
+    write_results(Path(args.results_dir) / results_stem("recovery", f"n{args.world_size}"), result, md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
