@@ -123,7 +123,8 @@ def join_running_job(config, model):
     host, port = where.rsplit(":", 1)
     if job.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
-    membership = Membership(None, job.heartbeat, card_address(job.ifname, host))
+    own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank   # where members listen (free if it is back)
+    membership = Membership(None, job.heartbeat, card_address(job.ifname, host), own_port)
     try:
         decision = membership.request_join(join_candidates(host, int(port), MAX_JOIN_CANDIDATES),
                                            {"model": model, **config.must_agree()}, job.rank, config.sync.timeout)
