@@ -221,7 +221,7 @@ class Membership:
             if kind == "alive" and generation < current and sender not in members:
                 self._send(sender, {"t": "fenced", "g": current})   # it missed a generation: tell it
             elif kind == "alive" and generation == current and message.get("state") == "recovering" \
-                    and state == "training":
+                    and state in ("training", "growing"):
                 self.break_(f"rank {sender} lost a peer")
             elif kind == "alive" and generation > current and state == "training":
                 self.break_(f"rank {sender} is at a newer generation")   # then the agreement finds out
@@ -328,7 +328,7 @@ class Membership:
         if self.members[0] == self.me:
             return self._decide_growth(report)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.broken.is_set():   # (a member lost meanwhile: agree)
             with self.lock:
                 found = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]]
             if found:

@@ -1,0 +1,175 @@
+"""The soak of the live-recovery issue: a long job that keeps losing servers and taking them back.
+
+    python bench/recovery_soak.py                      # 4 ranks, 2 epochs of MNIST, 20 faults
+    python bench/recovery_soak.py --faults 30 --ranks 4 --epochs 2
+
+Every rank runs as on a server of its own (its own folder, loopback). While the job runs, every
+few seconds one member, chosen at random (rank 0 included), gets SIGKILL or SIGSTOP. A killed
+server is started again with its command plus --join; a stopped one gets SIGCONT a few seconds
+later, finds itself fenced out, exits 1, and is started again with --join. One fault in four
+comes while another server is joining; with --save-every 10, faults land during saves too. At
+most two servers are out at once, so the job (4 ranks) always keeps its majority.
+
+Then a fault-free run of the same job, and the checks: the job ends on every rank with identical
+parameters; every epoch's `images` is 60000; each epoch is reported once (one lineage: only one
+side ever trains); and the final accuracy is within 0.1 point of the fault-free run's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS, REPO, bench_parser, command_line, host_info, positive, results_stem, write_results  # noqa: E402
+from utils.launch import free_port, kill  # noqa: E402
+
+TRAIN = str(REPO / "train.py")
+
+
+def main(argv=None):
+    ap = bench_parser(__doc__)
+    ap.add_argument("--ranks", type=positive(int), default=4)
+    ap.add_argument("--epochs", type=positive(int), default=2)
+    ap.add_argument("--faults", type=positive(int), default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=positive(float), default=1800.0, help="hard limit for the soak, s")
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    run = ["--epochs", str(args.epochs), "--heartbeat", "2", "--save-every", "10", "--timeout", "60"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        soak = Soak(tmp / "soak", args.ranks, run, rng)
+        started = time.monotonic()
+        try:
+            faults = soak.run(args.faults, args.timeout)
+        finally:
+            soak.stop_all()
+        soak_seconds = time.monotonic() - started
+        clean = tmp / "clean"
+        clean.mkdir()
+        done = subprocess.run([sys.executable, TRAIN, *run, "--nproc", str(args.ranks)], cwd=clean, capture_output=True,
+                              text=True, timeout=args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        clean_rows = [json.loads(line) for line in (clean / "runs" / "metrics.jsonl").read_text().splitlines()]
+        result = soak.check(clean_rows, args.epochs)
+    result.update(command=command_line("recovery_soak.py"), host=host_info(), faults=faults, seconds=soak_seconds,
+                  clean_accuracy=clean_rows[-1]["test_accuracy"])
+    ok = result["identical"] and result["images_ok"] and result["epochs_once"] and abs(
+        result["accuracy"] - result["clean_accuracy"]) <= 0.001
+    result["ok"] = ok
+    kinds = {k: sum(1 for f in faults if f["kind"] == k) for k in ("kill", "stop")}
+    line = (f"soak: {len(faults)} faults ({kinds['kill']} kill -9, {kinds['stop']} SIGSTOP; ranks "
+            f"{sorted({f['rank'] for f in faults})}; {sum(f['during_join'] for f in faults)} during a join), "
+            f"{result['joins']} rejoins, {soak_seconds:.0f} s; accuracy {result['accuracy']:.2%} (fault-free "
+            f"{result['clean_accuracy']:.2%}); images per epoch {result['images']}; each epoch reported once: "
+            f"{result['epochs_once']}; identical parameters: {result['identical']} -> {'PASS' if ok else 'FAIL'}")
+    print(line, flush=True)
+    write_results(Path(args.results_dir) / results_stem("recovery_soak", f"n{args.ranks}"), result,
+                  f"# bench/recovery_soak.py\n\n    {result['command']}\n\n{line}\n")
+    return 0 if ok else 1
+
+
+class Soak:
+    def __init__(self, home, ranks, run, rng):
+        self.home, self.ranks, self.rng = home, ranks, rng
+        self.port = free_port()
+        self.events = home / "events.jsonl"
+        self.common = ["--world-size", str(ranks), "--init-method", f"tcp://127.0.0.1:{self.port}",
+                       "--gloo_socket_ifname", "lo", *run]
+        self.procs, self.joins = {}, 0
+        for r in range(ranks):
+            (home / f"host{r}").mkdir(parents=True)
+            self.start(r, join=False)
+
+    def start(self, rank, join):
+        with open(self.home / f"rank{rank}.out", "ab") as out, open(self.home / f"rank{rank}.err", "ab") as err:
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, TRAIN, "--rank", str(rank), *self.common, *(["--join"] if join else [])],
+                cwd=self.home / f"host{rank}", stdout=out, stderr=err, start_new_session=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(self.events)))
+        self.joins += join
+
+    def joined(self, rank, since):
+        """Whether `rank` completed a step as a joined server after `since` (a time.time())."""
+        if not self.events.exists():
+            return False
+        return any(e["event"] == "first-step" and e["after"] == "joined" and e["time"] > since
+                   for e in map(json.loads, self.events.read_text().splitlines()))
+
+    def running(self):
+        return any(p.poll() is None for p in self.procs.values())
+
+    def finished(self):
+        return any(p.poll() == 0 for p in self.procs.values())
+
+    def run(self, faults, timeout):
+        deadline, done, pending = time.monotonic() + timeout, [], []   # pending: (rank, when, how) to bring back
+        time.sleep(15)   # the job gets going
+        while self.running() and not self.finished() and time.monotonic() < deadline:
+            now = time.monotonic()
+            for item in list(pending):
+                rank, when, how = item
+                if now < when:
+                    continue
+                if how == "cont":
+                    os.kill(self.procs[rank].pid, signal.SIGCONT)
+                    pending.remove(item)
+                    pending.append((rank, now, "join-when-exited"))
+                elif how == "join-when-exited" and self.procs[rank].poll() is not None:
+                    pending.remove(item)
+                    self.start(rank, join=True)
+                    pending.append((rank, time.time(), "joining"))
+                elif how == "joining" and (self.joined(rank, when) or self.procs[rank].poll() is not None):
+                    pending.remove(item)
+                    if self.procs[rank].poll() is not None:    # it died joining (a fault during its join): again
+                        pending.append((rank, now, "join-when-exited"))
+            out = [r for r, _, how in pending]
+            joining = [r for r, _, how in pending if how == "joining"]
+            if len(done) < faults and len(out) < 2 and (not out or joining and len(done) % 4 == 3):
+                up = [r for r, p in self.procs.items() if p.poll() is None and r not in out]
+                rank, kind = self.rng.choice(up), self.rng.choice(["kill", "stop"])
+                os.kill(self.procs[rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                done.append({"rank": rank, "kind": kind, "during_join": bool(joining), "at": time.time()})
+                pending.append((rank, now + (self.rng.uniform(3, 6) if kind == "stop" else self.rng.uniform(0.5, 2)),
+                                "cont" if kind == "stop" else "join-when-exited"))
+                time.sleep(self.rng.uniform(2, 5) if not joining else 0.2)
+            time.sleep(0.05)
+        while self.running() and time.monotonic() < deadline:   # the end: everyone finishes
+            for rank, _, how in pending:
+                if how == "cont":
+                    os.kill(self.procs[rank].pid, signal.SIGCONT)
+            time.sleep(0.2)
+        return done
+
+    def stop_all(self):
+        for p in self.procs.values():
+            kill(p, group=True)
+
+    def check(self, clean_rows, epochs):
+        outs = {r: (self.home / f"rank{r}.out").read_text() for r in range(self.ranks)}
+        digests = {m.group(2) for out in outs.values()
+                   for m in re.finditer(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)", out)}
+        rows = [json.loads(line) for r in range(self.ranks) if (self.home / f"host{r}" / "runs" / "metrics.jsonl").exists()
+                for line in (self.home / f"host{r}" / "runs" / "metrics.jsonl").read_text().splitlines()]
+        by_epoch = {}
+        for row in rows:
+            by_epoch.setdefault(row["epoch"], []).append(row)
+        last = by_epoch.get(epochs, [{"test_accuracy": 0.0}])[-1]
+        return {"identical": len(digests) == 1, "digests": sorted(digests),
+                "images": [row["images"] for e in sorted(by_epoch) for row in by_epoch[e]],
+                "images_ok": all(row["images"] == 60000 for row in rows) and sorted(by_epoch) == list(range(1, epochs + 1)),
+                "epochs_once": all(len(v) == 1 for v in by_epoch.values()), "accuracy": last["test_accuracy"],
+                "joins": self.joins, "members_at_end": last.get("members")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
