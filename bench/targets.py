@@ -30,6 +30,11 @@ TARGETS = {
     "timeline": Target(1.02, "#15", "recording a timeline costs at most 2% of the step"),
     "peer": Target(1.02, "#13", "at 200 Mbit/s: ours compressed <= 1.02x DDP with the same compression's hook"),
     "powersgd_compute": Target(1.30, "#13", "at 200 Mbit/s, N = 2: ours powersgd <= 1.30x compute only"),
+    # bench/recovery.py (seconds, not factors, but for the cost: --recover / --no-recover epoch time)
+    "recovery_kill": Target(2.0, "#23", "a kill -9: fault -> next completed step <= 2 s"),
+    "recovery_stop": Target(2.0, "#23", "SIGSTOP: fault -> next completed step <= heartbeat + 2 s (bound: the + 2 s)"),
+    "recovery_join": Target(5.0, "#23", "--join: ready (torch imported) -> first step <= 5 s"),
+    "recovery_cost": Target(1.03, "#23", "steady-state cost of the machinery <= 3% of step time"),
     # bench/time_to_accuracy.py
     "accuracy": Target(0.99, "#13", "the test accuracy that time to accuracy is measured to (--target)"),
 }
