@@ -99,12 +99,13 @@ def join_trial(world_size, rng, tmp):
     return first["time"] - ready["time"]
 
 
-def epoch_seconds(recover, world_size, tmp, cl=None, port=None):
-    """One fault-free epoch, --recover or --no-recover: the epoch's seconds from metrics.jsonl."""
+def epoch_seconds(recover, world_size, tmp, cl=None, port=None, train=TRAIN):
+    """One fault-free epoch, --recover or --no-recover (None: neither, an older train.py): the
+    epoch's seconds from metrics.jsonl."""
     cwd = Path(tempfile.mkdtemp(dir=tmp))
-    flag = "--recover" if recover else "--no-recover"
+    flag = {True: "--recover", False: "--no-recover", None: "--metrics=m.jsonl"}[recover]
     if cl is None:
-        proc = subprocess.Popen([sys.executable, TRAIN, *RUN, "--nproc", str(world_size), flag], cwd=cwd,
+        proc = subprocess.Popen([sys.executable, train, *RUN, "--nproc", str(world_size), flag], cwd=cwd,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True)
         procs = [proc]
@@ -112,7 +113,8 @@ def epoch_seconds(recover, world_size, tmp, cl=None, port=None):
         homes = [cwd / f"host{r}" for r in range(cl.world_size)]
         for home in homes:
             home.mkdir()
-        procs = [cl.popen(cl.host_of(r), cl.train_argv(r, port, [*RUN, flag]), env={"OMP_NUM_THREADS": "1"},
+        procs = [cl.popen(cl.host_of(r), [*cl.train_argv(r, port, [*RUN, flag])[:2], train,
+                                           *cl.train_argv(r, port, [*RUN, flag])[3:]], env={"OMP_NUM_THREADS": "1"},
                           cwd=homes[r], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(cl.world_size)]
         cwd = homes[0]
     outcome = supervise(procs, timeout=240)
@@ -121,15 +123,23 @@ def epoch_seconds(recover, world_size, tmp, cl=None, port=None):
     return json.loads((cwd / "m.jsonl").read_text().splitlines()[-1])["seconds"]
 
 
-def cost(world_size, pairs, tmp, cl=None):
-    ratios, times = [], {"recover": [], "no-recover": []}
+def cost(world_size, pairs, tmp, cl=None, baseline=None):
+    """--recover against --no-recover, side by side in turns; with `baseline` (a train.py from
+    before this machinery) also against it, which has no heartbeats at all."""
+    arms = [True, False] + ([None] if baseline else [])
+    times = {arm: [] for arm in arms}
     for i in range(pairs):
-        order = (True, False) if i % 2 == 0 else (False, True)
-        got = {r: epoch_seconds(r, world_size, tmp, cl, 29400 + 2 * i + k) for k, r in enumerate(order)}
-        times["recover"].append(got[True])
-        times["no-recover"].append(got[False])
-        ratios.append(got[True] / got[False])
-    return {"ratio_median": statistics.median(ratios), "ratios": ratios, "seconds": times}
+        for k, arm in enumerate(arms[i % len(arms):] + arms[:i % len(arms)]):
+            times[arm].append(epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k,
+                                            baseline if arm is None else TRAIN))
+    ratios = [a / b for a, b in zip(times[True], times[False])]
+    result = {"ratio_median": statistics.median(ratios), "ratios": ratios,
+              "seconds": {"recover": times[True], "no-recover": times[False]}}
+    if baseline:
+        result["baseline_ratios"] = [a / b for a, b in zip(times[True], times[None])]
+        result["baseline_ratio_median"] = statistics.median(result["baseline_ratios"])
+        result["seconds"]["baseline"] = times[None]
+    return result
 
 
 def summary(values):
@@ -142,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--faults", type=positive(int), default=5, help="trials per kind of fault (default 5)")
     ap.add_argument("--pairs", type=positive(int), default=5, help="side-by-side epochs for the cost (default 5)")
     ap.add_argument("--rates", type=number_list(str), default=[], help="also measure the cost on emulated hosts")
+    ap.add_argument("--baseline", help="a train.py from before live recovery (a worktree of 7c9a211), for the cost")
+    ap.add_argument("--only", choices=["faults", "cost"], help="run only this part")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -149,35 +161,47 @@ def main(argv=None):
     result = {"command": command_line("recovery.py"), "host": host_info(), "world_size": args.world_size,
               "heartbeat": HEARTBEAT, "targets": TARGETS}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("kill", "stop"):
+        for kind in ("kill", "stop") if args.only != "cost" else ():
             trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
             result[kind] = dict(summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials],
                                 ranks=[t[2] for t in trials])
             print(f"{kind}: fault -> next step {result[kind]['median']:.2f} s (median of {args.faults}; "
                   f"{result[kind]['min']:.2f}-{result[kind]['max']:.2f}), completed steps lost "
                   f"{max(result[kind]['steps_lost'])} at most, ranks {result[kind]['ranks']}", flush=True)
-        joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults)]
-        result["join"] = summary(joins)
-        print(f"join: ready -> first step {result['join']['median']:.2f} s (median of {args.faults}; "
+        joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if args.only != "cost" else 0)]
+        result["join"] = summary(joins) if joins else None
+        if joins:
+            print(f"join: ready -> first step {result['join']['median']:.2f} s (median of {args.faults}; "
               f"{result['join']['min']:.2f}-{result['join']['max']:.2f})", flush=True)
-        result["cost"] = {"loopback": cost(args.world_size, args.pairs, tmp)}
-        for rate in args.rates:
-            with emulated_cluster(rate, 2) as cl:
-                result["cost"][rate] = cost(2, args.pairs, tmp, cl)
+        result["cost"] = {}
+        if args.only != "faults":
+            result["cost"]["loopback"] = cost(args.world_size, args.pairs, tmp, baseline=args.baseline)
+            for rate in args.rates:
+                with emulated_cluster(rate, 2) as cl:
+                    result["cost"][rate] = cost(2, args.pairs, tmp, cl, baseline=args.baseline)
         for where, c in result["cost"].items():
             print(f"steady-state cost, {where}: --recover / --no-recover epoch time {c['ratio_median']:.3f} "
-                  f"(median of {args.pairs} pairs: {', '.join(f'{r:.3f}' for r in c['ratios'])})", flush=True)
+                  f"(median of {args.pairs} pairs: {', '.join(f'{r:.3f}' for r in c['ratios'])})"
+                  + (f"; --recover / before live recovery {c['baseline_ratio_median']:.3f} "
+                     f"({', '.join(f'{r:.3f}' for r in c['baseline_ratios'])})" if args.baseline else ""), flush=True)
     result["seconds"] = time.time() - started
+    rows = [f"| {k}: fault → next completed step (s) | {result[k]['median']:.2f} | {result[k]['min']:.2f} | "
+            f"{result[k]['max']:.2f} | ≤ {TARGETS[k]:g} |" for k in ("kill", "stop") if k in result]
+    if result["join"]:
+        rows.append(f"| join: ready → first step (s) | {result['join']['median']:.2f} | {result['join']['min']:.2f} | "
+                    f"{result['join']['max']:.2f} | ≤ {TARGETS['join']:g} |")
+    for where, c in result["cost"].items():
+        rows.append(f"| {where}: --recover / --no-recover epoch time | {c['ratio_median']:.3f} | {min(c['ratios']):.3f} | "
+                    f"{max(c['ratios']):.3f} | ≤ {TARGETS['cost']:g} |")
+        if "baseline_ratios" in c:
+            rows.append(f"| {where}: --recover / before live recovery | {c['baseline_ratio_median']:.3f} | "
+                        f"{min(c['baseline_ratios']):.3f} | {max(c['baseline_ratios']):.3f} | ≤ {TARGETS['cost']:g} |")
+    lost = [f"{k} {result[k]['steps_lost']}" for k in ("kill", "stop") if k in result]
     md = "\n".join([f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", "",
-                    "| what | median | min | max | target |", "|---|---|---|---|---|",
-                    *[f"| {k}: fault → next completed step (s) | {result[k]['median']:.2f} | {result[k]['min']:.2f} | "
-                      f"{result[k]['max']:.2f} | ≤ {TARGETS[k]:g} |" for k in ("kill", "stop")],
-                    f"| join: ready → first step (s) | {result['join']['median']:.2f} | {result['join']['min']:.2f} | "
-                    f"{result['join']['max']:.2f} | ≤ {TARGETS['join']:g} |",
-                    *[f"| steady-state cost, {w} (epoch time ratio) | {c['ratio_median']:.3f} | {min(c['ratios']):.3f} | "
-                      f"{max(c['ratios']):.3f} | ≤ {TARGETS['cost']:g} |" for w, c in result["cost"].items()],
-                    "", f"Completed steps lost: kill {result['kill']['steps_lost']}, stop {result['stop']['steps_lost']}."])
-    write_results(Path(args.results_dir) / results_stem("recovery", f"n{args.world_size}"), result, md + "\n")
+                    "| what | median | min | max | target |", "|---|---|---|---|---|", *rows, "",
+                    *([f"Completed steps lost per fault: {'; '.join(lost)}."] if lost else [])])
+    write_results(Path(args.results_dir) / results_stem("recovery", f"n{args.world_size}", args.only,
+                                                           "rates" if args.rates else None), result, md + "\n")
     return 0
 
 
