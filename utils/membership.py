@@ -137,6 +137,7 @@ class Membership:
         self.state = "training"               # or "recovering"
         self.report = None                    # while recovering: this rank's position
         self.heard, self.refused, self.reports = {}, set(), {}
+        self.named = {}                       # rank -> generation in which a survivor saw it fall silent
         self.decisions, self.sending = [], None   # decisions received; the one this leader sends
         self.fenced_at = None                 # the generation that went on without this rank
         self.broken, self.reason, self.lost = threading.Event(), None, None   # why it ended; who was lost
@@ -174,21 +175,25 @@ class Membership:
             pass
 
     def _beat(self):
+        sent = 0.0
         while True:
             with self.lock:
-                message = {"t": "alive", "g": self.generation, "state": self.state, "report": self.report}
+                message = {"t": "alive", "g": self.generation, "state": self.state, "report": self.report,
+                           "lost": self.lost}
                 targets = [m for m in self.members if m != self.me]
-                decision = self.sending
-            for member in targets:
-                self._send(member, message)
-            if decision is not None:
-                self._send_decision(decision)
-            if self.state == "training":
-                now = time.monotonic()
+                decision, training = self.sending, self.state == "training"
+            now = time.monotonic()
+            if not training or now - sent >= min(0.5, self.heartbeat / 5):
+                sent = now
+                for member in targets:
+                    self._send(member, message)
+                if decision is not None:
+                    self._send_decision(decision)
+            if training:   # looked at more often than beats are sent: silence is noticed within 0.05 s of it
                 silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
                 if silent:
                     self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
-            time.sleep(RECOVERY_BEAT if self.state != "training" else min(0.5, self.heartbeat / 5))
+            time.sleep(RECOVERY_BEAT)
 
     def _receive(self):
         while True:
@@ -214,6 +219,8 @@ class Membership:
                 current, members, state = self.generation, self.members, self.state
                 if kind == "alive" and message.get("state") == "recovering":
                     self.reports[sender] = (generation, message.get("report"))
+                    if message.get("lost") is not None:
+                        self.named[message["lost"]] = generation   # it saw that rank fall silent
                 elif kind == "decision":
                     self.decisions.append(message)
                 elif kind == "fenced" and message["g"] > current:
@@ -255,6 +262,7 @@ class Membership:
                 reports = {m: r for m, (g, r) in self.reports.items() if g == generation and m in members}
                 reports[self.me] = report
                 now, heard, refused = time.monotonic(), dict(self.heard), set(self.refused)
+                named = {m for m, g in self.named.items() if g == generation}
             if mine:
                 return mine[0]
             if outsider:
@@ -262,6 +270,7 @@ class Membership:
             settled = now - started > SETTLE_SECONDS
             gone = {m for m in members if m != self.me and
                     (m in refused or (m == self.lost and m not in reports) or
+                     (m in named and m not in reports and now - heard.get(m, 0) > min(0.5, self.heartbeat)) or
                      (settled and now - heard.get(m, 0) > self.heartbeat))}   # (a reporter may die too)
             reports = {m: r for m, r in reports.items() if m not in gone}
             pending = [m for m in members if m not in reports and m not in gone]
@@ -422,7 +431,7 @@ class Membership:
             for nonce in decision.get("joined", {}):
                 self.joining.pop(nonce, None)
             self.state, self.report, self.sending = "training", None, None
-            self.reports, self.decisions, self.lost = {}, [], None
+            self.reports, self.decisions, self.lost, self.named = {}, [], None, {}
             now = time.monotonic()
             self.heard = {m: now for m in members}
             self.broken.clear()
