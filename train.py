@@ -157,8 +157,7 @@ def train(config, data):
 
     from utils import checkpoint, hierarchical
     from utils.distributed import agree, broadcast_parameters, init_distributed, join_running_job, model_name
-    from utils.distributed import torchrun_attempt_store
-    from utils.membership import start_membership
+    from utils.distributed import start_membership, torchrun_attempt_store
     from utils.model import Net
     from utils.run import run
 

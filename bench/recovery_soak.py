@@ -6,7 +6,7 @@
 Every rank runs as on a server of its own (its own folder, loopback). While the job runs, every
 few seconds one member, chosen at random (rank 0 included), gets SIGKILL or SIGSTOP. A killed
 server is started again with its command plus --join; a stopped one gets SIGCONT a few seconds
-later, finds itself fenced out, exits 1, and is started again with --join. One fault in four
+later, finds itself fenced out, exits 1, and is started again with --join. One fault in three
 comes while another server is joining; with --save-every 10, faults land during saves too. At
 most two servers are out at once, so the job (4 ranks) always keeps its majority.
 
@@ -45,8 +45,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     run = ["--epochs", str(args.epochs), "--heartbeat", "2", "--save-every", "10", "--timeout", "60"]
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    tmp = Path(tempfile.mkdtemp(prefix="recovery-soak-"))   # kept: every rank's log, for a failed soak
+    print(f"logs in {tmp}", flush=True)
+    if True:
         soak = Soak(tmp / "soak", args.ranks, run, rng)
         started = time.monotonic()
         try:
@@ -63,7 +64,7 @@ def main(argv=None):
         result = soak.check(clean_rows, args.epochs)
     result.update(command=command_line("recovery_soak.py"), host=host_info(), faults=faults, seconds=soak_seconds,
                   clean_accuracy=clean_rows[-1]["test_accuracy"])
-    ok = result["identical"] and result["images_ok"] and result["epochs_once"] and abs(
+    ok = len(faults) >= args.faults and result["identical"] and result["images_ok"] and result["epochs_once"] and abs(
         result["accuracy"] - result["clean_accuracy"]) <= 0.001
     result["ok"] = ok
     kinds = {k: sum(1 for f in faults if f["kind"] == k) for k in ("kill", "stop")}
@@ -113,6 +114,7 @@ class Soak:
 
     def run(self, faults, timeout):
         deadline, done, pending = time.monotonic() + timeout, [], []   # pending: (rank, when, how) to bring back
+        started = {}   # rank -> time.time() its --join was started
         time.sleep(15)   # the job gets going
         while self.running() and not self.finished() and time.monotonic() < deadline:
             now = time.monotonic()
@@ -127,21 +129,22 @@ class Soak:
                 elif how == "join-when-exited" and self.procs[rank].poll() is not None:
                     pending.remove(item)
                     self.start(rank, join=True)
-                    pending.append((rank, time.time(), "joining"))
-                elif how == "joining" and (self.joined(rank, when) or self.procs[rank].poll() is not None):
+                    pending.append((rank, now, "joining"))
+                    started[rank] = time.time()   # the events' clock
+                elif how == "joining" and (self.joined(rank, started[rank]) or self.procs[rank].poll() is not None):
                     pending.remove(item)
                     if self.procs[rank].poll() is not None:    # it died joining (a fault during its join): again
                         pending.append((rank, now, "join-when-exited"))
             out = [r for r, _, how in pending]
             joining = [r for r, _, how in pending if how == "joining"]
-            if len(done) < faults and len(out) < 2 and (not out or joining and len(done) % 4 == 3):
+            if len(done) < faults and len(out) < 2 and (not out or joining and len(done) % 3 == 2):
                 up = [r for r, p in self.procs.items() if p.poll() is None and r not in out]
                 rank, kind = self.rng.choice(up), self.rng.choice(["kill", "stop"])
                 os.kill(self.procs[rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
                 done.append({"rank": rank, "kind": kind, "during_join": bool(joining), "at": time.time()})
-                pending.append((rank, now + (self.rng.uniform(3, 6) if kind == "stop" else self.rng.uniform(0.5, 2)),
+                pending.append((rank, now + (self.rng.uniform(2.5, 4) if kind == "stop" else self.rng.uniform(0.3, 1)),
                                 "cont" if kind == "stop" else "join-when-exited"))
-                time.sleep(self.rng.uniform(2, 5) if not joining else 0.2)
+                time.sleep(self.rng.uniform(0.5, 1.5) if not joining else 0.2)
             time.sleep(0.05)
         while self.running() and time.monotonic() < deadline:   # the end: everyone finishes
             for rank, _, how in pending:

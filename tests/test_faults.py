@@ -105,7 +105,7 @@ def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp
         assert "to resume: python3 -u train.py" in lines[0] and lines[0].endswith("--resume"), lines[0]
         writer = 1 if index == 0 else 0
         if rank == writer:
-            assert f"(--no-recover); saved the checkpoint of epoch 1, step " in lines[0], lines[0]
+            assert "(--no-recover); saved the checkpoint of epoch 1, step " in lines[0], lines[0]
         else:
             assert f"(--no-recover); rank {writer} saves the checkpoint of epoch 1, step " in lines[0], lines[0]
     said = re.search(r"saved the checkpoint of epoch 1, step (\d+)", results[writer][2])

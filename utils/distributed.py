@@ -112,6 +112,29 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
         time.sleep(0.05)
 
 
+def start_membership(job, settings):
+    """This rank's Membership (utils.config.Job `job`), on the card gloo uses; the ranks' control
+    addresses are exchanged through the default group (a collective). settings: what a joining
+    server must have alike."""
+    import socket
+
+    from utils import faults
+    from utils.membership import Membership, card_address
+    from utils.outputs import job_pid
+    toward = os.environ.get("MASTER_ADDR", "127.0.0.1") if job.init_method == "env://" else \
+        job.init_method[len("tcp://"):].rsplit(":", 1)[0]
+    port = int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
+    membership = Membership(job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")),
+                            port + job.rank if port else 0)
+    mine = {"address": membership.address, "pid": job_pid(), "host": socket.gethostname(), "token": os.urandom(8).hex()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    membership.settings = settings
+    membership.start(dict(enumerate(everyone)), everyone[0]["token"])
+    faults.setup(job.rank)
+    return membership
+
+
 def join_running_job(config, model):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/membership.py). Returns (membership, decision). model: its name."""

@@ -1,6 +1,6 @@
 """Who is in the job: heartbeats beside gloo, and the survivors' agreement when a rank is lost.
 
-    membership = Membership(me, heartbeat, address)       every rank, after the first rendezvous
+    membership = Membership(me, heartbeat, address)       every rank (utils/distributed.start_membership)
     membership.start(book, token)                         the ranks' control addresses, exchanged once
     decision = membership.agree(report)                   after a lost peer: who goes on, from where
     membership.join(decision, timeout)                    the survivors' new default process group
@@ -91,26 +91,6 @@ def cut_connections():
             pass
         finally:
             s.detach()
-
-
-def start_membership(job, settings):
-    """This rank's Membership (utils.config.Job `job`), on the card gloo uses; the ranks' control
-    addresses are exchanged through the default group (a collective). settings: what a joining
-    server must have alike."""
-    from utils.outputs import job_pid
-    toward = os.environ.get("MASTER_ADDR", "127.0.0.1") if job.init_method == "env://" else \
-        job.init_method[len("tcp://"):].rsplit(":", 1)[0]
-    port = int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
-    membership = Membership(job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")),
-                            port + job.rank if port else 0)
-    mine = {"address": membership.address, "pid": job_pid(), "host": socket.gethostname(), "token": os.urandom(8).hex()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    membership.settings = settings
-    membership.start(dict(enumerate(everyone)), everyone[0]["token"])
-    from utils import faults
-    faults.setup(job.rank)
-    return membership
 
 
 def has_quorum(alive, members):
@@ -323,6 +303,13 @@ class Membership:
                 return
         with self.lock:
             self.joining.setdefault(message["nonce"], message)
+
+    def forget_joiners(self, decision):
+        """A growth that failed: its joiners (all, if it decided nothing) must ask again; one that
+        died meanwhile would otherwise fail every growth after it."""
+        with self.lock:
+            for nonce in decision["joined"] if decision else list(self.joining):
+                self.joining.pop(nonce, None)
 
     def wants_growth(self):
         """The leader has a server waiting to join (it rides in the stop flag: utils/run.py)."""

@@ -97,11 +97,12 @@ class Recovery:
         """At a step boundary whose sum said a server waits to join: take it in. Returns the new
         sync and the position (unchanged); a failure on the way is a lost peer (go_on)."""
         membership, started = self.membership, time.monotonic()
-        before = list(membership.members)
+        before, decision = list(membership.members), None
         try:
             decision = membership.grow(list(position[:2]), timeout=membership.heartbeat + 5)
             membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError) as e:   # (a joiner that died meanwhile asks no more: forget it)
+            membership.forget_joiners(decision)
             return self.go_on(PeerError(f"a server failed to join: {first_line(e)}"), old_sync, position)
         old_sync.close()
         sync, position = self.form(decision, old_sync, position)
@@ -158,7 +159,7 @@ class Recovery:
             return f"; could not write the checkpoint ({first_line(e)})"
         # compressed: only this rank's own compression state; a resume treats it as a resize does
         everyone = [old_sync.state_dict()] if self.config.sync.compress != "none" else None
-        checkpoint.save(self.state(epoch, step, stats, everyone), path)
+        checkpoint.save(self.state(epoch, step, stats, everyone, len(self.membership.members)), path)
         return f"; saved the checkpoint of {where} to {path}"
 
     def take_outputs(self):

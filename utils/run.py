@@ -225,10 +225,11 @@ def run(model, data, config, resume_from=None, membership=None, joining=None):
         stats = EpochStats(**epoch_stats)
     settings = {"model": model_name(model), **config.must_keep()}
 
-    def state(epoch, step, stats, everyone=None):
-        """The checkpoint dict of this rank after `step` of `epoch` (everyone: every rank's compression state)."""
+    def state(epoch, step, stats, everyone=None, world_size=None):
+        """The checkpoint dict of this rank after `step` of `epoch` (everyone: every rank's compression
+        state; world_size: the ranks it was made on, if the group is gone)."""
         return checkpoint.training_state(model, optimizer, scheduler, epoch, step, vars(stats),
-                                         dist.get_world_size(), everyone, settings, config.to_dict())
+                                         world_size or dist.get_world_size(), everyone, settings, config.to_dict())
 
     def save_checkpoint(epoch, step, stats):
         """Rank 0 writes everything needed to continue after `step` of `epoch` (every rank calls it:
