@@ -118,6 +118,7 @@ class Membership:
         self.report = None                    # while recovering: this rank's position
         self.heard, self.refused, self.reports = {}, set(), {}
         self.named = {}                       # rank -> generation in which a survivor saw it fall silent
+        self.attempt = 0                      # while recovering: how many decisions did not form
         self.decisions, self.sending = [], None   # decisions received; the one this leader sends
         self.fenced_at = None                 # the generation that went on without this rank
         self.broken, self.reason, self.lost = threading.Event(), None, None   # why it ended; who was lost
@@ -159,6 +160,7 @@ class Membership:
         while True:
             with self.lock:
                 message = {"t": "alive", "g": self.generation, "state": self.state, "report": self.report,
+                           "attempt": self.attempt,
                            "lost": self.lost}
                 targets = [m for m in self.members if m != self.me]
                 decision, training = self.sending, self.state == "training"
@@ -198,7 +200,7 @@ class Membership:
                 self.refused.discard(sender)
                 current, members, state = self.generation, self.members, self.state
                 if kind == "alive" and message.get("state") == "recovering":
-                    self.reports[sender] = (generation, message.get("report"))
+                    self.reports[sender] = (generation, message.get("attempt"), message.get("report"))
                     if message.get("lost") is not None:
                         self.named[message["lost"]] = generation   # it saw that rank fall silent
                 elif kind == "decision":
@@ -231,15 +233,18 @@ class Membership:
         started = time.monotonic()
         with self.lock:
             self.state, self.report, self.sending = "recovering", report, None
+            self.attempt = attempt = len(tried)   # the survivors' try at forming this generation's successor
         generation, members = self.generation, self.members
         while True:
             with self.lock:
                 if self.fenced_at is not None:
                     raise Fenced(f"the job went on without this rank (generation {self.fenced_at})")
                 mine = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
+                        and d.get("attempt") == attempt
                         and d["name"] not in tried]
                 outsider = [d for d in self.decisions if d["g"] > generation and self.me not in d["members"]]
-                reports = {m: r for m, (g, r) in self.reports.items() if g == generation and m in members}
+                reports = {m: r for m, (g, a, r) in self.reports.items() if g == generation and a == attempt
+                           and m in members}
                 reports[self.me] = report
                 now, heard, refused = time.monotonic(), dict(self.heard), set(self.refused)
                 named = {m for m, g in self.named.items() if g == generation}
@@ -257,12 +262,12 @@ class Membership:
             if not pending and next(m for m in members if m not in gone) == self.me:
                 if not has_quorum(reports, members):
                     raise NoQuorum(set(reports), members)
-                return self._decide(generation, reports)
+                return self._decide(generation, reports, attempt)
             if now - started > MAX_AGREE_SECONDS:
                 raise NoQuorum(set(reports), members)
             time.sleep(0.01)
 
-    def _decide(self, generation, reports):
+    def _decide(self, generation, reports, attempt):
         """The leader: the next generation's members, store and source (the furthest position)."""
         store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
         members = [m for m in self.members if m in reports]   # in rank order: rank 0 stays first if alive
@@ -270,7 +275,7 @@ class Membership:
         decision = {"t": "decision", "g": generation + 1, "name": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
                     "members": members, "store": [self.book[self.me]["address"][0], store.port],
                     "source": next(m for m in members if tuple(reports[m]) == furthest),
-                    "position": list(furthest), "reports": {str(m): reports[m] for m in members}}
+                    "position": list(furthest), "reports": {str(m): reports[m] for m in members}, "attempt": attempt}
         with self.lock:
             self.sending, self.leader_store = decision, store
         self._send_decision(decision)   # now, not only with the next beat: a leader that stops (--no-recover) leaves at once
@@ -302,7 +307,7 @@ class Membership:
                 self.sock.sendto(json.dumps(reply).encode(), joiner)
                 return
         with self.lock:
-            self.joining.setdefault(message["nonce"], message)
+            self.joining[message["nonce"]] = dict(message, heard=time.monotonic())   # it asks again every 0.2 s
 
     def forget_joiners(self, decision):
         """A growth that failed: its joiners (all, if it decided nothing) must ask again; one that
@@ -313,7 +318,12 @@ class Membership:
 
     def wants_growth(self):
         """The leader has a server waiting to join (it rides in the stop flag: utils/run.py)."""
-        return bool(self.joining) and self.members[0] == self.me
+        return bool(self.fresh_joiners()) and self.members[0] == self.me
+
+    def fresh_joiners(self):
+        """The join requests heard in the last 2 s: a server that stopped asking is gone or in."""
+        with self.lock:
+            return [r for r in self.joining.values() if time.monotonic() - r["heard"] < 2.0]
 
     def grow(self, report, timeout):
         """Every member, at the step boundary whose sum said a server waits: the next generation,
@@ -326,17 +336,17 @@ class Membership:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.broken.is_set():   # (a member lost meanwhile: agree)
             with self.lock:
-                found = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]]
+                found = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
+                         and d.get("attempt") is None]   # a growth's decision, not a recovery's
             if found:
-                return found[0]
+                return found[-1]
             time.sleep(0.01)
         with self.lock:
             self.state = "training"
         raise RuntimeError(f"rank {self.members[0]} decided nothing within {timeout:g} s")
 
     def _decide_growth(self, report):
-        with self.lock:
-            waiting = list(self.joining.values())
+        waiting = self.fresh_joiners()
         book = {str(m): entry for m, entry in self.book.items()}
         joined, members = {}, list(self.members)
         for request in waiting:
