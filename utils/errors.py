@@ -25,6 +25,7 @@ class PeerError(Exception):
         super().__init__(message)
         self.resumable = resumable  # False before training started: there is nothing to resume
         self.doing = doing          # what the rank was doing, for the trainer's "lost a peer while ..."
+        self.position = None        # where the rank is, if a recovery moved it (utils/recovery.py)
 
 
 class Stopped(Exception):

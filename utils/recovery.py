@@ -84,7 +84,10 @@ class Recovery:
                                     f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}") from None
                 say(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again")
         lost = [m for m in before if m not in membership.members]
-        sync, (epoch_now, step_now, stats) = self.form(decision, old_sync, position)
+        try:
+            sync, (epoch_now, step_now, stats) = self.form(decision, old_sync, position)
+        except PeerError as e:   # another rank lost while the state went round: again, from where this rank is
+            return self.go_on(e, old_sync, e.position or position)
         seconds = time.monotonic() - started
         say(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} at epoch {epoch}, "
             f"step {step + 1} ({reason}); continuing on {plural(dist.get_world_size(), 'rank')} from step {step_now} "
@@ -105,7 +108,10 @@ class Recovery:
             membership.forget_joiners(decision)
             return self.go_on(PeerError(f"a server failed to join: {first_line(e)}"), old_sync, position)
         old_sync.close()
-        sync, position = self.form(decision, old_sync, position)
+        try:
+            sync, position = self.form(decision, old_sync, position)
+        except PeerError as e:
+            return self.go_on(e, old_sync, e.position or position)
         joined = [m for m in membership.members if m not in before]
         say(f"rank {membership.me}: rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined after "
             f"epoch {position[0]}, step {position[1]}; continuing on {plural(dist.get_world_size(), 'rank')} "
@@ -120,13 +126,25 @@ class Recovery:
         source = self.membership.rank_of(decision["source"])
         furthest = tuple(decision["position"])
         shared = [self.state(*position) if dist.get_rank() == source else None]
-        dist.broadcast_object_list(shared, src=source)
+        try:
+            dist.broadcast_object_list(shared, src=source)
+        except RuntimeError as e:
+            raise PeerError(f"lost a peer while the state went round: {first_line(e)}", resumable=False) from None
         state = shared[0]
         if dist.get_rank() != source:
             self.model.load_state_dict(state["model"])
         for p in self.model.parameters():   # an abandoned step's gradients must not add to the next one's
             p.grad = None
         checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)   # (no compression state in it)
+        at = (state["epoch"], state["step"], self.make_stats(**state["epoch_stats"]))   # where this rank is now
+        try:
+            return self._new_sync(state, at, old_sync, position, source, furthest)
+        except RuntimeError as e:
+            error = PeerError(f"lost a peer while forming the new group: {first_line(e)}", resumable=False)
+            error.position = at
+            raise error from None
+
+    def _new_sync(self, state, at, old_sync, position, source, furthest):
         sync = self.make_sync()
         if self.config.sync.compress != "none":   # the error buffers of those at the furthest step, the source's first
             everyone = [None] * dist.get_world_size()
@@ -136,7 +154,7 @@ class Recovery:
             sync.load_state_dict(state_for(states, dist.get_rank(), dist.get_world_size()))
         if dist.get_rank() == 0:
             self.take_outputs()
-        return sync, (state["epoch"], state["step"], self.make_stats(**state["epoch_stats"]))
+        return sync, at
 
     def mark(self, what, ranks):
         if timeline.recording():
