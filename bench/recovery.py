@@ -38,7 +38,7 @@ from utils.launch import free_port, kill, supervise  # noqa: E402
 
 TRAIN = str(REPO / "train.py")
 RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--metrics", "m.jsonl", "--timeout", "60"]
-STEPS = 100          # 6400 images, 64 a step
+STEPS = 100          # 6400 images, 64 a step (--train-subset changes both)
 HEARTBEAT = 2.0
 TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join"),
            "cost": bound("recovery_cost")}
@@ -50,7 +50,7 @@ def events(path):
 
 def fault_trial(kind, world_size, rng, tmp):
     """One run with one fault; (seconds from the fault to the last survivor's next step, steps lost)."""
-    rank, step = rng.randrange(world_size), rng.randrange(10, STEPS - 10)
+    rank, step = rng.randrange(world_size), rng.randrange(STEPS // 10 + 2, STEPS - STEPS // 10)
     cwd = Path(tempfile.mkdtemp(dir=tmp))
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}",
                RING_EVENTS=str(cwd / "events.jsonl"), OMP_NUM_THREADS="1")
@@ -70,7 +70,7 @@ def fault_trial(kind, world_size, rng, tmp):
 
 def join_trial(world_size, rng, tmp):
     """A job loses a rank (SIGKILL); its server is started again with --join: (ready -> first step, s)."""
-    rank, step = rng.randrange(1, world_size), rng.randrange(10, 30)
+    rank, step = rng.randrange(1, world_size), rng.randrange(STEPS // 10 + 2, STEPS // 3)
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
     common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
@@ -154,9 +154,12 @@ def main(argv=None):
     ap.add_argument("--rates", type=number_list(str), default=[], help="also measure the cost on emulated hosts")
     ap.add_argument("--baseline", help="a train.py from before live recovery (a worktree of 7c9a211), for the cost")
     ap.add_argument("--only", choices=["faults", "cost"], help="run only this part")
+    ap.add_argument("--train-subset", type=positive(int), default=6400, help="images per trial's epoch (default 6400)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    global STEPS
+    RUN[RUN.index("--train-subset") + 1], STEPS = str(args.train_subset), -(-args.train_subset // 64)
     rng, started = random.Random(args.seed), time.time()
     result = {"command": command_line("recovery.py"), "host": host_info(), "world_size": args.world_size,
               "heartbeat": HEARTBEAT, "targets": TARGETS}

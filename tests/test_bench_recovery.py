@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(400)
 def test_one_trial_of_each(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recovery.py"), "--faults", "1",
-                             "--pairs", "1", "--results-dir", str(tmp_path)], capture_output=True, text=True,
+                             "--pairs", "1", "--train-subset", "3200", "--results-dir", str(tmp_path)], capture_output=True, text=True,
                             timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     for line in ("kill: fault -> next step", "stop: fault -> next step", "join: ready -> first step",
