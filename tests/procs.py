@@ -40,10 +40,11 @@ def train(args, timeout=300, cwd=None, env=None):
     return run([sys.executable, TRAIN, *args], timeout, cwd=cwd, env=env)
 
 
-def start_ranks(world_size, args, port=None):
-    """Start every rank of a loopback job as its own process; returns the Popen list."""
-    port, cwd = port or free_port(), scratch_dir()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def start_ranks(world_size, args, port=None, cwd=None, env=None):
+    """Start every rank of a loopback job as its own process (in `cwd`, default a fresh folder,
+    with `env` laid over os.environ); returns the Popen list."""
+    port, cwd = port or free_port(), cwd or scratch_dir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), "--world-size", str(world_size),
                               "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *args],
                              env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

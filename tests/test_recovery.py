@@ -145,16 +145,6 @@ def test_bad_heartbeat_is_one_line():
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
 
 
-def start_job(world_size, args, port, cwd, env=None):
-    """Every rank of a job started as on its own server (--rank, --init-method), in `cwd`."""
-    return [procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, "--rank", str(r), "--world-size",
-                                    str(world_size), "--init-method", f"tcp://127.0.0.1:{port}",
-                                    "--gloo_socket_ifname", "lo", *args],
-                                   env=dict(env or os.environ, OMP_NUM_THREADS="1"), cwd=cwd, text=True,
-                                   stdout=procs.subprocess.PIPE, stderr=procs.subprocess.PIPE, start_new_session=True)
-            for r in range(world_size)]
-
-
 JOIN_RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60", "--save-every", "5"]
 
 
@@ -163,7 +153,7 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
     """A job of 2; a third server starts with --join and is taken in after some step k. The job must
     end as the same job stopped after k on 2 ranks and resumed on 3 would."""
     port = procs.free_port()
-    ranks = start_job(2, JOIN_RUN, port, str(tmp_path))
+    ranks = procs.start_ranks(2, JOIN_RUN, port, str(tmp_path))
     joiner = None
     try:
         procs.wait_for(lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120,
@@ -208,7 +198,7 @@ def test_join_to_nowhere_or_with_other_settings_is_one_line_and_exit_2(tmp_path)
                              "--join", "nowhere"], timeout=60, cwd=str(tmp_path))
     assert malformed.returncode == 2 and "malformed --join 'nowhere'" in malformed.stderr, malformed.stderr
 
-    ranks = start_job(2, JOIN_RUN, port, str(tmp_path))
+    ranks = procs.start_ranks(2, JOIN_RUN, port, str(tmp_path))
     try:
         procs.wait_for(lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120,
                        "training to begin")

@@ -26,12 +26,11 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from utils import checkpoint, outputs, timeline
 from utils.compress import state_for
-from utils.errors import PeerError, first_line
+from utils.errors import PeerError, UsageError, first_line
 from utils.files import check_writable
 from utils.membership import Fenced, NoQuorum
 
@@ -193,12 +192,10 @@ class Recovery:
 
 def further_along(path, position):
     """Whether the checkpoint at `path` is past `position` (so that a late writer keeps it)."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return False
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        saved = checkpoint.safe_load(path, "checkpoint")
         return (saved["epoch"], saved["step"]) > tuple(position[:2])
-    except Exception:
+    except (UsageError, KeyError, TypeError):   # none, or not one of ours: nothing to keep
         return False
 
 
