@@ -6,13 +6,16 @@
 Every rank runs as on a server of its own (its own folder, loopback). While the job runs, every
 few seconds one member, chosen at random (rank 0 included), gets SIGKILL or SIGSTOP. A killed
 server is started again with its command plus --join; a stopped one gets SIGCONT a few seconds
-later, finds itself fenced out, exits 1, and is started again with --join. One fault in three
-comes while another server is joining; with --save-every 10, faults land during saves too. At
-most two servers are out at once, so the job (4 ranks) always keeps its majority.
+later, finds itself fenced out, exits 1, and is started again with --join (or, when the others
+were lost meanwhile and its side kept the quorum, it simply goes on). Every other fault comes
+while another server is still out (stopped, restarting or joining); never more than two at once.
+With --save-every 10, faults land during saves too.
 
-Then a fault-free run of the same job, and the checks: the job ends on every rank with identical
-parameters; every epoch's `images` is 60000; each epoch is reported once (one lineage: only one
-side ever trains); and the final accuracy is within 0.1 point of the fault-free run's.
+Then a fault-free run of the same job, and the checks: no rank hangs (a woken rank that neither
+leaves nor goes on within 10 s, or any rank still running a minute after the job ended, is dumped
+with py-spy into the logs); the job ends on every rank with identical parameters; every epoch's
+`images` is 60000; each epoch is reported once (one lineage: only one side ever trains); and the
+final accuracy is within 0.1 point of the fault-free run's.
 """
 from __future__ import annotations
 
@@ -64,13 +67,14 @@ def main(argv=None):
         result = soak.check(clean_rows, args.epochs)
     result.update(command=command_line("recovery_soak.py"), host=host_info(), faults=faults, seconds=soak_seconds,
                   clean_accuracy=clean_rows[-1]["test_accuracy"])
-    ok = len(faults) >= args.faults and result["identical"] and result["images_ok"] and result["epochs_once"] and abs(
+    ok = len(faults) >= args.faults and not result["hung"] and result["identical"] and result["images_ok"] and result["epochs_once"] and abs(
         result["accuracy"] - result["clean_accuracy"]) <= 0.001
     result["ok"] = ok
     kinds = {k: sum(1 for f in faults if f["kind"] == k) for k in ("kill", "stop")}
     line = (f"soak: {len(faults)} faults ({kinds['kill']} kill -9, {kinds['stop']} SIGSTOP; ranks "
             f"{sorted({f['rank'] for f in faults})}; {sum(f['during_join'] for f in faults)} during a join), "
-            f"{result['joins']} rejoins, {soak_seconds:.0f} s; accuracy {result['accuracy']:.2%} (fault-free "
+            f"{result['joins']} rejoins, {len(result['stayed'])} woken ranks stayed in, hung ranks "
+            f"{result['hung'] or 'none'}, {soak_seconds:.0f} s; accuracy {result['accuracy']:.2%} (fault-free "
             f"{result['clean_accuracy']:.2%}); images per epoch {result['images']}; each epoch reported once: "
             f"{result['epochs_once']}; identical parameters: {result['identical']} -> {'PASS' if ok else 'FAIL'}")
     print(line, flush=True)
@@ -87,6 +91,7 @@ class Soak:
         self.common = ["--world-size", str(ranks), "--init-method", f"tcp://127.0.0.1:{self.port}",
                        "--gloo_socket_ifname", "lo", *run]
         self.procs, self.joins = {}, 0
+        self.stayed, self.hung = [], []   # woken ranks whose side went on; ranks that did not end when they should
         for r in range(ranks):
             (home / f"host{r}").mkdir(parents=True)
             self.start(r, join=False)
@@ -99,11 +104,12 @@ class Soak:
                 env=dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(self.events)))
         self.joins += join
 
-    def joined(self, rank, since):
-        """Whether `rank` completed a step as a joined server after `since` (a time.time())."""
+    def stepped(self, rank, since, after=None):
+        """Whether `rank` completed a first step after a membership change (of kind `after`, if
+        given) since `since` (a time.time())."""
         if not self.events.exists():
             return False
-        return any(e["event"] == "first-step" and e["after"] == "joined" and e["time"] > since
+        return any(e["event"] == "first-step" and e["rank"] == rank and after in (None, e["after"]) and e["time"] > since
                    for e in map(json.loads, self.events.read_text().splitlines()))
 
     def running(self):
@@ -114,7 +120,7 @@ class Soak:
 
     def run(self, faults, timeout):
         deadline, done, pending = time.monotonic() + timeout, [], []   # pending: (rank, when, how) to bring back
-        started = {}   # rank -> time.time() its --join was started
+        started = {}   # rank -> time.time() its --join was started, or it was woken
         time.sleep(15)   # the job gets going
         while self.running() and not self.finished() and time.monotonic() < deadline:
             now = time.monotonic()
@@ -125,19 +131,27 @@ class Soak:
                 if how == "cont":
                     os.kill(self.procs[rank].pid, signal.SIGCONT)
                     pending.remove(item)
-                    pending.append((rank, now, "join-when-exited"))
-                elif how == "join-when-exited" and self.procs[rank].poll() is not None:
+                    pending.append((rank, now, "woken"))
+                    started[rank] = time.time()
+                elif how == "woken" and self.procs[rank].poll() is None and self.stepped(rank, started[rank]):
+                    pending.remove(item)   # its side had the majority (the others stopped): it is the job
+                    self.stayed.append(rank)
+                elif how == "woken" and self.procs[rank].poll() is None and now - when > 10 \
+                        and rank not in self.hung:   # fenced out, it should have seen so within a second
+                    self.hung.append(rank)
+                    self.dump(rank, f"hung{rank}-{len(done)}.txt")
+                elif how in ("woken", "join-when-exited") and self.procs[rank].poll() is not None:
                     pending.remove(item)
                     self.start(rank, join=True)
                     pending.append((rank, now, "joining"))
                     started[rank] = time.time()   # the events' clock
-                elif how == "joining" and (self.joined(rank, started[rank]) or self.procs[rank].poll() is not None):
+                elif how == "joining" and (self.stepped(rank, started[rank], "joined") or self.procs[rank].poll() is not None):
                     pending.remove(item)
                     if self.procs[rank].poll() is not None:    # it died joining (a fault during its join): again
                         pending.append((rank, now, "join-when-exited"))
             out = [r for r, _, how in pending]
             joining = [r for r, _, how in pending if how == "joining"]
-            if len(done) < faults and len(out) < 2 and (not out or joining and len(done) % 3 == 2):
+            if len(done) < faults and len(out) < 2 and (not out or len(done) % 2 == 1):
                 up = [r for r, p in self.procs.items() if p.poll() is None and r not in out]
                 rank, kind = self.rng.choice(up), self.rng.choice(["kill", "stop"])
                 os.kill(self.procs[rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -146,12 +160,23 @@ class Soak:
                                 "cont" if kind == "stop" else "join-when-exited"))
                 time.sleep(self.rng.uniform(0.5, 1.5) if not joining else 0.2)
             time.sleep(0.05)
-        while self.running() and time.monotonic() < deadline:   # the end: everyone finishes
-            for rank, _, how in pending:
-                if how == "cont":
-                    os.kill(self.procs[rank].pid, signal.SIGCONT)
+        for rank, _, how in pending:
+            if how == "cont":
+                os.kill(self.procs[rank].pid, signal.SIGCONT)
+        end = min(deadline, time.monotonic() + 60)   # the end: everyone finishes, or is out within a minute
+        while self.running() and time.monotonic() < end:
             time.sleep(0.2)
+        for rank, proc in self.procs.items():
+            if proc.poll() is None:
+                self.hung.append(rank)
+                self.dump(rank, f"hung{rank}-end.txt")
         return done
+
+    def dump(self, rank, name):
+        """Where a rank's threads are (py-spy, if installed), for the logs of a failed soak."""
+        with open(self.home / name, "w") as f:
+            subprocess.run(["py-spy", "dump", "--native", "--pid", str(self.procs[rank].pid)], stdout=f, stderr=subprocess.STDOUT,
+                           timeout=30, check=False)
 
     def stop_all(self):
         for p in self.procs.values():
@@ -171,7 +196,7 @@ class Soak:
                 "images": [row["images"] for e in sorted(by_epoch) for row in by_epoch[e]],
                 "images_ok": all(row["images"] == 60000 for row in rows) and sorted(by_epoch) == list(range(1, epochs + 1)),
                 "epochs_once": all(len(v) == 1 for v in by_epoch.values()), "accuracy": last["test_accuracy"],
-                "joins": self.joins, "members_at_end": last.get("members")}
+                "joins": self.joins, "members_at_end": last.get("members"), "stayed": self.stayed, "hung": self.hung}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Starting real processes from tests, with a hard timeout that kills them all; reading what they left."""
+import atexit
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,8 +22,11 @@ def kill_group(proc):
 
 
 def scratch_dir():
-    """A fresh working folder, so train.py's default runs/ never lands in the repository."""
-    return tempfile.mkdtemp(prefix="mnist-ring-test-")
+    """A fresh working folder, so train.py's default runs/ never lands in the repository; removed
+    when the test session ends (each holds a few MB of checkpoints)."""
+    folder = tempfile.mkdtemp(prefix="mnist-ring-test-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def run(argv, timeout, cwd=None, env=None):

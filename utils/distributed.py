@@ -119,7 +119,8 @@ def start_membership(job, settings):
     import socket
 
     from utils import faults
-    from utils.membership import Membership, card_address
+    from utils.membership import Membership
+    from utils.sockets import card_address
     from utils.outputs import job_pid
     toward = os.environ.get("MASTER_ADDR", "127.0.0.1") if job.init_method == "env://" else \
         job.init_method[len("tcp://"):].rsplit(":", 1)[0]
@@ -139,7 +140,8 @@ def join_running_job(config, model):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/membership.py). Returns (membership, decision). model: its name."""
     from utils import faults
-    from utils.membership import Membership, card_address, join_candidates
+    from utils.membership import Membership, join_candidates
+    from utils.sockets import card_address
     job = config.job
     faults.log(event="join-ready")   # torch and the data are loaded: what bench/recovery.py times from
     where = job.join or job.init_method[len("tcp://"):]

@@ -178,7 +178,7 @@ class OverlappedSync(GradientSync):
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]  # gradients still to come, this step
         self.started = 0                               # buckets 0..started-1 are being summed
-        self.error = None
+        self.error, self.closed = None, False
         self.lock = threading.Lock()
         # gloo sums asynchronously on its own threads when nothing is compressed
         self.native = self.allreduces[0].native_async and type(self.compressor) is NoCompression
@@ -222,6 +222,8 @@ class OverlappedSync(GradientSync):
             while True:
                 self.ready[i].wait()
                 self.ready[i].clear()
+                if self.closed:
+                    return
                 start = time.perf_counter()
                 self._average(i, self.weights[i])
                 with self.lock:
@@ -279,6 +281,9 @@ class OverlappedSync(GradientSync):
     def close(self):
         for hook in self.hooks:
             hook.remove()
+        self.closed = True   # (a sync replaced after a lost peer: its bucket threads end)
+        for event in getattr(self, "ready", []):
+            event.set()
 
 
 class LazySync(OverlappedSync):

@@ -26,19 +26,21 @@ The agreement, on every rank that is still running:
 A member of an older generation that speaks up (a frozen server woken by SIGCONT) is told it
 was fenced out; it stops (Fenced) without writing anything: the survivors own the checkpoint.
 """
-import fcntl
 import json
 import os
 import socket
-import struct
 import threading
 import time
 
 import torch.distributed as dist
 
+from utils.sockets import cut_connections
+
 SETTLE_SECONDS = 1.0      # every live member answers within this; a silent one is gone after it
 RECOVERY_BEAT = 0.05      # seconds between messages while recovering
 MAX_AGREE_SECONDS = 60.0  # an agreement that takes longer is given up (NoQuorum)
+CUT_AGAIN_SECONDS = 0.5   # broken, but the main thread still trains: cut what was made (or missed) since
+FENCED_EXIT_SECONDS = 5.0 # told it was fenced out, and still not out of a wait: exit from here
 
 
 class NoQuorum(Exception):
@@ -54,43 +56,9 @@ class NoQuorum(Exception):
 class Fenced(Exception):
     """The job went on without this rank (it was frozen or cut off meanwhile)."""
 
-
-def card_address(ifname, toward="127.0.0.1"):
-    """The IPv4 address of network card `ifname`, or else of the card that reaches host `toward`."""
-    if ifname:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.split(",")[0][:15].encode()))
-                return socket.inet_ntoa(packed[20:24])   # SIOCGIFADDR
-            except OSError:
-                pass
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((toward, 9))   # no packet is sent: this only picks the route
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def cut_connections():
-    """Shut down every connected TCP socket of this process (gloo's pairs, store clients): every
-    wait on them fails now, here and at the other end. Listening sockets are left alone (gloo
-    aborts if its listener fails); shutdown, not close, so no descriptor is reused under gloo."""
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=int(name))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                s.getpeername()           # raises unless connected
-                s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            s.detach()
+    def __init__(self, generation):
+        super().__init__(f"the job went on without this rank (generation {generation}); it wrote nothing (the "
+                         f"survivors hold the job's checkpoint); restart this server's command to start a job afresh")
 
 
 def has_quorum(alive, members):
@@ -122,6 +90,7 @@ class Membership:
         self.decisions, self.sending = [], None   # decisions received; the one this leader sends
         self.fenced_at = None                 # the generation that went on without this rank
         self.broken, self.reason, self.lost = threading.Event(), None, None   # why it ended; who was lost
+        self.cut_at = 0.0                     # when break_ last cut the connections
         self.peers = {}                       # id -> a UDP socket connected to it (sees refusals)
         self.settings = None                  # what a joining server must have alike (Config.must_agree)
         self.joining = {}                     # the leader: nonce -> join request of a server waiting to join
@@ -175,7 +144,21 @@ class Membership:
                 silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
                 if silent:
                     self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
+                if self.broken.is_set() and now - self.cut_at > CUT_AGAIN_SECONDS:
+                    self.cut_at = now   # (a rank woken by SIGCONT may sit in a wait on a pair made after the cut)
+                    cut_connections()
+            if self.fenced_at is not None and now - self.fenced_heard > FENCED_EXIT_SECONDS:
+                self._exit_fenced()
             time.sleep(RECOVERY_BEAT)
+
+    def _exit_fenced(self):
+        """The last resort of a fenced rank whose main thread stays in a wait that no cut ended: it
+        holds nothing the job needs (it writes nothing), so it leaves as train.py would have."""
+        from utils.errors import EXIT_LOST_PEER
+        from utils.outputs import release
+        os.write(2, f"train.py: rank {self.me}: {Fenced(self.fenced_at)}\n".encode())
+        release()
+        os._exit(EXIT_LOST_PEER)
 
     def _receive(self):
         while True:
@@ -205,9 +188,11 @@ class Membership:
                         self.named[message["lost"]] = generation   # it saw that rank fall silent
                 elif kind == "decision":
                     self.decisions.append(message)
-                elif kind == "fenced" and message["g"] > current:
-                    self.fenced_at = message["g"]
-            if kind == "alive" and generation < current and sender not in members:
+                elif kind == "fenced" and message["g"] > current and self.fenced_at is None:
+                    self.fenced_at, self.fenced_heard = message["g"], time.monotonic()
+            if kind == "fenced" and self.fenced_at is not None:
+                self.break_("the job went on without this rank")
+            elif kind == "alive" and generation < current and sender not in members:
                 self._send(sender, {"t": "fenced", "g": current})   # it missed a generation: tell it
             elif kind == "alive" and generation == current and message.get("state") == "recovering" \
                     and state in ("training", "growing"):
@@ -223,6 +208,7 @@ class Membership:
                 return
             self.reason, self.lost = reason, lost
             self.broken.set()
+            self.cut_at = time.monotonic()
         cut_connections()
 
     def agree(self, report, tried=()):
@@ -238,7 +224,7 @@ class Membership:
         while True:
             with self.lock:
                 if self.fenced_at is not None:
-                    raise Fenced(f"the job went on without this rank (generation {self.fenced_at})")
+                    raise Fenced(self.fenced_at)
                 mine = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
                         and d.get("attempt") == attempt
                         and d["name"] not in tried]
@@ -251,7 +237,7 @@ class Membership:
             if mine:
                 return mine[0]
             if outsider:
-                raise Fenced(f"the job went on without this rank (generation {outsider[0]['g']})")
+                raise Fenced(outsider[0]["g"])
             settled = now - started > SETTLE_SECONDS
             gone = {m for m in members if m != self.me and
                     (m in refused or (m == self.lost and m not in reports) or

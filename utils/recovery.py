@@ -65,8 +65,7 @@ class Recovery:
             try:
                 decision = membership.agree([epoch, step], tried)
             except Fenced as e:
-                raise PeerError(f"{e}; it wrote nothing (the survivors hold the job's checkpoint); "
-                                f"restart this server's command to start a job afresh", resumable=False) from None
+                raise PeerError(str(e), resumable=False) from None
             except NoQuorum as e:
                 raise PeerError(f"{first_line(error)}; {e}{self.save_last_step(position, e.alive, old_sync)}") from None
             if not self.config.job.recover:
