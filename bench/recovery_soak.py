@@ -151,11 +151,15 @@ class Soak:
                         pending.append((rank, now, "join-when-exited"))
             out = [r for r, _, how in pending]
             joining = [r for r, _, how in pending if how == "joining"]
+            if not any(p.poll() is None for r, p in self.procs.items() if r not in out):
+                break   # no member left: the job is over (or lost; check says which)
             if len(done) < faults and len(out) < 2 and (not out or len(done) % 2 == 1):
                 up = [r for r, p in self.procs.items() if p.poll() is None and r not in out]
                 rank, kind = self.rng.choice(up), self.rng.choice(["kill", "stop"])
                 os.kill(self.procs[rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
                 done.append({"rank": rank, "kind": kind, "during_join": bool(joining), "at": time.time()})
+                with open(self.home / "faults.jsonl", "a") as f:
+                    f.write(json.dumps(done[-1]) + "\n")
                 pending.append((rank, now + (self.rng.uniform(2.5, 4) if kind == "stop" else self.rng.uniform(0.3, 1)),
                                 "cont" if kind == "stop" else "join-when-exited"))
                 time.sleep(self.rng.uniform(0.5, 1.5) if not joining else 0.2)

@@ -34,6 +34,7 @@ import time
 
 import torch.distributed as dist
 
+from utils import faults
 from utils.sockets import cut_connections
 
 SETTLE_SECONDS = 1.0      # every live member answers within this; a silent one is gone after it
@@ -46,10 +47,11 @@ FENCED_EXIT_SECONDS = 5.0 # told it was fenced out, and still not out of a wait:
 class NoQuorum(Exception):
     """The ranks still reachable are too few to go on (or this side of a split lost)."""
 
-    def __init__(self, alive, members):
+    def __init__(self, alive, members, gone=None):
+        why = "; ".join(f"rank {m}: {reason}" for m, reason in sorted((gone or {}).items()))
         super().__init__(f"only rank{'s' if len(alive) > 1 else ''} {', '.join(map(str, sorted(alive)))} of "
-                         f"{len(members)} {'are' if len(alive) > 1 else 'is'} reachable: not a majority, so this "
-                         f"side stops (the other side, if it has the majority, goes on)")
+                         f"{len(members)} {'are' if len(alive) > 1 else 'is'} reachable{f' ({why})' if why else ''}: "
+                         f"not a majority, so this side stops (the other side, if it has the majority, goes on)")
         self.alive, self.members = alive, members
 
 
@@ -239,18 +241,25 @@ class Membership:
             if outsider:
                 raise Fenced(outsider[0]["g"])
             settled = now - started > SETTLE_SECONDS
-            gone = {m for m in members if m != self.me and
-                    (m in refused or (m == self.lost and m not in reports) or
-                     (m in named and m not in reports and now - heard.get(m, 0) > min(0.5, self.heartbeat)) or
-                     (settled and now - heard.get(m, 0) > self.heartbeat))}   # (a reporter may die too)
+            gone = {m: why for m in members if m != self.me for why in [
+                    "its port refused" if m in refused else
+                    f"silent {now - heard.get(m, 0):.1f} s" if settled and now - heard.get(m, 0) > self.heartbeat else
+                    "it broke this generation" if m == self.lost and m not in reports else
+                    "another rank lost it" if m in named and m not in reports and
+                    now - heard.get(m, 0) > min(0.5, self.heartbeat) else None] if why}   # (a reporter may die too)
             reports = {m: r for m, r in reports.items() if m not in gone}
             pending = [m for m in members if m not in reports and m not in gone]
             if not pending and next(m for m in members if m not in gone) == self.me:
-                if not has_quorum(reports, members):
-                    raise NoQuorum(set(reports), members)
-                return self._decide(generation, reports, attempt)
+                if has_quorum(reports, members):
+                    faults.log(event="agreed", g=generation + 1, attempt=attempt, reports=reports, gone=gone)
+                    return self._decide(generation, reports, attempt)
+                # too few: give up only once every missing member has been silent for a heartbeat
+                # (one that was slow to notice the loss may still report; a refused port is final)
+                if all(why != "it broke this generation" and why != "another rank lost it" for why in gone.values()):
+                    faults.log(event="no-quorum", g=generation, attempt=attempt, reports=reports, gone=gone)
+                    raise NoQuorum(set(reports), members, gone)
             if now - started > MAX_AGREE_SECONDS:
-                raise NoQuorum(set(reports), members)
+                raise NoQuorum(set(reports), members, gone)
             time.sleep(0.01)
 
     def _decide(self, generation, reports, attempt):
