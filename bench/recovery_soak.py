@@ -8,7 +8,8 @@ few seconds one member, chosen at random (rank 0 included), gets SIGKILL or SIGS
 server is started again with its command plus --join; a stopped one gets SIGCONT a few seconds
 later, finds itself fenced out, exits 1, and is started again with --join (or, when the others
 were lost meanwhile and its side kept the quorum, it simply goes on). Every other fault comes
-while another server is still out (stopped, restarting or joining); never more than two at once.
+while another server is out of the job (restarting or joining); never more than two at once, and
+never two members at once (that may leave exactly half without the lowest rank, which must stop).
 With --save-every 10, faults land during saves too.
 
 Then a fault-free run of the same job, and the checks: no rank hangs (a woken rank that neither
@@ -153,7 +154,10 @@ class Soak:
             joining = [r for r, _, how in pending if how == "joining"]
             if not any(p.poll() is None for r, p in self.procs.items() if r not in out):
                 break   # no member left: the job is over (or lost; check says which)
-            if len(done) < faults and len(out) < 2 and (not out or len(done) % 2 == 1):
+            gone = [r for r, _, how in pending if how in ("joining", "join-when-exited")]   # members no more
+            # a second fault only while the first is no member any more: two members lost at once may leave
+            # exactly half without the lowest rank, which stops by the rule of no split brain
+            if len(done) < faults and len(out) < 2 and (not out or gone and len(done) % 2 == 1):
                 up = [r for r, p in self.procs.items() if p.poll() is None and r not in out]
                 rank, kind = self.rng.choice(up), self.rng.choice(["kill", "stop"])
                 os.kill(self.procs[rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -171,7 +175,7 @@ class Soak:
         while self.running() and time.monotonic() < end:
             time.sleep(0.2)
         for rank, proc in self.procs.items():
-            if proc.poll() is None:
+            if proc.poll() is None and not any(r == rank and how == "joining" for r, _, how in pending):
                 self.hung.append(rank)
                 self.dump(rank, f"hung{rank}-end.txt")
         return done

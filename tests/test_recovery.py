@@ -230,3 +230,48 @@ def test_under_torchrun_a_restart_resumes_from_the_step_before_the_fault(tmp_pat
     assert f"saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt" in result.stderr, result.stderr[-3000:]
     assert f"resuming from runs/checkpoint.pt: epoch 1, after step {K}" in result.stdout, result.stdout
     assert final_digest(result.stdout) == final_digest(straight.stdout)
+
+
+@pytest.mark.timeout(400)
+def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoins(tmp_path):
+    """Five servers. Rank 0, the leader and writer, is frozen during a sum: the other four (a
+    majority) go on, and rank 1 takes over writing. Woken, rank 0 is fenced out; started again with
+    --join it is taken back in, and rank 4 is killed as the job takes it in: that growth fails, the
+    survivors drop rank 4, and rank 0 asks again and gets in. The job ends on ranks 0-3, having
+    trained every image of every epoch once."""
+    args = ["--epochs", "2", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60",
+            "--heartbeat", "2", "--metrics", "m.jsonl"]
+    events, port = tmp_path / "events.jsonl", procs.free_port()
+    ranks = procs.start_ranks(5, args, port, str(tmp_path),
+                              env={"RING_FAULT": f"0:{K}:STOP:sum,4:0:KILL:join", "RING_EVENTS": str(events)})
+    joiner = None
+    try:
+        def state(pid):
+            return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
+        procs.wait_for(lambda: state(ranks[0].pid) == "T", 120, "rank 0 to stop itself")
+        procs.wait_for(lambda: '"after": "shrank"' in events.read_text(), 60, "the others to go on without rank 0")
+        os.kill(ranks[0].pid, signal.SIGCONT)
+        fenced = procs.supervise([ranks[0]], timeout=30, grace=None, poll=0.05)
+        assert not fenced.timed_out and ranks[0].returncode == 1, fenced.outputs
+        assert "train.py: rank 0: the job went on without this rank (generation 1)" in fenced.outputs[0][1]
+        joiner = procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, "--rank", "0", "--world-size", "5",
+                                         "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo",
+                                         *args, "--join"], env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                    RING_EVENTS=str(events)),
+                                        cwd=str(tmp_path), text=True, stdout=procs.subprocess.PIPE,
+                                        stderr=procs.subprocess.PIPE, start_new_session=True)
+        results = procs.wait_all([*ranks[1:], joiner], timeout=300)
+    finally:
+        for p in [*ranks, *([joiner] if joiner else [])]:
+            procs.kill_group(p)
+    codes = [code for code, _, _ in results]
+    assert codes == [0, 0, 0, -signal.SIGKILL, 0], results
+    out = results[0][1]   # rank 1: rank 0 of the job from the loss of rank 0 on
+    assert re.search(r"rank 1: lost rank 0 at epoch 1, step \d+ \([^)]+\); continuing on 4 ranks", out), out
+    assert re.search(r"rank 1: lost rank 4 at epoch \d, step \d+ \([^)]+\); continuing on 3 ranks", out), out
+    assert re.search(r"rank 0: joined the job after epoch \d, step \d+, as rank 3 of 4 \(members 1, 2, 3, 0\)",
+                     results[4][1]), results[4]
+    assert "parameters identical on all 4 ranks" in out
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1, 2] and [row["images"] for row in rows] == [6400] * 2, rows
+    assert rows[-1]["members"] == [1, 2, 3, 0]

@@ -150,19 +150,22 @@ def join_running_job(config, model):
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
     own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank   # where members listen (free if it is back)
     membership = Membership(None, job.heartbeat, card_address(job.ifname, host), own_port)
-    try:
-        decision = membership.request_join(join_candidates(host, int(port), MAX_JOIN_CANDIDATES),
-                                           {"model": model, **config.must_agree()}, job.rank, config.sync.timeout)
-    except ValueError as e:
-        raise UsageError(f"the job at {where} refused this server: {e}") from None
-    except RuntimeError:
-        raise UsageError(f"no running job answered at {where} within {config.sync.timeout:g} s "
-                         f"(wrong address, the job is over, or a firewall on its UDP ports)") from None
-    try:
-        membership.join(decision, timeout=job.heartbeat + 5, gloo_timeout=config.sync.timeout)
-    except (RuntimeError, ValueError) as e:
-        raise PeerError(f"the job took this server in but its group did not form: {first_line(e)}",
-                        resumable=False) from None
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        try:
+            decision = membership.request_join(join_candidates(host, int(port), MAX_JOIN_CANDIDATES),
+                                               {"model": model, **config.must_agree()}, job.rank, config.sync.timeout)
+        except ValueError as e:
+            raise UsageError(f"the job at {where} refused this server: {e}") from None
+        except RuntimeError:
+            raise UsageError(f"no running job answered at {where} within {config.sync.timeout:g} s "
+                             f"(wrong address, the job is over, or a firewall on its UDP ports)") from None
+        try:
+            membership.join(decision, timeout=job.heartbeat + 5, gloo_timeout=config.sync.timeout)
+            break
+        except (RuntimeError, ValueError) as e:   # a member was lost while it was taken in: the job forgot it, ask again
+            if attempt == JOIN_ATTEMPTS:
+                raise PeerError(f"the job took this server in {attempt} times but its group never formed: "
+                                f"{first_line(e)}", resumable=False) from None
     membership.settings = {"model": model, **config.must_agree()}
     membership.start_beating()
     faults.setup(membership.me)
@@ -170,6 +173,7 @@ def join_running_job(config, model):
 
 
 MAX_JOIN_CANDIDATES = 64   # a joining server asks the job's port + 0..63 (the members' control sockets)
+JOIN_ATTEMPTS = 3          # a join whose group did not form (a member lost meanwhile) is asked for again
 
 
 def agree(config, model):

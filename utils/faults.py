@@ -6,7 +6,8 @@ at a known moment (a real signal to a real process, sent by the rank to itself).
                                         (after backward; overlapped sums are in flight), rank 2 ...
 
 RANK is the rank in the job's first generation; STEP counts from the run's first step, over
-epochs; PHASE is step (default), sum, or save (as the checkpoint after that step is written).
+epochs; PHASE is step (default), sum, save (as the checkpoint after that step is written), or
+join (as this member takes a joining server in, at the first growth from step STEP on).
 RING_EVENTS=PATH: each fault, and each rank's first completed step after a change of members
 (utils/recovery.py), is appended there as a JSON line with its time (bench/recovery.py reads it).
 
@@ -65,7 +66,7 @@ def point(phase):
         return
     for fault in list(_faults):
         step, signum, where = fault
-        if step == _step and where == phase:
+        if where == phase and (step == _step or phase == "join" and _step >= step):
             _faults.remove(fault)
             once = os.environ.get("RING_FAULT_ONCE")
             if once:

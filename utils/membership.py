@@ -97,6 +97,7 @@ class Membership:
         self.settings = None                  # what a joining server must have alike (Config.must_agree)
         self.joining = {}                     # the leader: nonce -> join request of a server waiting to join
         self.nonce, self.refusal = None, None # a joining server: its request's nonce; why it was refused
+        self.forming = ()                     # while join() forms a group: its members
 
     def start(self, book, token):
         """Begin: `book` maps every id to its address (this rank's `address` among them)."""
@@ -123,6 +124,8 @@ class Membership:
                 self.refused.add(member)
             if member in self.members and self.state == "training":
                 self.break_(f"rank {member} is gone (its port refused)", lost=member)
+            elif member in self.forming:    # a member of the group being formed is gone: its waits end now
+                cut_connections()
         except OSError:
             pass
 
@@ -364,10 +367,12 @@ class Membership:
         """A new server: ask the job at `candidates` ((host, port), any member) to take it in at its
         next step; returns the decision, or raises RuntimeError (refused: its reason; or no answer)."""
         from utils.outputs import job_pid
-        self.nonce = os.urandom(6).hex()
+        with self.lock:   # (asked again after a growth that did not form: a new request)
+            self.nonce, self.decisions, self.refusal = os.urandom(6).hex(), [], None
         request = {"t": "join", "nonce": self.nonce, "want": want, "settings": settings,
                    "entry": {"address": list(self.address), "pid": job_pid(), "host": socket.gethostname()}}
-        threading.Thread(target=self._receive, name="membership-receive", daemon=True).start()
+        if not any(t.name == "membership-receive" for t in threading.enumerate()):
+            threading.Thread(target=self._receive, name="membership-receive", daemon=True).start()
         deadline, wire = time.monotonic() + timeout, json.dumps(request).encode()
         while time.monotonic() < deadline:
             for candidate in candidates:
@@ -403,15 +408,22 @@ class Membership:
             dist.destroy_process_group()
         except (RuntimeError, ValueError, AssertionError):
             pass
+        if not dist.is_initialized():   # (after a failed init, torch's group counter stays up: it names the
+            dist.distributed_c10d._world.group_count = 0   # store keys, which must match the other members')
         host, port = decision["store"]
         members = decision["members"]
-        if decision["members"][0] == self.me and self.sending is decision:
-            store = self.leader_store
-        else:
-            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=dist.PrefixStore(decision["name"], store), rank=members.index(self.me),
-                                world_size=len(members), timeout=datetime.timedelta(seconds=timeout))
-        dist.barrier()
+        self.forming = members
+        try:
+            if decision["members"][0] == self.me and self.sending is decision:
+                store = self.leader_store
+            else:
+                store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group("gloo", store=dist.PrefixStore(decision["name"], store),
+                                    rank=members.index(self.me), world_size=len(members),
+                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.barrier()
+        finally:
+            self.forming = ()
         dist.group.WORLD._get_backend(torch_cpu())._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
         with self.lock:
             self.generation, self.members = decision["g"], members

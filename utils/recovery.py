@@ -28,7 +28,7 @@ import time
 
 import torch.distributed as dist
 
-from utils import checkpoint, outputs, timeline
+from utils import checkpoint, faults, outputs, timeline
 from utils.compress import state_for
 from utils.errors import PeerError, UsageError, first_line
 from utils.files import check_writable
@@ -101,6 +101,7 @@ class Recovery:
         before, decision = list(membership.members), None
         try:
             decision = membership.grow(list(position[:2]), timeout=membership.heartbeat + 5)
+            faults.point("join")
             membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
         except (RuntimeError, ValueError) as e:   # (a joiner that died meanwhile asks no more: forget it)
             membership.forget_joiners(decision)
