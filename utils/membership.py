@@ -280,12 +280,15 @@ class Membership:
         return decision
 
     def _send_decision(self, decision):
+        for member in decision.get("joined", {}).values():   # into the book now: a joiner that died refuses
+            entry = decision["book"][str(member)]
+            if self.book.get(member) != entry:
+                self.book[member] = entry
+                if member in self.peers:
+                    self.peers.pop(member).close()
         for member in decision["members"]:
-            if member != self.me and member not in decision.get("joined", {}).values():
+            if member != self.me:
                 self._send(member, decision)
-        for nonce, member in decision.get("joined", {}).items():   # joiners are not in the book yet
-            self.sock.sendto(json.dumps(dict(decision, job=self.token, id=self.me)).encode(),
-                             tuple(decision["book"][str(member)]["address"]))
 
     # -- growing: a server joins at a step boundary ---------------------------------------------
     def _on_join(self, message):
