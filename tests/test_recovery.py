@@ -239,8 +239,8 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
     --join it is taken back in, and rank 4 is killed as the job takes it in: that growth fails, the
     survivors drop rank 4, and rank 0 asks again and gets in. The job ends on ranks 0-3, having
     trained every image of every epoch once."""
-    args = ["--epochs", "2", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60",
-            "--heartbeat", "2", "--metrics", "m.jsonl"]
+    args = ["--epochs", "2", "--train-subset", "12800", "--test-subset", "200", "--timeout", "60",
+            "--heartbeat", "2", "--metrics", "m.jsonl"]   # 400 steps: still running when rank 0 is back
     events, port = tmp_path / "events.jsonl", procs.free_port()
     ranks = procs.start_ranks(5, args, port, str(tmp_path),
                               env={"RING_FAULT": f"0:{K}:STOP:sum,4:0:KILL:join", "RING_EVENTS": str(events)})
@@ -273,5 +273,5 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
                      results[4][1]), results[4]
     assert "parameters identical on all 4 ranks" in out
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [row["epoch"] for row in rows] == [1, 2] and [row["images"] for row in rows] == [6400] * 2, rows
+    assert [row["epoch"] for row in rows] == [1, 2] and [row["images"] for row in rows] == [12800] * 2, rows
     assert rows[-1]["members"] == [1, 2, 3, 0]
