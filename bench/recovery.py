@@ -74,7 +74,7 @@ def join_trial(world_size, rng, tmp):
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
     common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
-              "lo", *RUN, "--heartbeat", str(HEARTBEAT)]
+              "lo", *RUN, "--epochs", "3", "--heartbeat", str(HEARTBEAT)]   # 3 epochs: still running when it is back
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
     ranks = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), *common], cwd=cwd, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)

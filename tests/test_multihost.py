@@ -250,7 +250,7 @@ str(save)]
 
 @pytest.mark.timeout(90)
 def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
-    world, timeout = 3, 20
+    world, timeout = 3, 8
     with remember(cluster.Cluster(world, nics=NICS)) as c:
         argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", "600",
                                          "--metrics", "", "--save-path",

@@ -140,7 +140,7 @@ def join_running_job(config, model):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/membership.py). Returns (membership, decision). model: its name."""
     from utils import faults
-    from utils.membership import Membership, join_candidates
+    from utils.membership import Membership
     from utils.sockets import card_address
     job = config.job
     faults.log(event="join-ready")   # torch and the data are loaded: what bench/recovery.py times from
@@ -152,7 +152,7 @@ def join_running_job(config, model):
     membership = Membership(None, job.heartbeat, card_address(job.ifname, host), own_port)
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         try:
-            decision = membership.request_join(join_candidates(host, int(port), MAX_JOIN_CANDIDATES),
+            decision = membership.request_join([(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)],
                                                {"model": model, **config.must_agree()}, job.rank, config.sync.timeout)
         except ValueError as e:
             raise UsageError(f"the job at {where} refused this server: {e}") from None
@@ -172,7 +172,7 @@ def join_running_job(config, model):
     return membership, decision
 
 
-MAX_JOIN_CANDIDATES = 64   # a joining server asks the job's port + 0..63 (the members' control sockets)
+MAX_JOIN_CANDIDATES = 64   # a joining server asks the job's port + 0..63 (member r listens on port + r)
 JOIN_ATTEMPTS = 3          # a join whose group did not form (a member lost meanwhile) is asked for again
 
 

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from utils import faults
@@ -76,7 +77,7 @@ class Membership:
     def __init__(self, me, heartbeat, address, port=0):
         self.me, self.heartbeat = me, heartbeat
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:   # the job's port + this rank: where a joining server looks (join_candidates)
+        try:   # the job's port + this rank: where a joining server looks (utils/distributed.py)
             self.sock.bind((address, port))
         except OSError:
             self.sock.bind((address, 0))
@@ -427,7 +428,7 @@ class Membership:
             dist.barrier()
         finally:
             self.forming = ()
-        dist.group.WORLD._get_backend(torch_cpu())._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
+        dist.group.WORLD._get_backend(torch.device("cpu"))._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
         with self.lock:
             self.generation, self.members = decision["g"], members
             for m, entry in decision.get("book", {}).items():
@@ -443,13 +444,3 @@ class Membership:
             self.heard = {m: now for m in members}
             self.broken.clear()
         return members.index(self.me)
-
-
-def join_candidates(host, port, count):
-    """Where a joining server asks: the members' control sockets listen on PORT + their rank."""
-    return [(host, port + i) for i in range(count)]
-
-
-def torch_cpu():
-    import torch
-    return torch.device("cpu")
