@@ -130,12 +130,12 @@ class Soak:
                 if now < when:
                     continue
                 if how == "cont":
-                    os.kill(self.procs[rank].pid, signal.SIGCONT)
+                    self.signal(rank, signal.SIGCONT)
                     pending.remove(item)
                     pending.append((rank, now, "woken"))
                     started[rank] = time.time()
-                elif how == "woken" and self.procs[rank].poll() is None and self.stepped(rank, started[rank]):
-                    pending.remove(item)   # its side had the majority (the others stopped): it is the job
+                elif how == "woken" and self.procs[rank].poll() is None and self.stepped(rank, started[rank], "shrank"):
+                    pending.remove(item)   # its side had the quorum (the others were lost): it is the job
                     self.stayed.append(rank)
                 elif how == "woken" and self.procs[rank].poll() is None and now - when > 10 \
                         and rank not in self.hung:   # fenced out, it should have seen so within a second
@@ -160,7 +160,7 @@ class Soak:
             if len(done) < faults and len(out) < 2 and (not out or gone and len(done) % 2 == 1):
                 up = [r for r, p in self.procs.items() if p.poll() is None and r not in out]
                 rank, kind = self.rng.choice(up), self.rng.choice(["kill", "stop"])
-                os.kill(self.procs[rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                self.signal(rank, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
                 done.append({"rank": rank, "kind": kind, "during_join": bool(joining), "at": time.time()})
                 with open(self.home / "faults.jsonl", "a") as f:
                     f.write(json.dumps(done[-1]) + "\n")
@@ -170,7 +170,7 @@ class Soak:
             time.sleep(0.05)
         for rank, _, how in pending:
             if how == "cont":
-                os.kill(self.procs[rank].pid, signal.SIGCONT)
+                self.signal(rank, signal.SIGCONT)
         end = min(deadline, time.monotonic() + 60)   # the end: everyone finishes, or is out within a minute
         while self.running() and time.monotonic() < end:
             time.sleep(0.2)
@@ -179,6 +179,12 @@ class Soak:
                 self.hung.append(rank)
                 self.dump(rank, f"hung{rank}-end.txt")
         return done
+
+    def signal(self, rank, signum):
+        try:
+            os.kill(self.procs[rank].pid, signum)
+        except ProcessLookupError:   # it ended (and was reaped) a moment ago
+            pass
 
     def dump(self, rank, name):
         """Where a rank's threads are (py-spy, if installed), for the logs of a failed soak."""
