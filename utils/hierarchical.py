@@ -101,6 +101,12 @@ def discover():
     return _topology
 
 
+def forget():
+    """The default group changed (a rank lost or joined, utils/recovery.py): discover() asks again."""
+    global _topology
+    _topology = None
+
+
 def hosts_of(keys):
     """[key of rank 0, key of rank 1, ...] -> hosts (lists of ranks), ordered by first rank."""
     hosts = {}

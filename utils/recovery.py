@@ -28,7 +28,7 @@ import time
 
 import torch.distributed as dist
 
-from utils import checkpoint, faults, outputs, timeline
+from utils import checkpoint, faults, hierarchical, outputs, timeline
 from utils.compress import state_for
 from utils.errors import PeerError, UsageError, first_line
 from utils.files import check_writable
@@ -144,6 +144,7 @@ class Recovery:
             raise error from None
 
     def _new_sync(self, state, at, old_sync, position, source, furthest):
+        hierarchical.forget()   # its hosts were the old group's ranks
         sync = self.make_sync()
         if self.config.sync.compress != "none":   # the error buffers of those at the furthest step, the source's first
             everyone = [None] * dist.get_world_size()
