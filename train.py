@@ -30,10 +30,11 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 # Only modules without torch here: a bad command line, and the local launcher, answer before torch
 # loads (a second or two). What trains imports torch and the rest where it starts (train, evaluate).
 from utils import stop  # noqa: E402
-from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP,  # noqa: E402
-                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_HEARTBEAT, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK, MAX_TIMEOUT,
-                          OneLineParser, check_share, chunk_count, from_args, non_negative_int, positive,
-                          seed_value, timeline_steps)
+from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,  # noqa: E402
+                          DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH,
+                          MAX_HEARTBEAT, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK, MAX_SYNC_EVERY, MAX_TIMEOUT, OUTERS,
+                          OneLineParser, check_share, chunk_count, from_args, momentum_value, non_negative_int,
+                          positive, seed_value, timeline_steps)
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
 from utils.files import check_writable, remove_stale_temps, set_aside  # noqa: E402
 from utils.launch import launch_local  # noqa: E402
@@ -94,6 +95,13 @@ def parse_args(argv):
                    help=f"with --compress powersgd: rank of each matrix's approximation (default {DEFAULT_POWERSGD_RANK})")
     p.add_argument("--powersgd-warmup", type=non_negative_int,
                    help=f"with --compress powersgd: uncompressed steps first (default {DEFAULT_POWERSGD_WARMUP})")
+    p.add_argument("--sync-every", type=positive(int, MAX_SYNC_EVERY), default=1, metavar="H",
+                   help="sum the gradients every step (1, the default), or take H steps on each rank and average "
+                        "the parameters' change behind the next H (docs/gradient-sum.md)")
+    p.add_argument("--outer", choices=OUTERS, help="with --sync-every H > 1: the outer step (default average)")
+    p.add_argument("--outer-lr", type=positive(float, MAX_LR), help=f"--outer nesterov's rate (default {DEFAULT_OUTER_LR})")
+    p.add_argument("--outer-momentum", type=momentum_value,
+                   help=f"--outer nesterov's momentum, 0 <= m < 1 (default {DEFAULT_OUTER_MOMENTUM})")
     p.add_argument("--timeline", metavar="PATH",
                    help="rank 0 writes a Chrome trace of every rank's steps here (open it in ui.perfetto.dev)")
     p.add_argument("--timeline-steps", metavar="A:B", type=timeline_steps,

@@ -39,6 +39,9 @@ MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like 
 MAX_NPROC = 64  # ranks on one machine; for more, use several servers
 MAX_SEED = 2**32 - 1
 MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
+OUTERS = ("average", "nesterov")   # --outer: utils/periodic.PeriodicSync
+DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer SGD (Douillard et al., 2023)
+MAX_SYNC_EVERY = 100_000
 
 
 def setting(default, flag, agree=False, resume=False):
@@ -67,6 +70,10 @@ class Sync:
     powersgd_rank: Optional[int] = setting(None, "powersgd-rank", agree=True, resume=True)     # None: not powersgd
     powersgd_warmup: Optional[int] = setting(None, "powersgd-warmup", agree=True, resume=True)
     timeout: float = setting(120.0, "timeout")   # seconds for rendezvous and every send/recv
+    sync_every: int = setting(1, "sync-every", agree=True, resume=True)   # 1: the gradients every step
+    outer: Optional[str] = setting(None, "outer", agree=True, resume=True)   # None with sync_every 1
+    outer_lr: Optional[float] = setting(None, "outer-lr", agree=True, resume=True)   # None but for nesterov
+    outer_momentum: Optional[float] = setting(None, "outer-momentum", agree=True, resume=True)
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,7 @@ class Config:
         rank and warm-up only under --compress powersgd: None is no setting)."""
         return {f.metadata["flag"]: getattr(part, f.name) for part in (self.recipe, self.sync)
                 for f in dataclasses.fields(part) if f.metadata["resume"]
-                and not (f.name.startswith("powersgd") and getattr(part, f.name) is None)}
+                and not (f.name.startswith(("powersgd", "outer")) and getattr(part, f.name) is None)}
 
     def to_dict(self):
         return {"recipe": dataclasses.asdict(self.recipe), "sync": dataclasses.asdict(self.sync),
@@ -160,6 +167,14 @@ def from_args(args, environ=os.environ):
             raise UsageError(f"malformed --join {args.join!r}; expected HOST:PORT of a member, e.g. 192.168.0.2:23456")
         if args.timeline:
             raise UsageError("--join does not work with --timeline yet")
+    if args.sync_every == 1 and args.outer is not None:
+        raise UsageError(f"--outer {args.outer} needs --sync-every 2 or more: with 1 the gradients are summed every step")
+    if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
+        raise UsageError("--outer-lr and --outer-momentum are for --outer nesterov")
+    if args.sync_every > 1 and args.compress not in ("none", "bf16"):
+        raise UsageError(f"--sync-every sends the parameter change as --compress none or bf16, not {args.compress}")
+    if args.sync_every > 1 and args.lazy_update:
+        raise UsageError("--lazy-update hides a per-step sum; with --sync-every the outer sum runs behind the inner steps")
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
     for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
@@ -188,7 +203,11 @@ def from_args(args, environ=os.environ):
                   powersgd_rank=(args.powersgd_rank or DEFAULT_POWERSGD_RANK) if powersgd else None,
                   powersgd_warmup=(DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup)
                   if powersgd else None,
-                  timeout=args.timeout),
+                  timeout=args.timeout, sync_every=args.sync_every,
+                  outer=(args.outer or "average") if args.sync_every > 1 else None,
+                  outer_lr=(DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr) if args.outer == "nesterov" else None,
+                  outer_momentum=(DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum)
+                  if args.outer == "nesterov" else None),
         outputs=Outputs(save_path=args.save_path, checkpoint=args.checkpoint, save_every=args.save_every,
                         metrics=args.metrics, timeline=args.timeline,
                         timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None))
@@ -239,6 +258,16 @@ def positive(kind, most=None):
             raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text!r}")
         return value
     return parse
+
+
+def momentum_value(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text!r}")
+    return value
 
 
 def seed_value(text):

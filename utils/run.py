@@ -235,7 +235,8 @@ def run(model, data, config, resume_from=None, membership=None, joining=None):
         """Rank 0 writes everything needed to continue after `step` of `epoch` (every rank calls it:
         a compressed run's checkpoint holds every rank's compression state)."""
         everyone = [None] * dist.get_world_size()
-        if config.sync.compress != "none":
+        per_rank = config.sync.compress != "none" or config.sync.sync_every > 1   # (--sync-every: each rank's Adam)
+        if per_rank:
             try:
                 dist.all_gather_object(everyone, gradient_sync.state_dict())
             except RuntimeError as e:
@@ -243,8 +244,7 @@ def run(model, data, config, resume_from=None, membership=None, joining=None):
         faults.point("save")
         if dist.get_rank() == 0:
             with timeline.span("checkpoint"):
-                checkpoint.save(state(epoch, step, stats, everyone if config.sync.compress != "none" else None),
-                                outputs.checkpoint)
+                checkpoint.save(state(epoch, step, stats, everyone if per_rank else None), outputs.checkpoint)
 
     recovery = None
     if membership is not None:
