@@ -127,6 +127,10 @@ class GradientSync:
     def finish(self):
         pass
 
+    def flush(self):
+        """The end of training: nothing left to apply (utils/periodic.py has more to do)."""
+        self.finish()
+
     def stats(self):
         """{busy_seconds, waited_seconds, bytes_sent, bytes_summed} since the start."""
         unique = list({id(a): a for a in self.allreduces}.values())   # gloo's buckets share one

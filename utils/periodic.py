@@ -21,9 +21,10 @@ The anchor is the same on every rank after every outer step; the ranks' working 
 differ between syncs by design, and finish() makes them the anchor again.
 
 The stop flag rides in the outer sum as one more value: every rank learns of a signal at the
-same step (up to 2H steps after it). finish() (before evaluating or saving) waits for the sum in
-flight and also sums the round so far, so a checkpoint holds nothing in flight: the anchor (the
-model), the outer momentum, and every rank's own Adam state (state_dict()).
+same step (up to 2H steps after it). finish() (before evaluating or saving) only waits for the
+sum in flight; its result is applied at the round's end as always, so saving changes no bits,
+and a checkpoint holds every rank's own state (state_dict()): a stop mid-round resumes bit for
+bit. flush(), at the end of training, applies everything: the same parameters on every rank.
 """
 import threading
 import time
@@ -36,8 +37,6 @@ from utils.errors import PeerError, first_line
 
 class PeriodicSync:
     """The gradient-sync interface (utils/gradsync.py) for --sync-every H > 1."""
-
-    per_rank_state = True   # the checkpoint gathers every rank's state_dict (its Adam state)
 
     def __init__(self, model, allreduce, wire, optimizer, scheduler, every, outer="average", outer_lr=0.7,
                  outer_momentum=0.9, local_flag=lambda: 0.0):
@@ -53,7 +52,8 @@ class PeriodicSync:
         self.inner = 0                                          # inner steps taken this round
         self.flag_sum = 0.0
         self.busy_seconds = self.waited_seconds = 0.0
-        self.pending = None                                     # (thread, buffer, result) of the sum in flight
+        self.pending = None                                     # (thread, result) of the sum in flight
+        self.arrived = None                                     # its mean change, once waited for
 
     # -- the training loop's calls ---------------------------------------------------------------
     def weigh(self, weight):
@@ -69,29 +69,37 @@ class PeriodicSync:
             self.optimizer.zero_grad()
         self.inner += 1
         if self.inner == self.every:
-            self._round_end(wait_for_this_round=False)
+            self._round_end()
 
     def stop_count(self):
         return self.flag_sum
 
     def finish(self):
-        """Before evaluating or saving: the sum in flight, and this round so far, applied."""
-        if self.inner or self.pending is not None:
-            self._round_end(wait_for_this_round=True)
+        """Before evaluating or saving: wait for the sum in flight, and keep its result for the end of
+        the round, where it would have been applied anyway (so a save changes no bits)."""
+        self._collect()
+
+    def flush(self):
+        """The end of training: every round's change applied, the same parameters on every rank."""
+        self._collect()
+        self._apply(self.arrived)
+        self._start(self.start - self._flat())
+        self._collect()
+        self._apply(self.arrived)
+        self.arrived, self.start, self.inner = None, self.anchor.clone(), 0
+        self._set(self.anchor)
 
     # -- the outer step ---------------------------------------------------------------------------
     def _flat(self):
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
-    def _round_end(self, wait_for_this_round):
+    def _round_end(self):
         change = self.start - self._flat()   # what this rank's inner steps did this round
-        self._apply(self._wait())            # last round's mean change, summed behind this round
+        self._collect()
+        self._apply(self.arrived)            # last round's mean change, summed behind this round
+        self.arrived = None
         self._start(change)
-        if wait_for_this_round:              # everything applied: the same parameters on every rank
-            self._apply(self._wait())
-            self.start = self.anchor.clone()
-        else:                                # eager: this rank's own change stands in for the mean until it comes
-            self.start = self.anchor - change
+        self.start = self.anchor - change    # eager: its own change stands in for the mean until that comes
         self._set(self.start)
         self.inner = 0
 
@@ -113,10 +121,10 @@ class PeriodicSync:
         thread.start()
         self.pending = (thread, result)
 
-    def _wait(self):
-        """The mean change of the sum in flight (None if there is none)."""
+    def _collect(self):
+        """Wait for the sum in flight, if any: its mean change becomes self.arrived."""
         if self.pending is None:
-            return None
+            return
         thread, result = self.pending
         started = time.perf_counter()
         with timeline.span("wait", bucket=0):
@@ -127,7 +135,7 @@ class PeriodicSync:
             raise PeerError(first_line(result["error"]))
         summed = result["sum"]
         self.flag_sum = summed[-1].item()
-        return summed[:-1].div_(self.allreduce.world_size)
+        self.arrived = summed[:-1].div_(self.allreduce.world_size)
 
     def _apply(self, mean_change):
         """The outer step on the anchor: plain averaging, or SGD with Nesterov momentum on the
@@ -151,15 +159,18 @@ class PeriodicSync:
                     bytes_sent=self.allreduce.bytes_sent, bytes_summed=self.allreduce.bytes_summed)
 
     def state_dict(self):
-        """This rank's own state (after finish(): nothing in flight): its Adam state, the outer momentum."""
-        return {"optimizer": self.optimizer.state_dict(), "momentum": self.momentum}
+        """This rank's own state, mid-round too (after finish(): nothing in flight): so that a resume
+        on as many ranks goes on bit for bit. On another number every rank takes rank 0's."""
+        return {"optimizer": self.optimizer.state_dict(), "momentum": self.momentum, "anchor": self.anchor,
+                "start": self.start, "working": self._flat(), "inner": self.inner, "arrived": self.arrived}
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.momentum is not None and state.get("momentum") is not None:
+        if self.momentum is not None:
             self.momentum.copy_(state["momentum"])
-        self.anchor = self._flat().clone()   # the model was loaded before this
-        self.start = self.anchor.clone()
+        self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
+        self.inner, self.arrived = state["inner"], state["arrived"]   # (flag_sum stays 0: no signal yet)
+        self._set(state["working"])
 
     def close(self):
         if self.pending is not None:
@@ -169,7 +180,7 @@ class PeriodicSync:
     def abandon(self):
         """After a lost peer: the parameters go back to the anchor (the last outer step, the same on
         every rank); the round's inner steps are lost with the sum in flight."""
-        self.pending = None
+        self.pending = self.arrived = None
         self._set(self.anchor)
         self.start = self.anchor.clone()
         self.inner = 0

@@ -294,6 +294,11 @@ def train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, sa
     except Stopped as e:
         timeline.write()
         raise Stopped(stopped_line(*e.args, config.outputs.checkpoint)) from None
+    if epoch == config.recipe.epochs:   # the end: every rank's last changes in (--sync-every), then evaluate
+        try:
+            gradient_sync.flush()
+        except PeerError as e:
+            raise PeerError(f"lost a peer at the end of training: {e}") from None
     sent = bytes_sent_per_step(stats)
     if dist.get_rank() == 0:
         with timeline.span("evaluate"):
