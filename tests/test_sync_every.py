@@ -60,3 +60,15 @@ def test_a_resume_with_another_h_is_refused(tmp_path):
     assert stopped.returncode == 3, stopped.stderr
     result = procs.train([*SHORT, "--sync-every", "8", "--resume"], cwd=str(tmp_path), timeout=60)
     assert result.returncode == 2 and "--sync-every 4" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_rank_is_seen_at_a_rounds_end_and_the_others_go_on(tmp_path):
+    """Between syncs nothing is summed, so a killed rank is seen at the next round's end: the step
+    that round ended counts as done, and the survivors go on from the last outer step."""
+    result = procs.train([*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"], cwd=str(tmp_path),
+                         env=dict(os.environ, RING_FAULT="1:20:KILL"))
+    assert result.returncode == 0, result.stderr
+    assert "continuing on 2 ranks from step 24" in result.stdout, result.stdout
+    assert "parameters identical on all 2 ranks" in result.stdout
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["images"] == 3200

@@ -54,13 +54,19 @@ class PeriodicSync:
         self.busy_seconds = self.waited_seconds = 0.0
         self.pending = None                                     # (thread, result) of the sum in flight
         self.arrived = None                                     # its mean change, once waited for
+        self.failed = None                                      # a lost peer, seen at a round's end
 
     # -- the training loop's calls ---------------------------------------------------------------
     def weigh(self, weight):
         pass   # each rank's inner step is on its own share: no weighting across ranks
 
     def after_backward(self):
-        pass   # nothing is summed per step
+        self._raise_failure()   # nothing is summed per step
+
+    def _raise_failure(self):
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            raise failed
 
     def step(self):
         with timeline.span("optimizer"):
@@ -69,7 +75,10 @@ class PeriodicSync:
             self.optimizer.zero_grad()
         self.inner += 1
         if self.inner == self.every:
-            self._round_end()
+            try:
+                self._round_end()
+            except PeerError as e:   # this step is done (its optimizer step is taken): the next one fails
+                self.failed = e
 
     def stop_count(self):
         return self.flag_sum
@@ -77,10 +86,12 @@ class PeriodicSync:
     def finish(self):
         """Before evaluating or saving: wait for the sum in flight, and keep its result for the end of
         the round, where it would have been applied anyway (so a save changes no bits)."""
+        self._raise_failure()
         self._collect()
 
     def flush(self):
         """The end of training: every round's change applied, the same parameters on every rank."""
+        self._raise_failure()
         self._collect()
         self._apply(self.arrived)
         self._start(self.start - self._flat())
@@ -180,7 +191,7 @@ class PeriodicSync:
     def abandon(self):
         """After a lost peer: the parameters go back to the anchor (the last outer step, the same on
         every rank); the round's inner steps are lost with the sum in flight."""
-        self.pending = self.arrived = None
+        self.pending = self.arrived = self.failed = None
         self._set(self.anchor)
         self.start = self.anchor.clone()
         self.inner = 0
