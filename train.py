@@ -30,11 +30,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors
 # Only modules without torch here: a bad command line, and the local launcher, answer before torch
 # loads (a second or two). What trains imports torch and the rest where it starts (train, evaluate).
 from utils import stop  # noqa: E402
-from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,  # noqa: E402
-                          DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP, DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH,
-                          MAX_HEARTBEAT, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK, MAX_SYNC_EVERY, MAX_TIMEOUT, OUTERS,
-                          OneLineParser, check_share, chunk_count, from_args, momentum_value, non_negative_int,
-                          positive, seed_value, timeline_steps)
+from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP,  # noqa: E402
+                          DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_HEARTBEAT, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK,
+                          MAX_SYNC_EVERY, MAX_TIMEOUT, OUTERS, OneLineParser, check_share, chunk_count, from_args,
+                          momentum_value, non_negative_int, positive, seed_value, timeline_steps)
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
 from utils.files import check_writable, remove_stale_temps, set_aside  # noqa: E402
 from utils.launch import launch_local  # noqa: E402
@@ -58,21 +57,20 @@ def parse_args(argv):
                    help="where rank 0 writes the state dict after every epoch (default runs/model_state_dict.pth)")
     p.add_argument("--checkpoint", default=os.path.join("runs", "checkpoint.pt"),
                    help="rank 0's full training checkpoint, written every epoch (default runs/checkpoint.pt)")
-    p.add_argument("--save-every", type=non_negative_int, default=0,
-                   help="also write the checkpoint every K steps within an epoch (default 0: per epoch only)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint if it exists (mid-epoch included), else start afresh")
+    p.add_argument("--save-every", type=non_negative_int, default=0, help="also write the checkpoint every K steps "
+                   "within an epoch (default 0: per epoch only)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists (mid-epoch "
+                   "included), else start afresh")
     p.add_argument("--metrics", default=os.path.join("runs", "metrics.jsonl"),
                    help="rank 0 appends one JSON line per epoch here ('' to turn off)")
     p.add_argument("--lr", type=positive(float, MAX_LR), default=4e-3, help="peak learning rate (default 0.004)")
-    p.add_argument("--global-batch", type=positive(int),
-                   help=f"images per step in all, shared by the ranks (default {GLOBAL_BATCH}); what a resume "
-                        f"on another number of ranks keeps")
+    p.add_argument("--global-batch", type=positive(int), help=f"images per step in all, shared by the ranks "
+                   f"(default {GLOBAL_BATCH}); what a resume on another number of ranks keeps")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive(int),
                    help="images per step on each rank instead (the global batch is this times the world size)")
     p.add_argument("--seed", type=seed_value, default=1, help="seed for the model and the data order (default 1)")
-    p.add_argument("--timeout", type=positive(float, MAX_TIMEOUT), default=120.0,
-                   help="seconds to wait for rendezvous and for any send/recv (default 120)")
+    p.add_argument("--timeout", type=positive(float, MAX_TIMEOUT), default=120.0, help="seconds to wait for "
+                   "rendezvous and for any send/recv (default 120)")
     p.add_argument("--recover", action=argparse.BooleanOptionalAction, default=None,
                    help="when a rank is lost, the others go on without it, from the last step (default on, "
                         "off under torchrun, which restarts every rank); --no-recover: they save that step and exit 1")
@@ -88,29 +86,25 @@ def parse_args(argv):
                    help="with --overlap: apply each bucket's update just before the next forward uses it, so "
                         "communication also overlaps the next forward (same parameters, bit for bit)")
     p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
-    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
-                   help="what the gradient sums carry: none (float32, default), bf16 or fp16 (16 bits a value), "
-                        "powersgd (low-rank; see --powersgd-rank)")
+    p.add_argument("--compress", choices=COMPRESSIONS, default="none", help="what the gradient sums carry: none "
+                   "(float32, default), bf16 or fp16 (16 bits a value), powersgd (low-rank; see --powersgd-rank)")
     p.add_argument("--powersgd-rank", type=positive(int, MAX_POWERSGD_RANK),
                    help=f"with --compress powersgd: rank of each matrix's approximation (default {DEFAULT_POWERSGD_RANK})")
     p.add_argument("--powersgd-warmup", type=non_negative_int,
                    help=f"with --compress powersgd: uncompressed steps first (default {DEFAULT_POWERSGD_WARMUP})")
-    p.add_argument("--sync-every", type=positive(int, MAX_SYNC_EVERY), default=1, metavar="H",
-                   help="sum the gradients every step (1, the default), or take H steps on each rank and average "
-                        "the parameters' change behind the next H (docs/gradient-sum.md)")
+    p.add_argument("--sync-every", type=positive(int, MAX_SYNC_EVERY), default=1, metavar="H", help="1: sum the "
+                   "gradients every step (default); H: H steps per rank, then average the change behind the next H")
     p.add_argument("--outer", choices=OUTERS, help="with --sync-every H > 1: the outer step (default average)")
-    p.add_argument("--outer-lr", type=positive(float, MAX_LR), help=f"--outer nesterov's rate (default {DEFAULT_OUTER_LR})")
-    p.add_argument("--outer-momentum", type=momentum_value,
-                   help=f"--outer nesterov's momentum, 0 <= m < 1 (default {DEFAULT_OUTER_MOMENTUM})")
+    p.add_argument("--outer-lr", type=positive(float, MAX_LR), help="--outer nesterov's rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=momentum_value, help="--outer nesterov's momentum (default 0.9)")
     p.add_argument("--timeline", metavar="PATH",
                    help="rank 0 writes a Chrome trace of every rank's steps here (open it in ui.perfetto.dev)")
-    p.add_argument("--timeline-steps", metavar="A:B", type=timeline_steps,
-                   help=f"with --timeline: the steps to record, counted over the whole run "
-                        f"(default {DEFAULT_TIMELINE_STEPS[0]}:{DEFAULT_TIMELINE_STEPS[1]})")
+    p.add_argument("--timeline-steps", metavar="A:B", type=timeline_steps, help="with --timeline: the steps to "
+                   f"record, counted over the whole run (default {DEFAULT_TIMELINE_STEPS[0]}:{DEFAULT_TIMELINE_STEPS[1]})")
     p.add_argument("--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone")
     p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
-    p.add_argument("--test-subset", type=positive(int),
-                   help="evaluate on only the first N of the 10,000 test images (quick runs; default all)")
+    p.add_argument("--test-subset", type=positive(int), help="evaluate on only the first N of the 10,000 test "
+                   "images (quick runs; default all)")
     p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
     p.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
     return p.parse_args(argv)

@@ -2,6 +2,7 @@
 next round (utils/periodic.py). Real processes, our own rings."""
 import json
 import os
+import re
 
 import pytest
 
@@ -64,11 +65,12 @@ def test_a_resume_with_another_h_is_refused(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_lost_rank_is_seen_at_a_rounds_end_and_the_others_go_on(tmp_path):
-    """Between syncs nothing is summed, so a killed rank is seen at the next round's end: the step
-    that round ended counts as done, and the survivors go on from the last outer step."""
+    """Between syncs nothing is summed, so a killed rank (as step 20 begins) is seen at a round's
+    end: that step counts as done, and the survivors go on from the last outer step."""
     result = procs.train([*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"], cwd=str(tmp_path),
                          env=dict(os.environ, RING_FAULT="1:20:KILL"))
     assert result.returncode == 0, result.stderr
-    assert "continuing on 2 ranks from step 24" in result.stdout, result.stdout
+    # the round ending at step 24 sums in the background; its failure, or the next one's, is seen at a round's end
+    assert re.search(r"continuing on 2 ranks from step (24|32) ", result.stdout), result.stdout
     assert "parameters identical on all 2 ranks" in result.stdout
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["images"] == 3200

@@ -44,8 +44,10 @@ def test_agreement_and_resume_lists_come_from_the_fields():
             "compress", "powersgd-rank", "powersgd-warmup"} <= set(agree)
     assert "timeout" not in agree and "test-subset" not in agree
     assert c.must_keep() == {"global-batch": 64, "lr": 4e-3, "seed": 1, "epochs": 2, "train-subset": None,
-                             "compress": "powersgd", "powersgd-rank": 2, "powersgd-warmup": 10}
+                             "compress": "powersgd", "powersgd-rank": 2, "powersgd-warmup": 10, "sync-every": 1}
     assert "powersgd-rank" not in config().must_keep()   # no PowerSGD: no such setting to keep
+    assert "outer" not in config().must_keep() and "outer-lr" not in config("--sync-every", "4").must_keep()
+    assert config("--sync-every", "4", "--outer", "nesterov").must_keep()["outer-lr"] == 0.7
 
 
 def test_the_whole_config_goes_into_a_checkpoint():
