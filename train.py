@@ -292,10 +292,9 @@ def say(line):
 
 if __name__ == "__main__":
     code = main()
-    # Leave without Python's shutdown: it destroys gloo's threads, and a thread still tearing down
-    # a connection (to a lost peer, or to rank 0's store, which may have gone first at the end of
-    # a run) aborts the process ("terminate called without an active exception", exit -6) after
-    # its last line. Everything worth keeping is on disk by now (saves are fsynced).
+    # Leave without Python's shutdown: it destroys gloo's threads, and one still tearing down a connection
+    # (to a lost peer, or to rank 0's store, gone first at the end of a run) aborts the process ("terminate
+    # called without an active exception", exit -6). Everything worth keeping is on disk (saves are fsynced).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
