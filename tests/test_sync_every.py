@@ -30,6 +30,8 @@ def test_h8_trains_sends_an_eighth_and_ends_identical(outer, tmp_path):
     assert "parameters identical on all 2 ranks" in result.stdout
     row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert row["test_accuracy"] > 0.80, row   # it trains (10% is chance); accuracy targets: the benchmark
+    if outer != "average":
+        return
     # the float32 change (421,642 values + the flag) every 8 steps, two-pass: each rank sends it
     # about once a round; the per-step sum sends as much every step
     per_step = procs.train([*SHORT, "--metrics", "m1.jsonl"], cwd=str(tmp_path))
