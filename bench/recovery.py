@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (RESULTS, REPO, bench_parser, command_line, emulated_cluster, host_info, number_list,  # noqa: E402
                      positive, results_stem, write_results)
 from targets import bound  # noqa: E402
+from utils.errors import EXIT_STOPPED  # noqa: E402
 from utils.launch import free_port, kill, supervise  # noqa: E402
 
 TRAIN = str(REPO / "train.py")
@@ -69,17 +71,25 @@ def fault_trial(kind, world_size, rng, tmp):
 
 
 def join_trial(world_size, rng, tmp):
-    """A job loses a rank (SIGKILL); its server is started again with --join: (ready -> first step, s)."""
+    """A job loses a rank (SIGKILL); its server is started again with --join: (ready -> first step, s).
+    The job is long (20 epochs) so that it still runs however slowly the server comes back; once
+    the server has trained a step, every rank is stopped with SIGTERM (exit 3, with a checkpoint)."""
     rank, step = rng.randrange(1, world_size), rng.randrange(STEPS // 10 + 2, STEPS // 3)
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
     common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
-              "lo", *RUN, "--epochs", "3", "--heartbeat", str(HEARTBEAT)]   # 3 epochs: still running when it is back
+              "lo", *RUN, "--epochs", "20", "--heartbeat", str(HEARTBEAT)]
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
     ranks = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), *common], cwd=cwd, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for r in range(world_size)]
-    joiner = None
+    joiner, stopped = None, []
+
+    def joined(procs):   # supervise's while_running: stop the job once the server is in (one signal each)
+        if not stopped and any(e["event"] == "first-step" and e["after"] == "joined" for e in events(log)):
+            stopped.append(True)
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
     try:
         deadline = time.monotonic() + 120
         while ranks[rank].poll() is None and time.monotonic() < deadline:
@@ -87,11 +97,12 @@ def join_trial(world_size, rng, tmp):
         joiner = subprocess.Popen([sys.executable, TRAIN, "--rank", str(rank), *common, "--join"], cwd=cwd,
                                   env=dict(env, RING_FAULT=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True, start_new_session=True)
-        outcome = supervise([*[r for i, r in enumerate(ranks) if i != rank], joiner], timeout=240, grace=None)
+        outcome = supervise([*[r for i, r in enumerate(ranks) if i != rank], joiner], timeout=240, grace=None,
+                            ok_codes=(EXIT_STOPPED,), while_running=joined)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             kill(p, group=True)
-    if any(code != 0 for code in outcome.codes):
+    if any(code != EXIT_STOPPED for code in outcome.codes):
         raise RuntimeError(f"join of rank {rank}: exit codes {outcome.codes}\n{outcome.outputs}")
     seen = events(log)
     ready = next(e for e in seen if e["event"] == "join-ready")
