@@ -72,13 +72,14 @@ def fault_trial(kind, world_size, rng, tmp):
 
 def join_trial(world_size, rng, tmp):
     """A job loses a rank (SIGKILL); its server is started again with --join: (ready -> first step, s).
-    The job is long (20 epochs) so that it still runs however slowly the server comes back; once
-    the server has trained a step, every rank is stopped with SIGTERM (exit 3, with a checkpoint)."""
+    The job is long (60 epochs) so that it still runs however slowly the server comes back; once
+    the server has trained a step, every rank is stopped with SIGTERM (exit 3, with a checkpoint).
+    A job that ended by itself (exit 0) after the server trained a step counts too."""
     rank, step = rng.randrange(1, world_size), rng.randrange(STEPS // 10 + 2, STEPS // 3)
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
     common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
-              "lo", *RUN, "--epochs", "20", "--heartbeat", str(HEARTBEAT)]
+              "lo", *RUN, "--epochs", "60", "--heartbeat", str(HEARTBEAT)]
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
     ranks = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), *common], cwd=cwd, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -98,15 +99,16 @@ def join_trial(world_size, rng, tmp):
                                   env=dict(env, RING_FAULT=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True, start_new_session=True)
         outcome = supervise([*[r for i, r in enumerate(ranks) if i != rank], joiner], timeout=240, grace=None,
-                            ok_codes=(EXIT_STOPPED,), while_running=joined)
+                            ok_codes=(0, EXIT_STOPPED), while_running=joined)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             kill(p, group=True)
-    if any(code != EXIT_STOPPED for code in outcome.codes):
-        raise RuntimeError(f"join of rank {rank}: exit codes {outcome.codes}\n{outcome.outputs}")
     seen = events(log)
-    ready = next(e for e in seen if e["event"] == "join-ready")
-    first = next(e for e in seen if e["event"] == "first-step" and e["after"] == "joined")
+    ready = next((e for e in seen if e["event"] == "join-ready"), None)
+    first = next((e for e in seen if e["event"] == "first-step" and e["after"] == "joined"), None)
+    if any(code not in (0, EXIT_STOPPED) for code in outcome.codes) or ready is None or first is None:
+        raise RuntimeError(f"join of rank {rank}: exit codes {outcome.codes}, join-ready seen: {ready is not None}, "
+                           f"first step after the join seen: {first is not None}\n{outcome.outputs}")
     return first["time"] - ready["time"]
 
 
