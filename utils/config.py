@@ -171,8 +171,8 @@ def from_args(args, environ=os.environ):
         raise UsageError(f"--outer {args.outer} needs --sync-every 2 or more: with 1 the gradients are summed every step")
     if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
         raise UsageError("--outer-lr and --outer-momentum are for --outer nesterov")
-    if args.sync_every > 1 and args.compress not in ("none", "bf16"):
-        raise UsageError(f"--sync-every sends the parameter change as --compress none or bf16, not {args.compress}")
+    if args.sync_every > 1 and args.compress == "powersgd":
+        raise UsageError("--sync-every sends the parameter change as --compress none, bf16 or fp16, not powersgd")
     if args.sync_every > 1 and args.lazy_update:
         raise UsageError("--lazy-update hides a per-step sum; with --sync-every the outer sum runs behind the inner steps")
     if args.eval and not args.model_path:

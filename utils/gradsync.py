@@ -333,7 +333,7 @@ def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=lam
             allreduce = make_allreduce(sync.allreduce, sync.chunks, timeout, own_group=True)
         except RuntimeError as e:
             raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
-        return PeriodicSync(model, allreduce, torch.bfloat16 if sync.compress == "bf16" else None, optimizer, scheduler,
+        return PeriodicSync(model, allreduce, make_compressor(sync.compress, [params]), optimizer, scheduler,
                             sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, local_flag)
     buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)

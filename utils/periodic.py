@@ -38,10 +38,11 @@ from utils.errors import PeerError, first_line
 class PeriodicSync:
     """The gradient-sync interface (utils/gradsync.py) for --sync-every H > 1."""
 
-    def __init__(self, model, allreduce, wire, optimizer, scheduler, every, outer="average", outer_lr=0.7,
+    def __init__(self, model, allreduce, compressor, optimizer, scheduler, every, outer="average", outer_lr=0.7,
                  outer_momentum=0.9, local_flag=lambda: 0.0):
         self.params = [p for p in model.parameters()]
-        self.allreduce, self.wire = allreduce, wire            # wire: the change's dtype on the wire (None: float32)
+        self.allreduce = allreduce
+        self.compressor = compressor   # --compress none, bf16 or fp16 (utils/compress.py): how the change travels
         self.allreduces = [allreduce]
         self.optimizer, self.scheduler = optimizer, scheduler
         self.every, self.outer, self.outer_lr, self.outer_momentum = every, outer, outer_lr, outer_momentum
@@ -94,9 +95,10 @@ class PeriodicSync:
         self._raise_failure()
         self._collect()
         self._apply(self.arrived)
-        self._start(self.start - self._flat())
-        self._collect()
-        self._apply(self.arrived)
+        if self.inner:   # a round cut short: its change too (none after a round's end, nor a step of momentum)
+            self._start(self.start - self._flat())
+            self._collect()
+            self._apply(self.arrived)
         self.arrived, self.start, self.inner = None, self.anchor.clone(), 0
         self._set(self.anchor)
 
@@ -124,7 +126,8 @@ class PeriodicSync:
             started = time.perf_counter()
             try:
                 with timeline.span("outer-sum"):
-                    result["sum"] = self.allreduce.sum_(buffer, self.wire)   # float32 adds, `wire` on the wire
+                    # the mean change, float32 adds; the flag (one extra value) is summed, not divided
+                    result["mean"] = self.compressor.average_(buffer, 0, self.allreduce, extras=1)
             except Exception as e:   # a lost peer: the training thread hears of it at the next wait
                 result["error"] = e
             self.busy_seconds += time.perf_counter() - started
@@ -144,9 +147,9 @@ class PeriodicSync:
         self.pending = None
         if "error" in result:
             raise PeerError(first_line(result["error"]))
-        summed = result["sum"]
-        self.flag_sum = summed[-1].item()
-        self.arrived = summed[:-1].div_(self.allreduce.world_size)
+        mean = result["mean"]
+        self.flag_sum = mean[-1].item()
+        self.arrived = mean[:-1]
 
     def _apply(self, mean_change):
         """The outer step on the anchor: plain averaging, or SGD with Nesterov momentum on the
@@ -173,7 +176,8 @@ class PeriodicSync:
         """This rank's own state, mid-round too (after finish(): nothing in flight): so that a resume
         on as many ranks goes on bit for bit. On another number every rank takes rank 0's."""
         return {"optimizer": self.optimizer.state_dict(), "momentum": self.momentum, "anchor": self.anchor,
-                "start": self.start, "working": self._flat(), "inner": self.inner, "arrived": self.arrived}
+                "start": self.start, "working": self._flat(), "inner": self.inner, "arrived": self.arrived,
+                "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state["optimizer"])
@@ -181,6 +185,7 @@ class PeriodicSync:
             self.momentum.copy_(state["momentum"])
         self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
         self.inner, self.arrived = state["inner"], state["arrived"]   # (flag_sum stays 0: no signal yet)
+        self.compressor.load_state_dict(state["compressor"])
         self._set(state["working"])
 
     def close(self):

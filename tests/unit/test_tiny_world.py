@@ -13,17 +13,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    folder, port, n = tmp_path_factory.mktemp("world"), free_port(), 3
+def run_world(folder, n, *mode):
+    """n ranks of world_worker.py on loopback, 2 ranks to a fake host: what each rank saved."""
+    port = free_port()
     outs = [folder / f"rank{r}.pt" for r in range(n)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "world_worker.py"), str(r), str(n), str(port),
-                               str(outs[r])], env=dict(os.environ, OMP_NUM_THREADS="1", RING_HOST_ID="ab"[r // 2]),
+                               str(outs[r]), *mode], env=dict(os.environ, OMP_NUM_THREADS="1", RING_HOST_ID="abc"[r // 2]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for r in range(n)]
     outcome = supervise(procs, timeout=90)
     assert outcome.codes == [0] * n and not outcome.timed_out, [err for _, err in outcome.outputs]
     return [torch.load(o, weights_only=True) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_world(tmp_path_factory.mktemp("world"), 3)
 
 
 def exact(size):
@@ -51,3 +56,47 @@ def test_the_ways_of_summing_train_the_same_model(results):
     assert torch.equal(results[0]["overlap"], results[0]["lazy"])     # lazy only moves the update
     assert not torch.equal(results[0]["lazy"], results[0]["lazy-powersgd"])
     assert results[0]["lazy-powersgd/bytes"] < results[0]["lazy/bytes"]
+
+
+def outer_step(anchor, momentum, mean_change, outer):
+    """The outer step in float64, by the formulas: averaging, or DiLoCo's SGD with Nesterov momentum
+    (lr 0.7, momentum 0.9)."""
+    if outer == "average":
+        return anchor - mean_change, momentum
+    momentum = 0.9 * momentum + mean_change
+    return anchor - 0.7 * (mean_change + 0.9 * momentum), momentum
+
+
+def check_periodic(results):
+    """Every round's mean change reaches the anchor once, one round late (float64 replay of what the
+    ranks recorded); the anchor is bit-identical on every rank after every outer step; each rank's
+    working parameters are the anchor minus its own change; flush() leaves one model on all ranks."""
+    keys = sorted({k.rsplit("/", 1)[0] for k in results[0] if k.startswith("periodic/")})
+    assert len(keys) == 9, keys
+    for key in keys:
+        tolerance = 1e-3 if key.endswith("fp16") else 1e-6
+        for what in ("anchors", "final", "initial"):
+            assert all(torch.equal(r[f"{key}/{what}"], results[0][f"{key}/{what}"]) for r in results), (key, what)
+        means = torch.stack([r[f"{key}/changes"].double() for r in results]).mean(0)
+        assert means.abs().max() > 1e-3, key     # the rounds moved the parameters: the checks below bite
+        anchor, momentum = results[0][f"{key}/initial"].double(), 0.0
+        for k, recorded in enumerate(results[0][f"{key}/anchors"]):
+            if k > 0:      # round k's end applies round k-1's mean (round 0's end: nothing has arrived)
+                anchor, momentum = outer_step(anchor, momentum, means[k - 1], key.split("/")[2])
+            assert torch.allclose(recorded.double(), anchor, atol=tolerance, rtol=0), (key, k)
+            for r in results:
+                assert torch.equal(r[f"{key}/working"][k], recorded - r[f"{key}/changes"][k]), (key, k)
+        for mean in means[-2:]:          # flush(): the last full round's mean, then the cut-short round's
+            anchor, momentum = outer_step(anchor, momentum, mean, key.split("/")[2])
+        assert torch.allclose(results[0][f"{key}/final"].double(), anchor, atol=tolerance, rtol=0), key
+
+
+@pytest.mark.timeout(120)
+def test_sync_every_h_on_3_ranks_every_algorithm_both_outer_steps(results):
+    check_periodic(results)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4, 5])
+def test_sync_every_h_on_2_4_and_5_ranks(tmp_path, n):
+    check_periodic(run_world(tmp_path, n, "periodic"))

@@ -12,6 +12,8 @@ from utils.config import Recipe, Sync  # noqa: E402
 from utils.model import Net  # noqa: E402
 from utils.run import make_optimizer, train_step  # noqa: E402
 from utils.gradsync import make_gradient_sync  # noqa: E402
+from utils.compress import make_compressor  # noqa: E402
+from utils.periodic import PeriodicSync  # noqa: E402
 
 
 def inputs(rank, size):
@@ -55,11 +57,57 @@ def training(rank, world_size):
     return results
 
 
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps the parameters after its last step: the inner steps' end point, before the
+    round's end moves them."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.after = torch.cat([p.detach().reshape(-1) for g in self.param_groups for p in g["params"]])
+        return loss
+
+
+def periodic(rank, rounds=4, every=3):
+    """--sync-every 3 on a tiny linear model, under every all-reduce and both outer steps (and fp16 on
+    the ring): at each round's end this rank's change, the anchor and its working parameters; then
+    a round cut short after 2 steps, and flush(). The test replays the outer steps in float64."""
+    results = {}
+    plan = [(name, outer, "none") for name in ALGORITHMS for outer in ("average", "nesterov")]
+    for name, outer, wire in plan + [("ring", "nesterov", "fp16")]:
+        torch.manual_seed(1)
+        model = torch.nn.Linear(5, 3)
+        optimizer = RecordingSGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        sync = PeriodicSync(model, make_allreduce(name, chunks=3, own_group=True),
+                            make_compressor(wire, [list(model.parameters())]), optimizer, scheduler, every, outer)
+        key = f"periodic/{name}/{outer}/{wire}"
+        results[f"{key}/initial"] = sync.anchor.clone()
+        changes, anchors, working = [], [], []
+        for step in range(1, rounds * every + 3):
+            images = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+            model(images).square().mean().backward()
+            start = sync.start.clone()
+            sync.after_backward()
+            sync.step()
+            if step % every == 0:
+                changes.append(start - optimizer.after)
+                anchors.append(sync.anchor.clone())
+                working.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        changes.append(sync.start - optimizer.after)       # the round cut short
+        sync.flush()
+        results[f"{key}/changes"], results[f"{key}/anchors"] = torch.stack(changes), torch.stack(anchors)
+        results[f"{key}/working"] = torch.stack(working)
+        results[f"{key}/final"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        sync.close()
+    return results
+
+
 if __name__ == "__main__":
     rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=30))
-    torch.save({**sums(rank), **training(rank, world_size)}, out)
+    only_periodic = sys.argv[5:] == ["periodic"]
+    torch.save(periodic(rank) if only_periodic else {**sums(rank), **training(rank, world_size), **periodic(rank)}, out)
     dist.barrier()
     dist.destroy_process_group()
