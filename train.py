@@ -27,8 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs socket errors with stack traces; we report them in one line
 
-# Only modules without torch here: a bad command line, and the local launcher, answer before torch
-# loads (a second or two). What trains imports torch and the rest where it starts (train, evaluate).
+# Only modules without torch here: a bad command line and the local launcher answer before torch loads.
 from utils import stop  # noqa: E402
 from utils.config import (ALGORITHMS, COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP,  # noqa: E402
                           DEFAULT_TIMELINE_STEPS, GLOBAL_BATCH, MAX_HEARTBEAT, MAX_LR, MAX_NPROC, MAX_POWERSGD_RANK,
@@ -82,9 +81,8 @@ def parse_args(argv):
     p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="sum gradient buckets during backward (default on; --no-overlap: backward, then sum)")
-    p.add_argument("--lazy-update", action=argparse.BooleanOptionalAction, default=False,
-                   help="with --overlap: apply each bucket's update just before the next forward uses it, so "
-                        "communication also overlaps the next forward (same parameters, bit for bit)")
+    p.add_argument("--lazy-update", action=argparse.BooleanOptionalAction, default=False, help="with --overlap: "
+                   "apply each bucket's update as the next forward needs it, so communication overlaps that too")
     p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
     p.add_argument("--compress", choices=COMPRESSIONS, default="none", help="what the gradient sums carry: none "
                    "(float32, default), bf16 or fp16 (16 bits a value), powersgd (low-rank; see --powersgd-rank)")
@@ -95,6 +93,8 @@ def parse_args(argv):
     p.add_argument("--sync-every", type=positive(int, MAX_SYNC_EVERY), default=1, metavar="H", help="1: sum the "
                    "gradients every step (default); H: H steps per rank, then average the change behind the next H")
     p.add_argument("--outer", choices=OUTERS, help="with --sync-every H > 1: the outer step (default average)")
+    p.add_argument("--merge-after", type=positive(int, MAX_SYNC_EVERY), metavar="T", help="with --sync-every H: merge "
+                   "a round's average T steps into the next round (1..H; default H/4)")
     p.add_argument("--outer-lr", type=positive(float, MAX_LR), help="--outer nesterov's rate (default 0.7)")
     p.add_argument("--outer-momentum", type=momentum_value, help="--outer nesterov's momentum (default 0.9)")
     p.add_argument("--timeline", metavar="PATH",

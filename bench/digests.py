@@ -5,7 +5,7 @@
     python bench/digests.py --only two-pass  # the combinations whose name contains this
 
 A combination is --allreduce x (--no-overlap | --overlap | --overlap --lazy-update) x --compress,
-on 2 ranks (and a few on 3, where the global batch does not divide), 30 steps: long enough for
+on 2 ranks (and a few on 3, where the global batch does not divide), and a few of --sync-every 8; 30 steps: long enough for
 PowerSGD's 10 warm-up steps to end. Each run is `python train.py` (the local launcher), 1 thread
 per rank, with a timeout. Exit code 1 when any digest differs from the table.
 
@@ -42,6 +42,11 @@ def combinations():
     for allreduce in ("two-pass", "ring", "hierarchical"):
         found[f"{allreduce}/overlap/powersgd/3-ranks"] = ["--nproc", "3", "--allreduce", allreduce,
                                                           "--compress", "powersgd"]
+    for compress in ("none", "bf16", "fp16"):       # --sync-every: 3 rounds of 8 steps and one cut short
+        found[f"two-pass/sync-every-8/{compress}"] = ["--nproc", "2", "--sync-every", "8", "--compress", compress]
+    found["ring/sync-every-8/nesterov"] = ["--nproc", "2", "--allreduce", "ring", "--sync-every", "8",
+                                           "--outer", "nesterov"]
+    found["two-pass/sync-every-8/none/3-ranks"] = ["--nproc", "3", "--sync-every", "8"]
     return found
 
 

@@ -41,6 +41,11 @@ MAX_SEED = 2**32 - 1
 MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
 OUTERS = ("average", "nesterov")   # --outer: utils/periodic.PeriodicSync
 DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer SGD (Douillard et al., 2023)
+
+
+def default_merge_after(every):
+    """--merge-after's default for --sync-every `every`: a quarter round (see docs/gradient-sum.md)."""
+    return max(1, every // 4)
 MAX_SYNC_EVERY = 100_000
 
 
@@ -74,6 +79,7 @@ class Sync:
     outer: Optional[str] = setting(None, "outer", agree=True, resume=True)   # None with sync_every 1
     outer_lr: Optional[float] = setting(None, "outer-lr", agree=True, resume=True)   # None but for nesterov
     outer_momentum: Optional[float] = setting(None, "outer-momentum", agree=True, resume=True)
+    merge_after: Optional[int] = setting(None, "merge-after", agree=True, resume=True)   # None with sync_every 1
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class Config:
         rank and warm-up only under --compress powersgd: None is no setting)."""
         return {f.metadata["flag"]: getattr(part, f.name) for part in (self.recipe, self.sync)
                 for f in dataclasses.fields(part) if f.metadata["resume"]
-                and not (f.name.startswith(("powersgd", "outer")) and getattr(part, f.name) is None)}
+                and not (f.name.startswith(("powersgd", "outer", "merge")) and getattr(part, f.name) is None)}
 
     def to_dict(self):
         return {"recipe": dataclasses.asdict(self.recipe), "sync": dataclasses.asdict(self.sync),
@@ -169,6 +175,8 @@ def from_args(args, environ=os.environ):
             raise UsageError("--join does not work with --timeline yet")
     if args.sync_every == 1 and args.outer is not None:
         raise UsageError(f"--outer {args.outer} needs --sync-every 2 or more: with 1 the gradients are summed every step")
+    if args.merge_after is not None and not 1 < args.sync_every >= args.merge_after:
+        raise UsageError(f"--merge-after {args.merge_after} needs --sync-every H with H >= {max(2, args.merge_after)}")
     if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
         raise UsageError("--outer-lr and --outer-momentum are for --outer nesterov")
     if args.sync_every > 1 and args.compress == "powersgd":
@@ -207,7 +215,8 @@ def from_args(args, environ=os.environ):
                   outer=(args.outer or "average") if args.sync_every > 1 else None,
                   outer_lr=(DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr) if args.outer == "nesterov" else None,
                   outer_momentum=(DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum)
-                  if args.outer == "nesterov" else None),
+                  if args.outer == "nesterov" else None,
+                  merge_after=(args.merge_after or default_merge_after(args.sync_every)) if args.sync_every > 1 else None),
         outputs=Outputs(save_path=args.save_path, checkpoint=args.checkpoint, save_every=args.save_every,
                         metrics=args.metrics, timeline=args.timeline,
                         timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None))

@@ -334,7 +334,8 @@ def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=lam
         except RuntimeError as e:
             raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
         return PeriodicSync(model, allreduce, make_compressor(sync.compress, [params]), optimizer, scheduler,
-                            sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, local_flag)
+                            sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, local_flag,
+                            sync.merge_after)
     buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
     try:

@@ -39,13 +39,14 @@ class PeriodicSync:
     """The gradient-sync interface (utils/gradsync.py) for --sync-every H > 1."""
 
     def __init__(self, model, allreduce, compressor, optimizer, scheduler, every, outer="average", outer_lr=0.7,
-                 outer_momentum=0.9, local_flag=lambda: 0.0):
+                 outer_momentum=0.9, local_flag=lambda: 0.0, merge_after=None):
         self.params = [p for p in model.parameters()]
         self.allreduce = allreduce
         self.compressor = compressor   # --compress none, bf16 or fp16 (utils/compress.py): how the change travels
         self.allreduces = [allreduce]
         self.optimizer, self.scheduler = optimizer, scheduler
         self.every, self.outer, self.outer_lr, self.outer_momentum = every, outer, outer_lr, outer_momentum
+        self.merge_after = merge_after or every                 # inner steps from a sum's start to its merge
         self.local_flag = local_flag
         self.anchor = self._flat().clone()                     # the outer steps so far: the same on every rank
         self.start = self.anchor.clone()                       # where this rank's round began
@@ -75,26 +76,27 @@ class PeriodicSync:
             self.scheduler.step()
             self.optimizer.zero_grad()
         self.inner += 1
-        if self.inner == self.every:
-            try:
+        try:
+            if self.inner == self.merge_after:
+                self._merge()
+            if self.inner == self.every:
                 self._round_end()
-            except PeerError as e:   # this step is done (its optimizer step is taken): the next one fails
-                self.failed = e
+        except PeerError as e:   # this step is done (its optimizer step is taken): the next one fails
+            self.failed = e
 
     def stop_count(self):
         return self.flag_sum
 
     def finish(self):
-        """Before evaluating or saving: wait for the sum in flight, and keep its result for the end of
-        the round, where it would have been applied anyway (so a save changes no bits)."""
+        """Before evaluating or saving: wait for the sum in flight, and keep its result for the step
+        where it would have been merged anyway (so a save changes no bits)."""
         self._raise_failure()
         self._collect()
 
     def flush(self):
         """The end of training: every round's change applied, the same parameters on every rank."""
         self._raise_failure()
-        self._collect()
-        self._apply(self.arrived)
+        self._merge()
         if self.inner:   # a round cut short: its change too (none after a round's end, nor a step of momentum)
             self._start(self.start - self._flat())
             self._collect()
@@ -107,14 +109,24 @@ class PeriodicSync:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def _round_end(self):
-        change = self.start - self._flat()   # what this rank's inner steps did this round
-        self._collect()
-        self._apply(self.arrived)            # last round's mean change, summed behind this round
-        self.arrived = None
-        self._start(change)
-        self.start = self.anchor - change    # eager: its own change stands in for the mean until that comes
-        self._set(self.start)
+        """Start summing this round's change; meanwhile the rank goes on from where it is (its own
+        change stands in for the mean until that is merged)."""
+        working = self._flat()
+        self._start(self.start - working)   # (the last round's mean is merged by now: merge_after <= every)
+        self.start = working
         self.inner = 0
+
+    def _merge(self):
+        """The last round's mean change replaces this rank's own: the anchor takes its outer step, and
+        the working parameters keep the steps taken since the round's start on top of it."""
+        self._collect()
+        if self.arrived is None:             # (the first round: nothing was summed yet)
+            return
+        progress = self.start - self._flat()
+        self._apply(self.arrived)
+        self.arrived = None
+        self.start = self.anchor.clone()
+        self._set(self.anchor - progress)
 
     def _start(self, change):
         buffer = torch.empty(change.numel() + 1)

@@ -67,27 +67,38 @@ def outer_step(anchor, momentum, mean_change, outer):
     return anchor - 0.7 * (mean_change + 0.9 * momentum), momentum
 
 
-def check_periodic(results):
-    """Every round's mean change reaches the anchor once, one round late (float64 replay of what the
-    ranks recorded); the anchor is bit-identical on every rank after every outer step; each rank's
-    working parameters are the anchor minus its own change; flush() leaves one model on all ranks."""
+def check_periodic(results, every=3):
+    """Every round's mean change reaches the anchor once, at the merge step of the next round (a
+    float64 replay of what the ranks recorded); the anchor is bit-identical on every rank at every
+    step; a merge swaps a rank's own change for the mean and keeps its steps since; no other step
+    moves the parameters but the optimizer; flush() leaves one model on all ranks."""
     keys = sorted({k.rsplit("/", 1)[0] for k in results[0] if k.startswith("periodic/")})
-    assert len(keys) == 9, keys
+    assert len(keys) == 10, keys
     for key in keys:
-        tolerance = 1e-3 if key.endswith("fp16") else 1e-6
-        for what in ("anchors", "final", "initial"):
+        outer, merge_after = key.split("/")[2], int(key.split("/")[4])
+        tolerance = 1e-3 if "/fp16/" in key else 1e-6
+        for what in ("anchor", "final", "initial"):
             assert all(torch.equal(r[f"{key}/{what}"], results[0][f"{key}/{what}"]) for r in results), (key, what)
-        means = torch.stack([r[f"{key}/changes"].double() for r in results]).mean(0)
+        # each round's change on each rank: its start point minus where its optimizer left it at the round's end
+        ends = [t for t in range(len(results[0][f"{key}/after"])) if (t + 1) % every == 0]
+        means = torch.stack([torch.stack([(r[f"{key}/start"][t] - r[f"{key}/after"][t]).double() for t in ends])
+                             for r in results]).mean(0)
         assert means.abs().max() > 1e-3, key     # the rounds moved the parameters: the checks below bite
-        anchor, momentum = results[0][f"{key}/initial"].double(), 0.0
-        for k, recorded in enumerate(results[0][f"{key}/anchors"]):
-            if k > 0:      # round k's end applies round k-1's mean (round 0's end: nothing has arrived)
-                anchor, momentum = outer_step(anchor, momentum, means[k - 1], key.split("/")[2])
-            assert torch.allclose(recorded.double(), anchor, atol=tolerance, rtol=0), (key, k)
+        anchor, momentum, merged = results[0][f"{key}/initial"].double(), 0.0, 0
+        for t in range(len(results[0][f"{key}/after"])):
+            inner, round_ = t % every + 1, t // every
+            if inner == merge_after and round_ > 0:
+                anchor, momentum = outer_step(anchor, momentum, means[round_ - 1], outer)
+                merged += 1
+            assert torch.allclose(results[0][f"{key}/anchor"][t].double(), anchor, atol=tolerance, rtol=0), (key, t)
             for r in results:
-                assert torch.equal(r[f"{key}/working"][k], recorded - r[f"{key}/changes"][k]), (key, k)
-        for mean in means[-2:]:          # flush(): the last full round's mean, then the cut-short round's
-            anchor, momentum = outer_step(anchor, momentum, mean, key.split("/")[2])
+                after, start = r[f"{key}/after"][t], r[f"{key}/start"][t]
+                expected = r[f"{key}/anchor"][t] - (start - after) if inner == merge_after and round_ > 0 else after
+                assert torch.equal(r[f"{key}/params"][t], expected), (key, t)
+        if merged < len(ends):    # flush(): the last full round's mean if not merged yet, then the cut-short round's
+            anchor, momentum = outer_step(anchor, momentum, means[-1], outer)
+        cut_short = torch.stack([r[f"{key}/cut-short"].double() for r in results]).mean(0)
+        anchor, momentum = outer_step(anchor, momentum, cut_short, outer)
         assert torch.allclose(results[0][f"{key}/final"].double(), anchor, atol=tolerance, rtol=0), key
 
 

@@ -68,35 +68,35 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def periodic(rank, rounds=4, every=3):
-    """--sync-every 3 on a tiny linear model, under every all-reduce and both outer steps (and fp16 on
-    the ring): at each round's end this rank's change, the anchor and its working parameters; then
-    a round cut short after 2 steps, and flush(). The test replays the outer steps in float64."""
+    """--sync-every 3 on a tiny linear model, under every all-reduce and both outer steps, merging one
+    step into the next round (and a round's end merge, and fp16, on the ring): at every step this
+    rank's start point before it, its parameters after the optimizer and after the step, and the
+    anchor; then 2 steps of a round cut short, and flush(). The test replays it in float64."""
     results = {}
-    plan = [(name, outer, "none") for name in ALGORITHMS for outer in ("average", "nesterov")]
-    for name, outer, wire in plan + [("ring", "nesterov", "fp16")]:
+    plan = [(name, outer, "none", 1) for name in ALGORITHMS for outer in ("average", "nesterov")]
+    for name, outer, wire, merge_after in plan + [("ring", "average", "none", 3), ("ring", "nesterov", "fp16", 2)]:
         torch.manual_seed(1)
         model = torch.nn.Linear(5, 3)
         optimizer = RecordingSGD(model.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         sync = PeriodicSync(model, make_allreduce(name, chunks=3, own_group=True),
-                            make_compressor(wire, [list(model.parameters())]), optimizer, scheduler, every, outer)
-        key = f"periodic/{name}/{outer}/{wire}"
+                            make_compressor(wire, [list(model.parameters())]), optimizer, scheduler, every, outer,
+                            merge_after=merge_after)
+        key = f"periodic/{name}/{outer}/{wire}/{merge_after}"
         results[f"{key}/initial"] = sync.anchor.clone()
-        changes, anchors, working = [], [], []
+        record = {"start": [], "after": [], "params": [], "anchor": []}
         for step in range(1, rounds * every + 3):
             images = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
             model(images).square().mean().backward()
-            start = sync.start.clone()
+            record["start"].append(sync.start.clone())
             sync.after_backward()
             sync.step()
-            if step % every == 0:
-                changes.append(start - optimizer.after)
-                anchors.append(sync.anchor.clone())
-                working.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-        changes.append(sync.start - optimizer.after)       # the round cut short
+            record["after"].append(optimizer.after)
+            record["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            record["anchor"].append(sync.anchor.clone())
+        results[f"{key}/cut-short"] = sync.start - record["params"][-1]    # the last round's steps so far
         sync.flush()
-        results[f"{key}/changes"], results[f"{key}/anchors"] = torch.stack(changes), torch.stack(anchors)
-        results[f"{key}/working"] = torch.stack(working)
+        results.update({f"{key}/{what}": torch.stack(values) for what, values in record.items()})
         results[f"{key}/final"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         sync.close()
     return results
