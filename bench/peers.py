@@ -1,10 +1,10 @@
 """What the two training benchmarks (train_step.py, time_to_accuracy.py) measure ours against: torch
-DDP with its compression hooks, and a step that sums nothing (compute only); and the NIC's byte
-counter they both read.
+DDP with its compression hooks, torch's post-local SGD, and a step that sums nothing (compute
+only); and the NIC's byte counter they both read.
 
 Every one of them runs through utils.run.train_step, the trainer's own step, in the place of a
 utils.gradsync object: LocalStep has the same methods (weigh, after_backward, step, finish,
-stats, close), so compute only, DDP and ours differ in nothing but the gradient sum.
+flush, stats, close), so compute only, DDP, local SGD and ours differ in nothing but the sum.
 """
 from __future__ import annotations
 
@@ -27,23 +27,36 @@ def parse_ours(text: str) -> dict:
 
 
 def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=None, powersgd_warmup=None,
-             timeout=120.0, chunks="auto", bucket_mb=1.0):
+             timeout=120.0, chunks="auto", bucket_mb=1.0, sync_every=1, outer="average", outer_lr=None,
+             outer_momentum=None):
     """The utils.config.Sync of one of our configurations, as train.py would build it from its flags
     (PowerSGD's rank and warm-up only with compress="powersgd"). overlap=False is the plain
-    "<algorithm>": backward, then the whole sum."""
-    from utils.config import Sync
-    powersgd = compress == "powersgd"
-    return Sync(allreduce=allreduce, chunks=chunks, overlap=overlap, lazy_update=lazy_update, bucket_mb=bucket_mb,
-                compress=compress, powersgd_rank=powersgd_rank if powersgd else None,
-                powersgd_warmup=powersgd_warmup if powersgd else None, timeout=timeout)
+    "<algorithm>": backward, then the whole sum.
+
+    sync_every=H > 1: H local steps, then the parameters' change averaged (utils/periodic.py), with
+    the outer step `outer`; outer_lr and outer_momentum only for "nesterov" (None: train.py's
+    defaults). There is no per-step sum to make lazy, so lazy_update is off, as train.py requires.
+    With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
+    from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, Sync
+    powersgd, periodic, nesterov = compress == "powersgd", sync_every > 1, sync_every > 1 and outer == "nesterov"
+    extra = {}
+    if periodic:
+        extra = {"sync_every": sync_every, "outer": outer,
+                 "outer_lr": (DEFAULT_OUTER_LR if outer_lr is None else outer_lr) if nesterov else None,
+                 "outer_momentum": (DEFAULT_OUTER_MOMENTUM if outer_momentum is None else outer_momentum)
+                 if nesterov else None}
+    return Sync(allreduce=allreduce, chunks=chunks, overlap=overlap, lazy_update=lazy_update and not periodic,
+                bucket_mb=bucket_mb, compress=compress, powersgd_rank=powersgd_rank if powersgd else None,
+                powersgd_warmup=powersgd_warmup if powersgd else None, timeout=timeout, **extra)
 
 
 class LocalStep:
     """A gradient sync that sums nothing: the optimizer step alone, as utils.gradsync does it.
-    Compute only uses it, and DDP, which has summed during backward already."""
+    Compute only uses it, DDP, which has summed during backward already, and local SGD (whose
+    optimizer averages the parameters). at_end: what flush() does at the end of training."""
 
-    def __init__(self, optimizer, scheduler):
-        self.optimizer, self.scheduler = optimizer, scheduler
+    def __init__(self, optimizer, scheduler, at_end=lambda: None):
+        self.optimizer, self.scheduler, self.at_end = optimizer, scheduler, at_end
 
     def weigh(self, weight):
         pass
@@ -58,6 +71,9 @@ class LocalStep:
 
     def finish(self):
         pass
+
+    def flush(self):
+        self.at_end()
 
     def stats(self):
         return None
@@ -100,9 +116,53 @@ def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_wa
     return ddp, state
 
 
+def make_localsgd(model, optimizer, period: int, warmup: int):
+    """torch's post-local SGD around `model`, as its docs put it together: DDP with post_localSGD_hook
+    (post_local_gradient_allreduce=False: after `warmup` steps of DDP's all-reduce, no gradient is
+    summed at all) and PostLocalSGDOptimizer, which after each step of `optimizer` (the inner Adam)
+    lets a PeriodicModelAverager average the parameters: at step `warmup` and every `period` steps
+    after it, a blocking float32 all-reduce of the whole model.
+
+    The one-cycle scheduler stays on the inner optimizer: the wrapper has no param_groups of its own
+    but the inner one's, so the rates the scheduler sets are the ones the inner step reads (checked
+    here: a torch where the wrapper copied them would train at the first rate throughout).
+    Returns (ddp_module, wrapped_optimizer)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                                                 post_local_gradient_allreduce=False)
+    ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+    wrapped = PostLocalSGDOptimizer(optim=optimizer,
+                                    averager=averagers.PeriodicModelAverager(period=period, warmup_steps=warmup))
+    if wrapped.param_groups is not optimizer.param_groups:
+        raise RuntimeError("PostLocalSGDOptimizer does not share the inner optimizer's param_groups: "
+                           "the scheduler's learning rates would not reach it")
+    return ddp, wrapped
+
+
+def average_parameters(model) -> None:
+    """Every rank's parameters replaced by their mean over the ranks: one float32 all-reduce of the
+    whole model (the same bits on every rank). Local SGD's end, where the ranks have taken steps
+    of their own since the last average."""
+    import torch
+    import torch.distributed as dist
+
+    params = list(model.parameters())
+    with torch.no_grad():
+        flat = torch.cat([p.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        for p, part in zip(params, torch.split(flat, [p.numel() for p in params])):
+            p.copy_(part.view_as(p))
+
+
 def bytes_sent(gradient_sync) -> int | None:
     """Bytes this rank has sent for gradient sums so far (utils.gradsync's stats()), or None where
-    nothing counts them (LocalStep: compute only, DDP)."""
+    nothing counts them (LocalStep: compute only, DDP, local SGD)."""
     stats = gradient_sync.stats()
     return None if stats is None else stats["bytes_sent"]
 

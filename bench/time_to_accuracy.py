@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time-to-accuracy benchmark (issue #13): training wall seconds to 99% test accuracy, ours vs DDP.
+"""Time-to-accuracy benchmark (issues #13, #24): training wall seconds to 99% test accuracy, ours vs
+DDP and torch's local SGD, over one or several link rates.
 
 Every configuration trains the full recipe from scratch, in a world of its own, one after the
 other: utils/model.Net (same seed), Adam + one-cycle (utils.run.make_optimizer) over --epochs,
@@ -10,16 +11,27 @@ deterministic algorithms per rank. Configurations (--configs):
     ours[+C]      utils.gradsync's sync of the --ours configuration (default ring+overlap+lazy:
                   the ring, summed during backward, updates applied lazily in the next forward),
                   compress=C (none, bf16, fp16, powersgd), as `train.py --compress C` runs it
+    ours[+C]@H    `train.py --sync-every H`: H local steps, then the parameters' change averaged
+                  through the --ours algorithm behind the next H steps (utils/periodic.py), the
+                  outer step --outer average|nesterov (--outer-lr, --outer-momentum: nesterov's,
+                  train.py's defaults); C none, bf16 or fp16 (the change's wire dtype); H >= 2
     ddp[+C]       torch DistributedDataParallel (gloo); +fp16 / +bf16: default_hooks'
                   fp16_compress_hook / bf16_compress_hook; +powersgd: powerSGD_hook with the same
                   rank and warm-up as ours (one DDP bucket: over gloo, two abort)
+    localsgd@H    torch's post-local SGD (bench/peers.make_localsgd): DDP + post_localSGD_hook for
+                  --localsgd-warmup synchronous steps, then PostLocalSGDOptimizer's
+                  PeriodicModelAverager averages the parameters (float32, blocking) every H steps
 
-Clock. Training time only: at every evaluation point (--evals-per-epoch per epoch, and once
-before the first step) each rank applies any pending (lazy) update, stops its clock, and the
-segment's time is the MAX over ranks (a synchronous step is done when its slowest rank is).
-Rank 0 then evaluates on the 10,000 test images while the others wait at a barrier; after a
-barrier the clock runs again. "time to 99.0%" is the training seconds at the first evaluation
-point at or above --target (so it is accurate to one evaluation interval).
+At the end of training (the last evaluation point) every rank's parameters are made the same, on
+the clock: ours@H flushes its rounds, localsgd averages once more.
+
+Clock. Training time only: at every evaluation point (--evals-per-epoch per epoch, default 16,
+and once before the first step) each rank applies any pending (lazy) update, stops its clock,
+and the segment's time is the MAX over ranks (a synchronous step is done when its slowest rank
+is). Rank 0 then evaluates on the 10,000 test images (with @H: its own model between syncs)
+while the others wait at a barrier; after a barrier the clock runs again. "time to 99.0%" is the
+training seconds at the first evaluation point at or above --target (so it is accurate to one
+evaluation interval).
 
 "compute only x steps" is what a free network would give: before training, every world times
 --compute-steps steps of forward+backward+Adam on a scratch copy of the model, all N ranks at
@@ -28,19 +40,23 @@ that step time (max over ranks) times the configuration's step count.
 
 Configurations run one after the other, so a slower spell of the machine lands on one of them.
 --repeats K trains each K times, round-robin (run 1 of every configuration, then run 2, ...), and
-adds a table of medians with each DDP configuration's time to the target against our best's,
-run by run.
+adds a table of medians with each DDP and local SGD configuration's time against our best's, run
+by run, and the ratios best localsgd@H / best ours@H and ddp+powersgd / best ours. --rates A,B,..
+runs the whole plan once per rate (--rate: one); with several, or any @H, an H x link table
+follows (medians of the time and steps to target, accuracy after epochs 1 and 2, wire KB/step).
 
     sudo python3 bench/time_to_accuracy.py                   # 200mbit, N = 2 and 4, 2 epochs
     python3 bench/time_to_accuracy.py --loopback --world-sizes 2 --epochs 1 --train-subset 6400
     sudo python3 bench/time_to_accuracy.py --world-sizes 2 --configs ours+powersgd,ddp+powersgd --repeats 3
+    sudo python3 bench/time_to_accuracy.py --rates 20mbit --world-sizes 2,4 --repeats 3 \\
+        --configs ours+bf16@16,ours+bf16@64,localsgd@16,ddp+powersgd          # the issue's 20 Mbit/s comparison
 
 Layout: this file is the driver (configurations, worlds, results files); its ranks run
 bench/time_to_accuracy_worker.py, its summary is bench/time_to_accuracy_report.py, the rest is
-bench/harness.py (and bench/peers.py: DDP, compute only).
+bench/harness.py (and bench/peers.py: DDP, local SGD, compute only).
 
-Output: a markdown table (with the exact command), a PNG of test accuracy vs training seconds
-(one line per configuration, a panel per N) and the JSON, written atomically as
+Output: markdown tables (with the exact command), a PNG of test accuracy vs training seconds
+(one line per configuration, a panel per link rate and N) and the JSON, written atomically as
 bench/results/time_to_accuracy-<mode>[-<what differs from the default plan>].{json,md,png}.
 Every world has a hard timeout; on any error or Ctrl-C all ranks are killed and the emulated
 cluster is torn down.
@@ -61,24 +77,45 @@ from harness import (  # noqa: E402
 from peers import DDP_HOOKS, parse_ours as parse_sync  # noqa: E402
 from targets import bound  # noqa: E402
 from time_to_accuracy_report import (  # noqa: E402,F401  (the tests reach the summary through this module)
-    accuracy_after_epoch, free_network, label, medians, plot, summarize, table, time_to_target)
+    accuracy_after_epoch, free_network, h_by_link, label, markdown, medians, plan_notes, plot, summarize, table,
+    tables, time_to_target)
 from time_to_accuracy_worker import eval_steps, worker  # noqa: E402,F401
 from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
+from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS, momentum_value  # noqa: E402
 
-DEFAULTS = {"rate": "200mbit", "world_sizes": [2, 4], "epochs": 2, "evals_per_epoch": 4, "target": bound("accuracy"),
+DEFAULTS = {"rate": "200mbit", "world_sizes": [2, 4], "epochs": 2, "evals_per_epoch": 16, "target": bound("accuracy"),
             "global_batch": 64, "lr": 4e-3, "seed": 1, "ours": "ring+overlap+lazy",
             "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"], "repeats": 1,
-            "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
+            "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP,
+            "outer": "average", "outer_lr": DEFAULT_OUTER_LR, "outer_momentum": DEFAULT_OUTER_MOMENTUM,
+            "localsgd_warmup": 50}   # the issue's baseline: 50 synchronous steps before local SGD
 OP_TIMEOUT = 120.0     # s for any single send/recv/collective of gloo, as train.py's default
+KINDS = ("ours", "ddp", "localsgd")
+PERIODIC_COMPRESS = ("bf16", "fp16")   # what ours@H may send the change as (besides float32)
 
 
 # --------------------------------------------------------------------------- configurations
 def parse_config(name: str) -> dict:
-    """'ours', 'ours+bf16', 'ddp', 'ddp+powersgd', ... -> {"name", "kind", "compress"}; ValueError otherwise."""
-    kind, plus, compress = name.partition("+")
-    if kind not in ("ours", "ddp") or (plus and compress not in DDP_HOOKS):
-        raise ValueError(f"unknown configuration {name!r}: ours or ddp, optionally +{'/+'.join(DDP_HOOKS)}")
-    return {"name": name, "kind": kind, "compress": compress or "none"}
+    """'ours', 'ours+bf16', 'ours+bf16@16', 'ddp+powersgd', 'localsgd@16', ... -> {"name", "kind", "compress",
+    "sync_every"}; ValueError (saying what is wrong) otherwise."""
+    base, at, period = name.partition("@")
+    kind, plus, compress = base.partition("+")
+    if kind not in KINDS or (plus and compress not in DDP_HOOKS):
+        raise ValueError(f"unknown configuration {name!r}: ours[+C][@H], ddp[+C] or localsgd@H, "
+                         f"C one of {', '.join(DDP_HOOKS)}")
+    if at and not (period.isascii() and period.isdigit()):
+        raise ValueError(f"configuration {name!r}: @H is a whole number of steps, got {period!r}")
+    every = int(period) if at else 1
+    if kind == "ddp" and at:
+        raise ValueError(f"configuration {name!r}: DDP sums every step (torch's periodic averaging is localsgd@H)")
+    if kind == "localsgd" and (plus or every < 2):
+        raise ValueError(f"configuration {name!r}: localsgd@H needs a period H >= 2 and sends float32 (no +C)")
+    if kind == "ours" and at and every < 2:
+        raise ValueError(f"configuration {name!r}: @H needs H >= 2 (H = 1 is plain {base!r})")
+    if kind == "ours" and every > 1 and compress not in ("", *PERIODIC_COMPRESS):
+        raise ValueError(f"configuration {name!r}: with @H the change goes as float32, "
+                         f"+{' or +'.join(PERIODIC_COMPRESS)} (train.py refuses {compress} with --sync-every)")
+    return {"name": name, "kind": kind, "compress": compress or "none", "sync_every": every}
 
 
 def parse_ours(text: str) -> dict:
@@ -93,8 +130,8 @@ def results_stem(args, mode: str) -> str:
     """time_to_accuracy-<mode>, plus whatever this run changed from the default plan, so that a quick or
     partial run never overwrites the full one (e.g. time_to_accuracy-loopback-n2-e1-sub6400)."""
     parts = [f"time_to_accuracy-{mode}"]
-    if mode == "cluster" and args.rate != DEFAULTS["rate"]:
-        parts.append(args.rate)
+    if mode == "cluster" and args.rates != [DEFAULTS["rate"]]:
+        parts.append("+".join(args.rates))
     if args.world_sizes != DEFAULTS["world_sizes"]:
         parts.append("n" + "+".join(map(str, args.world_sizes)))
     if args.epochs != DEFAULTS["epochs"]:
@@ -113,6 +150,11 @@ def results_stem(args, mode: str) -> str:
         parts.append(args.ours)
     if (args.powersgd_rank, args.powersgd_warmup) != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]):
         parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
+    lr, momentum = outer_settings(args)   # (stem_of leaves out the Nones)
+    parts += [args.outer if args.outer != DEFAULTS["outer"] else None,
+              f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None,
+              f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None,
+              f"lw{args.localsgd_warmup}" if args.localsgd_warmup != DEFAULTS["localsgd_warmup"] else None]
     if sorted(args.configs) != sorted(DEFAULTS["configs"]):
         parts.append("subset")
     if args.repeats != DEFAULTS["repeats"]:
@@ -120,6 +162,12 @@ def results_stem(args, mode: str) -> str:
     return stem_of(*parts)
 
 
+def outer_settings(args) -> tuple:
+    """(outer_lr, outer_momentum) of ours@H as train.py resolves them: None unless --outer nesterov."""
+    if args.outer != "nesterov":
+        return None, None
+    return (DEFAULTS["outer_lr"] if args.outer_lr is None else args.outer_lr,
+            DEFAULTS["outer_momentum"] if args.outer_momentum is None else args.outer_momentum)
 
 
 # --------------------------------------------------------------------------- driver
@@ -132,11 +180,11 @@ def estimate_seconds(n: int, rate_bits: float | None, steps: int, evals: int) ->
     return 60 + steps * (compute + comm) + 5 * evals
 
 
-
 def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda records: None) -> list[dict]:
-    """Every configuration in every world size, one world at a time (one emulated cluster for all);
-    done(records so far) after each world."""
+    """Every configuration in every world size at one link rate, one world at a time (one emulated
+    cluster for all); done(records so far) after each world."""
     records = []
+    outer_lr, outer_momentum = outer_settings(args)
     with tempfile.TemporaryDirectory(prefix="time-to-accuracy-") as tmpdir:
         tmp = Path(tmpdir)
         os.chmod(tmp, 0o755)
@@ -151,90 +199,86 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
                        "train_subset": args.train_subset, "test_subset": args.test_subset,
                        "evals_per_epoch": args.evals_per_epoch, "compute_steps": args.compute_steps,
                        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
-                       "label": rate or "loopback"}
+                       "outer": args.outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                       "localsgd_warmup": args.localsgd_warmup, "label": rate or "loopback",
+                       "eval_cache": args.eval_cache}
                 timeout, t = args.timeout or (120 + 2 * est[n]), time.time()
                 what = f"{rate or 'loopback'} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else "")
                 raw = launch_world(str(Path(__file__).resolve()), n, cfg, cl, tmp,
                                    f"n{n}-{spec['name'].replace('+', '-')}-{run}", timeout, what)
                 rec = summarize(raw, spec, n, args.target, args.epochs)
+                rec["rate"] = rate
+                if spec["kind"] == "ours" and spec["sync_every"] > 1:
+                    rec["outer"] = args.outer
                 if args.repeats > 1:
                     rec["run"] = run
                 rec["load"] = raw["load"]
                 records.append(rec)
                 done(records)
-                print(f"  N={n} {label(rec, args.ours)}: {fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')}"
-                      f" to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
+                print(f"  {rate or 'loopback'} N={n} {label(rec, args.ours)}: "
+                      f"{fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')} to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
                       f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
                       flush=True)
     return records
 
 
-def write_results_so_far(args, records, mode, rate, command, notes, started, complete=True):
+def write_results_so_far(args, records, mode, rates, command, notes, started, complete=True):
     """The JSON, markdown and PNG of `records`; a run still going (complete=False) says so in both."""
     host = host_info()
-    title = (f"time to accuracy, {rate + ' per host' if rate else 'loopback'}; global batch {args.global_batch}, "
-             f"{args.epochs} epoch(s)\n1 thread/rank, {host['cpus']} cores; {host['node']}, torch {host['torch']}")
-    tbl = table(records, args.ours, args.target, args.epochs)
-    if args.repeats > 1:
-        tbl += f"\n\nMedians over {args.repeats} runs, run round-robin:\n\n" + medians(records, args.ours, args.target)
-    load_line = "; ".join(f"N={r['world_size']} {r['config']}: other processes {r['load']['foreign_cpu_cores']:.2f} cores"
-                          for r in records)
-    partial = "" if complete else f"**PARTIAL: {len(records)} world(s) done when this was written.**  \n"
-    md = (f"### Time to {args.target:.1%} test accuracy, {rate or 'loopback'}\n\n{partial}`{command}`  \n{notes}.  \n"
-          f"Training seconds only (evaluation excluded; each segment's time is the slowest rank's). "
-          f"'x compute' = time to target / (compute-only step time x the same steps).  \nLoad: {load_line}\n\n{tbl}\n")
+    md, tbl, title = markdown(records, args, rates, host, command, notes, complete)
+    outer_lr, outer_momentum = outer_settings(args)
     result = {
-        "mode": mode, "rate": rate, "world_sizes": args.world_sizes, "command": command, "notes": notes,
-        "complete": complete,
+        "mode": mode, "rate": rates[0] if len(rates) == 1 else None, "rates": rates, "world_sizes": args.world_sizes,
+        "command": command, "notes": notes, "complete": complete,
         "epochs": args.epochs, "evals_per_epoch": args.evals_per_epoch, "target": args.target,
         "global_batch": args.global_batch, "train_subset": args.train_subset,
         "test_subset": args.test_subset, "lr": args.lr, "seed": args.seed,
         "ours": args.ours, "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
+        "outer": args.outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+        "localsgd_warmup": args.localsgd_warmup,
         "compute_steps": args.compute_steps, "configs": args.configs, "repeats": args.repeats,
         "host": host, "started": started_at(started), "seconds": round(time.time() - started, 1),
+        # compute only sends nothing: the worlds of every link rate time the same thing
         "free_network": {str(n): free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes},
         "results": records,
     }
     out = Path(args.results_dir) / results_stem(args, mode)
-    write_results(out, result, md, plot(records, title, args.world_sizes, args.ours, args.target))
+    write_results(out, result, md, plot(records, title, args.world_sizes, args.ours, args.target, rates))
     return out, tbl
 
 
 def driver(args) -> int:
     mode = "loopback" if args.loopback else "cluster"
-    rate = None if args.loopback else args.rate
+    rates = [None] if args.loopback else args.rates
     specs = [parse_config(c) for c in args.configs]
     subset = args.train_subset or 60000
     steps = {n: args.epochs * ((subset // n) // max(1, args.global_batch // n)) for n in args.world_sizes}
-    est = {n: estimate_seconds(n, parse_rate(rate) if rate else None, steps[n],
-                               args.epochs * args.evals_per_epoch + 1) for n in args.world_sizes}
+    est = {rate: {n: estimate_seconds(n, parse_rate(rate) if rate else None, steps[n],
+                                      args.epochs * args.evals_per_epoch + 1) for n in args.world_sizes}
+           for rate in rates}
     command = command_line("time_to_accuracy.py")
-    notes = (f"global batch {args.global_batch} ({', '.join(f'{args.global_batch // n}/rank at N={n}' for n in args.world_sizes)}), "
-             f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
-             f"training images{f' (test: the first {args.test_subset})' if args.test_subset else ''}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
-             f"ours = utils.gradsync {args.ours}; PowerSGD rank {args.powersgd_rank}, "
-             f"{args.powersgd_warmup} plain steps first (ours and DDP's); evaluated on the {args.test_subset or 10000:,} test images "
-             f"{args.evals_per_epoch}x per epoch, clock paused; compute only = {args.compute_steps} steps of all "
-             f"N ranks at once without communication, per world; {os.cpu_count()} CPU cores")
+    notes = plan_notes(args, specs, *outer_settings(args))
     print(f"# time-to-accuracy benchmark: mode={mode}, "
-          + (f"egress cap per host {rate}" if rate else "127.0.0.1, no cap")
+          + (f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap")
           + f", N={','.join(map(str, args.world_sizes))}; configurations {', '.join(args.configs)} "
           f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})")
     print(f"# {notes}")
-    print("# estimate (generous) " + ", ".join(f"N={n} ~{len(specs) * args.repeats * s:.0f}s" for n, s in est.items()),
-          flush=True)
+    print("# estimate (generous) " + ", ".join(f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
+                                               for rate in rates for n, s in est[rate].items()), flush=True)
     started = time.time()
-    total = len(specs) * len(args.world_sizes) * args.repeats
+    total = len(specs) * len(args.world_sizes) * args.repeats * len(rates)
+    records = []
 
-    def save(records):
+    def save(so_far):
         """Write the results so far (atomically): a failed or interrupted run keeps its finished worlds."""
-        return write_results_so_far(args, records, mode, rate, command, notes, started,
-                                    complete=len(records) == total)
-    records = run_all(args, specs, rate, est, done=save)
+        return write_results_so_far(args, so_far, mode, rates, command, notes, started,
+                                    complete=len(so_far) == total)
+    for rate in rates:   # one emulated cluster per rate, one after the other
+        records = records + run_all(args, specs, rate, est[rate], done=lambda recs, before=records: save(before + recs))
     out, tbl = save(records)
     print(f"\n{tbl}\n")
     print(f"wrote {out}.json, .md, .png  ({time.time() - started:.0f}s)")
-    bad = [f"N={r['world_size']} {r['config']}" for r in records if not r["params_identical"]]
+    bad = [f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}" for r in records if not r["params_identical"]]
     if bad:
         print("time_to_accuracy.py: ranks ended with DIFFERENT parameters in: " + ", ".join(bad), file=sys.stderr)
         return 1
@@ -250,14 +294,20 @@ def main(argv=None) -> int:
 
     ap = bench_parser(__doc__)
     ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
-    ap.add_argument("--rate", default=DEFAULTS["rate"], help=f"per-host egress cap, tc syntax (default {DEFAULTS['rate']})")
+    link = ap.add_mutually_exclusive_group()
+    link.add_argument("--rate", default=DEFAULTS["rate"], help=f"per-host egress cap, tc syntax (default {DEFAULTS['rate']})")
+    link.add_argument("--rates", type=lambda s: s.split(","),
+                      help="several caps, e.g. 20mbit,200mbit,1gbit: the whole plan once per rate, one after the "
+                           "other (--loopback ignores both)")
     ap.add_argument("--world-sizes", default=",".join(map(str, DEFAULTS["world_sizes"])), type=number_list(int))
     ap.add_argument("--configs", default=",".join(DEFAULTS["configs"]), type=lambda s: s.split(","),
-                    help=f"which (default {','.join(DEFAULTS['configs'])}); ours/ddp, +fp16, +bf16 or +powersgd")
+                    help=f"which (default {','.join(DEFAULTS['configs'])}); ours[+C][@H], ddp[+C], localsgd@H; "
+                         "C fp16, bf16 or powersgd (with @H: fp16 or bf16)")
     ap.add_argument("--ours", default=DEFAULTS["ours"],
                     help=f"our configuration, <algorithm>[+overlap[+lazy]] (default {DEFAULTS['ours']})")
     ap.add_argument("--epochs", type=positive(int), default=DEFAULTS["epochs"])
-    ap.add_argument("--evals-per-epoch", type=positive(int), default=DEFAULTS["evals_per_epoch"])
+    ap.add_argument("--evals-per-epoch", type=positive(int), default=DEFAULTS["evals_per_epoch"],
+                    help=f"evaluation points per epoch (default {DEFAULTS['evals_per_epoch']}: 4 cannot resolve a 10%% gain)")
     ap.add_argument("--target", type=fraction, default=DEFAULTS["target"],
                     help=f"test accuracy (default {DEFAULTS['target']:g}, bench/targets.py)")
     ap.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
@@ -270,23 +320,42 @@ def main(argv=None) -> int:
     ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULTS["powersgd_rank"])
     ap.add_argument("--powersgd-warmup", type=int, default=DEFAULTS["powersgd_warmup"],
                     help=f"plain steps before PowerSGD starts, ours and DDP's (default {DEFAULTS['powersgd_warmup']}; >= 2)")
+    ap.add_argument("--outer", choices=OUTERS, default=DEFAULTS["outer"],
+                    help=f"ours@H's outer step (default {DEFAULTS['outer']}; nesterov: DiLoCo's)")
+    ap.add_argument("--outer-lr", type=positive(float),
+                    help=f"with --outer nesterov: its rate (default {DEFAULTS['outer_lr']:g}, train.py's)")
+    ap.add_argument("--outer-momentum", type=momentum_value,
+                    help=f"with --outer nesterov: its momentum (default {DEFAULTS['outer_momentum']:g}, train.py's)")
+    ap.add_argument("--localsgd-warmup", type=int, default=DEFAULTS["localsgd_warmup"],
+                    help="localsgd@H: synchronous DDP steps before torch's local SGD starts "
+                         f"(default {DEFAULTS['localsgd_warmup']}, the issue's baseline)")
     ap.add_argument("--repeats", type=positive(int), default=DEFAULTS["repeats"],
                     help="train every configuration this many times, round-robin, and report medians (default 1)")
     ap.add_argument("--compute-steps", type=positive(int), default=40,
                     help="compute-only steps timed per world (default 40)")
+    ap.add_argument("--eval-cache", metavar="PATH", help="keep test accuracies by model sha256 in this JSON file, "
+                    "across worlds and runs: the same bits are evaluated once (default: none kept)")
     add_world_options(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
 
     try:
-        for c in args.configs:
-            parse_config(c)
+        specs = [parse_config(c) for c in args.configs]
         parse_ours(args.ours)
     except ValueError as e:
         ap.error(str(e))
     if len(set(args.configs)) != len(args.configs):
         ap.error("--configs: a configuration named twice")
+    if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
+        ap.error("--outer-lr and --outer-momentum are for --outer nesterov")
+    if args.outer != DEFAULTS["outer"] and not any(s["kind"] == "ours" and s["sync_every"] > 1 for s in specs):
+        ap.error(f"--outer {args.outer} is for ours@H configurations, and --configs has none")
+    if args.localsgd_warmup < 0:
+        ap.error(f"--localsgd-warmup must be >= 0, got {args.localsgd_warmup}")
+    args.rates = args.rates or [args.rate]
+    if len(set(args.rates)) != len(args.rates):
+        ap.error("--rates: a rate named twice")
     if any(n < 2 for n in args.world_sizes):
         ap.error("world sizes must be >= 2")
     if args.powersgd_warmup < 2:
@@ -301,7 +370,8 @@ def main(argv=None) -> int:
         ap.error("--test-subset: MNIST has 10000 test images")
     if not args.loopback:
         try:
-            parse_rate(args.rate)
+            for rate in args.rates:
+                parse_rate(rate)
         except argparse.ArgumentTypeError as e:
             ap.error(str(e))
     return run_driver(driver, args, "time_to_accuracy.py")

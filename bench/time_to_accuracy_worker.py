@@ -1,9 +1,15 @@
 """bench/time_to_accuracy.py's ranks: one configuration trained from scratch, the clock paused at
 every evaluation.
 
-Ours and DDP run the trainer's own step, utils.run.train_step, with the trainer's recipe
+Ours, DDP and local SGD run the trainer's own step, utils.run.train_step, with the trainer's recipe
 (utils.config.Recipe, make_optimizer, batches_of_epoch): ours with utils.gradsync's sync of the
---ours configuration, DDP (and the compute-only timing) with peers.LocalStep.
+--ours configuration (ours@H: utils/periodic.py), DDP, torch's local SGD (peers.make_localsgd) and
+the compute-only timing with peers.LocalStep.
+
+The last evaluation point is the end of training: there the sync's flush() makes every rank's
+parameters the same (ours@H: the rounds still in flight applied; local SGD: one more average), as
+train.py's end does, on the clock. The other points only finish() the step: with @H, rank 0's
+model is evaluated as it stands between syncs.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import time
 from pathlib import Path
 
 from harness import REPO, digest, start_worker
-from peers import LocalStep, bytes_sent, make_ddp, nic_tx_bytes, our_sync
+from peers import LocalStep, average_parameters, bytes_sent, make_ddp, make_localsgd, nic_tx_bytes, our_sync
 from utils.files import write_file
 
 
@@ -22,6 +28,20 @@ def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> list[int]:
     the epoch's end, none twice."""
     k = max(1, min(evals_per_epoch, steps_per_epoch))
     return sorted({max(1, round(steps_per_epoch * i / k)) for i in range(1, k + 1)})
+
+
+class eval_cache(dict):
+    """Test accuracy by the model's sha256 (and test-set size), kept in a JSON file across worlds and
+    runs: the repeats of a deterministic configuration, and the same configuration on another link,
+    train the very same bits, so each model is evaluated once. None: no file, nothing kept."""
+
+    def __init__(self, path):
+        self.path = Path(path) if path else None
+        super().__init__(json.loads(self.path.read_text()) if self.path and self.path.exists() else {})
+
+    def save(self):
+        if self.path:
+            write_file(self.path, json.dumps(self, sort_keys=True).encode())
 
 
 def worker(args) -> int:
@@ -76,8 +96,13 @@ def worker(args) -> int:
     if spec["kind"] == "ours":
         sync = make_gradient_sync(model, our_sync(**cfg["ours"], compress=spec["compress"],
                                                   powersgd_rank=cfg["powersgd_rank"],
-                                                  powersgd_warmup=cfg["powersgd_warmup"], timeout=cfg["op_timeout"]),
+                                                  powersgd_warmup=cfg["powersgd_warmup"], timeout=cfg["op_timeout"],
+                                                  sync_every=spec["sync_every"], outer=cfg["outer"],
+                                                  outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"]),
                                   optimizer, scheduler, cfg["seed"])
+    elif spec["kind"] == "localsgd":
+        forward, wrapped = make_localsgd(model, optimizer, spec["sync_every"], cfg["localsgd_warmup"])
+        sync = LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(model))
     else:
         forward, _ = make_ddp(model, None if spec["compress"] == "none" else spec["compress"],
                               cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"])
@@ -90,11 +115,20 @@ def worker(args) -> int:
     tx_start, sent_start = nic_tx_bytes(nic), bytes_sent(sync)
     wall_start = time.time()
 
+    cache = eval_cache(cfg.get("eval_cache"))
+
     def evaluate(step: int):
-        """Clock stopped: rank 0 evaluates, the others wait at the barrier."""
+        """Clock stopped: rank 0 evaluates (or finds these very bits evaluated before), the others
+        wait at the barrier."""
         nonlocal loss_sum, loss_steps
         if rank == 0:
-            accuracy = test_model(model, test_images, test_labels)
+            key = f"{digest(model)}/{len(test_labels)}"
+            if key not in cache:
+                torch.set_num_threads(os.cpu_count() or 1)   # the other ranks only wait meanwhile
+                with torch.no_grad():
+                    cache[key] = test_model(model, test_images, test_labels)
+                torch.set_num_threads(1)
+            accuracy = cache[key]
             model.train()
             points.append({"epoch": round(step / steps_per_epoch, 4), "step": step, "seconds": train_s,
                            "accuracy": accuracy, "train_loss": loss_sum / loss_steps if loss_steps else None})
@@ -115,8 +149,11 @@ def worker(args) -> int:
             loss_sum += train_step(forward, sync, train_images[batch], train_labels[batch], weight).item()
             loss_steps += 1
             global_step += 1
-            if step in at:
-                sync.finish()                 # the step's (lazy) update is training time
+            if step in at:   # the step's (lazy) update is training time, and so is the end's flush
+                if epoch == cfg["epochs"] and step == len(batches):
+                    sync.flush()
+                else:
+                    sync.finish()
                 train_s += max_over_ranks(time.perf_counter() - t0)
                 evaluate(global_step)
                 dist.barrier()
@@ -128,6 +165,7 @@ def worker(args) -> int:
     dist.all_gather_object(tx, [None if tx_start is None or tx_end is None else tx_end - tx_start,
                                 None if sent_start is None or sent_end is None else sent_end - sent_start])
     if rank == 0:
+        cache.save()
         write_file(Path(cfg["out"]), json.dumps({
             "world_size": n, "steps_per_epoch": steps_per_epoch, "steps": global_step,
             "batch_size": recipe.batch_size, "compute_step_s": compute_s, "points": points,

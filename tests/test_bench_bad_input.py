@@ -28,6 +28,12 @@ CASES = {
     "time_to_accuracy: bad rate": ("time_to_accuracy.py", ["--rate", "fast"], "fast"),
     "time_to_accuracy: subset below a step": ("time_to_accuracy.py", ["--train-subset", "10"], "one step"),
     "time_to_accuracy: world of one": ("time_to_accuracy.py", ["--world-sizes", "1,2"], ">= 2"),
+    "time_to_accuracy: local SGD without a period": ("time_to_accuracy.py", ["--configs", "localsgd"], "localsgd@H"),
+    "time_to_accuracy: PowerSGD every H steps": ("time_to_accuracy.py", ["--configs", "ours+powersgd@8"], "powersgd"),
+    "time_to_accuracy: --rate and --rates": ("time_to_accuracy.py", ["--rate", "1gbit", "--rates", "20mbit"],
+                                             "not allowed with"),
+    "time_to_accuracy: bad rate in --rates": ("time_to_accuracy.py", ["--rates", "20mbit,fast"], "fast"),
+    "time_to_accuracy: outer lr without nesterov": ("time_to_accuracy.py", ["--outer-lr", "0.5"], "--outer nesterov"),
 }
 
 

@@ -1,30 +1,33 @@
 """--sync-every H: each rank takes H steps on its own gradients, then the ranks average what those
-steps changed (an outer step), and that sum runs behind the next H steps.
+steps changed (an outer step); that sum runs behind the next steps and is merged T steps later
+(--merge-after T, 1 <= T <= H).
 
-    round k:        H inner steps (Adam, the one-cycle schedule), each rank on its own share of
-                    each step's images, from its start point S
-    at its end:     d = S - params              this rank's change over the round
-                    wait for D' (the mean of the last round's d, started one round ago)
-                    A = outer(A, D')            the anchor: --outer average: A - D'; nesterov: DiLoCo's SGD
-                    start summing d (our own ring, in a thread)
-                    S = params = A - d          eager: its own change stands in for the mean until it comes
+    round k, H inner steps (Adam, the one-cycle schedule), each rank on its own share of each
+    step's images:
+      at its end:       d_k = S - params        this rank's change since the round's start S
+                        start summing d_k       (our own ring, in a thread); S = params: the rank
+                                                goes on where it is, its own d_k standing in for the mean
+      T steps later:    wait for D_k = mean d_k
+                        A = outer(A, D_k)       the anchor: --outer average: A - D_k; nesterov: DiLoCo's SGD
+                        params = A - (S - params), S = A: the mean replaces its own change; the T
+                                                steps taken since stay on top
 
-          rank r:   | H inner steps | H inner steps | H inner steps |
-          outer sum:                |== d_1 ========|== d_2 ========|
-          anchor A:  A0             A0              A0 - D_1        A0 - D_1 - D_2
+          rank r:     | H inner steps | T .. H        | T .. H        |
+          outer sum:                  |== d_1 ==|     |== d_2 ==|
+          anchor A:    A0                       A0-D_1          A0-D_1-D_2
 
-So every round's mean change reaches the anchor exactly once, one round late, and in the
-meantime each rank goes on from the anchor plus its own change (the eager update of overlapped
-DiLoCo, Kale et al. 2025; going on from the bare anchor instead lost 5 points of accuracy after
-100 steps at H = 2). The inner steps wait for the wire only if a round is shorter than its sum.
-The anchor is the same on every rank after every outer step; the ranks' working parameters
-differ between syncs by design, and finish() makes them the anchor again.
+So every round's mean change reaches the anchor exactly once, T steps late, and in the meantime
+each rank goes on with its own change (the eager update of overlapped DiLoCo, Kale et al. 2025).
+Measured (docs/gradient-sum.md): waiting for the next round's end (T = H) cost 0.5 points after
+one epoch at H = 16, T = H/4 about 0.15; going on from the bare anchor lost 5 points. The inner
+steps wait for the wire only if T steps are shorter than the sum. The anchor is the same on every
+rank after every outer step; the working parameters differ between syncs by design.
 
-The stop flag rides in the outer sum as one more value: every rank learns of a signal at the
-same step (up to 2H steps after it). finish() (before evaluating or saving) only waits for the
-sum in flight; its result is applied at the round's end as always, so saving changes no bits,
-and a checkpoint holds every rank's own state (state_dict()): a stop mid-round resumes bit for
-bit. flush(), at the end of training, applies everything: the same parameters on every rank.
+The stop flag rides in the outer sum as one more value: every rank learns of a signal at the same
+merge step. finish() (before evaluating or saving) only waits for the sum in flight; its result is
+merged at its step as always, so saving changes no bits, and a checkpoint holds every rank's own
+state (state_dict()): a stop mid-round resumes bit for bit. flush(), at the end of training,
+merges everything: the same parameters on every rank.
 """
 import threading
 import time
@@ -56,7 +59,7 @@ class PeriodicSync:
         self.busy_seconds = self.waited_seconds = 0.0
         self.pending = None                                     # (thread, result) of the sum in flight
         self.arrived = None                                     # its mean change, once waited for
-        self.failed = None                                      # a lost peer, seen at a round's end
+        self.failed = None                                      # a lost peer, seen at a merge
 
     # -- the training loop's calls ---------------------------------------------------------------
     def weigh(self, weight):
