@@ -94,7 +94,7 @@ def parse_args(argv):
                    "gradients every step (default); H: H steps per rank, then average the change behind the next H")
     p.add_argument("--outer", choices=OUTERS, help="with --sync-every H > 1: the outer step (default average)")
     p.add_argument("--merge-after", type=positive(int, MAX_SYNC_EVERY), metavar="T", help="with --sync-every H: merge "
-                   "a round's average T steps into the next round (1..H; default H/4)")
+                   "a round's average T steps into the next round (1..H; default H/2)")
     p.add_argument("--outer-lr", type=positive(float, MAX_LR), help="--outer nesterov's rate (default 0.7)")
     p.add_argument("--outer-momentum", type=momentum_value, help="--outer nesterov's momentum (default 0.9)")
     p.add_argument("--timeline", metavar="PATH",

@@ -28,20 +28,20 @@ def parse_ours(text: str) -> dict:
 
 def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=None, powersgd_warmup=None,
              timeout=120.0, chunks="auto", bucket_mb=1.0, sync_every=1, outer="average", outer_lr=None,
-             outer_momentum=None):
+             outer_momentum=None, merge_after=None):
     """The utils.config.Sync of one of our configurations, as train.py would build it from its flags
     (PowerSGD's rank and warm-up only with compress="powersgd"). overlap=False is the plain
     "<algorithm>": backward, then the whole sum.
 
     sync_every=H > 1: H local steps, then the parameters' change averaged (utils/periodic.py), with
-    the outer step `outer`; outer_lr and outer_momentum only for "nesterov" (None: train.py's
-    defaults). There is no per-step sum to make lazy, so lazy_update is off, as train.py requires.
+    the outer step `outer`; outer_lr and outer_momentum only for "nesterov", and merge_after (None:
+    train.py's defaults). There is no per-step sum to make lazy, so lazy_update is off, as train.py requires.
     With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
-    from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, Sync
+    from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, Sync, default_merge_after
     powersgd, periodic, nesterov = compress == "powersgd", sync_every > 1, sync_every > 1 and outer == "nesterov"
     extra = {}
     if periodic:
-        extra = {"sync_every": sync_every, "outer": outer,
+        extra = {"sync_every": sync_every, "outer": outer, "merge_after": merge_after or default_merge_after(sync_every),
                  "outer_lr": (DEFAULT_OUTER_LR if outer_lr is None else outer_lr) if nesterov else None,
                  "outer_momentum": (DEFAULT_OUTER_MOMENTUM if outer_momentum is None else outer_momentum)
                  if nesterov else None}

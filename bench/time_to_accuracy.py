@@ -96,9 +96,10 @@ PERIODIC_COMPRESS = ("bf16", "fp16")   # what ours@H may send the change as (bes
 
 # --------------------------------------------------------------------------- configurations
 def parse_config(name: str) -> dict:
-    """'ours', 'ours+bf16', 'ours+bf16@16', 'ddp+powersgd', 'localsgd@16', ... -> {"name", "kind", "compress",
-    "sync_every"}; ValueError (saying what is wrong) otherwise."""
+    """'ours', 'ours+bf16', 'ours+bf16@16', 'ours+fp16@64:32', 'ddp+powersgd', 'localsgd@16', ... -> {"name",
+    "kind", "compress", "sync_every"[, "merge_after"]}; ValueError (saying what is wrong) otherwise."""
     base, at, period = name.partition("@")
+    period, colon, merge = period.partition(":")      # ours@H:T: --merge-after T (default: train.py's)
     kind, plus, compress = base.partition("+")
     if kind not in KINDS or (plus and compress not in DDP_HOOKS):
         raise ValueError(f"unknown configuration {name!r}: ours[+C][@H], ddp[+C] or localsgd@H, "
@@ -115,7 +116,10 @@ def parse_config(name: str) -> dict:
     if kind == "ours" and every > 1 and compress not in ("", *PERIODIC_COMPRESS):
         raise ValueError(f"configuration {name!r}: with @H the change goes as float32, "
                          f"+{' or +'.join(PERIODIC_COMPRESS)} (train.py refuses {compress} with --sync-every)")
-    return {"name": name, "kind": kind, "compress": compress or "none", "sync_every": every}
+    if colon and not (kind == "ours" and every > 1 and merge.isascii() and merge.isdigit() and 1 <= int(merge) <= every):
+        raise ValueError(f"configuration {name!r}: ours@H:T merges T steps after a round's end, 1 <= T <= H")
+    return {"name": name, "kind": kind, "compress": compress or "none", "sync_every": every,
+            **({"merge_after": int(merge)} if colon else {})}
 
 
 def parse_ours(text: str) -> dict:

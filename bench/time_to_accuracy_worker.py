@@ -98,7 +98,8 @@ def worker(args) -> int:
                                                   powersgd_rank=cfg["powersgd_rank"],
                                                   powersgd_warmup=cfg["powersgd_warmup"], timeout=cfg["op_timeout"],
                                                   sync_every=spec["sync_every"], outer=cfg["outer"],
-                                                  outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"]),
+                                                  outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"],
+                                                  merge_after=spec.get("merge_after")),
                                   optimizer, scheduler, cfg["seed"])
     elif spec["kind"] == "localsgd":
         forward, wrapped = make_localsgd(model, optimizer, spec["sync_every"], cfg["localsgd_warmup"])

@@ -21,7 +21,11 @@ def test_configurations_parse_and_nothing_else_does():
     assert tta.parse_config("ours+bf16@16") == {"name": "ours+bf16@16", "kind": "ours", "compress": "bf16",
                                                 "sync_every": 16}
     assert tta.parse_config("ours@4") == {"name": "ours@4", "kind": "ours", "compress": "none", "sync_every": 4}
-    assert tta.parse_config("ours+fp16@64")["compress"] == "fp16"
+    assert tta.parse_config("ours+fp16@64")["compress"] == "fp16" and "merge_after" not in tta.parse_config("ours@64")
+    assert tta.parse_config("ours+fp16@64:32")["merge_after"] == 32 and tta.parse_config("ours@8:8")["sync_every"] == 8
+    for bad in ("ours@8:0", "ours@8:9", "ours@8:", "ours:4", "localsgd@8:2", "ours@8:x"):
+        with pytest.raises(ValueError):
+            tta.parse_config(bad)
     assert tta.parse_config("localsgd@2") == {"name": "localsgd@2", "kind": "localsgd", "compress": "none",
                                               "sync_every": 2}
     for bad in ("ours+none", "ddp+int8", "gloo", "ours+", "", "ours+bf16+fp16"):

@@ -51,7 +51,7 @@ def test_h8_trains_sends_an_eighth_and_ends_identical(outer, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_stop_mid_round_resumes_bit_for_bit(tmp_path):
-    """SIGTERM reaches every rank with an outer sum (the one started at step 24, merged 2 steps
+    """SIGTERM reaches every rank with an outer sum (the one started at step 24, merged 4 steps
     later); the checkpoint holds each rank's own state (its working parameters, its Adam, the
     anchor), so the resumed job ends with the bits of the job that never stopped."""
     for name in ("straight", "stopped"):
@@ -60,7 +60,7 @@ def test_a_stop_mid_round_resumes_bit_for_bit(tmp_path):
     straight = procs.train(args, cwd=str(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr
     stopped = procs.train(args, cwd=str(tmp_path / "stopped"), env=dict(os.environ, RING_FAULT="0:21:TERM"))
-    assert stopped.returncode == 3 and "stopped after epoch 1, step 26/50" in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 3 and "stopped after epoch 1, step 28/50" in stopped.stderr, stopped.stderr
     resumed = procs.train([*args, "--resume"], cwd=str(tmp_path / "stopped"))
     assert resumed.returncode == 0, resumed.stderr
     assert final_digest(resumed.stdout) == final_digest(straight.stdout)
@@ -72,7 +72,7 @@ def test_a_job_stopped_mid_round_on_2_ranks_resumes_on_3(tmp_path):
     anchor and the mean that arrived): the job goes on from one model, and ends on one."""
     args = [*SHORT, "--sync-every", "8", "--compress", "fp16", "--metrics", "m.jsonl"]
     stopped = procs.train(args, cwd=str(tmp_path), env=dict(os.environ, RING_FAULT="0:21:TERM"))
-    assert stopped.returncode == 3 and "stopped after epoch 1, step 26/50" in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 3 and "stopped after epoch 1, step 28/50" in stopped.stderr, stopped.stderr
     resumed = procs.train([*args, "--nproc", "3", "--resume"], cwd=str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming on 3 ranks; the checkpoint was made on 2" in resumed.stdout, resumed.stdout
@@ -92,12 +92,12 @@ def test_a_resume_with_another_h_is_refused(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_lost_rank_is_seen_at_a_rounds_end_and_the_others_go_on(tmp_path):
     """Between syncs nothing is summed, so a killed rank (as step 20 begins) is seen when the next
-    sum is merged (step 26, for the round ending at step 24): that step counts as done, and the
+    sum is merged (step 28, for the round ending at step 24): that step counts as done, and the
     survivors go on from the last outer step."""
     result = procs.train([*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"], cwd=str(tmp_path),
                          env=dict(os.environ, RING_FAULT="1:20:KILL"))
     assert result.returncode == 0, result.stderr
     # the round ending at step 24 sums in the background; its failure, or the next one's, is seen at its merge
-    assert re.search(r"continuing on 2 ranks from step (26|34) ", result.stdout), result.stdout
+    assert re.search(r"continuing on 2 ranks from step (28|36) ", result.stdout), result.stdout
     assert "parameters identical on all 2 ranks" in result.stdout
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["images"] == 3200
