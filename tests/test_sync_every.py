@@ -16,7 +16,9 @@ def test_bad_values_are_one_line_and_exit_2():
     for args in (["--sync-every", "0"], ["--sync-every", "4", "--outer", "nesterov", "--outer-lr", "nan"],
                  ["--outer", "nesterov"], ["--sync-every", "4", "--outer-lr", "0.5"],
                  ["--sync-every", "4", "--outer", "nesterov", "--outer-momentum", "1"],
-                 ["--sync-every", "4", "--compress", "powersgd"], ["--sync-every", "4", "--lazy-update"]):
+                 ["--sync-every", "4", "--compress", "powersgd"], ["--sync-every", "4", "--lazy-update"],
+                 ["--merge-after", "2"], ["--sync-every", "8", "--merge-after", "9"],
+                 ["--sync-every", "8", "--merge-after", "0"]):
         result = procs.train(args, timeout=30)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, (args, result.stderr)
         assert result.stderr.startswith("train.py: error: "), (args, result.stderr)
