@@ -45,7 +45,7 @@ DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer SGD (Doui
 
 def default_merge_after(every):
     """--merge-after's default for --sync-every `every`: half a round, which hides the sum of 64 steps at
-    20 Mbit/s on 2 and 4 ranks and costs no accuracy against a quarter round (docs/gradient-sum.md)."""
+    20 Mbit/s and cost no accuracy against a quarter round (docs/gradient-sum.md)."""
     return max(1, every // 2)
 MAX_SYNC_EVERY = 100_000
 
