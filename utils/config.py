@@ -41,13 +41,13 @@ MAX_SEED = 2**32 - 1
 MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
 OUTERS = ("average", "nesterov")   # --outer: utils/periodic.PeriodicSync
 DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer SGD (Douillard et al., 2023)
+MAX_SYNC_EVERY = 100_000
 
 
 def default_merge_after(every):
     """--merge-after's default for --sync-every `every`: half a round, which hides the sum of 64 steps at
     20 Mbit/s and cost no accuracy against a quarter round (docs/gradient-sum.md)."""
     return max(1, every // 2)
-MAX_SYNC_EVERY = 100_000
 
 
 def setting(default, flag, agree=False, resume=False):
