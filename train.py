@@ -143,21 +143,11 @@ def say_where_training_starts(config, resume_from, made_on):
         print(f"no checkpoint at {path}; starting afresh", flush=True)
 
 
-def evaluate(config, data):
-    from utils.checkpoint import load_model_state
-    from utils.model import Net
-    from utils.run import test_model
-    model = Net()
-    load_model_state(model, config.job.model_path)
-    accuracy = test_model(model, data[2], data[3])
-    print(f"test accuracy {accuracy:.2%} ({config.job.model_path}, {len(data[3])} images)")
-
-
 def train(config, data):
     import torch
     import torch.distributed as dist
 
-    from utils import checkpoint, hierarchical
+    from utils import checkpoint, hierarchical, slurm
     from utils.distributed import agree, broadcast_parameters, init_distributed, join_running_job, model_name
     from utils.distributed import start_membership, torchrun_attempt_store
     from utils.model import Net
@@ -201,6 +191,8 @@ def train(config, data):
         if resume_from is not None:
             model.load_state_dict(resume_from["model"])
         broadcast_parameters(model)
+        if job.slurm:   # Slurm knows which of its tasks share a node
+            os.environ.setdefault("RING_HOST_ID", f"slurm job {job.slurm.job_id} node {job.slurm.node_id}")
         hosts = hierarchical.discover()   # which ranks share a server: for the log, and the hierarchical sum
         membership = start_membership(job, {"model": model_name(model), **config.must_agree()}) if job.world_size > 1 else None
     except RuntimeError as e:
@@ -208,6 +200,8 @@ def train(config, data):
     if job.rank == 0:
         if resume_from is None and set_aside(config.outputs.checkpoint):
             print(f"starting afresh; the earlier checkpoint is kept as {config.outputs.checkpoint}.prev", flush=True)
+        if job.slurm:
+            print(slurm.describe(job.slurm), flush=True)
         print(start_line(config, sum(p.numel() for p in model.parameters()), data, hierarchical.describe(hosts)),
               flush=True)
     stop.arm()   # from here a signal stops the job after a step, with the checkpoint saved
@@ -262,6 +256,7 @@ def main(argv=None):
         use_deterministic_algorithms()
         data = load_mnist(job.data_dir, config.recipe.train_subset, config.recipe.test_subset)
         if job.eval:
+            from utils.run import evaluate
             evaluate(config, data)
         else:
             train(config, data)
@@ -274,7 +269,11 @@ def main(argv=None):
         say(f"{PROG}: rank {rank}: {e}{hint}")
         return EXIT_LOST_PEER
     except Stopped as e:
+        stop.leaving()   # a requeue's SIGTERM, or a late repeat, must not make this exit a crash
         say(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}")
+        if job.slurm and job.rank == 0 and stop.signalled() == "SIGUSR1":   # Slurm's warning: its time is nearly up
+            from utils.slurm import requeue
+            say(f"{PROG}: rank 0: {requeue(job.slurm, config.outputs.checkpoint)}")
         return EXIT_STOPPED
     except KeyboardInterrupt:
         say(f"{PROG}: rank {rank}: interrupted")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
 from utils.errors import UsageError
+from utils.slurm import SlurmStep, step_from as slurm_step
 
 GLOBAL_BATCH = 64            # the recipe: 64 images per step in all, however many ranks share them
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")   # --allreduce: utils/allreduce.make_allreduce
@@ -118,6 +119,7 @@ class Job:
     recover: bool = True                # a lost rank: the others go on (False: they save and exit 1)
     heartbeat: float = 5.0              # seconds of silence after which a rank is taken for lost
     join: Optional[str] = None          # join a running job: "" (through --init-method) or "HOST:PORT"
+    slurm: Optional[SlurmStep] = None   # srun started this rank: rank, world and rendezvous came from it
 
 
 @dataclass(frozen=True)
@@ -190,10 +192,14 @@ def from_args(args, environ=os.environ):
         if value is not None and args.compress != "powersgd":
             raise UsageError(f"{option} needs --compress powersgd (this run has --compress {args.compress})")
     torchrun = args.rank is None and "RANK" in environ and not args.eval
+    slurm = slurm_step(environ) if args.rank is None and not torchrun and not args.eval else None
     if args.rank is not None:
         rank, world_size, init_method = args.rank, args.world_size, args.init_method
     elif torchrun:
         rank, world_size, init_method = int(environ["RANK"]), int(environ["WORLD_SIZE"]), "env://"
+    elif slurm:
+        rank, world_size, init_method = slurm.rank, slurm.world_size, args.init_method or slurm.rendezvous
+        check_init_method(init_method)
     else:
         rank, world_size, init_method = None, args.nproc, None
     powersgd = args.compress == "powersgd"
@@ -201,7 +207,7 @@ def from_args(args, environ=os.environ):
         job=Job(rank=rank, world_size=world_size, init_method=init_method, ifname=args.ifname, torchrun=torchrun,
                 nproc=args.nproc, data_dir=args.data_dir, model_path=args.model_path, resume=args.resume,
                 eval=args.eval, recover=(not torchrun) if args.recover is None else args.recover,
-                heartbeat=args.heartbeat, join=args.join),
+                heartbeat=args.heartbeat, join=args.join, slurm=slurm),
         recipe=Recipe(batch_size=args.batch_size,
                       global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size
                                                          else GLOBAL_BATCH),

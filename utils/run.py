@@ -197,6 +197,15 @@ def test_model(model, images, labels, batch_size=1000):
     return correct / len(labels)
 
 
+def evaluate(config, data):
+    """train.py --eval: the test accuracy of --model_path."""
+    from utils.model import Net
+    model = Net()
+    checkpoint.load_model_state(model, config.job.model_path)
+    accuracy = test_model(model, data[2], data[3])
+    print(f"test accuracy {accuracy:.2%} ({config.job.model_path}, {len(data[3])} images)")
+
+
 def run(model, data, config, resume_from=None, membership=None, joining=None):
     """Train for config.recipe.epochs epochs; rank 0 evaluates, logs and saves after each.
 

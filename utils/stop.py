@@ -1,9 +1,14 @@
-"""Stopping like a production job: SIGTERM or SIGINT stops the job after a step, a second signal at once.
+"""Stopping like a production job: SIGTERM, SIGINT or SIGUSR1 stops the job after a step, a second signal at once.
 
     stop.install(label)    in a rank, before anything slow: from now on signals are handled here
     stop.arm()             training has begun: a first signal now only asks for a stop
-    stop.signalled()       the first signal's name ("SIGTERM", "SIGINT"), or None
+    stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1"), or None
+    stop.leaving()         the stop is done and this rank exits: signals from now on change nothing
     stop.forward_to(procs) in the local launcher: pass every signal on to its ranks
+
+SIGUSR1 is what `sbatch --signal=USR1@90` sends before a time limit: it stops as SIGTERM does, and
+under Slurm rank 0 then requeues the job (utils/slurm.py). As a warning, with time left, it does
+not end a rank that is still starting: that one stops after its first step.
 
 Before arm() there is nothing to save, so a signal ends the rank at once. After it, the first
 signal is only noted: the trainer sends the note along with the next gradient sum (utils/run.py),
@@ -24,17 +29,18 @@ import time
 
 from utils import outputs
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_SECONDS = 1.0
 
 _label = "train.py"
 _armed = False
 _first = None          # (signal name, monotonic time) of the first signal
 _forward = None        # the launcher's ranks
+_leaving = False
 
 
 def install(label):
-    """Handle SIGTERM and SIGINT here from now on; `label` starts the line a signal prints."""
+    """Handle SIGNALS here from now on; `label` starts the line a signal prints."""
     global _label
     _label = label
     read, write = os.pipe()
@@ -48,6 +54,11 @@ def install(label):
 def arm():
     global _armed
     _armed = True
+
+
+def leaving():
+    global _leaving
+    _leaving = True
 
 
 def signalled():
@@ -72,7 +83,9 @@ def _received(sig):
             if proc.poll() is None:
                 proc.send_signal(sig)
         return
-    if not _armed:
+    if _leaving:
+        return
+    if not _armed and sig != signal.SIGUSR1:   # a warning, not a request to end: the first step stops
         _exit(f"stopped by {sig.name} before training began; nothing to save", 128 + sig)
     now = time.monotonic()
     if _first is None:
