@@ -46,6 +46,8 @@ TEMP_PREFIX = "slurm-emu-"
 # SlurmCluster(**FAST_REQUEUE).
 FAST_REQUEUE = {"auth_info": "cred_expire=5", "extra_conf": "SchedulerParameters=sched_interval=1"}
 
+TIME_LIMIT_PERIOD = 30       # seconds between slurmctld's looks at time limits
+
 # Sets the hostname of a fresh UTS namespace, then becomes the daemon: sh -c SCRIPT HOSTNAME ARGV...
 _AS_HOST = 'hostname "$0" && exec "$@"'
 
@@ -263,6 +265,18 @@ JobRequeue=1
                 raise netns.ClusterError(f"job {job_id} not in {sorted(states)} within {timeout} s: {info}\n"
                                          f"{squeue}\n{self.log_tails()}")
             time.sleep(0.5)
+
+    def next_time_limit_check(self) -> float:
+        """When (time.time()) slurmctld next looks at time limits, and so sends `--signal` warnings.
+
+        Its background thread does that every 30 s (PERIODIC_TIMEOUT, not configurable), counted
+        from its start; the log says when it started."""
+        started = re.search(r"^\[([\d-]+T[\d:]+)\.(\d+)\] slurmctld version \S+ started",
+                            (self.dir / "slurmctld.log").read_text(), re.M)
+        if started is None:
+            raise netns.ClusterError(f"slurmctld's log does not say when it started\n{self.log_tails()}")
+        base = time.mktime(time.strptime(started.group(1), "%Y-%m-%dT%H:%M:%S")) + int(started.group(2)) / 1000
+        return base + TIME_LIMIT_PERIOD * (int((time.time() - base) // TIME_LIMIT_PERIOD) + 1)
 
     def logs(self) -> dict[str, str]:
         """Every daemon's log by file name; its stdout+stderr instead where it has no log file (munged),
