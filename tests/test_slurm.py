@@ -8,6 +8,7 @@ Needs root and slurm-wlm + munge (.ci/run installs them); in CI their absence is
 import math
 import os
 import re
+import signal
 import sys
 import time
 
@@ -177,3 +178,22 @@ def test_a_broken_slurm_environment_is_one_line_and_exit_2(tmp_path):
         assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr)
         assert needle in lines[0] and "Traceback" not in result.stdout + result.stderr, lines[0]
     assert not (tmp_path / "runs").exists()   # nothing written
+
+
+@pytest.mark.timeout(120)
+def test_the_warning_while_a_rank_starts_stops_the_job_after_its_first_step(tmp_path):
+    """SIGUSR1 (Slurm's warning: there is time left) does not end a rank that is still starting."""
+    ranks = procs.start_ranks(2, [*TRAINING, "--resume"], cwd=str(tmp_path))
+    try:
+        line = ranks[0].stdout.readline()   # printed after the signals are handled, before training begins
+        assert line.startswith("no checkpoint at runs/checkpoint.pt; starting afresh"), line
+        os.kill(ranks[0].pid, signal.SIGUSR1)
+        results = procs.wait_all(ranks, timeout=90)
+    finally:
+        for rank in ranks:
+            procs.kill_group(rank)
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 3, (rank, code, err)
+        assert re.fullmatch(rf"train\.py: rank {rank}: stopped after epoch 1, step 1/150 \(SIGUSR1 to rank 0\); "
+                            r"checkpoint saved to runs/checkpoint\.pt; to resume: .*", err.strip()), err
+    assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, 1)
