@@ -8,6 +8,7 @@ Needs root and slurm-wlm + munge (.ci/run installs them); in CI their absence is
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -197,3 +198,24 @@ def test_the_warning_while_a_rank_starts_stops_the_job_after_its_first_step(tmp_
         assert re.fullmatch(rf"train\.py: rank {rank}: stopped after epoch 1, step 1/150 \(SIGUSR1 to rank 0\); "
                             r"checkpoint saved to runs/checkpoint\.pt; to resume: .*", err.strip()), err
     assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, 1)
+
+
+@pytest.mark.timeout(300)
+def test_two_tasks_a_node_sum_hierarchically_and_srun_torchrun_still_works(cluster, tmp_path):
+    short = ["--epochs", "1", "--train-subset", "1280", "--metrics", ""]
+    job = submit(cluster, tmp_path, "--ntasks-per-node=2", args=[*short, "--allreduce", "hierarchical"])
+    torchrun = tmp_path / "torchrun.sbatch"   # one torchrun agent a node; torchrun's RANK wins over Slurm's
+    torchrun.write_text(f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n"
+                        f"export OMP_NUM_THREADS=1\nsrun {sys.executable} -m torch.distributed.run --nnodes 2 "
+                        f"--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint node1:29400 --rdzv-id t "
+                        f"{procs.TRAIN} {shlex.join(short)} --checkpoint t.pt --save-path t.pth\n")
+    torchrun_job = cluster.sbatch(torchrun, cwd=tmp_path)
+    info, log = finished(cluster, tmp_path, job, timeout=240)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log)
+    assert f"Slurm job {job} step 0: 4 tasks on 2 nodes (node1, node2)" in log, log
+    assert "all-reduce hierarchical" in log and "2 hosts × 2 ranks" in log, log   # node ids from Slurm
+    assert "parameters identical on all 4 ranks" in log, log
+    info, log = finished(cluster, tmp_path, torchrun_job, timeout=240)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log)
+    assert "rank 0 of 2:" in log and "2 hosts × 1 rank" in log and "Slurm job" not in log, log
+    assert "parameters identical on all 2 ranks" in log, log
