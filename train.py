@@ -6,6 +6,7 @@ On each server (one rank per server):
 
 On one machine, all ranks over loopback:   python train.py
 Under torchrun:                             torchrun --nproc-per-node 2 train.py
+Under Slurm:                                sbatch scripts/slurm.sbatch   (its srun needs no rank flags)
 Evaluate a saved model:                     python train.py --eval --model_path model_state_dict.pth
 
 Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the same step, rank 0
