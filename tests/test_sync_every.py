@@ -94,12 +94,13 @@ def test_a_resume_with_another_h_is_refused(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_lost_rank_is_seen_at_a_rounds_end_and_the_others_go_on(tmp_path):
     """Between syncs nothing is summed, so a killed rank (as step 20 begins) is seen when the next
-    sum is merged (step 28, for the round ending at step 24): that step counts as done, and the
-    survivors go on from the last outer step."""
+    sum is merged (step 28, for the round ending at step 24; or at step 20, if the round ending at
+    step 16 was still being summed when it died, as on a loaded machine): that step counts as
+    done, and the survivors go on from the last outer step."""
     result = procs.train([*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"], cwd=str(tmp_path),
                          env=dict(os.environ, RING_FAULT="1:20:KILL"))
     assert result.returncode == 0, result.stderr
     # the round ending at step 24 sums in the background; its failure, or the next one's, is seen at its merge
-    assert re.search(r"continuing on 2 ranks from step (28|36) ", result.stdout), result.stdout
+    assert re.search(r"continuing on 2 ranks from step (20|28|36) ", result.stdout), result.stdout
     assert "parameters identical on all 2 ranks" in result.stdout
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["images"] == 3200

@@ -216,8 +216,8 @@ class OverlappedSync(GradientSync):
             self.ready[i].set()
             return
         flag = self.local_flag() if i == self.flag_bucket else None
-        started_ns = timeline.now_ns()
         flat, numel = flat_buffer(self.buckets[i], self.weight, flag)
+        started_ns = timeline.now_ns()   # where the span starts, as its length is counted: from the sum's start
         work = self.allreduces[i].sum_async(flat)   # an error raised here, inside backward: wait_bucket reports it
         self.pending[i] = (flat, numel, work, started_ns, timeline.current_step())
 
