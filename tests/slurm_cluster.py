@@ -60,6 +60,18 @@ def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None]
 
 
+def require_slurm() -> None:
+    """For the tests: where a Slurm cannot run here (not root, or not installed), fail under CI=true
+    (.ci/run installs it), else skip."""
+    import pytest
+    problem = None if os.geteuid() == 0 else "the Slurm tests need root (network namespaces, slurmd)"
+    if missing := missing_tools():
+        problem = (f"Slurm is not installed ({', '.join(missing)} missing): "
+                   f"apt-get install slurmctld slurmd slurm-client munge")
+    if problem:
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(problem)
+
+
 def _remove_orphans() -> None:
     """Hosts files and temp dirs of clusters whose namespaces are gone (runs SIGKILLed before teardown).
 

@@ -3,7 +3,7 @@ sbatch of the shipped scripts/slurm.sbatch trains on two nodes with no rank flag
 SIGUSR1 stops it with a checkpoint, rank 0 requeues it, and the requeued job finishes bit for bit
 as the uninterrupted one; scancel leaves a whole checkpoint; a finished job is not requeued.
 
-Needs root and slurm-wlm + munge (.ci/run installs them); in CI their absence is a failure.
+Needs root and slurmctld, slurmd, slurm-client and munge (.ci/run installs them); in CI their absence is a failure.
 """
 import math
 import os
@@ -17,7 +17,7 @@ import pytest
 
 import procs
 from procs import checkpoint_position, final_digest, wait_for
-from slurm_cluster import FAST_REQUEUE, TIME_LIMIT_PERIOD, SlurmCluster, missing_tools
+from slurm_cluster import FAST_REQUEUE, TIME_LIMIT_PERIOD, SlurmCluster, require_slurm
 
 SCRIPT = os.path.join(procs.REPO, "scripts", "slurm.sbatch")
 # About 8 s of training on two emulated nodes (the machine's two cores), 98% on the test subset.
@@ -30,15 +30,7 @@ JOB_ENV = {"PYTHON": sys.executable, "TRAIN_PY": procs.TRAIN}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if missing := missing_tools():
-        message = f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Slurm tests must run as root in CI (network namespaces, slurmd)")
-        pytest.skip("not root")
+    require_slurm()
     with SlurmCluster(nodes=2, workdir=tmp_path_factory.mktemp("slurm"), **FAST_REQUEUE) as c:
         yield c
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from slurm_cluster import ETC_NETNS, SlurmCluster, missing_tools
+from slurm_cluster import ETC_NETNS, SlurmCluster, require_slurm
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
@@ -22,11 +22,7 @@ TASK_LINE = re.compile(r"^task (\S+) (\d+) (\d+) (\S+) \d+: (\S+)\s+inet (\d+\.\
 
 @pytest.fixture
 def slurm_installed():
-    if missing := missing_tools():
-        msg = f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require_slurm()
 
 
 def processes_mentioning(text):
