@@ -42,6 +42,8 @@ TRAIN = str(REPO / "train.py")
 RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--metrics", "m.jsonl", "--timeout", "60"]
 STEPS = 100          # 6400 images, 64 a step (--train-subset changes both)
 HEARTBEAT = 2.0
+JOIN_HEARTBEAT = 5.0   # the join trial: train.py's default, so that a server still loading on a busy machine
+                       # (CI runs two test files at once) is not taken for lost while the state goes round
 TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join"),
            "cost": bound("recovery_cost")}
 
@@ -79,7 +81,7 @@ def join_trial(world_size, rng, tmp):
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
     common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
-              "lo", *RUN, "--epochs", "60", "--heartbeat", str(HEARTBEAT)]
+              "lo", *RUN, "--epochs", "60", "--heartbeat", str(JOIN_HEARTBEAT)]
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
     ranks = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), *common], cwd=cwd, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
