@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""All-reduce benchmark for utils/ring.py, in the style of nccl-tests.
+"""All-reduce benchmark for utils/comm/ring.py, in the style of nccl-tests.
 
 Measures, side by side in one run, the all-reduce (sum) of one flat float32 buffer with
 
@@ -7,7 +7,7 @@ Measures, side by side in one run, the all-reduce (sum) of one flat float32 buff
     two-pass             the original chain, chunks=1 (the textbook, unpipelined version)
     two-pass-pipelined   the same chain streamed in auto_chunks(numel) pieces (or --chunks K)
     ring                 reduce-scatter + all-gather
-    hierarchical         loopback within hosts, a ring per shard across them (utils/hierarchical.py)
+    hierarchical         loopback within hosts, a ring per shard across them (utils/comm/hierarchical.py)
 
 for world sizes N (default 2,3,4) and buffer sizes from 4 KiB to 16 MiB, including the
 trainer's gradient ("model", --model-numel float32 values).
@@ -41,7 +41,7 @@ Columns (nccl-tests conventions; S = buffer bytes, t = median time, MB = 1e6 byt
     the tbf bucket's free start (1.046x at MTU 1500, less for small buffers), what tbf really
     lets through; no algorithm can beat it.
 
-Trying a change to utils/ring.py: --candidate FILE measures FILE's ring_sum as "ring:<stem>",
+Trying a change to utils/comm/ring.py: --candidate FILE measures FILE's ring_sum as "ring:<stem>",
 interleaved with the rest (same checks, same targets, marked [candidate]); --ring-file FILE
 swaps the whole module (results go to allreduce-<mode>-<stem>.*, never over the real ones).
 
@@ -57,7 +57,7 @@ bench/targets.py, plot) is bench/allreduce_report.py, the rest is bench/harness.
 Output: a markdown table on stdout, then the issue targets with PASS/MISS, and
 bench/results/allreduce-<mode>[-<rate>].{json,png,md} (mode: loopback or cluster), written atomically.
 """
-from __future__ import annotations
+
 from __future__ import annotations
 
 import argparse
@@ -67,15 +67,30 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_report import (  # noqa: E402
-    ALGORITHMS, MB, evaluate_targets, human, load_lines, plot, table, target_lines)
-from harness import (  # noqa: E402
-    MODEL_NUMEL, LaunchError, add_world_options, bench_parser, cluster, command_line, emulated_cluster, host_info,
-    launch_world, number_list, parse_rate, results_stem as stem_of, run_driver, started_at, world_port, write_results)
-from allreduce_worker import ELEMENT, worker  # noqa: E402
+from allreduce_report import ALGORITHMS, MB, evaluate_targets, human, load_lines, plot, table, target_lines
+from allreduce_worker import ELEMENT, worker
+from harness import (
+    MODEL_NUMEL,
+    LaunchError,
+    add_world_options,
+    bench_parser,
+    cluster,
+    command_line,
+    emulated_cluster,
+    host_info,
+    launch_world,
+    number_list,
+    parse_rate,
+    run_driver,
+    started_at,
+    world_port,
+    write_results,
+)
+from harness import (
+    results_stem as stem_of,
+)
 
-DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")   # hierarchical: with --ranks-per-host
+DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")  # hierarchical: with --ranks-per-host
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
 
 
@@ -85,17 +100,27 @@ def parse_size(text: str, model_numel: int) -> tuple[str, int]:
     t = text.strip()
     if t.lower() == "model":
         return "model", model_numel * ELEMENT
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+    units = {
+        "": 1,
+        "B": 1,
+        "K": 1 << 10,
+        "KB": 1 << 10,
+        "KIB": 1 << 10,
+        "M": 1 << 20,
+        "MB": 1 << 20,
+        "MIB": 1 << 20,
+        "G": 1 << 30,
+        "GB": 1 << 30,
+        "GIB": 1 << 30,
+    }
     num = t.rstrip("BbKkMmGgIi")
-    unit = t[len(num):].upper()
+    unit = t[len(num) :].upper()
     if not num.isdigit() or unit not in units:
         raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4K, 1M, 16M, 65536 or 'model'")
     nbytes = int(num) * units[unit]
     if nbytes < ELEMENT or nbytes % ELEMENT:
         raise argparse.ArgumentTypeError(f"size {text!r} is not a positive multiple of {ELEMENT} bytes")
     return human(nbytes), nbytes
-
 
 
 def pretty_bytes(nbytes: int) -> str:
@@ -108,26 +133,42 @@ def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: i
     if alg in ("gloo", "ring"):
         return 2 * (n - 1) / n * s
     if alg == "two-pass" or chunks <= 1:
-        return (n + max(0, n - 2)) * s              # N hops of pass 1, N-2 of pass 2, one after another
-    return 2 * s + (2 * n - 2) * s / chunks         # busiest link carries 2S; plus pipeline fill
-
-
+        return (n + max(0, n - 2)) * s  # N hops of pass 1, N-2 of pass 2, one after another
+    return 2 * s + (2 * n - 2) * s / chunks  # busiest link carries 2S; plus pipeline fill
 
 
 # --------------------------------------------------------------------------- driver
-def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout: float,
-           timeout: float) -> dict:
+def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout: float, timeout: float) -> dict:
     """Run one world of n hosts x --ranks-per-host ranks; return rank 0's raw results (with the
     hosts and the load). Exit code 3 is a rank that found a wrong sum: its results are written."""
     host0 = cl.addr(0) if cl else "127.0.0.1"
     k = args.ranks_per_host
-    cfg = {"world_size": n * k, "hosts": n, "ranks_per_host": k,
-           "init_method": f"tcp://{host0}:{port}", "op_timeout": op_timeout,
-           "seed": args.seed, "chunks": args.chunks, "fault": args.self_test_fault,
-           "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None, "algorithms": args.algorithms,
-           "candidates": [str(Path(f).resolve()) for f in args.candidate], "sizes": sizes}
-    raw = launch_world(str(Path(__file__).resolve()), n * k, cfg, cl, tmp, f"n{n}", timeout, f"N={n}",
-                       ok_codes=(0, 3), ranks_per_host=k)
+    cfg = {
+        "world_size": n * k,
+        "hosts": n,
+        "ranks_per_host": k,
+        "init_method": f"tcp://{host0}:{port}",
+        "op_timeout": op_timeout,
+        "seed": args.seed,
+        "chunks": args.chunks,
+        "fault": args.self_test_fault,
+        "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None,
+        "algorithms": args.algorithms,
+        "candidates": [str(Path(f).resolve()) for f in args.candidate],
+        "sizes": sizes,
+    }
+    raw = launch_world(
+        str(Path(__file__).resolve()),
+        n * k,
+        cfg,
+        cl,
+        tmp,
+        f"n{n}",
+        timeout,
+        f"N={n}",
+        ok_codes=(0, 3),
+        ranks_per_host=k,
+    )
     raw["hosts"], raw["ranks_per_host"] = n, k
     return raw
 
@@ -136,7 +177,7 @@ def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
     """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
     records = []
     n = raw["world_size"]
-    hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)   # the limit counts hosts: their cards
+    hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)  # the limit counts hosts: their cards
     for size in raw["sizes"]:
         gloo_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "gloo"), None)
         ring_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "ring"), None)
@@ -144,21 +185,36 @@ def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
             t = statistics.median(row["times_s"])
             algbw = size["bytes"] / t
             limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
-            records.append({
-                "world_size": n, "hosts": hosts, "ranks_per_host": k,
-                "size": size["label"], "bytes": size["bytes"], "numel": size["numel"],
-                "algorithm": row["algorithm"], "chunks": row["chunks"], "iters": len(row["times_s"]),
-                "warmup": size["warmup"], "times_ms": [x * 1e3 for x in row["times_s"]],
-                "median_ms": t * 1e3, "min_ms": min(row["times_s"]) * 1e3, "max_ms": max(row["times_s"]) * 1e3,
-                "rank_median_ms": [x * 1e3 for x in row["rank_median_s"]],
-                "algbw_MBps": algbw / MB, "busbw_MBps": algbw * 2 * (hosts - 1) / hosts / MB,
-                "limit_ms": limit * 1e3 if limit else None, "ratio_limit": t / limit if limit else None,
-                "ratio_gloo": t / gloo_t if gloo_t else None,
-                "ratio_ring": t / ring_t if ring_t and row["algorithm"] != "ring" else None,
-                "correct": row["correct"], "bit_identical": row["bit_identical"],
-                "max_error_over_bound": row["max_error_over_bound"], "problems": row["problems"]})
+            records.append(
+                {
+                    "world_size": n,
+                    "hosts": hosts,
+                    "ranks_per_host": k,
+                    "size": size["label"],
+                    "bytes": size["bytes"],
+                    "numel": size["numel"],
+                    "algorithm": row["algorithm"],
+                    "chunks": row["chunks"],
+                    "iters": len(row["times_s"]),
+                    "warmup": size["warmup"],
+                    "times_ms": [x * 1e3 for x in row["times_s"]],
+                    "median_ms": t * 1e3,
+                    "min_ms": min(row["times_s"]) * 1e3,
+                    "max_ms": max(row["times_s"]) * 1e3,
+                    "rank_median_ms": [x * 1e3 for x in row["rank_median_s"]],
+                    "algbw_MBps": algbw / MB,
+                    "busbw_MBps": algbw * 2 * (hosts - 1) / hosts / MB,
+                    "limit_ms": limit * 1e3 if limit else None,
+                    "ratio_limit": t / limit if limit else None,
+                    "ratio_gloo": t / gloo_t if gloo_t else None,
+                    "ratio_ring": t / ring_t if ring_t and row["algorithm"] != "ring" else None,
+                    "correct": row["correct"],
+                    "bit_identical": row["bit_identical"],
+                    "max_error_over_bound": row["max_error_over_bound"],
+                    "problems": row["problems"],
+                }
+            )
     return records
-
 
 
 def driver(args) -> int:
@@ -171,42 +227,68 @@ def driver(args) -> int:
     rate_bytes = rate_bits / 8 if rate_bits else None
     worlds = args.world_sizes
     sizes = {}
-    for label, nbytes in args.sizes:       # one row per byte count; "model" keeps its name
+    for label, nbytes in args.sizes:  # one row per byte count; "model" keeps its name
         sizes[nbytes] = label if label == "model" else sizes.get(nbytes, label)
     sizes = sorted(sizes.items())
     plan = []
     for nbytes, label in sizes:
         big = nbytes >= args.big_from
-        plan.append({"label": label, "bytes": nbytes, "iters": args.big_iters if big else args.iters,
-                     "warmup": args.big_warmup if big else args.warmup})
+        plan.append(
+            {
+                "label": label,
+                "bytes": nbytes,
+                "iters": args.big_iters if big else args.iters,
+                "warmup": args.big_warmup if big else args.warmup,
+            }
+        )
 
     # Time budget per world (the hard timeout) and per-operation timeout of the process group.
-    from utils.ring import auto_chunks
-    est = {n: sum((p["iters"] + p["warmup"]) * expected_seconds(       # N·K ranks: a flat ring's time
-                      a, n * k, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT))
-                  for p in plan for a in args.algorithms + ["ring"] * len(args.candidate))
-           for n in worlds}
-    op_timeout = max(60.0, 20 * max(expected_seconds("two-pass", n * k, plan[-1]["bytes"], rate_bytes or 50e6, 1)
-                                     for n in worlds))
-    print(f"# all-reduce benchmark: mode={mode}" + (f", egress cap {args.rate} per host" if rate_bits else "")
-          + f", N={','.join(map(str, worlds))}" + (f" hosts × {k} ranks each" if k > 1 else "")
-          + f", algorithms={','.join(args.algorithms)}"
-          + (f", ring.py under test: {args.ring_file}" if args.ring_file else "")
-          + "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate))
+    from utils.comm.ring import auto_chunks
+
+    est = {
+        n: sum(
+            (p["iters"] + p["warmup"])
+            * expected_seconds(  # N·K ranks: a flat ring's time
+                a, n * k, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT)
+            )
+            for p in plan
+            for a in args.algorithms + ["ring"] * len(args.candidate)
+        )
+        for n in worlds
+    }
+    op_timeout = max(
+        60.0, 20 * max(expected_seconds("two-pass", n * k, plan[-1]["bytes"], rate_bytes or 50e6, 1) for n in worlds)
+    )
+    print(
+        f"# all-reduce benchmark: mode={mode}"
+        + (f", egress cap {args.rate} per host" if rate_bits else "")
+        + f", N={','.join(map(str, worlds))}"
+        + (f" hosts × {k} ranks each" if k > 1 else "")
+        + f", algorithms={','.join(args.algorithms)}"
+        + (f", ring.py under test: {args.ring_file}" if args.ring_file else "")
+        + "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate)
+    )
     labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
     print(f"# sizes: {', '.join(labels)}")
     iters_note = f"{args.iters} timed + {args.warmup} warm-up repetitions"
     if any(p["bytes"] >= args.big_from for p in plan):
-        iters_note += (f"; sizes >= {human(args.big_from)}: {args.big_iters} timed + {args.big_warmup} warm-up "
-                       f"(fewer, to keep the run short)")
+        iters_note += (
+            f"; sizes >= {human(args.big_from)}: {args.big_iters} timed + {args.big_warmup} warm-up "
+            f"(fewer, to keep the run short)"
+        )
     print(f"# {iters_note}; time = max over ranks, median over repetitions")
-    print("# bandwidth-bound estimate: " + ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
-          + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
+    print(
+        "# bandwidth-bound estimate: "
+        + ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
+        + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)")
+    )
     sys.stdout.flush()
 
     records, started, load, wire = [], time.time(), {}, None
-    with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir, \
-            emulated_cluster(args.rate if args.cluster else None, max(worlds), k) as cl:
+    with (
+        tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir,
+        emulated_cluster(args.rate if args.cluster else None, max(worlds), k) as cl,
+    ):
         tmp = Path(tmpdir)
         if cl:
             wire = set_up_wire(cl, args.tcp_cc, rate_bits)
@@ -218,8 +300,9 @@ def driver(args) -> int:
             records += summarize(raw, rate_bytes)
             load[n] = raw["load"]
 
-    failures = [f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: {p}"
-                for r in records for p in r["problems"]]
+    failures = [
+        f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: {p}" for r in records for p in r["problems"]
+    ]
     if wire and rate_bytes:
         # What the wire allows: tbf charges a whole frame (payload + 66 bytes of Ethernet/IP/TCP
         # headers with timestamps) per MSS of payload, and its bucket starts each op full.
@@ -228,25 +311,49 @@ def driver(args) -> int:
                 r["floor_ratio"] = max(0.0, wire["factor"] - wire["burst_bytes"] / rate_bytes / (r["limit_ms"] / 1e3))
     targets = evaluate_targets(records, mode, k)
     host = host_info()
-    title = (f"all-reduce, {mode}" + (f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)")
-             + f"; {host['node']}, torch {host['torch']}")
-    md = (f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "")
-          + (f", {k} ranks per host (N counts hosts)" if k > 1 else "") + "\n\n"
-          f"`{command_line('allreduce.py')}`  \n{iters_note}.\n\n"
-          + table(records) + "\n\n```\n" + target_lines(targets) + "\n" + load_lines(load) + "\n```\n")
+    title = (
+        f"all-reduce, {mode}"
+        + (f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)")
+        + f"; {host['node']}, torch {host['torch']}"
+    )
+    md = (
+        f"### All-reduce benchmark, {mode}"
+        + (f" ({args.rate} per host)" if rate_bits else "")
+        + (f", {k} ranks per host (N counts hosts)" if k > 1 else "")
+        + "\n\n"
+        f"`{command_line('allreduce.py')}`  \n{iters_note}.\n\n"
+        + table(records)
+        + "\n\n```\n"
+        + target_lines(targets)
+        + "\n"
+        + load_lines(load)
+        + "\n```\n"
+    )
     result = {
-        "mode": mode, "rate": args.rate if rate_bits else None, "rate_bits_per_s": rate_bits,
+        "mode": mode,
+        "rate": args.rate if rate_bits else None,
+        "rate_bits_per_s": rate_bits,
         "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
-        "world_sizes": worlds, "ranks_per_host": k, "sizes": plan, "algorithms": args.algorithms,
+        "world_sizes": worlds,
+        "ranks_per_host": k,
+        "sizes": plan,
+        "algorithms": args.algorithms,
         "chunks_override": args.chunks,
-        "model_numel": args.model_numel, "seed": args.seed,
-        "ring_file": args.ring_file or "utils/ring.py", "candidates": args.candidate,
+        "model_numel": args.model_numel,
+        "seed": args.seed,
+        "ring_file": args.ring_file or "utils/comm/ring.py",
+        "candidates": args.candidate,
         "timing": "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
-                  "median over timed repetitions; algorithms interleaved per repetition, order rotated",
-        "host": host, "started": started_at(started), "seconds": round(time.time() - started, 1),
+        "median over timed repetitions; algorithms interleaved per repetition, order rotated",
+        "host": host,
+        "started": started_at(started),
+        "seconds": round(time.time() - started, 1),
         "other_load": {str(n): v for n, v in load.items()},
         "wire": wire,
-        "correct": not failures, "failures": failures, "targets": targets, "results": records,
+        "correct": not failures,
+        "failures": failures,
+        "targets": targets,
+        "results": records,
     }
     out = Path(args.results_dir) / results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc, k)
     write_results(out, result, md, plot(records, title, rate_bytes, wire["burst_bytes"] if wire else 0))
@@ -267,29 +374,48 @@ def driver(args) -> int:
 def set_up_wire(cl, tcp_cc: str | None, rate_bits: int | None) -> dict:
     """The emulated hosts' TCP congestion control (--tcp-cc), and what their wire lets through: the
     MTU's header overhead and tbf's burst, for the wire floor under the targets."""
-    if tcp_cc:                 # per-namespace setting; only kernel-"allowed" ones work there
+    if tcp_cc:  # per-namespace setting; only kernel-"allowed" ones work there
         for r in range(cl.hosts):
             done = cl.run_on(r, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={tcp_cc}"], timeout=10)
             if done.returncode:
                 allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
-                raise LaunchError(f"--tcp-cc {tcp_cc}: {done.stderr.decode().strip()} (a network namespace may "
-                                  f"only pick from net.ipv4.tcp_allowed_congestion_control = {allowed!r})")
+                raise LaunchError(
+                    f"--tcp-cc {tcp_cc}: {done.stderr.decode().strip()} (a network namespace may "
+                    f"only pick from net.ipv4.tcp_allowed_congestion_control = {allowed!r})"
+                )
     mtu = int(cl.run_on(0, ["cat", f"/sys/class/net/{cl.nic(0)}/mtu"], timeout=10, check=True).stdout)
     cc = cl.run_on(0, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"], timeout=10).stdout.strip()
-    wire = {"mtu": mtu, "factor": (mtu + 14) / (mtu - 52), "tcp_cc": cc.decode() or "?",
-            "burst_bytes": cluster.tbf_burst(rate_bits) if rate_bits else 0}
-    print(f"# cluster wire: MTU {mtu}, TCP {wire['tcp_cc']}" + (f"; tbf rate {rate_bits} bit/s, burst "
-          f"{wire['burst_bytes']} B, latency {cluster.TBF_LATENCY}" if rate_bits else ""), flush=True)
+    wire = {
+        "mtu": mtu,
+        "factor": (mtu + 14) / (mtu - 52),
+        "tcp_cc": cc.decode() or "?",
+        "burst_bytes": cluster.tbf_burst(rate_bits) if rate_bits else 0,
+    }
+    print(
+        f"# cluster wire: MTU {mtu}, TCP {wire['tcp_cc']}"
+        + (
+            f"; tbf rate {rate_bits} bit/s, burst {wire['burst_bytes']} B, latency {cluster.TBF_LATENCY}"
+            if rate_bits
+            else ""
+        ),
+        flush=True,
+    )
     return wire
 
 
-def results_stem(mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None,
-                 ranks_per_host: int = 1) -> str:
+def results_stem(
+    mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None, ranks_per_host: int = 1
+) -> str:
     """The results files' name: each capped rate, ring file, TCP setting and number of ranks per
     host gets its own, so that no run overwrites another's (allreduce-cluster-200mbit-reno.*,
     allreduce-loopback.*, allreduce-cluster-200mbit-reno-2-per-host.*)."""
-    parts = [f"allreduce-{mode}", rate, Path(ring_file).stem if ring_file else None, tcp_cc,
-             f"{ranks_per_host}-per-host" if ranks_per_host > 1 else None]
+    parts = [
+        f"allreduce-{mode}",
+        rate,
+        Path(ring_file).stem if ring_file else None,
+        tcp_cc,
+        f"{ranks_per_host}-per-host" if ranks_per_host > 1 else None,
+    ]
     return stem_of(*parts)
 
 
@@ -297,16 +423,29 @@ def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--cluster", action="store_true", help="run each rank on its own emulated host (root)")
     ap.add_argument("--rate", help="per-host egress cap in --cluster mode, tc syntax, e.g. 200mbit")
-    ap.add_argument("--world-sizes", default="2,3,4", type=number_list(int),
-                    help="comma list of N, one launch each (default 2,3,4)")
+    ap.add_argument(
+        "--world-sizes", default="2,3,4", type=number_list(int), help="comma list of N, one launch each (default 2,3,4)"
+    )
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (K/M binary, 'model'); default {DEFAULT_SIZES}")
-    ap.add_argument("--model-numel", type=int, default=MODEL_NUMEL,
-                    help="float32 parameters of the trainer's model: the 'model' row")
-    ap.add_argument("--algorithms", type=lambda s: s.split(","),
-                    help=f"comma list from {','.join(ALGORITHMS)} (default: all but hierarchical; with "
-                         f"--ranks-per-host: gloo,ring,hierarchical)")
-    ap.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
-                    help="K ranks on each host, sharing its card; --world-sizes then counts hosts (default 1)")
+    ap.add_argument(
+        "--model-numel",
+        type=int,
+        default=MODEL_NUMEL,
+        help="float32 parameters of the trainer's model: the 'model' row",
+    )
+    ap.add_argument(
+        "--algorithms",
+        type=lambda s: s.split(","),
+        help=f"comma list from {','.join(ALGORITHMS)} (default: all but hierarchical; with "
+        f"--ranks-per-host: gloo,ring,hierarchical)",
+    )
+    ap.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K ranks on each host, sharing its card; --world-sizes then counts hosts (default 1)",
+    )
     ap.add_argument("--chunks", type=int, default=0, help="pieces for two-pass-pipelined (default: auto_chunks)")
     ap.add_argument("--iters", type=int, default=7, help="timed repetitions")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions first")
@@ -314,12 +453,21 @@ def main(argv=None) -> int:
     ap.add_argument("--big-iters", type=int, default=5)
     ap.add_argument("--big-warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--ring-file", help="benchmark this copy of utils/ring.py instead (e.g. a proposed patch)")
-    ap.add_argument("--tcp-cc", metavar="ALGO", help="TCP congestion control inside the emulated hosts (e.g. reno; "
-                    "default: the namespaces' default, usually the host's). Results go to allreduce-cluster-<RATE>-<ALGO>.*")
-    ap.add_argument("--candidate", action="append", default=[], metavar="RING_PY",
-                    help="also measure this file's ring_sum, interleaved with the others, as 'ring:<file stem>' "
-                         "(e.g. a proposed patch of utils/ring.py); repeatable")
+    ap.add_argument("--ring-file", help="benchmark this copy of utils/comm/ring.py instead (e.g. a proposed patch)")
+    ap.add_argument(
+        "--tcp-cc",
+        metavar="ALGO",
+        help="TCP congestion control inside the emulated hosts (e.g. reno; "
+        "default: the namespaces' default, usually the host's). Results go to allreduce-cluster-<RATE>-<ALGO>.*",
+    )
+    ap.add_argument(
+        "--candidate",
+        action="append",
+        default=[],
+        metavar="RING_PY",
+        help="also measure this file's ring_sum, interleaved with the others, as 'ring:<file stem>' "
+        "(e.g. a proposed patch of utils/comm/ring.py); repeatable",
+    )
     ap.add_argument("--self-test-fault", choices=("wrong", "diverge"), help=argparse.SUPPRESS)  # tests only
     add_world_options(ap, "world size")
     args = ap.parse_args(argv)

@@ -1,5 +1,6 @@
 """bench/allreduce.py's summary: the table, the issues' targets (bench/targets.py) with PASS/MISS,
 the paired comparisons with gloo, the load lines and the plot."""
+
 from __future__ import annotations
 
 import os
@@ -9,24 +10,48 @@ from harness import fmt, p_text, png_of, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
-MB = 1e6                              # bandwidth unit, as in nccl-tests (GB/s = 1e9 B/s)
+MB = 1e6  # bandwidth unit, as in nccl-tests (GB/s = 1e9 B/s)
 MIB = 1 << 20
 
 # (name, algorithm, world sizes (hosts), min bytes, metric, bound); the bounds are bench/targets.py's
 TARGETS = (
     (f"ring <= {bound('ring_limit'):.2f}x limit, >= 1 MiB", "ring", (2, 3, 4), MIB, "ratio_limit", bound("ring_limit")),
     ("ring no slower than gloo, >= 1 MiB", "ring", (2, 3, 4), MIB, "ratio_gloo", bound("ring_gloo")),
-    (f"two-pass-pipelined <= {bound('two_pass_limit'):.1f}x limit, >= 4 MiB", "two-pass-pipelined", (4,), 4 * MIB,
-     "ratio_limit", bound("two_pass_limit")),
+    (
+        f"two-pass-pipelined <= {bound('two_pass_limit'):.1f}x limit, >= 4 MiB",
+        "two-pass-pipelined",
+        (4,),
+        4 * MIB,
+        "ratio_limit",
+        bound("two_pass_limit"),
+    ),
 )
 # With several ranks per host (--ranks-per-host K > 1; world sizes count hosts): issue #18.
 HIERARCHICAL_TARGETS = (
-    (f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB", "hierarchical", (2, 3), MIB,
-     "ratio_limit", bound("hierarchical_limit")),
-    (f"hierarchical >= {1 / bound('hierarchical_gloo'):.1f}x faster than gloo, >= 1 MiB", "hierarchical", (2, 3),
-     MIB, "ratio_gloo", bound("hierarchical_gloo")),
-    (f"hierarchical >= {1 / bound('hierarchical_ring'):.1f}x faster than ring, >= 1 MiB", "hierarchical", (2, 3),
-     MIB, "ratio_ring", bound("hierarchical_ring")),
+    (
+        f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB",
+        "hierarchical",
+        (2, 3),
+        MIB,
+        "ratio_limit",
+        bound("hierarchical_limit"),
+    ),
+    (
+        f"hierarchical >= {1 / bound('hierarchical_gloo'):.1f}x faster than gloo, >= 1 MiB",
+        "hierarchical",
+        (2, 3),
+        MIB,
+        "ratio_gloo",
+        bound("hierarchical_gloo"),
+    ),
+    (
+        f"hierarchical >= {1 / bound('hierarchical_ring'):.1f}x faster than ring, >= 1 MiB",
+        "hierarchical",
+        (2, 3),
+        MIB,
+        "ratio_ring",
+        bound("hierarchical_ring"),
+    ),
 )
 
 
@@ -38,18 +63,36 @@ def human(nbytes: int) -> str:
 
 
 def table(records: list[dict]) -> str:
-    head = ("| N | size | bytes | algorithm | chunks | iters | time ms | spread | algbw MB/s | busbw MB/s "
-            "| limit ms | x limit | x gloo | ok |")
+    head = (
+        "| N | size | bytes | algorithm | chunks | iters | time ms | spread | algbw MB/s | busbw MB/s "
+        "| limit ms | x limit | x gloo | ok |"
+    )
     align = ["--:", ":--", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", ":-:"]
     lines = [head, "|" + "|".join(align) + "|"]
     for r in records:
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
-        lines.append("| " + " | ".join([
-            world_label(r), r["size"], str(r["bytes"]), r["algorithm"], fmt(r["chunks"], "{}"),
-            str(r["iters"]), fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}"),
-            f"{spread:.0f}%", fmt(r["algbw_MBps"]), fmt(r["busbw_MBps"]),
-            fmt(r["limit_ms"], "{:.2f}"), fmt(r["ratio_limit"], "{:.3f}"), fmt(r["ratio_gloo"], "{:.2f}"),
-            "yes" if r["correct"] else "**NO**"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    world_label(r),
+                    r["size"],
+                    str(r["bytes"]),
+                    r["algorithm"],
+                    fmt(r["chunks"], "{}"),
+                    str(r["iters"]),
+                    fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}"),
+                    f"{spread:.0f}%",
+                    fmt(r["algbw_MBps"]),
+                    fmt(r["busbw_MBps"]),
+                    fmt(r["limit_ms"], "{:.2f}"),
+                    fmt(r["ratio_limit"], "{:.3f}"),
+                    fmt(r["ratio_gloo"], "{:.2f}"),
+                    "yes" if r["correct"] else "**NO**",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -63,28 +106,51 @@ def evaluate_targets(records: list[dict], mode: str, ranks_per_host: int = 1) ->
     """Targets per number of hosts (N): TARGETS with one rank per host, HIERARCHICAL_TARGETS with several."""
     out = []
     candidates = sorted({r["algorithm"] for r in records if r["algorithm"].startswith("ring:")})
-    targets = list(TARGETS) + [(name.replace("ring", c, 1) + " [candidate]", c, *rest)
-                               for c in candidates for name, alg, *rest in TARGETS if alg == "ring"]
+    targets = list(TARGETS) + [
+        (name.replace("ring", c, 1) + " [candidate]", c, *rest)
+        for c in candidates
+        for name, alg, *rest in TARGETS
+        if alg == "ring"
+    ]
     if ranks_per_host > 1:
         targets = list(HIERARCHICAL_TARGETS)
     for name, alg, worlds, min_bytes, metric, limit in targets:
         for n in worlds:
-            rows = [r for r in records if r["algorithm"] == alg and r.get("hosts", r["world_size"]) == n
-                    and r["bytes"] >= min_bytes and r.get(metric) is not None]
+            rows = [
+                r
+                for r in records
+                if r["algorithm"] == alg
+                and r.get("hosts", r["world_size"]) == n
+                and r["bytes"] >= min_bytes
+                and r.get(metric) is not None
+            ]
             label = str(n) if ranks_per_host == 1 else f"{n}×{ranks_per_host}"
             if mode != "cluster" or not rows:
                 why = "targets are for --cluster --rate" if mode != "cluster" else "not measured"
                 out.append({"target": name, "world_size": n, "label": label, "status": "N/A", "why": why})
                 continue
             worst = max(rows, key=lambda r: r[metric])
-            out.append({"target": name, "world_size": n, "label": label, "bound": limit, "metric": metric,
-                        "status": "PASS" if worst[metric] <= limit else "MISS",
-                        "worst_ratio": worst[metric], "worst_size": worst["size"],
-                        "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
-                        if metric == "ratio_limit" else {},
-                        "per_size": {r["size"]: round(r[metric], 4) for r in rows},
-                        "paired": paired_vs_gloo(records, rows) if metric == "ratio_gloo" else
-                                  paired_vs_gloo(records, rows, "ring") if metric == "ratio_ring" else {}})
+            out.append(
+                {
+                    "target": name,
+                    "world_size": n,
+                    "label": label,
+                    "bound": limit,
+                    "metric": metric,
+                    "status": "PASS" if worst[metric] <= limit else "MISS",
+                    "worst_ratio": worst[metric],
+                    "worst_size": worst["size"],
+                    "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
+                    if metric == "ratio_limit"
+                    else {},
+                    "per_size": {r["size"]: round(r[metric], 4) for r in rows},
+                    "paired": paired_vs_gloo(records, rows)
+                    if metric == "ratio_gloo"
+                    else paired_vs_gloo(records, rows, "ring")
+                    if metric == "ratio_ring"
+                    else {},
+                }
+            )
     return out
 
 
@@ -98,8 +164,12 @@ def paired_vs_gloo(records: list[dict], rows: list[dict], reference: str = "gloo
         ratios = paired.get((r["world_size"], r["size"], r["algorithm"]))
         if ratios:
             faster = sum(x < 1 for x in ratios)
-            out[r["size"]] = [round(statistics.median(ratios), 4), faster, len(ratios),
-                              round(sign_test_p(faster, len(ratios)), 3)]
+            out[r["size"]] = [
+                round(statistics.median(ratios), 4),
+                faster,
+                len(ratios),
+                round(sign_test_p(faster, len(ratios)), 3),
+            ]
     return out
 
 
@@ -110,59 +180,85 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"N/A   {t['target']:<50} N={t.get('label', t['world_size'])}  ({t['why']})")
             continue
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
-        lines.append(f"{t['status']:<5} {t['target']:<50} N={t.get('label', t['world_size'])}  worst {t['worst_ratio']:.3f}x "
-                     f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]")
+        lines.append(
+            f"{t['status']:<5} {t['target']:<50} N={t.get('label', t['world_size'])}  worst {t['worst_ratio']:.3f}x "
+            f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]"
+        )
         if t.get("wire_floor") and not t["target"].startswith("two-pass"):
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
-            lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={t.get('label', t['world_size'])}  [{floors}]")
+            lines.append(
+                f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={t.get('label', t['world_size'])}  [{floors}]"
+            )
         if t.get("paired"):
-            paired = "  ".join(f"{k} {m:.3f} ({faster}/{total}, {p_text(p)})"
-                               for k, (m, faster, total, p) in t["paired"].items())
-            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n, p)':<50} N={t.get('label', t['world_size'])}  [{paired}]")
+            paired = "  ".join(
+                f"{k} {m:.3f} ({faster}/{total}, {p_text(p)})" for k, (m, faster, total, p) in t["paired"].items()
+            )
+            lines.append(
+                f"{'':<5} {'  paired per repetition (faster in k/n, p)':<50} N={t.get('label', t['world_size'])}  [{paired}]"
+            )
     return "\n".join(lines)
 
 
 def load_lines(load: dict) -> str:
     lines = []
     for n, v in load.items():
-        lines.append(f"load  N={n}: {v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}, "
-                     f"other processes {v['foreign_cpu_cores']:.2f}"
-                     + ("" if quiet(v) else "  <- NOT QUIET, timings may be inflated"))
+        lines.append(
+            f"load  N={n}: {v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}, "
+            f"other processes {v['foreign_cpu_cores']:.2f}"
+            + ("" if quiet(v) else "  <- NOT QUIET, timings may be inflated")
+        )
     return "\n".join(lines)
 
 
 def plot(records: list[dict], title: str, rate_bytes: float | None, burst_bytes: int = 0) -> bytes:
     """Time and busbw against buffer size, an algorithm per line, a column per N; as PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     worlds = sorted({r["world_size"] for r in records})
     fig, axes = plt.subplots(2, len(worlds), figsize=(5.2 * len(worlds), 8.2), squeeze=False, sharex=True)
-    style = {"gloo": ("k", "o", "-"), "two-pass": ("tab:red", "s", "--"),
-             "two-pass-pipelined": ("tab:orange", "^", "-"), "ring": ("tab:blue", "D", "-"),
-             "hierarchical": ("tab:green", "P", "-")}
+    style = {
+        "gloo": ("k", "o", "-"),
+        "two-pass": ("tab:red", "s", "--"),
+        "two-pass-pipelined": ("tab:orange", "^", "-"),
+        "ring": ("tab:blue", "D", "-"),
+        "hierarchical": ("tab:green", "P", "-"),
+    }
     for col, n in enumerate(worlds):
         first = next(r for r in records if r["world_size"] == n)
-        hosts = first.get("hosts", n)                # the limit counts hosts (their cards)
+        hosts = first.get("hosts", n)  # the limit counts hosts (their cards)
         top, bottom = axes[0][col], axes[1][col]
         extra = sorted({r["algorithm"] for r in records} - set(ALGORITHMS))
         for alg in [*ALGORITHMS, *extra]:
-            rows = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == alg),
-                          key=lambda r: r["bytes"])
+            rows = sorted(
+                (r for r in records if r["world_size"] == n and r["algorithm"] == alg), key=lambda r: r["bytes"]
+            )
             if not rows:
                 continue
-            c, m, ls = style.get(alg) or (("tab:purple", "tab:brown", "tab:pink", "tab:olive")[extra.index(alg) % 4],
-                                          "v", "-.")
+            c, m, ls = style.get(alg) or (
+                ("tab:purple", "tab:brown", "tab:pink", "tab:olive")[extra.index(alg) % 4],
+                "v",
+                "-.",
+            )
             x = [r["bytes"] for r in rows]
             top.plot(x, [r["median_ms"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
             top.fill_between(x, [r["min_ms"] for r in rows], [r["max_ms"] for r in rows], color=c, alpha=0.12)
             bottom.plot(x, [r["busbw_MBps"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
         xs = sorted({r["bytes"] for r in records if r["world_size"] == n})
         if rate_bytes:
-            top.plot(xs, [2 * (hosts - 1) / hosts * s / rate_bytes * 1e3 for s in xs], color="0.5", ls=":",
-                     lw=2, label="bandwidth limit 2(N-1)/N·S/B")
-            bottom.axhline(rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"busbw at the limit = B = {rate_bytes / MB:g} MB/s")
+            top.plot(
+                xs,
+                [2 * (hosts - 1) / hosts * s / rate_bytes * 1e3 for s in xs],
+                color="0.5",
+                ls=":",
+                lw=2,
+                label="bandwidth limit 2(N-1)/N·S/B",
+            )
+            bottom.axhline(
+                rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"busbw at the limit = B = {rate_bytes / MB:g} MB/s"
+            )
             # Small buffers ride on tbf's bucket (sent at veth speed): busbw there says nothing about
             # the rate, so shade them and clip the axis to keep the bandwidth-bound sizes readable.
             fits = [x for x in xs if 2 * (hosts - 1) / hosts * x <= burst_bytes]
@@ -175,8 +271,16 @@ def plot(records: list[dict], title: str, rate_bytes: float | None, burst_bytes:
             if r["size"] == "model" and r["world_size"] == n:
                 for ax in (top, bottom):
                     ax.axvline(r["bytes"], color="tab:green", lw=0.8, alpha=0.6)
-                top.annotate("model", (r["bytes"], 0.02), xycoords=("data", "axes fraction"),
-                             color="tab:green", fontsize=8, rotation=90, ha="right", va="bottom")
+                top.annotate(
+                    "model",
+                    (r["bytes"], 0.02),
+                    xycoords=("data", "axes fraction"),
+                    color="tab:green",
+                    fontsize=8,
+                    rotation=90,
+                    ha="right",
+                    va="bottom",
+                )
                 break
         top.set_xscale("log", base=2)
         top.set_yscale("log")
@@ -193,12 +297,11 @@ def plot(records: list[dict], title: str, rate_bytes: float | None, burst_bytes:
             ax.grid(True, which="major", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     extra_h, extra_l = axes[1][0].get_legend_handles_labels()
-    handles += [h for h, l in zip(extra_h, extra_l) if l.startswith("busbw at")]
-    labels += [l for l in extra_l if l.startswith("busbw at")]
+    handles += [h for h, label in zip(extra_h, extra_l) if label.startswith("busbw at")]
+    labels += [label for label in extra_l if label.startswith("busbw at")]
     fig.suptitle(title, fontsize=11)
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False,
-               bbox_to_anchor=(0.5, 0.965))
+    fig.legend(
+        handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.965)
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return png_of(fig, dpi=110)
-
-

@@ -13,6 +13,7 @@ The bits depend on the CPU's kernels too (torch picks convolution and matrix ker
 CPU's vector units): the table records the machine it was made on, and a run on another CPU
 says so instead of blaming the code.
 """
+
 import argparse
 import itertools
 import json
@@ -33,29 +34,63 @@ TIMEOUT = 120
 def combinations():
     """{name: extra train.py flags}."""
     found = {}
-    for allreduce, mode, compress in itertools.product(("two-pass", "ring", "gloo", "hierarchical"),
-                                                       ("no-overlap", "overlap", "lazy"),
-                                                       ("none", "bf16", "fp16", "powersgd")):
-        flags = ["--allreduce", allreduce, "--compress", compress,
-                 *{"no-overlap": ["--no-overlap"], "overlap": ["--overlap"], "lazy": ["--lazy-update"]}[mode]]
+    for allreduce, mode, compress in itertools.product(
+        ("two-pass", "ring", "gloo", "hierarchical"),
+        ("no-overlap", "overlap", "lazy"),
+        ("none", "bf16", "fp16", "powersgd"),
+    ):
+        flags = [
+            "--allreduce",
+            allreduce,
+            "--compress",
+            compress,
+            *{"no-overlap": ["--no-overlap"], "overlap": ["--overlap"], "lazy": ["--lazy-update"]}[mode],
+        ]
         found[f"{allreduce}/{mode}/{compress}"] = ["--nproc", "2", *flags]
     for allreduce in ("two-pass", "ring", "hierarchical"):
-        found[f"{allreduce}/overlap/powersgd/3-ranks"] = ["--nproc", "3", "--allreduce", allreduce,
-                                                          "--compress", "powersgd"]
-    for compress in ("none", "bf16", "fp16"):       # --sync-every: 3 rounds of 8 steps and one cut short
+        found[f"{allreduce}/overlap/powersgd/3-ranks"] = [
+            "--nproc",
+            "3",
+            "--allreduce",
+            allreduce,
+            "--compress",
+            "powersgd",
+        ]
+    for compress in ("none", "bf16", "fp16"):  # --sync-every: 3 rounds of 8 steps and one cut short
         found[f"two-pass/sync-every-8/{compress}"] = ["--nproc", "2", "--sync-every", "8", "--compress", compress]
-    found["ring/sync-every-8/nesterov"] = ["--nproc", "2", "--allreduce", "ring", "--sync-every", "8",
-                                           "--outer", "nesterov"]
+    found["ring/sync-every-8/nesterov"] = [
+        "--nproc",
+        "2",
+        "--allreduce",
+        "ring",
+        "--sync-every",
+        "8",
+        "--outer",
+        "nesterov",
+    ]
     found["two-pass/sync-every-8/none/3-ranks"] = ["--nproc", "3", "--sync-every", "8"]
     return found
 
 
 def digest_of(flags):
     with tempfile.TemporaryDirectory(prefix="digests-") as folder:
-        out = subprocess.run([sys.executable, str(REPO / "train.py"), *SHORT_RUN, *flags,
-                              "--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt"],
-                             cwd=folder, capture_output=True, text=True, timeout=TIMEOUT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "train.py"),
+                *SHORT_RUN,
+                *flags,
+                "--save-path",
+                f"{folder}/m.pth",
+                "--checkpoint",
+                f"{folder}/c.pt",
+            ],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
     match = re.search(r"sha256 ([0-9a-f]{64})", out.stdout)
     if out.returncode or not match:
         return f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or ['?'])[-1]}"
@@ -65,8 +100,11 @@ def digest_of(flags):
 def machine():
     """What the bits depend on besides the code: the CPU, torch's kernel choice, torch's version."""
     import torch
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 "unknown CPU")
+
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "unknown CPU",
+    )
     return f"{model}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
@@ -85,7 +123,7 @@ def main(argv=None):
             continue
         start = time.time()
         got[name] = digest_of(flags)
-        verdict = ("new" if name not in recorded else "same" if recorded[name] == got[name] else "DIFFERS")
+        verdict = "new" if name not in recorded else "same" if recorded[name] == got[name] else "DIFFERS"
         if verdict == "DIFFERS":
             differ.append(name)
         print(f"{name:40s} {got[name][:16]}  {verdict:8s} {time.time() - start:4.1f} s", flush=True)

@@ -13,6 +13,7 @@ FILE`), one world at a time, and reads rank 0's result file; the ranks are super
 utils.launch.supervise, the repository's one process supervisor, so a failed rank stops its world
 and nothing outlives the driver.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,16 +33,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]          # utils/ (ranks), scripts/cluster.py (driver)
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # utils/ (ranks), scripts/cluster.py (driver)
 import cluster  # noqa: E402
-from utils.files import write_file  # noqa: E402
+
 from utils.errors import UsageError  # noqa: E402
+from utils.files import write_file  # noqa: E402
 from utils.launch import free_port, kill, supervise  # noqa: E402
 from utils.model import Net  # noqa: E402
 
-GRACE = 5.0        # seconds the other ranks get to notice a failed one before they are killed
-POLL = 0.1         # seconds between looks at a running world
-QUIET_FOREIGN_CORES = 0.1    # more than this used by other processes: the timings may be inflated
+GRACE = 5.0  # seconds the other ranks get to notice a failed one before they are killed
+POLL = 0.1  # seconds between looks at a running world
+QUIET_FOREIGN_CORES = 0.1  # more than this used by other processes: the timings may be inflated
 QUIET_EXTRA_BUSY_CORES = 0.6  # nor this much CPU busy beyond our ranks (kernel networking included)
 
 
@@ -49,7 +51,7 @@ def numel(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-MODEL_NUMEL = numel(Net())    # the gradient every benchmark sums: utils/model.Net's, however it changes
+MODEL_NUMEL = numel(Net())  # the gradient every benchmark sums: utils/model.Net's, however it changes
 
 
 # --------------------------------------------------------------------------- command line
@@ -68,8 +70,9 @@ class OneLineParser(argparse.ArgumentParser):
 def bench_parser(doc: str) -> OneLineParser:
     """A benchmark's command line: its docstring's first paragraph as the description, the whole
     docstring as --help's epilog."""
-    return OneLineParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                         epilog=doc)
+    return OneLineParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
+    )
 
 
 def add_world_options(ap, per: str = "world") -> None:
@@ -84,17 +87,21 @@ def add_world_options(ap, per: str = "world") -> None:
 
 def number_list(kind):
     """argparse type: "2,3,4" -> [2, 3, 4], with a clear error for anything else."""
+
     def parse(text: str) -> list:
         try:
             return [kind(x) for x in text.split(",")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {'whole ' if kind is int else ''}numbers, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {'whole ' if kind is int else ''}numbers, got {text!r}"
+            ) from None
+
     return parse
 
 
 def positive(kind):
     """argparse type: a finite number > 0 of `kind`."""
+
     def parse(text):
         try:
             v = kind(text)
@@ -103,6 +110,7 @@ def positive(kind):
         if not (v > 0 and math.isfinite(v)):
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return v
+
     return parse
 
 
@@ -123,8 +131,10 @@ def emulated_cluster(rate: str | None, hosts: int, ranks_per_host: int = 1):
         yield None
         return
     with cluster.Cluster(hosts=hosts, rate=rate, ranks_per_host=ranks_per_host) as cl:
-        print(f"# cluster {rate}: {cl.hosts} hosts "
-              f"{', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}", flush=True)
+        print(
+            f"# cluster {rate}: {cl.hosts} hosts {', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}",
+            flush=True,
+        )
         yield cl
 
 
@@ -134,14 +144,24 @@ def world_port(cl, base: int, i: int) -> int:
     return base + 10 * i + os.getpid() % 7 if cl else free_port()
 
 
-def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: float, what: str,
-              ok_codes=(0,), env: dict | None = None, while_running=None,
-              ranks_per_host: int = 1) -> list[subprocess.Popen]:
+def run_world(
+    script: str,
+    n: int,
+    config: Path,
+    cl,
+    log_name: str,
+    timeout: float,
+    what: str,
+    ok_codes=(0,),
+    env: dict | None = None,
+    while_running=None,
+    ranks_per_host: int = 1,
+) -> list[subprocess.Popen]:
     """Run ranks 0..n-1 of `script --worker --rank R --config CONFIG` until all have exited.
 
     With a cluster `cl` (scripts/cluster.py) rank r runs on emulated host r // ranks_per_host with
     GLOO_SOCKET_IFNAME set to its NIC; without, on loopback, where ranks_per_host > 1 fakes the
-    hosts for utils/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's
+    hosts for utils/comm/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's
     stderr (and the other ranks' stdout) goes to config's folder / log_name.format(rank=r).
     utils.launch.supervise waits: if a rank exits with a code not in ok_codes, the others get GRACE
     seconds, then are killed, and every rank is killed on every way out. `while_running(procs)` is
@@ -154,9 +174,13 @@ def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: flo
         for r in range(n):
             argv = [sys.executable, "-u", script, "--worker", "--rank", str(r), "--config", str(config)]
             host = r // ranks_per_host
-            rank_env = {"GLOO_SOCKET_IFNAME": cl.nic(host) if cl else "lo", "OMP_NUM_THREADS": "1",
-                        "PYTHONUNBUFFERED": "1", **({} if cl or ranks_per_host == 1 else {"RING_HOST_ID": str(host)}),
-                        **(env or {})}
+            rank_env = {
+                "GLOO_SOCKET_IFNAME": cl.nic(host) if cl else "lo",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                **({} if cl or ranks_per_host == 1 else {"RING_HOST_ID": str(host)}),
+                **(env or {}),
+            }
             log = open(log_paths[r], "wb")
             logs.append(log)
             kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
@@ -164,10 +188,11 @@ def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: flo
                 procs.append(cl.popen(host, argv, env=rank_env, **kw))
             else:
                 procs.append(subprocess.Popen(argv, env={**os.environ, **rank_env}, start_new_session=True, **kw))
-        outcome = supervise(procs, timeout=timeout, grace=GRACE, poll=POLL, ok_codes=ok_codes,
-                            while_running=while_running)
+        outcome = supervise(
+            procs, timeout=timeout, grace=GRACE, poll=POLL, ok_codes=ok_codes, while_running=while_running
+        )
     finally:
-        for p in procs:          # a rank that failed to start, or Ctrl-C while they start
+        for p in procs:  # a rank that failed to start, or Ctrl-C while they start
             kill(p)
         for log in logs:
             log.close()
@@ -182,25 +207,48 @@ def run_world(script: str, n: int, config: Path, cl, log_name: str, timeout: flo
     return procs
 
 
-def launch_world(script: str, n: int, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str,
-                 ok_codes=(0,), ranks_per_host: int = 1) -> dict:
+def launch_world(
+    script: str,
+    n: int,
+    cfg: dict,
+    cl,
+    tmp: Path,
+    tag: str,
+    timeout: float,
+    what: str,
+    ok_codes=(0,),
+    ranks_per_host: int = 1,
+) -> dict:
     """One world: write `cfg` (plus "out", where rank 0 writes its results) to tmp, run its n ranks
     (run_world), and return rank 0's results with "load": what else used the machine meanwhile
     (a warning is printed when it was not quiet)."""
     cfg_path, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
     cfg_path.write_text(json.dumps({**cfg, "out": str(out_path)}))
     watch = LoadWatch()
-    procs = run_world(script, n, cfg_path, cl, f"rank{{rank}}-{tag}.log", timeout, what, ok_codes=ok_codes,
-                      env={"TORCH_CPP_LOG_LEVEL": "ERROR"}, while_running=watch.note, ranks_per_host=ranks_per_host)
+    procs = run_world(
+        script,
+        n,
+        cfg_path,
+        cl,
+        f"rank{{rank}}-{tag}.log",
+        timeout,
+        what,
+        ok_codes=ok_codes,
+        env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
+        while_running=watch.note,
+        ranks_per_host=ranks_per_host,
+    )
     if not out_path.exists():
         raise LaunchError(f"{what}: the ranks exited without writing {out_path}")
     raw = json.loads(out_path.read_text())
     raw["load"] = load = watch.result(procs)
     if not quiet(load):
-        print(f"  WARNING {what}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
-              f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
-              f"{load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])}); timings may be inflated",
-              flush=True)
+        print(
+            f"  WARNING {what}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
+            f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
+            f"{load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])}); timings may be inflated",
+            flush=True,
+        )
     return raw
 
 
@@ -208,11 +256,13 @@ def run_driver(driver, args, prog: str) -> int:
     """driver(args), where SIGTERM, SIGHUP and a second Ctrl-C unwind like the first Ctrl-C, so every
     rank is killed and the cluster torn down on the way out; a failed world or cluster is one line
     on stderr and exit code 2."""
+
     def on_term(signum, frame):
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)                     # a second signal must not cut teardown short
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut teardown short
         raise KeyboardInterrupt(f"signal {signum}")
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGINT too: shells start background jobs ignoring it
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: shells start background jobs ignoring it
         signal.signal(sig, on_term)
     try:
         return driver(args)
@@ -225,7 +275,7 @@ def run_driver(driver, args, prog: str) -> int:
     except cluster.ClusterError as e:
         print(f"{prog}: cluster: {e}", file=sys.stderr)
         return 2
-    except UsageError as e:   # a results file that could not be written (a full disk)
+    except UsageError as e:  # a results file that could not be written (a full disk)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
@@ -236,19 +286,28 @@ def start_worker(cfg: dict, rank: int, deterministic: bool = True):
     do), deterministic algorithms, the gloo process group. Returns say(), which prints on rank 0."""
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     if deterministic:
         from utils.model import use_deterministic_algorithms
+
         use_deterministic_algorithms()
-    dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank, world_size=cfg["world_size"],
-                            timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=cfg["init_method"],
+        rank=rank,
+        world_size=cfg["world_size"],
+        timeout=datetime.timedelta(seconds=cfg["op_timeout"]),
+    )
     return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
 
 def digest(model) -> str:
     """sha256 of a model's parameters: equal on every rank iff the ranks hold the same bits."""
     import hashlib
+
     import torch
+
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
@@ -297,8 +356,14 @@ def cpu_snapshot() -> dict:
     """Every process's CPU ticks, /proc/stat's busy and total ticks, our reaped children's CPU seconds."""
     cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"procs": proc_table(), "busy": sum(cpu) - cpu[3] - cpu[4], "total": sum(cpu),
-            "children": ru.ru_utime + ru.ru_stime, "t": time.monotonic(), "loadavg": loadavg()}
+    return {
+        "procs": proc_table(),
+        "busy": sum(cpu) - cpu[3] - cpu[4],
+        "total": sum(cpu),
+        "children": ru.ru_utime + ru.ru_stime,
+        "t": time.monotonic(),
+        "loadavg": loadavg(),
+    }
 
 
 class LoadWatch:
@@ -320,22 +385,34 @@ class LoadWatch:
         before, after = self.before, cpu_snapshot()
         ours = self.ours | {p.pid for p in procs}
         hz, wall = os.sysconf("SC_CLK_TCK"), max(after["t"] - before["t"], 1e-9)
-        used = sorted(((t - before["procs"].get(pid, (0, 0, ""))[1], name, pid)
-                       for pid, (_, t, name) in after["procs"].items() if pid not in ours and pid != os.getpid()),
-                      reverse=True)
+        used = sorted(
+            (
+                (t - before["procs"].get(pid, (0, 0, ""))[1], name, pid)
+                for pid, (_, t, name) in after["procs"].items()
+                if pid not in ours and pid != os.getpid()
+            ),
+            reverse=True,
+        )
         used = [u for u in used if u[0] > 0]
-        return {"foreign_cpu_cores": round(sum(u[0] for u in used) / hz / wall, 2),
-                "foreign_top": [f"{name}[{pid}] {d / hz / wall:.2f}" for d, name, pid in used[:4]],
-                "busy_cores": round((after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1)
-                                    * (os.cpu_count() or 1), 2),
-                "ours_cores": round((after["children"] - before["children"]) / wall, 2),
-                "loadavg_before": before["loadavg"], "loadavg_after": after["loadavg"], "seconds": round(wall, 1)}
+        return {
+            "foreign_cpu_cores": round(sum(u[0] for u in used) / hz / wall, 2),
+            "foreign_top": [f"{name}[{pid}] {d / hz / wall:.2f}" for d, name, pid in used[:4]],
+            "busy_cores": round(
+                (after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1) * (os.cpu_count() or 1), 2
+            ),
+            "ours_cores": round((after["children"] - before["children"]) / wall, 2),
+            "loadavg_before": before["loadavg"],
+            "loadavg_after": after["loadavg"],
+            "seconds": round(wall, 1),
+        }
 
 
 def quiet(load: dict) -> bool:
     """True if nothing but our ranks used the machine's CPUs to speak of."""
-    return (load["foreign_cpu_cores"] <= QUIET_FOREIGN_CORES
-            and load["busy_cores"] - load["ours_cores"] <= QUIET_EXTRA_BUSY_CORES)
+    return (
+        load["foreign_cpu_cores"] <= QUIET_FOREIGN_CORES
+        and load["busy_cores"] - load["ours_cores"] <= QUIET_EXTRA_BUSY_CORES
+    )
 
 
 # --------------------------------------------------------------------------- statistics
@@ -348,7 +425,7 @@ def sign_test_p(faster: int, total: int) -> float:
     if total == 0:
         return 1.0
     k = min(faster, total - faster)
-    return min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2 ** total)
+    return min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2**total)
 
 
 def p_text(p: float) -> str:
@@ -367,11 +444,19 @@ def compare(a: list[float], b: list[float], bound: float) -> dict:
     a was faster in and the sign test. PASS only if both ratios are within `bound`: on a shared
     machine the two can differ by 5-10%, and either alone can flatter."""
     import statistics
+
     paired = paired_ratios(a, b)
     ratio, pm = statistics.median(a) / statistics.median(b), statistics.median(paired)
     faster = sum(x < 1 for x in paired)
-    return {"status": "PASS" if max(ratio, pm) <= bound else "MISS", "ratio": ratio, "paired_median_ratio": pm,
-            "bound": bound, "rounds_faster": faster, "rounds": len(paired), "sign_test_p": sign_test_p(faster, len(paired))}
+    return {
+        "status": "PASS" if max(ratio, pm) <= bound else "MISS",
+        "ratio": ratio,
+        "paired_median_ratio": pm,
+        "bound": bound,
+        "rounds_faster": faster,
+        "rounds": len(paired),
+        "sign_test_p": sign_test_p(faster, len(paired)),
+    }
 
 
 def ratios_to_gloo(results: list[dict], reference: str = "gloo") -> dict:
@@ -397,6 +482,7 @@ def quantile(xs: list[float], f: float) -> float:
 def median_or_none(xs, scale=1.0) -> float | None:
     """The median of the known values of xs, times scale; None if none is known."""
     import statistics
+
     xs = [x for x in (xs or []) if x is not None]
     return statistics.median(xs) * scale if xs else None
 
@@ -420,8 +506,14 @@ def command_line(script: str) -> str:
 
 def host_info() -> dict:
     import torch
-    return {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "kernel": platform.release()}
+
+    return {
+        "node": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "kernel": platform.release(),
+    }
 
 
 def started_at(started: float) -> str:
@@ -431,6 +523,7 @@ def started_at(started: float) -> str:
 def png_of(fig, dpi: int = 100) -> bytes:
     """A matplotlib figure as PNG bytes (then closed), for write_results."""
     import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)

@@ -3,17 +3,19 @@ DDP with its compression hooks, torch's post-local SGD, and a step that sums not
 only); and the NIC's byte counter they both read.
 
 Every one of them runs through utils.run.train_step, the trainer's own step, in the place of a
-utils.gradsync object: LocalStep has the same methods (weigh, after_backward, step, finish,
+utils.sync.buckets object: LocalStep has the same methods (weigh, after_backward, step, finish,
 flush, stats, close), so compute only, DDP, local SGD and ours differ in nothing but the sum.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import harness  # noqa: F401  # puts the repository on sys.path
-from utils.allreduce import ALGORITHMS
 
-DDP_HOOKS = ("fp16", "bf16", "powersgd")   # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook
+from utils.comm.allreduce import ALGORITHMS
+
+DDP_HOOKS = ("fp16", "bf16", "powersgd")  # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook
 
 
 def parse_ours(text: str) -> dict:
@@ -21,37 +23,66 @@ def parse_ours(text: str) -> dict:
     settings {allreduce, overlap, lazy_update}; ValueError for anything else."""
     alg, *flags = text.split("+")
     if alg not in ALGORITHMS or flags not in ([], ["overlap"], ["overlap", "lazy"]):
-        raise ValueError(f"expected <algorithm>[+overlap[+lazy]] with algorithm one of {', '.join(ALGORITHMS)}, "
-                         f"got {text!r}")
+        raise ValueError(
+            f"expected <algorithm>[+overlap[+lazy]] with algorithm one of {', '.join(ALGORITHMS)}, got {text!r}"
+        )
     return {"allreduce": alg, "overlap": "overlap" in flags, "lazy_update": "lazy" in flags}
 
 
-def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=None, powersgd_warmup=None,
-             timeout=120.0, chunks="auto", bucket_mb=1.0, sync_every=1, outer="average", outer_lr=None,
-             outer_momentum=None, merge_after=None):
+def our_sync(
+    allreduce,
+    overlap,
+    lazy_update,
+    compress="none",
+    powersgd_rank=None,
+    powersgd_warmup=None,
+    timeout=120.0,
+    chunks="auto",
+    bucket_mb=1.0,
+    sync_every=1,
+    outer="average",
+    outer_lr=None,
+    outer_momentum=None,
+    merge_after=None,
+):
     """The utils.config.Sync of one of our configurations, as train.py would build it from its flags
     (PowerSGD's rank and warm-up only with compress="powersgd"). overlap=False is the plain
     "<algorithm>": backward, then the whole sum.
 
-    sync_every=H > 1: H local steps, then the parameters' change averaged (utils/periodic.py), with
+    sync_every=H > 1: H local steps, then the parameters' change averaged (utils/sync/periodic.py), with
     the outer step `outer`; outer_lr and outer_momentum only for "nesterov", and merge_after (None:
     train.py's defaults). There is no per-step sum to make lazy, so lazy_update is off, as train.py requires.
     With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
     from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, Sync, default_merge_after
+
     powersgd, periodic, nesterov = compress == "powersgd", sync_every > 1, sync_every > 1 and outer == "nesterov"
     extra = {}
     if periodic:
-        extra = {"sync_every": sync_every, "outer": outer, "merge_after": merge_after or default_merge_after(sync_every),
-                 "outer_lr": (DEFAULT_OUTER_LR if outer_lr is None else outer_lr) if nesterov else None,
-                 "outer_momentum": (DEFAULT_OUTER_MOMENTUM if outer_momentum is None else outer_momentum)
-                 if nesterov else None}
-    return Sync(allreduce=allreduce, chunks=chunks, overlap=overlap, lazy_update=lazy_update and not periodic,
-                bucket_mb=bucket_mb, compress=compress, powersgd_rank=powersgd_rank if powersgd else None,
-                powersgd_warmup=powersgd_warmup if powersgd else None, timeout=timeout, **extra)
+        extra = {
+            "sync_every": sync_every,
+            "outer": outer,
+            "merge_after": merge_after or default_merge_after(sync_every),
+            "outer_lr": (DEFAULT_OUTER_LR if outer_lr is None else outer_lr) if nesterov else None,
+            "outer_momentum": (DEFAULT_OUTER_MOMENTUM if outer_momentum is None else outer_momentum)
+            if nesterov
+            else None,
+        }
+    return Sync(
+        allreduce=allreduce,
+        chunks=chunks,
+        overlap=overlap,
+        lazy_update=lazy_update and not periodic,
+        bucket_mb=bucket_mb,
+        compress=compress,
+        powersgd_rank=powersgd_rank if powersgd else None,
+        powersgd_warmup=powersgd_warmup if powersgd else None,
+        timeout=timeout,
+        **extra,
+    )
 
 
 class LocalStep:
-    """A gradient sync that sums nothing: the optimizer step alone, as utils.gradsync does it.
+    """A gradient sync that sums nothing: the optimizer step alone, as utils.sync.buckets does it.
     Compute only uses it, DDP, which has summed during backward already, and local SGD (whose
     optimizer averages the parameters). at_end: what flush() does at the end of training."""
 
@@ -110,8 +141,12 @@ def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_wa
     elif hook == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=max(2, powersgd_warmup), random_seed=seed)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=max(2, powersgd_warmup),
+            random_seed=seed,
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp, state
 
@@ -133,14 +168,18 @@ def make_localsgd(model, optimizer, period: int, warmup: int):
     from torch.distributed.optim import PostLocalSGDOptimizer
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
-                                                 post_local_gradient_allreduce=False)
+    state = post_localSGD_hook.PostLocalSGDState(
+        process_group=None, subgroup=None, start_localSGD_iter=warmup, post_local_gradient_allreduce=False
+    )
     ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
-    wrapped = PostLocalSGDOptimizer(optim=optimizer,
-                                    averager=averagers.PeriodicModelAverager(period=period, warmup_steps=warmup))
+    wrapped = PostLocalSGDOptimizer(
+        optim=optimizer, averager=averagers.PeriodicModelAverager(period=period, warmup_steps=warmup)
+    )
     if wrapped.param_groups is not optimizer.param_groups:
-        raise RuntimeError("PostLocalSGDOptimizer does not share the inner optimizer's param_groups: "
-                           "the scheduler's learning rates would not reach it")
+        raise RuntimeError(
+            "PostLocalSGDOptimizer does not share the inner optimizer's param_groups: "
+            "the scheduler's learning rates would not reach it"
+        )
     return ddp, wrapped
 
 
@@ -161,7 +200,7 @@ def average_parameters(model) -> None:
 
 
 def bytes_sent(gradient_sync) -> int | None:
-    """Bytes this rank has sent for gradient sums so far (utils.gradsync's stats()), or None where
+    """Bytes this rank has sent for gradient sums so far (utils.sync.buckets's stats()), or None where
     nothing counts them (LocalStep: compute only, DDP, local SGD)."""
     stats = gradient_sync.stats()
     return None if stats is None else stats["bytes_sent"]

@@ -16,6 +16,7 @@ independent. For every world size, size and algorithm this prints:
     done
     python bench/pool_runs.py /tmp/runs/run*/allreduce-cluster-200mbit-reno.json
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import OneLineParser, p_text, ratios_to_gloo, sign_test_p  # noqa: E402
+from harness import OneLineParser, p_text, ratios_to_gloo, sign_test_p
 
 
 def pool(runs: list[dict]) -> list[dict]:
@@ -37,21 +37,35 @@ def pool(runs: list[dict]) -> list[dict]:
         medians = [statistics.median(p[key]) for p in per_run]
         faster = sum(m < 1 for m in medians)
         everything = [x for p in per_run for x in p[key]]
-        rows.append({"world_size": key[0], "size": key[1], "algorithm": key[2], "run_medians": medians,
-                     "runs_faster": faster, "runs": len(medians), "p": sign_test_p(faster, len(medians)),
-                     "pooled_median": statistics.median(everything), "repetitions": len(everything)})
+        rows.append(
+            {
+                "world_size": key[0],
+                "size": key[1],
+                "algorithm": key[2],
+                "run_medians": medians,
+                "runs_faster": faster,
+                "runs": len(medians),
+                "p": sign_test_p(faster, len(medians)),
+                "pooled_median": statistics.median(everything),
+                "repetitions": len(everything),
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| N | size | algorithm | x gloo, run by run (paired median) | faster in k of n runs | "
-             "sign test over runs | x gloo, all repetitions pooled |",
-             "|--:|:--|:--|:--|--:|--:|--:|"]
+    lines = [
+        "| N | size | algorithm | x gloo, run by run (paired median) | faster in k of n runs | "
+        "sign test over runs | x gloo, all repetitions pooled |",
+        "|--:|:--|:--|:--|--:|--:|--:|",
+    ]
     for r in rows:
         each = " ".join(f"{m:.3f}" for m in r["run_medians"])
-        lines.append(f"| {r['world_size']} | {r['size']} | {r['algorithm']} | {each} | "
-                     f"{r['runs_faster']}/{r['runs']} | {p_text(r['p'])} | "
-                     f"{r['pooled_median']:.3f} ({r['repetitions']} repetitions) |")
+        lines.append(
+            f"| {r['world_size']} | {r['size']} | {r['algorithm']} | {each} | "
+            f"{r['runs_faster']}/{r['runs']} | {p_text(r['p'])} | "
+            f"{r['pooled_median']:.3f} ({r['repetitions']} repetitions) |"
+        )
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@
     python bench/recovery.py --rates 1gbit,200mbit    # the steady-state cost on emulated hosts too (root)
     python bench/recovery.py --faults 5 --world-size 3
 
-Every trial is `python train.py` itself on N ranks (1 thread each). RING_FAULT (utils/faults.py)
+Every trial is `python train.py` itself on N ranks (1 thread each). RING_FAULT (utils/elastic/faults.py)
 makes one rank, chosen at random (rank 0 included), send itself SIGKILL or SIGSTOP at a random
 step; RING_EVENTS records the fault's time and each survivor's first completed step after the
 change of members. Reported, as medians with min and max:
@@ -18,6 +18,7 @@ change of members. Reported, as medians with min and max:
 
 Targets (bench/targets.py, recovery_*): kill <= 2 s; SIGSTOP <= heartbeat + 2 s; join <= 5 s; cost <= 3%.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,21 +32,35 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (RESULTS, REPO, bench_parser, command_line, emulated_cluster, host_info, number_list,  # noqa: E402
-                     positive, results_stem, write_results)
-from targets import bound  # noqa: E402
-from utils.errors import EXIT_STOPPED  # noqa: E402
-from utils.launch import free_port, kill, supervise  # noqa: E402
+from harness import (
+    REPO,
+    RESULTS,
+    bench_parser,
+    command_line,
+    emulated_cluster,
+    host_info,
+    number_list,
+    positive,
+    results_stem,
+    write_results,
+)
+from targets import bound
+
+from utils.errors import EXIT_STOPPED
+from utils.launch import free_port, kill, supervise
 
 TRAIN = str(REPO / "train.py")
 RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--metrics", "m.jsonl", "--timeout", "60"]
-STEPS = 100          # 6400 images, 64 a step (--train-subset changes both)
+STEPS = 100  # 6400 images, 64 a step (--train-subset changes both)
 HEARTBEAT = 2.0
-JOIN_HEARTBEAT = 5.0   # the join trial: train.py's default, so that a server still loading on a busy machine
-                       # (CI runs two test files at once) is not taken for lost while the state goes round
-TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join"),
-           "cost": bound("recovery_cost")}
+JOIN_HEARTBEAT = 5.0  # the join trial: train.py's default, so that a server still loading on a busy machine
+# (CI runs two test files at once) is not taken for lost while the state goes round
+TARGETS = {
+    "kill": bound("recovery_kill"),
+    "stop": HEARTBEAT + bound("recovery_stop"),
+    "join": bound("recovery_join"),
+    "cost": bound("recovery_cost"),
+}
 
 
 def events(path):
@@ -56,14 +71,26 @@ def fault_trial(kind, world_size, rng, tmp):
     """One run with one fault; (seconds from the fault to the last survivor's next step, steps lost)."""
     rank, step = rng.randrange(world_size), rng.randrange(STEPS // 10 + 2, STEPS - STEPS // 10)
     cwd = Path(tempfile.mkdtemp(dir=tmp))
-    env = dict(os.environ, RING_FAULT=f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}",
-               RING_EVENTS=str(cwd / "events.jsonl"), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, TRAIN, *RUN, "--nproc", str(world_size), "--heartbeat", str(HEARTBEAT)],
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = dict(
+        os.environ,
+        RING_FAULT=f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}",
+        RING_EVENTS=str(cwd / "events.jsonl"),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *RUN, "--nproc", str(world_size), "--heartbeat", str(HEARTBEAT)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     outcome = supervise([proc], timeout=240)
     if outcome.codes != [0]:
-        raise RuntimeError(f"{kind} of rank {rank} at step {step}: exit {outcome.codes}\n{outcome.outputs[0][1][-2000:]}")
+        raise RuntimeError(
+            f"{kind} of rank {rank} at step {step}: exit {outcome.codes}\n{outcome.outputs[0][1][-2000:]}"
+        )
     seen = events(cwd / "events.jsonl")
     fault = next(e for e in seen if e["event"] == "fault")
     firsts = [e for e in seen if e["event"] == "first-step" and e["after"] == "shrank"]
@@ -80,28 +107,60 @@ def join_trial(world_size, rng, tmp):
     rank, step = rng.randrange(1, world_size), rng.randrange(STEPS // 10 + 2, STEPS // 3)
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
-    common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname",
-              "lo", *RUN, "--epochs", "60", "--heartbeat", str(JOIN_HEARTBEAT)]
+    common = [
+        "--world-size",
+        str(world_size),
+        "--init-method",
+        f"tcp://127.0.0.1:{port}",
+        "--gloo_socket_ifname",
+        "lo",
+        *RUN,
+        "--epochs",
+        "60",
+        "--heartbeat",
+        str(JOIN_HEARTBEAT),
+    ]
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
-    ranks = [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), *common], cwd=cwd, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for r in range(world_size)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, TRAIN, "--rank", str(r), *common],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world_size)
+    ]
     joiner, stopped = None, []
 
-    def joined(procs):   # supervise's while_running: stop the job once the server is in (one signal each)
+    def joined(procs):  # supervise's while_running: stop the job once the server is in (one signal each)
         if not stopped and any(e["event"] == "first-step" and e["after"] == "joined" for e in events(log)):
             stopped.append(True)
             for p in procs:
                 p.send_signal(signal.SIGTERM)
+
     try:
         deadline = time.monotonic() + 120
         while ranks[rank].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        joiner = subprocess.Popen([sys.executable, TRAIN, "--rank", str(rank), *common, "--join"], cwd=cwd,
-                                  env=dict(env, RING_FAULT=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, start_new_session=True)
-        outcome = supervise([*[r for i, r in enumerate(ranks) if i != rank], joiner], timeout=240, grace=None,
-                            ok_codes=(0, EXIT_STOPPED), while_running=joined)
+        joiner = subprocess.Popen(
+            [sys.executable, TRAIN, "--rank", str(rank), *common, "--join"],
+            cwd=cwd,
+            env=dict(env, RING_FAULT=""),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        outcome = supervise(
+            [*[r for i, r in enumerate(ranks) if i != rank], joiner],
+            timeout=240,
+            grace=None,
+            ok_codes=(0, EXIT_STOPPED),
+            while_running=joined,
+        )
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             kill(p, group=True)
@@ -109,8 +168,10 @@ def join_trial(world_size, rng, tmp):
     ready = next((e for e in seen if e["event"] == "join-ready"), None)
     first = next((e for e in seen if e["event"] == "first-step" and e["after"] == "joined"), None)
     if any(code not in (0, EXIT_STOPPED) for code in outcome.codes) or ready is None or first is None:
-        raise RuntimeError(f"join of rank {rank}: exit codes {outcome.codes}, join-ready seen: {ready is not None}, "
-                           f"first step after the join seen: {first is not None}\n{outcome.outputs}")
+        raise RuntimeError(
+            f"join of rank {rank}: exit codes {outcome.codes}, join-ready seen: {ready is not None}, "
+            f"first step after the join seen: {first is not None}\n{outcome.outputs}"
+        )
     return first["time"] - ready["time"]
 
 
@@ -120,17 +181,30 @@ def epoch_seconds(recover, world_size, tmp, cl=None, port=None, train=TRAIN):
     cwd = Path(tempfile.mkdtemp(dir=tmp))
     flag = {True: "--recover", False: "--no-recover", None: "--metrics=m.jsonl"}[recover]
     if cl is None:
-        proc = subprocess.Popen([sys.executable, train, *RUN, "--nproc", str(world_size), flag], cwd=cwd,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, train, *RUN, "--nproc", str(world_size), flag],
+            cwd=cwd,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         procs = [proc]
     else:
         homes = [cwd / f"host{r}" for r in range(cl.world_size)]
         for home in homes:
             home.mkdir()
-        procs = [cl.popen(cl.host_of(r), [*cl.train_argv(r, port, [*RUN, flag])[:2], train,
-                                           *cl.train_argv(r, port, [*RUN, flag])[3:]], env={"OMP_NUM_THREADS": "1"},
-                          cwd=homes[r], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(cl.world_size)]
+        procs = [
+            cl.popen(
+                cl.host_of(r),
+                [*cl.train_argv(r, port, [*RUN, flag])[:2], train, *cl.train_argv(r, port, [*RUN, flag])[3:]],
+                env={"OMP_NUM_THREADS": "1"},
+                cwd=homes[r],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for r in range(cl.world_size)
+        ]
         cwd = homes[0]
     outcome = supervise(procs, timeout=240)
     if outcome.failed:
@@ -144,12 +218,16 @@ def cost(world_size, pairs, tmp, cl=None, baseline=None):
     arms = [True, False] + ([None] if baseline else [])
     times = {arm: [] for arm in arms}
     for i in range(pairs):
-        for k, arm in enumerate(arms[i % len(arms):] + arms[:i % len(arms)]):
-            times[arm].append(epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k,
-                                            baseline if arm is None else TRAIN))
+        for k, arm in enumerate(arms[i % len(arms) :] + arms[: i % len(arms)]):
+            times[arm].append(
+                epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k, baseline if arm is None else TRAIN)
+            )
     ratios = [a / b for a, b in zip(times[True], times[False])]
-    result = {"ratio_median": statistics.median(ratios), "ratios": ratios,
-              "seconds": {"recover": times[True], "no-recover": times[False]}}
+    result = {
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+        "seconds": {"recover": times[True], "no-recover": times[False]},
+    }
     if baseline:
         result["baseline_ratios"] = [a / b for a, b in zip(times[True], times[None])]
         result["baseline_ratio_median"] = statistics.median(result["baseline_ratios"])
@@ -176,21 +254,33 @@ def main(argv=None):
     global STEPS
     RUN[RUN.index("--train-subset") + 1], STEPS = str(args.train_subset), -(-args.train_subset // 64)
     rng, started = random.Random(args.seed), time.time()
-    result = {"command": command_line("recovery.py"), "host": host_info(), "world_size": args.world_size,
-              "heartbeat": HEARTBEAT, "targets": TARGETS}
+    result = {
+        "command": command_line("recovery.py"),
+        "host": host_info(),
+        "world_size": args.world_size,
+        "heartbeat": HEARTBEAT,
+        "targets": TARGETS,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("kill", "stop") if args.only != "cost" else ():
             trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
-            result[kind] = dict(summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials],
-                                ranks=[t[2] for t in trials])
-            print(f"{kind}: fault -> next step {result[kind]['median']:.2f} s (median of {args.faults}; "
-                  f"{result[kind]['min']:.2f}-{result[kind]['max']:.2f}), completed steps lost "
-                  f"{max(result[kind]['steps_lost'])} at most, ranks {result[kind]['ranks']}", flush=True)
+            result[kind] = dict(
+                summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials], ranks=[t[2] for t in trials]
+            )
+            print(
+                f"{kind}: fault -> next step {result[kind]['median']:.2f} s (median of {args.faults}; "
+                f"{result[kind]['min']:.2f}-{result[kind]['max']:.2f}), completed steps lost "
+                f"{max(result[kind]['steps_lost'])} at most, ranks {result[kind]['ranks']}",
+                flush=True,
+            )
         joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if args.only != "cost" else 0)]
         result["join"] = summary(joins) if joins else None
         if joins:
-            print(f"join: ready -> first step {result['join']['median']:.2f} s (median of {args.faults}; "
-              f"{result['join']['min']:.2f}-{result['join']['max']:.2f})", flush=True)
+            print(
+                f"join: ready -> first step {result['join']['median']:.2f} s (median of {args.faults}; "
+                f"{result['join']['min']:.2f}-{result['join']['max']:.2f})",
+                flush=True,
+            )
         result["cost"] = {}
         if args.only != "faults":
             result["cost"]["loopback"] = cost(args.world_size, args.pairs, tmp, baseline=args.baseline)
@@ -198,28 +288,59 @@ def main(argv=None):
                 with emulated_cluster(rate, 2) as cl:
                     result["cost"][rate] = cost(2, args.pairs, tmp, cl, baseline=args.baseline)
         for where, c in result["cost"].items():
-            print(f"steady-state cost, {where}: --recover / --no-recover epoch time {c['ratio_median']:.3f} "
-                  f"(median of {args.pairs} pairs: {', '.join(f'{r:.3f}' for r in c['ratios'])})"
-                  + (f"; --recover / before live recovery {c['baseline_ratio_median']:.3f} "
-                     f"({', '.join(f'{r:.3f}' for r in c['baseline_ratios'])})" if args.baseline else ""), flush=True)
+            print(
+                f"steady-state cost, {where}: --recover / --no-recover epoch time {c['ratio_median']:.3f} "
+                f"(median of {args.pairs} pairs: {', '.join(f'{r:.3f}' for r in c['ratios'])})"
+                + (
+                    f"; --recover / before live recovery {c['baseline_ratio_median']:.3f} "
+                    f"({', '.join(f'{r:.3f}' for r in c['baseline_ratios'])})"
+                    if args.baseline
+                    else ""
+                ),
+                flush=True,
+            )
     result["seconds"] = time.time() - started
-    rows = [f"| {k}: fault → next completed step (s) | {result[k]['median']:.2f} | {result[k]['min']:.2f} | "
-            f"{result[k]['max']:.2f} | ≤ {TARGETS[k]:g} |" for k in ("kill", "stop") if k in result]
+    rows = [
+        f"| {k}: fault → next completed step (s) | {result[k]['median']:.2f} | {result[k]['min']:.2f} | "
+        f"{result[k]['max']:.2f} | ≤ {TARGETS[k]:g} |"
+        for k in ("kill", "stop")
+        if k in result
+    ]
     if result["join"]:
-        rows.append(f"| join: ready → first step (s) | {result['join']['median']:.2f} | {result['join']['min']:.2f} | "
-                    f"{result['join']['max']:.2f} | ≤ {TARGETS['join']:g} |")
+        rows.append(
+            f"| join: ready → first step (s) | {result['join']['median']:.2f} | {result['join']['min']:.2f} | "
+            f"{result['join']['max']:.2f} | ≤ {TARGETS['join']:g} |"
+        )
     for where, c in result["cost"].items():
-        rows.append(f"| {where}: --recover / --no-recover epoch time | {c['ratio_median']:.3f} | {min(c['ratios']):.3f} | "
-                    f"{max(c['ratios']):.3f} | ≤ {TARGETS['cost']:g} |")
+        rows.append(
+            f"| {where}: --recover / --no-recover epoch time | {c['ratio_median']:.3f} | {min(c['ratios']):.3f} | "
+            f"{max(c['ratios']):.3f} | ≤ {TARGETS['cost']:g} |"
+        )
         if "baseline_ratios" in c:
-            rows.append(f"| {where}: --recover / before live recovery | {c['baseline_ratio_median']:.3f} | "
-                        f"{min(c['baseline_ratios']):.3f} | {max(c['baseline_ratios']):.3f} | ≤ {TARGETS['cost']:g} |")
+            rows.append(
+                f"| {where}: --recover / before live recovery | {c['baseline_ratio_median']:.3f} | "
+                f"{min(c['baseline_ratios']):.3f} | {max(c['baseline_ratios']):.3f} | ≤ {TARGETS['cost']:g} |"
+            )
     lost = [f"{k} {result[k]['steps_lost']}" for k in ("kill", "stop") if k in result]
-    md = "\n".join([f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", "",
-                    "| what | median | min | max | target |", "|---|---|---|---|---|", *rows, "",
-                    *([f"Completed steps lost per fault: {'; '.join(lost)}."] if lost else [])])
-    write_results(Path(args.results_dir) / results_stem("recovery", f"n{args.world_size}", args.only,
-                                                           "rates" if args.rates else None), result, md + "\n")
+    md = "\n".join(
+        [
+            f"# bench/recovery.py ({result['host']['node']})",
+            "",
+            f"    {result['command']}",
+            "",
+            "| what | median | min | max | target |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+            *([f"Completed steps lost per fault: {'; '.join(lost)}."] if lost else []),
+        ]
+    )
+    write_results(
+        Path(args.results_dir)
+        / results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None),
+        result,
+        md + "\n",
+    )
     return 0
 
 

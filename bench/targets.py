@@ -5,6 +5,7 @@ A bound is a factor on a time: "ours within 1.02x DDP's" is bound 1.02 (ours / D
 medians' ratio and the paired median are within it (bench/harness.compare). Target names in the
 reports are made from these bounds, so a bound changed here changes what every report says.
 """
+
 from dataclasses import dataclass
 
 

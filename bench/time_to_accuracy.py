@@ -8,11 +8,11 @@ a global batch of --global-batch images split over the N ranks as train.py does 
 rank), each epoch's data order from utils.run.batches_of_epoch, torch.set_num_threads(1) and
 deterministic algorithms per rank. Configurations (--configs):
 
-    ours[+C]      utils.gradsync's sync of the --ours configuration (default ring+overlap+lazy:
+    ours[+C]      utils.sync.buckets's sync of the --ours configuration (default ring+overlap+lazy:
                   the ring, summed during backward, updates applied lazily in the next forward),
                   compress=C (none, bf16, fp16, powersgd), as `train.py --compress C` runs it
     ours[+C]@H    `train.py --sync-every H`: H local steps, then the parameters' change averaged
-                  through the --ours algorithm behind the next H steps (utils/periodic.py), the
+                  through the --ours algorithm behind the next H steps (utils/sync/periodic.py), the
                   outer step --outer average|nesterov (--outer-lr, --outer-momentum: nesterov's,
                   train.py's defaults); C none, bf16 or fp16 (the change's wire dtype); H >= 2
     ddp[+C]       torch DistributedDataParallel (gloo); +fp16 / +bf16: default_hooks'
@@ -61,6 +61,7 @@ bench/results/time_to_accuracy-<mode>[-<what differs from the default plan>].{js
 Every world has a hard timeout; on any error or Ctrl-C all ranks are killed and the emulated
 cluster is torn down.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,28 +71,70 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
-    MODEL_NUMEL, add_world_options, bench_parser, command_line, emulated_cluster, fmt, host_info, launch_world,
-    number_list, parse_rate, positive, results_stem as stem_of, run_driver, started_at, world_port, write_results)
-from peers import DDP_HOOKS, parse_ours as parse_sync  # noqa: E402
-from targets import bound  # noqa: E402
-from time_to_accuracy_report import (  # noqa: E402,F401  (the tests reach the summary through this module)
-    accuracy_after_epoch, free_network, h_by_link, label, markdown, medians, plan_notes, plot, summarize, table,
-    tables, time_to_target)
-from time_to_accuracy_worker import eval_steps, worker  # noqa: E402,F401
-from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
-from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS, momentum_value  # noqa: E402
+from harness import (
+    MODEL_NUMEL,
+    add_world_options,
+    bench_parser,
+    command_line,
+    emulated_cluster,
+    fmt,
+    host_info,
+    launch_world,
+    number_list,
+    parse_rate,
+    positive,
+    run_driver,
+    started_at,
+    world_port,
+    write_results,
+)
+from harness import (
+    results_stem as stem_of,
+)
+from peers import DDP_HOOKS
+from peers import parse_ours as parse_sync
+from targets import bound
+from time_to_accuracy_report import (  # noqa:F401  (the tests reach the summary through this module)
+    accuracy_after_epoch,
+    free_network,
+    h_by_link,
+    label,
+    markdown,
+    medians,
+    plan_notes,
+    plot,
+    summarize,
+    table,
+    tables,
+    time_to_target,
+)
+from time_to_accuracy_worker import eval_steps, worker  # noqa:F401
 
-DEFAULTS = {"rate": "200mbit", "world_sizes": [2, 4], "epochs": 2, "evals_per_epoch": 16, "target": bound("accuracy"),
-            "global_batch": 64, "lr": 4e-3, "seed": 1, "ours": "ring+overlap+lazy",
-            "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"], "repeats": 1,
-            "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP,
-            "outer": "average", "outer_lr": DEFAULT_OUTER_LR, "outer_momentum": DEFAULT_OUTER_MOMENTUM,
-            "localsgd_warmup": 50}   # the issue's baseline: 50 synchronous steps before local SGD
-OP_TIMEOUT = 120.0     # s for any single send/recv/collective of gloo, as train.py's default
+from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
+from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS, momentum_value
+
+DEFAULTS = {
+    "rate": "200mbit",
+    "world_sizes": [2, 4],
+    "epochs": 2,
+    "evals_per_epoch": 16,
+    "target": bound("accuracy"),
+    "global_batch": 64,
+    "lr": 4e-3,
+    "seed": 1,
+    "ours": "ring+overlap+lazy",
+    "configs": ["ours", "ours+bf16", "ours+powersgd", "ddp", "ddp+fp16", "ddp+powersgd"],
+    "repeats": 1,
+    "powersgd_rank": DEFAULT_POWERSGD_RANK,
+    "powersgd_warmup": DEFAULT_POWERSGD_WARMUP,
+    "outer": "average",
+    "outer_lr": DEFAULT_OUTER_LR,
+    "outer_momentum": DEFAULT_OUTER_MOMENTUM,
+    "localsgd_warmup": 50,
+}  # the issue's baseline: 50 synchronous steps before local SGD
+OP_TIMEOUT = 120.0  # s for any single send/recv/collective of gloo, as train.py's default
 KINDS = ("ours", "ddp", "localsgd")
-PERIODIC_COMPRESS = ("bf16", "fp16")   # what ours@H may send the change as (besides float32)
+PERIODIC_COMPRESS = ("bf16", "fp16")  # what ours@H may send the change as (besides float32)
 
 
 # --------------------------------------------------------------------------- configurations
@@ -99,11 +142,12 @@ def parse_config(name: str) -> dict:
     """'ours', 'ours+bf16', 'ours+bf16@16', 'ours+fp16@64:32', 'ddp+powersgd', 'localsgd@16', ... -> {"name",
     "kind", "compress", "sync_every"[, "merge_after"]}; ValueError (saying what is wrong) otherwise."""
     base, at, period = name.partition("@")
-    period, colon, merge = period.partition(":")      # ours@H:T: --merge-after T (default: train.py's)
+    period, colon, merge = period.partition(":")  # ours@H:T: --merge-after T (default: train.py's)
     kind, plus, compress = base.partition("+")
     if kind not in KINDS or (plus and compress not in DDP_HOOKS):
-        raise ValueError(f"unknown configuration {name!r}: ours[+C][@H], ddp[+C] or localsgd@H, "
-                         f"C one of {', '.join(DDP_HOOKS)}")
+        raise ValueError(
+            f"unknown configuration {name!r}: ours[+C][@H], ddp[+C] or localsgd@H, C one of {', '.join(DDP_HOOKS)}"
+        )
     if at and not (period.isascii() and period.isdigit()):
         raise ValueError(f"configuration {name!r}: @H is a whole number of steps, got {period!r}")
     every = int(period) if at else 1
@@ -114,12 +158,21 @@ def parse_config(name: str) -> dict:
     if kind == "ours" and at and every < 2:
         raise ValueError(f"configuration {name!r}: @H needs H >= 2 (H = 1 is plain {base!r})")
     if kind == "ours" and every > 1 and compress not in ("", *PERIODIC_COMPRESS):
-        raise ValueError(f"configuration {name!r}: with @H the change goes as float32, "
-                         f"+{' or +'.join(PERIODIC_COMPRESS)} (train.py refuses {compress} with --sync-every)")
-    if colon and not (kind == "ours" and every > 1 and merge.isascii() and merge.isdigit() and 1 <= int(merge) <= every):
+        raise ValueError(
+            f"configuration {name!r}: with @H the change goes as float32, "
+            f"+{' or +'.join(PERIODIC_COMPRESS)} (train.py refuses {compress} with --sync-every)"
+        )
+    if colon and not (
+        kind == "ours" and every > 1 and merge.isascii() and merge.isdigit() and 1 <= int(merge) <= every
+    ):
         raise ValueError(f"configuration {name!r}: ours@H:T merges T steps after a round's end, 1 <= T <= H")
-    return {"name": name, "kind": kind, "compress": compress or "none", "sync_every": every,
-            **({"merge_after": int(merge)} if colon else {})}
+    return {
+        "name": name,
+        "kind": kind,
+        "compress": compress or "none",
+        "sync_every": every,
+        **({"merge_after": int(merge)} if colon else {}),
+    }
 
 
 def parse_ours(text: str) -> dict:
@@ -154,11 +207,13 @@ def results_stem(args, mode: str) -> str:
         parts.append(args.ours)
     if (args.powersgd_rank, args.powersgd_warmup) != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]):
         parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
-    lr, momentum = outer_settings(args)   # (stem_of leaves out the Nones)
-    parts += [args.outer if args.outer != DEFAULTS["outer"] else None,
-              f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None,
-              f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None,
-              f"lw{args.localsgd_warmup}" if args.localsgd_warmup != DEFAULTS["localsgd_warmup"] else None]
+    lr, momentum = outer_settings(args)  # (stem_of leaves out the Nones)
+    parts += [
+        args.outer if args.outer != DEFAULTS["outer"] else None,
+        f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None,
+        f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None,
+        f"lw{args.localsgd_warmup}" if args.localsgd_warmup != DEFAULTS["localsgd_warmup"] else None,
+    ]
     if sorted(args.configs) != sorted(DEFAULTS["configs"]):
         parts.append("subset")
     if args.repeats != DEFAULTS["repeats"]:
@@ -170,8 +225,10 @@ def outer_settings(args) -> tuple:
     """(outer_lr, outer_momentum) of ours@H as train.py resolves them: None unless --outer nesterov."""
     if args.outer != "nesterov":
         return None, None
-    return (DEFAULTS["outer_lr"] if args.outer_lr is None else args.outer_lr,
-            DEFAULTS["outer_momentum"] if args.outer_momentum is None else args.outer_momentum)
+    return (
+        DEFAULTS["outer_lr"] if args.outer_lr is None else args.outer_lr,
+        DEFAULTS["outer_momentum"] if args.outer_momentum is None else args.outer_momentum,
+    )
 
 
 # --------------------------------------------------------------------------- driver
@@ -179,7 +236,7 @@ def estimate_seconds(n: int, rate_bits: float | None, steps: int, evals: int) ->
     """Rough, generous time of one world (start-up, compute-only timing, training, evaluations), for the
     hard timeout."""
     cores = os.cpu_count() or 1
-    compute = 0.03 * max(1.0, n / cores)                                        # 64 images over N ranks
+    compute = 0.03 * max(1.0, n / cores)  # 64 images over N ranks
     comm = 2 * (2 * MODEL_NUMEL * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
     return 60 + steps * (compute + comm) + 5 * evals
 
@@ -193,23 +250,46 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
         tmp = Path(tmpdir)
         os.chmod(tmp, 0o755)
         with emulated_cluster(rate, max(args.world_sizes)) as cl:
-            worlds = [(n, run, spec) for n in args.world_sizes for run in range(1, args.repeats + 1)
-                      for spec in specs]   # round-robin: run r of every configuration, then r+1
+            worlds = [
+                (n, run, spec) for n in args.world_sizes for run in range(1, args.repeats + 1) for spec in specs
+            ]  # round-robin: run r of every configuration, then r+1
             for k, (n, run, spec) in enumerate(worlds, 1):
                 host0 = cl.addr(0) if cl else "127.0.0.1"
-                cfg = {"world_size": n, "init_method": f"tcp://{host0}:{world_port(cl, 29700, k)}",
-                       "op_timeout": OP_TIMEOUT, "spec": spec, "ours": parse_ours(args.ours), "seed": args.seed,
-                       "epochs": args.epochs, "lr": args.lr, "global_batch": args.global_batch,
-                       "train_subset": args.train_subset, "test_subset": args.test_subset,
-                       "evals_per_epoch": args.evals_per_epoch, "compute_steps": args.compute_steps,
-                       "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
-                       "outer": args.outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                       "localsgd_warmup": args.localsgd_warmup, "label": rate or "loopback",
-                       "eval_cache": args.eval_cache}
+                cfg = {
+                    "world_size": n,
+                    "init_method": f"tcp://{host0}:{world_port(cl, 29700, k)}",
+                    "op_timeout": OP_TIMEOUT,
+                    "spec": spec,
+                    "ours": parse_ours(args.ours),
+                    "seed": args.seed,
+                    "epochs": args.epochs,
+                    "lr": args.lr,
+                    "global_batch": args.global_batch,
+                    "train_subset": args.train_subset,
+                    "test_subset": args.test_subset,
+                    "evals_per_epoch": args.evals_per_epoch,
+                    "compute_steps": args.compute_steps,
+                    "powersgd_rank": args.powersgd_rank,
+                    "powersgd_warmup": args.powersgd_warmup,
+                    "outer": args.outer,
+                    "outer_lr": outer_lr,
+                    "outer_momentum": outer_momentum,
+                    "localsgd_warmup": args.localsgd_warmup,
+                    "label": rate or "loopback",
+                    "eval_cache": args.eval_cache,
+                }
                 timeout, t = args.timeout or (120 + 2 * est[n]), time.time()
                 what = f"{rate or 'loopback'} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else "")
-                raw = launch_world(str(Path(__file__).resolve()), n, cfg, cl, tmp,
-                                   f"n{n}-{spec['name'].replace('+', '-')}-{run}", timeout, what)
+                raw = launch_world(
+                    str(Path(__file__).resolve()),
+                    n,
+                    cfg,
+                    cl,
+                    tmp,
+                    f"n{n}-{spec['name'].replace('+', '-')}-{run}",
+                    timeout,
+                    what,
+                )
                 rec = summarize(raw, spec, n, args.target, args.epochs)
                 rec["rate"] = rate
                 if spec["kind"] == "ours" and spec["sync_every"] > 1:
@@ -219,10 +299,12 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
                 rec["load"] = raw["load"]
                 records.append(rec)
                 done(records)
-                print(f"  {rate or 'loopback'} N={n} {label(rec, args.ours)}: "
-                      f"{fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')} to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
-                      f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
-                      flush=True)
+                print(
+                    f"  {rate or 'loopback'} N={n} {label(rec, args.ours)}: "
+                    f"{fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')} to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
+                    f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
+                    flush=True,
+                )
     return records
 
 
@@ -232,16 +314,34 @@ def write_results_so_far(args, records, mode, rates, command, notes, started, co
     md, tbl, title = markdown(records, args, rates, host, command, notes, complete)
     outer_lr, outer_momentum = outer_settings(args)
     result = {
-        "mode": mode, "rate": rates[0] if len(rates) == 1 else None, "rates": rates, "world_sizes": args.world_sizes,
-        "command": command, "notes": notes, "complete": complete,
-        "epochs": args.epochs, "evals_per_epoch": args.evals_per_epoch, "target": args.target,
-        "global_batch": args.global_batch, "train_subset": args.train_subset,
-        "test_subset": args.test_subset, "lr": args.lr, "seed": args.seed,
-        "ours": args.ours, "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup,
-        "outer": args.outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+        "mode": mode,
+        "rate": rates[0] if len(rates) == 1 else None,
+        "rates": rates,
+        "world_sizes": args.world_sizes,
+        "command": command,
+        "notes": notes,
+        "complete": complete,
+        "epochs": args.epochs,
+        "evals_per_epoch": args.evals_per_epoch,
+        "target": args.target,
+        "global_batch": args.global_batch,
+        "train_subset": args.train_subset,
+        "test_subset": args.test_subset,
+        "lr": args.lr,
+        "seed": args.seed,
+        "ours": args.ours,
+        "powersgd_rank": args.powersgd_rank,
+        "powersgd_warmup": args.powersgd_warmup,
+        "outer": args.outer,
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
         "localsgd_warmup": args.localsgd_warmup,
-        "compute_steps": args.compute_steps, "configs": args.configs, "repeats": args.repeats,
-        "host": host, "started": started_at(started), "seconds": round(time.time() - started, 1),
+        "compute_steps": args.compute_steps,
+        "configs": args.configs,
+        "repeats": args.repeats,
+        "host": host,
+        "started": started_at(started),
+        "seconds": round(time.time() - started, 1),
         # compute only sends nothing: the worlds of every link rate time the same thing
         "free_network": {str(n): free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes},
         "results": records,
@@ -257,27 +357,40 @@ def driver(args) -> int:
     specs = [parse_config(c) for c in args.configs]
     subset = args.train_subset or 60000
     steps = {n: args.epochs * ((subset // n) // max(1, args.global_batch // n)) for n in args.world_sizes}
-    est = {rate: {n: estimate_seconds(n, parse_rate(rate) if rate else None, steps[n],
-                                      args.epochs * args.evals_per_epoch + 1) for n in args.world_sizes}
-           for rate in rates}
+    est = {
+        rate: {
+            n: estimate_seconds(n, parse_rate(rate) if rate else None, steps[n], args.epochs * args.evals_per_epoch + 1)
+            for n in args.world_sizes
+        }
+        for rate in rates
+    }
     command = command_line("time_to_accuracy.py")
     notes = plan_notes(args, specs, *outer_settings(args))
-    print(f"# time-to-accuracy benchmark: mode={mode}, "
-          + (f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap")
-          + f", N={','.join(map(str, args.world_sizes))}; configurations {', '.join(args.configs)} "
-          f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})")
+    print(
+        f"# time-to-accuracy benchmark: mode={mode}, "
+        + (f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap")
+        + f", N={','.join(map(str, args.world_sizes))}; configurations {', '.join(args.configs)} "
+        f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})"
+    )
     print(f"# {notes}")
-    print("# estimate (generous) " + ", ".join(f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
-                                               for rate in rates for n, s in est[rate].items()), flush=True)
+    print(
+        "# estimate (generous) "
+        + ", ".join(
+            f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
+            for rate in rates
+            for n, s in est[rate].items()
+        ),
+        flush=True,
+    )
     started = time.time()
     total = len(specs) * len(args.world_sizes) * args.repeats * len(rates)
     records = []
 
     def save(so_far):
         """Write the results so far (atomically): a failed or interrupted run keeps its finished worlds."""
-        return write_results_so_far(args, so_far, mode, rates, command, notes, started,
-                                    complete=len(so_far) == total)
-    for rate in rates:   # one emulated cluster per rate, one after the other
+        return write_results_so_far(args, so_far, mode, rates, command, notes, started, complete=len(so_far) == total)
+
+    for rate in rates:  # one emulated cluster per rate, one after the other
         records = records + run_all(args, specs, rate, est[rate], done=lambda recs, before=records: save(before + recs))
     out, tbl = save(records)
     print(f"\n{tbl}\n")
@@ -299,46 +412,100 @@ def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
     link = ap.add_mutually_exclusive_group()
-    link.add_argument("--rate", default=DEFAULTS["rate"], help=f"per-host egress cap, tc syntax (default {DEFAULTS['rate']})")
-    link.add_argument("--rates", type=lambda s: s.split(","),
-                      help="several caps, e.g. 20mbit,200mbit,1gbit: the whole plan once per rate, one after the "
-                           "other (--loopback ignores both)")
+    link.add_argument(
+        "--rate", default=DEFAULTS["rate"], help=f"per-host egress cap, tc syntax (default {DEFAULTS['rate']})"
+    )
+    link.add_argument(
+        "--rates",
+        type=lambda s: s.split(","),
+        help="several caps, e.g. 20mbit,200mbit,1gbit: the whole plan once per rate, one after the "
+        "other (--loopback ignores both)",
+    )
     ap.add_argument("--world-sizes", default=",".join(map(str, DEFAULTS["world_sizes"])), type=number_list(int))
-    ap.add_argument("--configs", default=",".join(DEFAULTS["configs"]), type=lambda s: s.split(","),
-                    help=f"which (default {','.join(DEFAULTS['configs'])}); ours[+C][@H], ddp[+C], localsgd@H; "
-                         "C fp16, bf16 or powersgd (with @H: fp16 or bf16)")
-    ap.add_argument("--ours", default=DEFAULTS["ours"],
-                    help=f"our configuration, <algorithm>[+overlap[+lazy]] (default {DEFAULTS['ours']})")
+    ap.add_argument(
+        "--configs",
+        default=",".join(DEFAULTS["configs"]),
+        type=lambda s: s.split(","),
+        help=f"which (default {','.join(DEFAULTS['configs'])}); ours[+C][@H], ddp[+C], localsgd@H; "
+        "C fp16, bf16 or powersgd (with @H: fp16 or bf16)",
+    )
+    ap.add_argument(
+        "--ours",
+        default=DEFAULTS["ours"],
+        help=f"our configuration, <algorithm>[+overlap[+lazy]] (default {DEFAULTS['ours']})",
+    )
     ap.add_argument("--epochs", type=positive(int), default=DEFAULTS["epochs"])
-    ap.add_argument("--evals-per-epoch", type=positive(int), default=DEFAULTS["evals_per_epoch"],
-                    help=f"evaluation points per epoch (default {DEFAULTS['evals_per_epoch']}: 4 cannot resolve a 10%% gain)")
-    ap.add_argument("--target", type=fraction, default=DEFAULTS["target"],
-                    help=f"test accuracy (default {DEFAULTS['target']:g}, bench/targets.py)")
+    ap.add_argument(
+        "--evals-per-epoch",
+        type=positive(int),
+        default=DEFAULTS["evals_per_epoch"],
+        help=f"evaluation points per epoch (default {DEFAULTS['evals_per_epoch']}: 4 cannot resolve a 10%% gain)",
+    )
+    ap.add_argument(
+        "--target",
+        type=fraction,
+        default=DEFAULTS["target"],
+        help=f"test accuracy (default {DEFAULTS['target']:g}, bench/targets.py)",
+    )
     ap.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
-    ap.add_argument("--test-subset", type=positive(int),
-                    help="evaluate on only the first N test images (quick checks; default all 10,000)")
-    ap.add_argument("--global-batch", type=positive(int), default=DEFAULTS["global_batch"],
-                    help="images per step over all ranks (default 64, train.py's)")
+    ap.add_argument(
+        "--test-subset",
+        type=positive(int),
+        help="evaluate on only the first N test images (quick checks; default all 10,000)",
+    )
+    ap.add_argument(
+        "--global-batch",
+        type=positive(int),
+        default=DEFAULTS["global_batch"],
+        help="images per step over all ranks (default 64, train.py's)",
+    )
     ap.add_argument("--lr", type=positive(float), default=DEFAULTS["lr"])
     ap.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULTS["powersgd_rank"])
-    ap.add_argument("--powersgd-warmup", type=int, default=DEFAULTS["powersgd_warmup"],
-                    help=f"plain steps before PowerSGD starts, ours and DDP's (default {DEFAULTS['powersgd_warmup']}; >= 2)")
-    ap.add_argument("--outer", choices=OUTERS, default=DEFAULTS["outer"],
-                    help=f"ours@H's outer step (default {DEFAULTS['outer']}; nesterov: DiLoCo's)")
-    ap.add_argument("--outer-lr", type=positive(float),
-                    help=f"with --outer nesterov: its rate (default {DEFAULTS['outer_lr']:g}, train.py's)")
-    ap.add_argument("--outer-momentum", type=momentum_value,
-                    help=f"with --outer nesterov: its momentum (default {DEFAULTS['outer_momentum']:g}, train.py's)")
-    ap.add_argument("--localsgd-warmup", type=int, default=DEFAULTS["localsgd_warmup"],
-                    help="localsgd@H: synchronous DDP steps before torch's local SGD starts "
-                         f"(default {DEFAULTS['localsgd_warmup']}, the issue's baseline)")
-    ap.add_argument("--repeats", type=positive(int), default=DEFAULTS["repeats"],
-                    help="train every configuration this many times, round-robin, and report medians (default 1)")
-    ap.add_argument("--compute-steps", type=positive(int), default=40,
-                    help="compute-only steps timed per world (default 40)")
-    ap.add_argument("--eval-cache", metavar="PATH", help="keep test accuracies by model sha256 in this JSON file, "
-                    "across worlds and runs: the same bits are evaluated once (default: none kept)")
+    ap.add_argument(
+        "--powersgd-warmup",
+        type=int,
+        default=DEFAULTS["powersgd_warmup"],
+        help=f"plain steps before PowerSGD starts, ours and DDP's (default {DEFAULTS['powersgd_warmup']}; >= 2)",
+    )
+    ap.add_argument(
+        "--outer",
+        choices=OUTERS,
+        default=DEFAULTS["outer"],
+        help=f"ours@H's outer step (default {DEFAULTS['outer']}; nesterov: DiLoCo's)",
+    )
+    ap.add_argument(
+        "--outer-lr",
+        type=positive(float),
+        help=f"with --outer nesterov: its rate (default {DEFAULTS['outer_lr']:g}, train.py's)",
+    )
+    ap.add_argument(
+        "--outer-momentum",
+        type=momentum_value,
+        help=f"with --outer nesterov: its momentum (default {DEFAULTS['outer_momentum']:g}, train.py's)",
+    )
+    ap.add_argument(
+        "--localsgd-warmup",
+        type=int,
+        default=DEFAULTS["localsgd_warmup"],
+        help="localsgd@H: synchronous DDP steps before torch's local SGD starts "
+        f"(default {DEFAULTS['localsgd_warmup']}, the issue's baseline)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=positive(int),
+        default=DEFAULTS["repeats"],
+        help="train every configuration this many times, round-robin, and report medians (default 1)",
+    )
+    ap.add_argument(
+        "--compute-steps", type=positive(int), default=40, help="compute-only steps timed per world (default 40)"
+    )
+    ap.add_argument(
+        "--eval-cache",
+        metavar="PATH",
+        help="keep test accuracies by model sha256 in this JSON file, "
+        "across worlds and runs: the same bits are evaluated once (default: none kept)",
+    )
     add_world_options(ap)
     args = ap.parse_args(argv)
     if args.worker:

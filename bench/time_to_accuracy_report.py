@@ -1,6 +1,7 @@
 """bench/time_to_accuracy.py's summary: one record per world, the tables (per link rate; with
 --repeats, the medians and each run against our best; with @H or several rates, the H x link
 table), the free network's time, and the plot."""
+
 from __future__ import annotations
 
 import os
@@ -44,22 +45,32 @@ def summarize(raw: dict, spec: dict, n: int, target: float, epochs: int) -> dict
     sent = [b for b in raw["sent_bytes"] if b is not None]
     steps = raw["steps"]
     return {
-        "config": spec["name"], "kind": spec["kind"], "compress": spec["compress"],
-        "sync_every": spec.get("sync_every", 1), "world_size": n,
-        "batch_size": raw["batch_size"], "steps_per_epoch": spe, "steps": steps, "points": points,
-        "train_seconds": raw["train_seconds"], "wall_seconds": raw["wall_seconds"],
+        "config": spec["name"],
+        "kind": spec["kind"],
+        "compress": spec["compress"],
+        "sync_every": spec.get("sync_every", 1),
+        "world_size": n,
+        "batch_size": raw["batch_size"],
+        "steps_per_epoch": spe,
+        "steps": steps,
+        "points": points,
+        "train_seconds": raw["train_seconds"],
+        "wall_seconds": raw["wall_seconds"],
         "ms_per_step": raw["train_seconds"] / steps * 1e3 if steps else None,
         "compute_ms_per_step": raw["compute_step_s"] * 1e3,
         "compute_x_steps_s": raw["compute_step_s"] * steps,
-        "target": target, "reached": hit is not None,
-        "time_to_target_s": hit["seconds"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+        "target": target,
+        "reached": hit is not None,
+        "time_to_target_s": hit["seconds"] if hit else None,
+        "steps_to_target": hit["step"] if hit else None,
         "epochs_to_target": hit["epoch"] if hit else None,
         "compute_x_steps_to_target_s": raw["compute_step_s"] * hit["step"] if hit else None,
         "accuracy_by_epoch": {str(e): accuracy_after_epoch(points, e, spe) for e in range(1, epochs + 1)},
         "final_accuracy": points[-1]["accuracy"] if points else None,
         "wire_kb_per_step": statistics.mean(wire) / steps / 1e3 if wire and steps else None,
         "sent_kb_per_step": statistics.mean(sent) / steps / 1e3 if sent and steps else None,
-        "counts_bytes": bool(sent), "params_identical": raw["params_identical"],
+        "counts_bytes": bool(sent),
+        "params_identical": raw["params_identical"],
     }
 
 
@@ -67,28 +78,57 @@ def table(records: list[dict], ours: str, target: float, epochs: int) -> str:
     """One row per (N, configuration), then per N the free network's: compute only x the steps."""
     acc_cols = [e for e in (1, 2, epochs) if e <= epochs]
     acc_cols = sorted(set(acc_cols))
-    head = (f"| N | configuration | time to {target:.1%} (s) | at step (epoch) | compute only x same steps (s) "
-            f"| x compute | " + " | ".join(f"acc after {e} ep" for e in acc_cols)
-            + " | train s (all steps) | ms/step | wire KB/step/rank | identical |")
+    head = (
+        f"| N | configuration | time to {target:.1%} (s) | at step (epoch) | compute only x same steps (s) "
+        f"| x compute | "
+        + " | ".join(f"acc after {e} ep" for e in acc_cols)
+        + " | train s (all steps) | ms/step | wire KB/step/rank | identical |"
+    )
     lines = [head, "|--:|:--|--:|--:|--:|--:|" + "--:|" * len(acc_cols) + "--:|--:|--:|:-:|"]
     for n in sorted({r["world_size"] for r in records}):
         rows = [r for r in records if r["world_size"] == n]
         for r in rows:
             ttt = r["time_to_target_s"]
-            lines.append("| " + " | ".join([
-                str(n), label(r, ours), fmt(ttt, "{:.1f}", "not reached"),
-                f"{r['steps_to_target']} ({r['epochs_to_target']:.2f})" if ttt is not None else "-",
-                fmt(r["compute_x_steps_to_target_s"], "{:.1f}"),
-                fmt(ttt / r["compute_x_steps_to_target_s"] if ttt is not None else None, "{:.2f}x"),
-                *(fmt(r["accuracy_by_epoch"].get(str(e)), "{:.2%}") for e in acc_cols),
-                f"{r['train_seconds']:.1f}", fmt(r["ms_per_step"], "{:.1f}"), fmt(r["wire_kb_per_step"], "{:.0f}"),
-                "yes" if r["params_identical"] else "**NO**"]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(n),
+                        label(r, ours),
+                        fmt(ttt, "{:.1f}", "not reached"),
+                        f"{r['steps_to_target']} ({r['epochs_to_target']:.2f})" if ttt is not None else "-",
+                        fmt(r["compute_x_steps_to_target_s"], "{:.1f}"),
+                        fmt(ttt / r["compute_x_steps_to_target_s"] if ttt is not None else None, "{:.2f}x"),
+                        *(fmt(r["accuracy_by_epoch"].get(str(e)), "{:.2%}") for e in acc_cols),
+                        f"{r['train_seconds']:.1f}",
+                        fmt(r["ms_per_step"], "{:.1f}"),
+                        fmt(r["wire_kb_per_step"], "{:.0f}"),
+                        "yes" if r["params_identical"] else "**NO**",
+                    ]
+                )
+                + " |"
+            )
         free = free_network(rows)
         if free:
-            lines.append("| " + " | ".join([
-                str(n), f"compute only (free network; {free['of']}'s steps)", f"{free['to_target_s']:.1f}"
-                if free["to_target_s"] is not None else "-", "-", "-", "1.00x", *("-" for _ in acc_cols),
-                f"{free['all_steps_s']:.1f}", f"{free['ms_per_step']:.1f}", "0", "-"]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(n),
+                        f"compute only (free network; {free['of']}'s steps)",
+                        f"{free['to_target_s']:.1f}" if free["to_target_s"] is not None else "-",
+                        "-",
+                        "-",
+                        "1.00x",
+                        *("-" for _ in acc_cols),
+                        f"{free['all_steps_s']:.1f}",
+                        f"{free['ms_per_step']:.1f}",
+                        "0",
+                        "-",
+                    ]
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -100,8 +140,12 @@ def free_network(rows: list[dict]) -> dict | None:
         return None
     ref = min(plain, key=lambda r: (r.get("sync_every", 1) > 1, r["kind"] != "ours"))
     ms = statistics.median(r["compute_ms_per_step"] for r in rows)
-    return {"of": ref["config"], "ms_per_step": ms, "all_steps_s": ms * ref["steps"] / 1e3,
-            "to_target_s": ms * ref["steps_to_target"] / 1e3 if ref["steps_to_target"] else None}
+    return {
+        "of": ref["config"],
+        "ms_per_step": ms,
+        "all_steps_s": ms * ref["steps"] / 1e3,
+        "to_target_s": ms * ref["steps_to_target"] / 1e3 if ref["steps_to_target"] else None,
+    }
 
 
 def median_time(runs: list[dict]) -> float | None:
@@ -114,8 +158,10 @@ def medians(records: list[dict], ours: str, target: float) -> str:
     """With --repeats, for the records of one link rate: per N and configuration, the median over its
     runs, and each DDP and local SGD configuration against our best, run by run (the runs went
     round-robin, so run r of each saw the same machine); then per N the headline ratios."""
-    head = (f"| N | configuration | runs | median time to {target:.1%} (s) | each run (s) | median ms/step "
-            f"| median x compute | our best's time to {target:.1%} / this one's, run by run |")
+    head = (
+        f"| N | configuration | runs | median time to {target:.1%} (s) | each run (s) | median ms/step "
+        f"| median x compute | our best's time to {target:.1%} / this one's, run by run |"
+    )
     lines, footer = [head, "|--:|:--|--:|--:|:--|--:|--:|:--|"], []
     for n in sorted({r["world_size"] for r in records}):
         by_config = {}
@@ -132,12 +178,27 @@ def medians(records: list[dict], ours: str, target: float) -> str:
                 ours_by_run = {r["run"]: r["time_to_target_s"] for r in by_config[best]}
                 ratios = [ours_by_run[r["run"]] / r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
                 paired = f"{label(best, ours)}: " + ", ".join(f"{x:.3f}x" for x in ratios)
-            lines.append("| " + " | ".join([
-                str(n), label(config, ours), str(len(runs)), fmt(median_time(runs), "{:.1f}", "not reached"),
-                ", ".join(fmt(t, "{:.1f}", "-") for t in times),
-                fmt(statistics.median(r["ms_per_step"] for r in runs), "{:.1f}"),
-                fmt(statistics.median(t / r["compute_x_steps_to_target_s"] for t, r in zip(times, runs))
-                    if None not in times else None, "{:.2f}x"), paired]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(n),
+                        label(config, ours),
+                        str(len(runs)),
+                        fmt(median_time(runs), "{:.1f}", "not reached"),
+                        ", ".join(fmt(t, "{:.1f}", "-") for t in times),
+                        fmt(statistics.median(r["ms_per_step"] for r in runs), "{:.1f}"),
+                        fmt(
+                            statistics.median(t / r["compute_x_steps_to_target_s"] for t, r in zip(times, runs))
+                            if None not in times
+                            else None,
+                            "{:.2f}x",
+                        ),
+                        paired,
+                    ]
+                )
+                + " |"
+            )
         footer += headline(n, by_config, ours, target)
     return "\n".join(lines + ([""] + footer if footer else []))
 
@@ -148,9 +209,14 @@ def headline(n: int, by_config: dict, ours: str, target: float) -> list[str]:
     timed = {c: median_time(runs) for c, runs in by_config.items()}
     first = {c: runs[0] for c, runs in by_config.items()}
     mine = [c for c, r in first.items() if r["kind"] == "ours"]
-    pairs = (("best localsgd@H / best ours@H", [c for c, r in first.items() if r["kind"] == "localsgd"],
-              [c for c in mine if first[c].get("sync_every", 1) > 1]),
-             ("ddp+powersgd / best ours", [c for c in first if c == "ddp+powersgd"], mine))
+    pairs = (
+        (
+            "best localsgd@H / best ours@H",
+            [c for c, r in first.items() if r["kind"] == "localsgd"],
+            [c for c in mine if first[c].get("sync_every", 1) > 1],
+        ),
+        ("ddp+powersgd / best ours", [c for c in first if c == "ddp+powersgd"], mine),
+    )
 
     def best(configs):
         reached = [c for c in configs if timed[c] is not None]
@@ -164,9 +230,11 @@ def headline(n: int, by_config: dict, ours: str, target: float) -> list[str]:
     for what, theirs, ours_side in pairs:
         if theirs and ours_side:
             a, b = best(theirs), best(ours_side)
-            lines.append(f"{rate} N={n}: {what}, median time to {target:.1%}: "
-                         f"{fmt(timed[a] / timed[b] if a and b else None, '{:.2f}x')} "
-                         f"({named(a, theirs)}; {named(b, ours_side)})  ")
+            lines.append(
+                f"{rate} N={n}: {what}, median time to {target:.1%}: "
+                f"{fmt(timed[a] / timed[b] if a and b else None, '{:.2f}x')} "
+                f"({named(a, theirs)}; {named(b, ours_side)})  "
+            )
     return lines
 
 
@@ -180,19 +248,22 @@ def h_by_link(records: list[dict], rates: list, ours: str, target: float, epochs
     (the NIC's count: '-' on loopback)."""
     eps = [e for e in (1, 2) if e <= epochs]
     cols = [f"time to {target:.1%} (s)", "steps to it", *(f"acc after {e} ep" for e in eps), "wire KB/step/rank"]
-    lines = ["| N | configuration | " + " | ".join(f"{link_name(rate)}: {c}" for rate in rates for c in cols) + " |",
-             "|--:|:--|" + "--:|" * (len(cols) * len(rates))]
+    lines = [
+        "| N | configuration | " + " | ".join(f"{link_name(rate)}: {c}" for rate in rates for c in cols) + " |",
+        "|--:|:--|" + "--:|" * (len(cols) * len(rates)),
+    ]
     for n in sorted({r["world_size"] for r in records}):
         for config in dict.fromkeys(r["config"] for r in records if r["world_size"] == n):
             cells = []
             for rate in rates:
                 runs = [r for r in records if (r["world_size"], r["config"], r.get("rate")) == (n, config, rate)]
                 t = median_time(runs) if runs else None
-                cells += [fmt(t, "{:.1f}", "not reached" if runs else "-"),
-                          fmt(statistics.median(r["steps_to_target"] for r in runs) if t is not None else None, "{:.0f}"),
-                          *(fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}")
-                            for e in eps),
-                          fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}")]
+                cells += [
+                    fmt(t, "{:.1f}", "not reached" if runs else "-"),
+                    fmt(statistics.median(r["steps_to_target"] for r in runs) if t is not None else None, "{:.0f}"),
+                    *(fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}") for e in eps),
+                    fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}"),
+                ]
             lines.append("| " + " | ".join([str(n), label(config, ours), *cells]) + " |")
     return "\n".join(lines)
 
@@ -205,11 +276,19 @@ def tables(records: list[dict], rates: list, ours: str, target: float, epochs: i
     for rate in rates:
         rows = [r for r in records if r.get("rate") == rate]
         if rows:
-            parts.append((f"#### {link_name(rate)}\n\n" if len(rates) > 1 else "") + table(rows, ours, target, epochs)
-                         + (f"\n\nMedians over {repeats} runs, run round-robin:\n\n" + medians(rows, ours, target)
-                            if repeats > 1 else ""))
+            parts.append(
+                (f"#### {link_name(rate)}\n\n" if len(rates) > 1 else "")
+                + table(rows, ours, target, epochs)
+                + (
+                    f"\n\nMedians over {repeats} runs, run round-robin:\n\n" + medians(rows, ours, target)
+                    if repeats > 1
+                    else ""
+                )
+            )
     if records and (len(rates) > 1 or any(r.get("sync_every", 1) > 1 for r in records)):
-        parts.append(f"H x link (medians over {repeats} run(s) each):\n\n" + h_by_link(records, rates, ours, target, epochs))
+        parts.append(
+            f"H x link (medians over {repeats} run(s) each):\n\n" + h_by_link(records, rates, ours, target, epochs)
+        )
     return "\n\n".join(parts)
 
 
@@ -217,15 +296,22 @@ def markdown(records: list[dict], args, rates: list, host: dict, command: str, n
     """The results' markdown (a run still going, complete=False, says so), its tables alone and the
     plot's title."""
     link = ", ".join(rates) + " per host" if rates != [None] else "loopback"
-    title = (f"time to accuracy, {link}; global batch {args.global_batch}, "
-             f"{args.epochs} epoch(s)\n1 thread/rank, {host['cpus']} cores; {host['node']}, torch {host['torch']}")
+    title = (
+        f"time to accuracy, {link}; global batch {args.global_batch}, "
+        f"{args.epochs} epoch(s)\n1 thread/rank, {host['cpus']} cores; {host['node']}, torch {host['torch']}"
+    )
     tbl = tables(records, rates, args.ours, args.target, args.epochs, args.repeats)
-    load_line = "; ".join(f"{link_name(r['rate'])} N={r['world_size']} {r['config']}: other processes "
-                          f"{r['load']['foreign_cpu_cores']:.2f} cores" for r in records)
+    load_line = "; ".join(
+        f"{link_name(r['rate'])} N={r['world_size']} {r['config']}: other processes "
+        f"{r['load']['foreign_cpu_cores']:.2f} cores"
+        for r in records
+    )
     partial = "" if complete else f"**PARTIAL: {len(records)} world(s) done when this was written.**  \n"
-    md = (f"### Time to {args.target:.1%} test accuracy, {link}\n\n{partial}`{command}`  \n{notes}.  \n"
-          f"Training seconds only (evaluation excluded; each segment's time is the slowest rank's). "
-          f"'x compute' = time to target / (compute-only step time x the same steps).  \nLoad: {load_line}\n\n{tbl}\n")
+    md = (
+        f"### Time to {args.target:.1%} test accuracy, {link}\n\n{partial}`{command}`  \n{notes}.  \n"
+        f"Training seconds only (evaluation excluded; each segment's time is the slowest rank's). "
+        f"'x compute' = time to target / (compute-only step time x the same steps).  \nLoad: {load_line}\n\n{tbl}\n"
+    )
     return md, tbl, title
 
 
@@ -235,26 +321,37 @@ def plan_notes(args, specs: list[dict], outer_lr, outer_momentum) -> str:
     periodic = sorted({s["sync_every"] for s in specs if s["kind"] == "ours" and s["sync_every"] > 1})
     local = sorted({s["sync_every"] for s in specs if s["kind"] == "localsgd"})
     outer = args.outer + (f" (lr {outer_lr:g}, momentum {outer_momentum:g})" if args.outer == "nesterov" else "")
-    return (f"global batch {args.global_batch} ({', '.join(f'{args.global_batch // n}/rank at N={n}' for n in args.world_sizes)}), "
-            f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
-            f"training images{f' (test: the first {args.test_subset})' if args.test_subset else ''}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
-            f"ours = utils.gradsync {args.ours}; PowerSGD rank {args.powersgd_rank}, "
-            f"{args.powersgd_warmup} plain steps first (ours and DDP's); "
-            + (f"ours@H (H = {', '.join(map(str, periodic))}): {args.ours.split('+')[0]}, the parameters' change "
-               f"averaged every H steps behind the next H (utils/periodic.py), outer step {outer}, flushed at the "
-               f"end (on the clock); " if periodic else "")
-            + (f"localsgd@H (H = {', '.join(map(str, local))}): torch's post-local SGD (DDP + post_localSGD_hook, "
-               f"PostLocalSGDOptimizer + PeriodicModelAverager), {args.localsgd_warmup} synchronous steps first, "
-               f"one more average at the end (on the clock); " if local else "")
-            + f"evaluated on the {args.test_subset or 10000:,} test images "
-            f"{args.evals_per_epoch}x per epoch, clock paused{' (with @H: rank 0 as it stands between syncs)' if periodic or local else ''}; "
-            f"compute only = {args.compute_steps} steps of all N ranks at once without communication, per world; "
-            f"{os.cpu_count()} CPU cores")
+    return (
+        f"global batch {args.global_batch} ({', '.join(f'{args.global_batch // n}/rank at N={n}' for n in args.world_sizes)}), "
+        f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
+        f"training images{f' (test: the first {args.test_subset})' if args.test_subset else ''}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
+        f"ours = utils.sync.buckets {args.ours}; PowerSGD rank {args.powersgd_rank}, "
+        f"{args.powersgd_warmup} plain steps first (ours and DDP's); "
+        + (
+            f"ours@H (H = {', '.join(map(str, periodic))}): {args.ours.split('+')[0]}, the parameters' change "
+            f"averaged every H steps behind the next H (utils/sync/periodic.py), outer step {outer}, flushed at the "
+            f"end (on the clock); "
+            if periodic
+            else ""
+        )
+        + (
+            f"localsgd@H (H = {', '.join(map(str, local))}): torch's post-local SGD (DDP + post_localSGD_hook, "
+            f"PostLocalSGDOptimizer + PeriodicModelAverager), {args.localsgd_warmup} synchronous steps first, "
+            f"one more average at the end (on the clock); "
+            if local
+            else ""
+        )
+        + f"evaluated on the {args.test_subset or 10000:,} test images "
+        f"{args.evals_per_epoch}x per epoch, clock paused{' (with @H: rank 0 as it stands between syncs)' if periodic or local else ''}; "
+        f"compute only = {args.compute_steps} steps of all N ranks at once without communication, per world; "
+        f"{os.cpu_count()} CPU cores"
+    )
 
 
 def color_of(r: dict, periods: list[int]):
     """A line's colour: DDP black, torch's local SGD orange, ours blue, ours@H from a colour map by H."""
     import matplotlib
+
     if r["kind"] == "ddp":
         return "black"
     if r["kind"] == "localsgd":
@@ -268,6 +365,7 @@ def plot(records: list[dict], title: str, worlds: list[int], ours: str, target: 
     """Test accuracy vs training seconds, a line per configuration, a panel per (link rate, N), as PNG.
     Line style: the compression; marker: o per step, s ours@H, ^ local SGD."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -282,25 +380,43 @@ def plot(records: list[dict], title: str, worlds: list[int], ours: str, target: 
                 ys = [p["accuracy"] * 100 for p in r["points"]]
                 color = color_of(r, periods)
                 marker = "^" if r["kind"] == "localsgd" else "s" if r.get("sync_every", 1) > 1 else "o"
-                ax.plot(xs, ys, style.get(r["compress"], "-"), marker=marker, ms=3, lw=1.6, color=color,
-                        label=label(r, ours))
+                ax.plot(
+                    xs,
+                    ys,
+                    style.get(r["compress"], "-"),
+                    marker=marker,
+                    ms=3,
+                    lw=1.6,
+                    color=color,
+                    label=label(r, ours),
+                )
                 if r["time_to_target_s"] is not None:
-                    ax.plot([r["time_to_target_s"]], [r["points"][[p["step"] for p in r["points"]].index(
-                        r["steps_to_target"])]["accuracy"] * 100], marker="*", ms=11, color=color)
+                    ax.plot(
+                        [r["time_to_target_s"]],
+                        [r["points"][[p["step"] for p in r["points"]].index(r["steps_to_target"])]["accuracy"] * 100],
+                        marker="*",
+                        ms=11,
+                        color=color,
+                    )
             free = free_network(rows)
             if free and free["to_target_s"]:
-                ax.axvline(free["to_target_s"], color="tab:red", lw=1, ls=":",
-                           label=f"compute only x {free['of']}'s steps to {target:.1%}")
+                ax.axvline(
+                    free["to_target_s"],
+                    color="tab:red",
+                    lw=1,
+                    ls=":",
+                    label=f"compute only x {free['of']}'s steps to {target:.1%}",
+                )
             ax.axhline(target * 100, color="tab:red", lw=0.8, alpha=0.6)
             top = max((p["accuracy"] * 100 for r in rows for p in r["points"]), default=100)
-            low = max(90.0, target * 100 - 3)            # zoomed in on the target, unless the runs never got near
+            low = max(90.0, target * 100 - 3)  # zoomed in on the target, unless the runs never got near
             ax.set_ylim(*((low, min(100.0, top + 0.3)) if top > low + 0.5 else (0, 100)))
             ax.set_xlim(left=0)
             ax.set_xlabel("training wall seconds (evaluation not counted)")
             ax.set_ylabel("test accuracy (%)")
             ax.set_title(f"{link_name(rate)}, N = {n} ranks, batch {rows[0]['batch_size'] if rows else '?'}/rank")
             ax.grid(True, alpha=0.3)
-            if rows:   # (a partial run's panels of rates still to come are empty)
+            if rows:  # (a partial run's panels of rates still to come are empty)
                 ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -2,8 +2,8 @@
 every evaluation.
 
 Ours, DDP and local SGD run the trainer's own step, utils.run.train_step, with the trainer's recipe
-(utils.config.Recipe, make_optimizer, batches_of_epoch): ours with utils.gradsync's sync of the
---ours configuration (ours@H: utils/periodic.py), DDP, torch's local SGD (peers.make_localsgd) and
+(utils.config.Recipe, make_optimizer, batches_of_epoch): ours with utils.sync.buckets's sync of the
+--ours configuration (ours@H: utils/sync/periodic.py), DDP, torch's local SGD (peers.make_localsgd) and
 the compute-only timing with peers.LocalStep.
 
 The last evaluation point is the end of training: there the sync's flush() makes every rank's
@@ -11,6 +11,7 @@ parameters the same (ours@H: the rounds still in flight applied; local SGD: one 
 train.py's end does, on the clock. The other points only finish() the step: with @H, rank 0's
 model is evaluated as it stands between syncs.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from harness import REPO, digest, start_worker
 from peers import LocalStep, average_parameters, bytes_sent, make_ddp, make_localsgd, nic_tx_bytes, our_sync
+
 from utils.files import write_file
 
 
@@ -50,22 +52,29 @@ def worker(args) -> int:
 
     import torch
     import torch.distributed as dist
+
     from utils.config import Recipe
     from utils.data import load_mnist
-    from utils.gradsync import make_gradient_sync
     from utils.model import Net
     from utils.run import batches_of_epoch, make_optimizer, test_model, train_step
+    from utils.sync.buckets import make_gradient_sync
 
     say = start_worker(cfg, rank)
     prefix = f"  [{cfg['label']} N={n} {spec['name']}]"
     train_images, train_labels, test_images, test_labels = load_mnist(str(REPO / "data"))
     if cfg["train_subset"]:
-        train_images, train_labels = train_images[:cfg["train_subset"]], train_labels[:cfg["train_subset"]]
+        train_images, train_labels = train_images[: cfg["train_subset"]], train_labels[: cfg["train_subset"]]
     if cfg["test_subset"]:
-        test_images, test_labels = test_images[:cfg["test_subset"]], test_labels[:cfg["test_subset"]]
-    recipe = Recipe(batch_size=max(1, cfg["global_batch"] // n), global_batch=cfg["global_batch"], lr=cfg["lr"],
-                    seed=cfg["seed"], epochs=cfg["epochs"], train_subset=cfg["train_subset"],
-                    test_subset=cfg["test_subset"])
+        test_images, test_labels = test_images[: cfg["test_subset"]], test_labels[: cfg["test_subset"]]
+    recipe = Recipe(
+        batch_size=max(1, cfg["global_batch"] // n),
+        global_batch=cfg["global_batch"],
+        lr=cfg["lr"],
+        seed=cfg["seed"],
+        epochs=cfg["epochs"],
+        train_subset=cfg["train_subset"],
+        test_subset=cfg["test_subset"],
+    )
     steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, recipe))
     slowest = torch.zeros(1)
 
@@ -94,22 +103,40 @@ def worker(args) -> int:
     model = forward = Net()
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
     if spec["kind"] == "ours":
-        sync = make_gradient_sync(model, our_sync(**cfg["ours"], compress=spec["compress"],
-                                                  powersgd_rank=cfg["powersgd_rank"],
-                                                  powersgd_warmup=cfg["powersgd_warmup"], timeout=cfg["op_timeout"],
-                                                  sync_every=spec["sync_every"], outer=cfg["outer"],
-                                                  outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"],
-                                                  merge_after=spec.get("merge_after")),
-                                  optimizer, scheduler, cfg["seed"])
+        sync = make_gradient_sync(
+            model,
+            our_sync(
+                **cfg["ours"],
+                compress=spec["compress"],
+                powersgd_rank=cfg["powersgd_rank"],
+                powersgd_warmup=cfg["powersgd_warmup"],
+                timeout=cfg["op_timeout"],
+                sync_every=spec["sync_every"],
+                outer=cfg["outer"],
+                outer_lr=cfg["outer_lr"],
+                outer_momentum=cfg["outer_momentum"],
+                merge_after=spec.get("merge_after"),
+            ),
+            optimizer,
+            scheduler,
+            cfg["seed"],
+        )
     elif spec["kind"] == "localsgd":
         forward, wrapped = make_localsgd(model, optimizer, spec["sync_every"], cfg["localsgd_warmup"])
         sync = LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(model))
     else:
-        forward, _ = make_ddp(model, None if spec["compress"] == "none" else spec["compress"],
-                              cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"])
+        forward, _ = make_ddp(
+            model,
+            None if spec["compress"] == "none" else spec["compress"],
+            cfg["powersgd_rank"],
+            cfg["powersgd_warmup"],
+            cfg["seed"],
+        )
         sync = LocalStep(optimizer, scheduler)
-    say(f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, "
-        f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '-')})")
+    say(
+        f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, "
+        f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '-')})"
+    )
 
     nic = os.environ.get("GLOO_SOCKET_IFNAME")
     points, train_s, loss_sum, loss_steps = [], 0.0, 0.0, 0
@@ -125,16 +152,25 @@ def worker(args) -> int:
         if rank == 0:
             key = f"{digest(model)}/{len(test_labels)}"
             if key not in cache:
-                torch.set_num_threads(os.cpu_count() or 1)   # the other ranks only wait meanwhile
+                torch.set_num_threads(os.cpu_count() or 1)  # the other ranks only wait meanwhile
                 with torch.no_grad():
                     cache[key] = test_model(model, test_images, test_labels)
                 torch.set_num_threads(1)
             accuracy = cache[key]
             model.train()
-            points.append({"epoch": round(step / steps_per_epoch, 4), "step": step, "seconds": train_s,
-                           "accuracy": accuracy, "train_loss": loss_sum / loss_steps if loss_steps else None})
-            say(f"{prefix} step {step} (epoch {step / steps_per_epoch:.2f}): test accuracy {accuracy:.2%}, "
-                f"{train_s:.1f} s of training")
+            points.append(
+                {
+                    "epoch": round(step / steps_per_epoch, 4),
+                    "step": step,
+                    "seconds": train_s,
+                    "accuracy": accuracy,
+                    "train_loss": loss_sum / loss_steps if loss_steps else None,
+                }
+            )
+            say(
+                f"{prefix} step {step} (epoch {step / steps_per_epoch:.2f}): test accuracy {accuracy:.2%}, "
+                f"{train_s:.1f} s of training"
+            )
         loss_sum, loss_steps = 0.0, 0
         dist.barrier()
 
@@ -150,7 +186,7 @@ def worker(args) -> int:
             loss_sum += train_step(forward, sync, train_images[batch], train_labels[batch], weight).item()
             loss_steps += 1
             global_step += 1
-            if step in at:   # the step's (lazy) update is training time, and so is the end's flush
+            if step in at:  # the step's (lazy) update is training time, and so is the end's flush
                 if epoch == cfg["epochs"] and step == len(batches):
                     sync.flush()
                 else:
@@ -163,16 +199,33 @@ def worker(args) -> int:
     digests = [None] * n
     dist.all_gather_object(digests, digest(model))
     tx = [None] * n
-    dist.all_gather_object(tx, [None if tx_start is None or tx_end is None else tx_end - tx_start,
-                                None if sent_start is None or sent_end is None else sent_end - sent_start])
+    dist.all_gather_object(
+        tx,
+        [
+            None if tx_start is None or tx_end is None else tx_end - tx_start,
+            None if sent_start is None or sent_end is None else sent_end - sent_start,
+        ],
+    )
     if rank == 0:
         cache.save()
-        write_file(Path(cfg["out"]), json.dumps({
-            "world_size": n, "steps_per_epoch": steps_per_epoch, "steps": global_step,
-            "batch_size": recipe.batch_size, "compute_step_s": compute_s, "points": points,
-            "train_seconds": train_s, "wall_seconds": time.time() - wall_start,
-            "params_identical": len(set(digests)) == 1,
-            "wire_bytes": [t[0] for t in tx], "sent_bytes": [t[1] for t in tx]}).encode())
+        write_file(
+            Path(cfg["out"]),
+            json.dumps(
+                {
+                    "world_size": n,
+                    "steps_per_epoch": steps_per_epoch,
+                    "steps": global_step,
+                    "batch_size": recipe.batch_size,
+                    "compute_step_s": compute_s,
+                    "points": points,
+                    "train_seconds": train_s,
+                    "wall_seconds": time.time() - wall_start,
+                    "params_identical": len(set(digests)) == 1,
+                    "wire_bytes": [t[0] for t in tx],
+                    "sent_bytes": [t[1] for t in tx],
+                }
+            ).encode(),
+        )
     sync.close()
     dist.barrier()
     dist.destroy_process_group()

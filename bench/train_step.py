@@ -19,19 +19,19 @@ the gradient sync's after_backward() and step() (Adam, one-cycle schedule), on r
                       sums. The floor of any synchronous gradient sum on this machine: the
                       bytes' wire time and kernel CPU, plus the lockstep (the floors' waits
                       show under sum/wait)
-    <alg>             backward, then the whole sum, then step: utils.gradsync's PlainSync
-                      (Sync(overlap=False)), for alg in two-pass, ring, gloo (utils/allreduce.py);
+    <alg>             backward, then the whole sum, then step: utils.sync.buckets's PlainSync
+                      (Sync(overlap=False)), for alg in two-pass, ring, gloo (utils/comm/allreduce.py);
                       "auto" chunks come to ring.auto_chunks(#parameters), as in train.py
     <alg>+overlap     Sync(overlap=True): buckets of --bucket-mb MB are summed during backward
-                      (utils.gradsync.OverlappedSync); chunks as given ("auto": per bucket)
+                      (utils.sync.buckets.OverlappedSync); chunks as given ("auto": per bucket)
     <alg>+overlap+lazy  the same, with lazy_update: after_backward() does not wait; each bucket's
                       Adam update is applied in the next forward, just before its layer runs
-                      (utils/lazy.py); a sample ends with finish(), so it holds all of its
+                      (utils/sync/lazy.py); a sample ends with finish(), so it holds all of its
                       steps' work
     ddp               torch.nn.parallel.DistributedDataParallel (gloo), defaults: the reference
 
 With --compression (issue #13), also:
-    <config>+<c>      our <config> with compress=c (bf16, fp16, powersgd: utils/compress.py), for each
+    <config>+<c>      our <config> with compress=c (bf16, fp16, powersgd: utils/comm/compress.py), for each
                       of our --compress-with configurations (default ring+overlap+lazy)
     ddp+fp16, ddp+bf16  DDP with torch's default_hooks.fp16_compress_hook / bf16_compress_hook
     ddp+powersgd      DDP with powerSGD_hook, the same rank and warm-up as ours (--powersgd-rank,
@@ -78,6 +78,7 @@ loopback; e.g. train_step-cluster-1gbit-n2-b64.json), written atomically.
 Every rank has a hard timeout; on any error or Ctrl-C all ranks are killed and the cluster is
 torn down.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,25 +90,60 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
-    MODEL_NUMEL as TRAINER_NUMEL, add_world_options, bench_parser, cluster, command_line, emulated_cluster, host_info,
-    launch_world, loadavg, number_list, numel, parse_rate, positive, results_stem as stem_of, run_driver, started_at,
-    world_port, write_results)
-from peers import ALGORITHMS, DDP_HOOKS, parse_ours  # noqa: E402
-from train_step_report import (  # noqa: E402,F401  (the tests reach the summary through this module)
-    compression_targets, evaluate_targets, plot, summarize, table, target_lines, timeline_targets)
-from train_step_worker import make_model, worker  # noqa: E402
-from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: E402
+from harness import (
+    MODEL_NUMEL as TRAINER_NUMEL,
+)
+from harness import (
+    add_world_options,
+    bench_parser,
+    cluster,
+    command_line,
+    emulated_cluster,
+    host_info,
+    launch_world,
+    loadavg,
+    number_list,
+    numel,
+    parse_rate,
+    positive,
+    run_driver,
+    started_at,
+    world_port,
+    write_results,
+)
+from harness import (
+    results_stem as stem_of,
+)
+from peers import ALGORITHMS, DDP_HOOKS, parse_ours
+from train_step_report import (  # noqa:F401  (the tests reach the summary through this module)
+    compression_targets,
+    evaluate_targets,
+    plot,
+    summarize,
+    table,
+    target_lines,
+    timeline_targets,
+)
+from train_step_worker import make_model, worker
+
+from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 
 # The default plan; results_stem() names the files after whatever a run changed from it.
-DEFAULTS = {"rates": ["1gbit", "200mbit"], "world_sizes": [2, 4], "model": "trainer", "batch_size": 32,
-            "algorithms": ["two-pass", "ring", "gloo"], "compression": False,
-            # --compression (issue #13): which compressions, on which of our configurations, PowerSGD's settings
-            "compress": list(DDP_HOOKS), "compress_with": ["ring+overlap+lazy"],
-            "powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
-MODEL_NUMEL = {"trainer": TRAINER_NUMEL, "reference": numel(make_model("reference"))}   # counted, not written down
-OP_TIMEOUT = 120.0     # s for any single send/recv/collective of gloo, as train.py's default
+DEFAULTS = {
+    "rates": ["1gbit", "200mbit"],
+    "world_sizes": [2, 4],
+    "model": "trainer",
+    "batch_size": 32,
+    "algorithms": ["two-pass", "ring", "gloo"],
+    "compression": False,
+    # --compression (issue #13): which compressions, on which of our configurations, PowerSGD's settings
+    "compress": list(DDP_HOOKS),
+    "compress_with": ["ring+overlap+lazy"],
+    "powersgd_rank": DEFAULT_POWERSGD_RANK,
+    "powersgd_warmup": DEFAULT_POWERSGD_WARMUP,
+}
+MODEL_NUMEL = {"trainer": TRAINER_NUMEL, "reference": numel(make_model("reference"))}  # counted, not written down
+OP_TIMEOUT = 120.0  # s for any single send/recv/collective of gloo, as train.py's default
 
 
 # --------------------------------------------------------------------------- configurations
@@ -119,31 +155,50 @@ def batch_for(args, n: int) -> int:
 def make_configs(args) -> list[dict]:
     """The configurations, in the order they are listed (the run rotates the order per round)."""
     if args.chunks == "auto":
-        from utils.ring import auto_chunks
-        plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL[args.model]), "auto"     # what "auto" comes to, plain
+        from utils.comm.ring import auto_chunks
+
+        plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL[args.model]), "auto"  # what "auto" comes to, plain
     else:
         plain_chunks = bucket_chunks = int(args.chunks)
-    configs = [{"name": "compute-alone", "kind": "compute", "alone": True},
-               {"name": "compute", "kind": "compute", "alone": False},
-               {"name": "compute+sync", "kind": "sync", "alone": False},
-               {"name": "compute+wire", "kind": "wire", "alone": False}]
+    configs = [
+        {"name": "compute-alone", "kind": "compute", "alone": True},
+        {"name": "compute", "kind": "compute", "alone": False},
+        {"name": "compute+sync", "kind": "sync", "alone": False},
+        {"name": "compute+wire", "kind": "wire", "alone": False},
+    ]
     for alg in args.algorithms:
         two_pass = alg == "two-pass"
-        configs.append({"name": alg, "kind": "sum", "allreduce": alg, "overlap": False,
-                        "chunks": plain_chunks if two_pass else None, "bucket_mb": None})
+        configs.append(
+            {
+                "name": alg,
+                "kind": "sum",
+                "allreduce": alg,
+                "overlap": False,
+                "chunks": plain_chunks if two_pass else None,
+                "bucket_mb": None,
+            }
+        )
         for mb in args.bucket_mb:
             suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
             for lazy in (False, True):
-                configs.append({"name": f"{alg}+overlap{'+lazy' if lazy else ''}{suffix}", "kind": "sum",
-                                "allreduce": alg, "overlap": True, "lazy": lazy,
-                                "chunks": bucket_chunks if two_pass else None, "bucket_mb": mb})
+                configs.append(
+                    {
+                        "name": f"{alg}+overlap{'+lazy' if lazy else ''}{suffix}",
+                        "kind": "sum",
+                        "allreduce": alg,
+                        "overlap": True,
+                        "lazy": lazy,
+                        "chunks": bucket_chunks if two_pass else None,
+                        "bucket_mb": mb,
+                    }
+                )
     configs.append({"name": "ddp", "kind": "ddp"})
     compressed = compression_configs(args, plain_chunks, bucket_chunks) if getattr(args, "compression", False) else []
     if args.only:
         keep = set(args.only) | {"compute", "compute-alone", "compute+wire", "compute+sync", "ddp"}
         configs = [c for c in configs if c["name"] in keep]
     configs += compressed
-    if getattr(args, "timeline", False):   # issue #15: each of ours again, recording a timeline
+    if getattr(args, "timeline", False):  # issue #15: each of ours again, recording a timeline
         configs += [dict(c, name=f"{c['name']}+timeline", timeline=True) for c in configs if c["kind"] == "sum"]
     return configs
 
@@ -164,24 +219,31 @@ def compression_configs(args, plain_chunks, bucket_chunks) -> list[dict]:
         spec = parse_sum_config(base)
         two_pass, mb = spec["allreduce"] == "two-pass", args.bucket_mb[0]
         for c in args.compress:
-            out.append({"name": f"{base}+{c}", "kind": "sum", **spec, "compress": c,
-                        "chunks": (bucket_chunks if spec["overlap"] else plain_chunks) if two_pass else None,
-                        "bucket_mb": mb if spec["overlap"] else None})
+            out.append(
+                {
+                    "name": f"{base}+{c}",
+                    "kind": "sum",
+                    **spec,
+                    "compress": c,
+                    "chunks": (bucket_chunks if spec["overlap"] else plain_chunks) if two_pass else None,
+                    "bucket_mb": mb if spec["overlap"] else None,
+                }
+            )
     for c in args.compress:
         out.append({"name": f"ddp+{c}", "kind": "ddp", "hook": c})
     return out
 
 
-
 # --------------------------------------------------------------------------- driver
-def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int,
-                     model: str = "trainer") -> float:
+def estimate_seconds(
+    n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int, model: str = "trainer"
+) -> float:
     """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
     timeout."""
     cores = os.cpu_count() or 1
-    heavier = MODEL_NUMEL[model] / MODEL_NUMEL["trainer"]             # the reference model: ~3x of both
-    compute = 0.03 * batch / 32 * max(1.0, n / cores) * heavier       # ~16-20 ms/step alone, measured
-    comm = 2 * (2 * MODEL_NUMEL[model] * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)   # ~2x the slowest
+    heavier = MODEL_NUMEL[model] / MODEL_NUMEL["trainer"]  # the reference model: ~3x of both
+    compute = 0.03 * batch / 32 * max(1.0, n / cores) * heavier  # ~16-20 ms/step alone, measured
+    comm = 2 * (2 * MODEL_NUMEL[model] * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)  # ~2x the slowest
     per_step = sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
     return 30 + steps * per_step
 
@@ -208,16 +270,28 @@ def run_worlds(args, configs: list[dict], rates: list[str | None], rate_bits: di
 def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: int, timeout: float) -> dict:
     """Run one world of n hosts x --ranks-per-host ranks; return rank 0's raw results (with the load)."""
     k = args.ranks_per_host
-    ranks = n * k                                   # --ranks-per-host K: N hosts, N·K ranks
+    ranks = n * k  # --ranks-per-host K: N hosts, N·K ranks
     host0 = cl.addr(0) if cl else "127.0.0.1"
-    cfg = {"world_size": ranks, "init_method": f"tcp://{host0}:{port}", "op_timeout": OP_TIMEOUT,
-           "addrs": [cl.addr(cl.host_of(r)) if cl else "127.0.0.1" for r in range(ranks)],
-           "seed": args.seed, "model": args.model, "batch_size": batch_for(args, ranks), "warmup": args.warmup,
-           "iters": args.iters, "steps_per_sample": args.steps_per_sample, "configs": configs, "label": label,
-           "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup}
+    cfg = {
+        "world_size": ranks,
+        "init_method": f"tcp://{host0}:{port}",
+        "op_timeout": OP_TIMEOUT,
+        "addrs": [cl.addr(cl.host_of(r)) if cl else "127.0.0.1" for r in range(ranks)],
+        "seed": args.seed,
+        "model": args.model,
+        "batch_size": batch_for(args, ranks),
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "steps_per_sample": args.steps_per_sample,
+        "configs": configs,
+        "label": label,
+        "powersgd_rank": args.powersgd_rank,
+        "powersgd_warmup": args.powersgd_warmup,
+    }
     tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', label)}-n{ranks}"
-    return launch_world(str(Path(__file__).resolve()), ranks, cfg, cl, tmp, tag, timeout, f"{label} N={ranks}",
-                        ranks_per_host=k)
+    return launch_world(
+        str(Path(__file__).resolve()), ranks, cfg, cl, tmp, tag, timeout, f"{label} N={ranks}", ranks_per_host=k
+    )
 
 
 def driver(args) -> int:
@@ -227,69 +301,108 @@ def driver(args) -> int:
     configs = make_configs(args)
     k = args.ranks_per_host
     per_world = ", ".join(f"{batch_for(args, n * k)}/rank at N={n * k}" for n in worlds)
-    batch_note = (f"global batch {args.global_batch} = {per_world}" if args.global_batch
-                  else f"batch {args.batch_size} per rank")
+    batch_note = (
+        f"global batch {args.global_batch} = {per_world}" if args.global_batch else f"batch {args.batch_size} per rank"
+    )
     rate_bits = {r: parse_rate(r) for r in rates if r}
     steps = (args.warmup + args.iters) * args.steps_per_sample
-    est = {(r, n): estimate_seconds(n * k, rate_bits.get(r), configs, steps, batch_for(args, n * k), args.model)
-           for r in rates for n in worlds}
+    est = {
+        (r, n): estimate_seconds(n * k, rate_bits.get(r), configs, steps, batch_for(args, n * k), args.model)
+        for r in rates
+        for n in worlds
+    }
     if args.model != "trainer":
         batch_note = f"{args.model} model ({MODEL_NUMEL[args.model]:,} parameters), {batch_note}"
-    notes = (f"{batch_note}; {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive "
-             f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
-             f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
-             f"(fair baseline on {cores} cores); 'compute-alone' = rank 0 alone. "
-             f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks); "
-             f"cpu/rank: CPU ms per step of a rank (all threads; kernel part in brackets).")
-    print(f"# training-step benchmark: mode={mode}, "
-          + (f"egress cap per host {', '.join(rates)}" if not args.loopback else "127.0.0.1, no cap")
-          + f", N={','.join(map(str, worlds))}, 1 torch thread per rank, {cores} CPU cores on this machine")
+    notes = (
+        f"{batch_note}; {args.warmup} warm-up + {args.iters} timed rounds of {args.steps_per_sample} consecutive "
+        f"steps per configuration, configurations interleaved; ms/step = round time / steps, max over "
+        f"ranks, median over rounds. 'compute' = all N ranks computing at once without communication "
+        f"(fair baseline on {cores} cores); 'compute-alone' = rank 0 alone. "
+        f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks); "
+        f"cpu/rank: CPU ms per step of a rank (all threads; kernel part in brackets)."
+    )
+    print(
+        f"# training-step benchmark: mode={mode}, "
+        + (f"egress cap per host {', '.join(rates)}" if not args.loopback else "127.0.0.1, no cap")
+        + f", N={','.join(map(str, worlds))}, 1 torch thread per rank, {cores} CPU cores on this machine"
+    )
     print(f"# configurations: {', '.join(c['name'] for c in configs)} (order rotated per round)")
     print(f"# {notes}")
-    print(f"# load average now {loadavg():.2f}; estimate " +
-          ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items()), flush=True)
+    print(
+        f"# load average now {loadavg():.2f}; estimate "
+        + ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items()),
+        flush=True,
+    )
 
     started = time.time()
     records, load = run_worlds(args, configs, rates, rate_bits, est)
-    not_identical = [f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}"
-                     for r in records if r["params_identical"] is False]
+    not_identical = [
+        f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}"
+        for r in records
+        if r["params_identical"] is False
+    ]
     targets = evaluate_targets(records, mode, rates, worlds)
     host = host_info()
     model_note = "" if args.model == "trainer" else f"{args.model} model, "
-    title = (f"training step, {mode}; {model_note}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
-             f"{host['node']}, torch {host['torch']}")
+    title = (
+        f"training step, {mode}; {model_note}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
+        f"{host['node']}, torch {host['torch']}"
+    )
     command = command_line("train_step.py")
-    load_line = "; ".join(f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
-                          f"{v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}" for k, v in load.items())
-    md = (f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
-          + table(records, mode) + "\n\n```\n" + target_lines(targets) + "\n```\n")
+    load_line = "; ".join(
+        f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
+        f"{v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}"
+        for k, v in load.items()
+    )
+    md = (
+        f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
+        + table(records, mode)
+        + "\n\n```\n"
+        + target_lines(targets)
+        + "\n```\n"
+    )
     result = {
-        "mode": mode, "rates": rates, "world_sizes": worlds, "command": command,
-        "batch_size": {str(n * k): batch_for(args, n * k) for n in worlds}, "global_batch": args.global_batch,
+        "mode": mode,
+        "rates": rates,
+        "world_sizes": worlds,
+        "command": command,
+        "batch_size": {str(n * k): batch_for(args, n * k) for n in worlds},
+        "global_batch": args.global_batch,
         "ranks_per_host": k,
-        "warmup": args.warmup, "iters": args.iters, "steps_per_sample": args.steps_per_sample, "seed": args.seed,
-        "model": args.model, "model_parameters": MODEL_NUMEL[args.model],
-        "threads_per_rank": 1, "chunks": args.chunks, "bucket_mb": args.bucket_mb,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "steps_per_sample": args.steps_per_sample,
+        "seed": args.seed,
+        "model": args.model,
+        "model_parameters": MODEL_NUMEL[args.model],
+        "threads_per_rank": 1,
+        "chunks": args.chunks,
+        "bucket_mb": args.bucket_mb,
         "configs": configs,
         "timing": "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
-                  "rank; step time = max over ranks; median over timed rounds",
+        "rank; step time = max over ranks; median over timed rounds",
         "compute_baselines": "compute = all N ranks compute at once, no communication (fair on a shared machine); "
-                             "compute-alone = rank 0 alone, the other ranks idle",
-        "host": host, "started": started_at(started), "seconds": round(time.time() - started, 1), "load": load,
-        "params_identical": not not_identical, "not_identical": not_identical,
-        "targets": targets, "results": records,
+        "compute-alone = rank 0 alone, the other ranks idle",
+        "host": host,
+        "started": started_at(started),
+        "seconds": round(time.time() - started, 1),
+        "load": load,
+        "params_identical": not not_identical,
+        "not_identical": not_identical,
+        "targets": targets,
+        "results": records,
     }
     out = Path(args.results_dir) / results_stem(args, mode)
     write_results(out, result, md, plot(records, title, rates, worlds))
 
     print(f"\n{table(records, mode)}\n\nLoad during the runs: {load_line}\n")
-    print("Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)")
-          + ":")
+    print(
+        "Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)") + ":"
+    )
     print(target_lines(targets))
     print(f"\nwrote {out}.json, .md, .png  ({time.time() - started:.0f}s)")
     if not_identical:
-        print("\ntrain_step.py: ranks ended with DIFFERENT parameters in: " + ", ".join(not_identical),
-              file=sys.stderr)
+        print("\ntrain_step.py: ranks ended with DIFFERENT parameters in: " + ", ".join(not_identical), file=sys.stderr)
         return 1
     return 0
 
@@ -320,10 +433,13 @@ def results_stem(args, mode: str) -> str:
         if args.compress != DEFAULTS["compress"]:
             parts.append("+".join(args.compress))
         if args.compress_with != DEFAULTS["compress_with"]:
-            parts.append("with-" + "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy")
-                                            for c in args.compress_with))
+            parts.append(
+                "with-" + "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy") for c in args.compress_with)
+            )
         if "powersgd" in args.compress and (args.powersgd_rank, args.powersgd_warmup) != (
-                DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]):
+            DEFAULTS["powersgd_rank"],
+            DEFAULTS["powersgd_warmup"],
+        ):
             parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
     return stem_of(*parts)
 
@@ -336,50 +452,110 @@ def main(argv=None) -> int:
 
     ap = bench_parser(__doc__)
     ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
-    ap.add_argument("--rates", "--rate", default=",".join(DEFAULTS["rates"]),
-                    type=lambda s: [x for x in s.split(",") if x],
-                    help="per-host egress caps of the cluster, tc syntax (default 1gbit,200mbit)")
+    ap.add_argument(
+        "--rates",
+        "--rate",
+        default=",".join(DEFAULTS["rates"]),
+        type=lambda s: [x for x in s.split(",") if x],
+        help="per-host egress caps of the cluster, tc syntax (default 1gbit,200mbit)",
+    )
     ap.add_argument("--world-sizes", default=",".join(map(str, DEFAULTS["world_sizes"])), type=number_list(int))
-    ap.add_argument("--batch-size", type=positive(int), default=DEFAULTS["batch_size"],
-                    help=f"images per step per rank (default {DEFAULTS['batch_size']})")
-    ap.add_argument("--global-batch", type=positive(int),
-                    help="images per step over all ranks instead: batch per rank = this // N (train.py's "
-                         "default is 64)")
+    ap.add_argument(
+        "--batch-size",
+        type=positive(int),
+        default=DEFAULTS["batch_size"],
+        help=f"images per step per rank (default {DEFAULTS['batch_size']})",
+    )
+    ap.add_argument(
+        "--global-batch",
+        type=positive(int),
+        help="images per step over all ranks instead: batch per rank = this // N (train.py's default is 64)",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="discarded rounds first (default 3)")
     ap.add_argument("--iters", type=positive(int), default=15, help="timed rounds (default 15)")
-    ap.add_argument("--steps-per-sample", type=positive(int), default=6,
-                    help="consecutive training steps per configuration and round, timed together (default 6; "
-                         "each sample starts after a barrier, which drains what a lazy update would carry over)")
-    ap.add_argument("--algorithms", default=",".join(DEFAULTS["algorithms"]), type=lambda s: s.split(","),
-                    help=f"from {','.join(ALGORITHMS)} (default {','.join(DEFAULTS['algorithms'])})")
-    ap.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
-                    help="K ranks on each emulated host, sharing its card; --world-sizes then counts hosts "
-                         "(on loopback the hosts are faked for --algorithms hierarchical; default 1)")
-    ap.add_argument("--chunks", type=chunks, default="auto",
-                    help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)")
-    ap.add_argument("--bucket-mb", default="1", type=number_list(float),
-                    help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)")
-    ap.add_argument("--only", type=lambda s: s.split(","),
-                    help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)")
-    ap.add_argument("--timeline", action="store_true",
-                    help="also run each of our configurations recording a timeline (issue #15: its cost)")
-    ap.add_argument("--compression", action="store_true",
-                    help="issue #13: add compressed rows, each --compress on each --compress-with configuration of "
-                         "ours and DDP with torch's matching comm hook (results files: ...-compression)")
-    ap.add_argument("--compress", default=",".join(DEFAULTS["compress"]), type=lambda s: s.split(","),
-                    help=f"with --compression: which (default {','.join(DEFAULTS['compress'])})")
-    ap.add_argument("--compress-with", default=",".join(DEFAULTS["compress_with"]), type=lambda s: s.split(","),
-                    help="with --compression: our configuration(s) that compress, <algorithm>[+overlap[+lazy]] "
-                         f"(default {','.join(DEFAULTS['compress_with'])})")
-    ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULTS["powersgd_rank"],
-                    help=f"PowerSGD's rank, ours and DDP's (default {DEFAULTS['powersgd_rank']})")
-    ap.add_argument("--powersgd-warmup", type=int, default=DEFAULTS["powersgd_warmup"],
-                    help=f"uncompressed steps before PowerSGD starts, ours and DDP's (default "
-                         f"{DEFAULTS['powersgd_warmup']}; DDP's hook needs >= 2)")
+    ap.add_argument(
+        "--steps-per-sample",
+        type=positive(int),
+        default=6,
+        help="consecutive training steps per configuration and round, timed together (default 6; "
+        "each sample starts after a barrier, which drains what a lazy update would carry over)",
+    )
+    ap.add_argument(
+        "--algorithms",
+        default=",".join(DEFAULTS["algorithms"]),
+        type=lambda s: s.split(","),
+        help=f"from {','.join(ALGORITHMS)} (default {','.join(DEFAULTS['algorithms'])})",
+    )
+    ap.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K ranks on each emulated host, sharing its card; --world-sizes then counts hosts "
+        "(on loopback the hosts are faked for --algorithms hierarchical; default 1)",
+    )
+    ap.add_argument(
+        "--chunks",
+        type=chunks,
+        default="auto",
+        help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)",
+    )
+    ap.add_argument(
+        "--bucket-mb",
+        default="1",
+        type=number_list(float),
+        help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)",
+    )
+    ap.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also run each of our configurations recording a timeline (issue #15: its cost)",
+    )
+    ap.add_argument(
+        "--compression",
+        action="store_true",
+        help="issue #13: add compressed rows, each --compress on each --compress-with configuration of "
+        "ours and DDP with torch's matching comm hook (results files: ...-compression)",
+    )
+    ap.add_argument(
+        "--compress",
+        default=",".join(DEFAULTS["compress"]),
+        type=lambda s: s.split(","),
+        help=f"with --compression: which (default {','.join(DEFAULTS['compress'])})",
+    )
+    ap.add_argument(
+        "--compress-with",
+        default=",".join(DEFAULTS["compress_with"]),
+        type=lambda s: s.split(","),
+        help="with --compression: our configuration(s) that compress, <algorithm>[+overlap[+lazy]] "
+        f"(default {','.join(DEFAULTS['compress_with'])})",
+    )
+    ap.add_argument(
+        "--powersgd-rank",
+        type=positive(int),
+        default=DEFAULTS["powersgd_rank"],
+        help=f"PowerSGD's rank, ours and DDP's (default {DEFAULTS['powersgd_rank']})",
+    )
+    ap.add_argument(
+        "--powersgd-warmup",
+        type=int,
+        default=DEFAULTS["powersgd_warmup"],
+        help=f"uncompressed steps before PowerSGD starts, ours and DDP's (default "
+        f"{DEFAULTS['powersgd_warmup']}; DDP's hook needs >= 2)",
+    )
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--model", choices=sorted(MODEL_NUMEL), default=DEFAULTS["model"],
-                    help="trainer: utils/model.Net (default); reference: the PyTorch MNIST example's CNN, "
-                         "1.2M parameters, that issue #6's baseline was measured with")
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODEL_NUMEL),
+        default=DEFAULTS["model"],
+        help="trainer: utils/model.Net (default); reference: the PyTorch MNIST example's CNN, "
+        "1.2M parameters, that issue #6's baseline was measured with",
+    )
     add_world_options(ap)
     args = ap.parse_args(argv)
     if args.worker:
@@ -407,8 +583,10 @@ def main(argv=None) -> int:
     if args.only:
         known = {c["name"] for c in make_configs(argparse.Namespace(**{**vars(args), "only": None}))}
         if set(args.only) - known:
-            ap.error(f"--only: unknown configuration(s) {sorted(set(args.only) - known)}; "
-                     f"choose from {', '.join(sorted(known))}")
+            ap.error(
+                f"--only: unknown configuration(s) {sorted(set(args.only) - known)}; "
+                f"choose from {', '.join(sorted(known))}"
+            )
     if not args.loopback:
         if not args.rates:
             ap.error("--rates needs at least one rate")

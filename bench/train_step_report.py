@@ -1,5 +1,6 @@
 """bench/train_step.py's summary: one record per configuration, the table, the issues' targets
 (bench/targets.py) with PASS/MISS, and the plot."""
+
 from __future__ import annotations
 
 import statistics
@@ -15,25 +16,42 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
     for c in raw["configs"]:
         ms = [x * 1e3 for x in c["step_s"]]
         med = statistics.median(ms)
-        recs.append({
-            "rate": rate, "rate_bits_per_s": rate_bits, "world_size": n, "config": c["name"],
-            "kind": c["kind"], "allreduce": c.get("allreduce"), "overlap": c.get("overlap", False), "lazy": c.get("lazy", False),
-            "chunks": c.get("chunks"), "bucket_mb": c.get("bucket_mb"), "iters": len(ms),
-            "step_ms": ms, "median_ms": med, "p25_ms": quantile(ms, 0.25), "p75_ms": quantile(ms, 0.75),
-            "min_ms": min(ms), "max_ms": max(ms),
-            "fwd_bwd_ms": statistics.median(x * 1e3 for x in c["fb_s"]),
-            "sum_wait_ms": statistics.median(x * 1e3 for x in c["sum_s"]),
-            "opt_ms": statistics.median(x * 1e3 for x in c["opt_s"]),
-            "cpu_ms": statistics.median(x * 1e3 for x in c["cpu_s"]),
-            "cpu_sys_ms": statistics.median(x * 1e3 for x in c["sys_s"]),
-            "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
-            "images_per_s_per_rank": batch / (med / 1e3),
-            "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
-            "params_identical": c["params_identical"] if c["kind"] not in ("compute", "wire", "sync") else None,
-            "same_bits_as_plain": c.get("same_bits_as_plain"), "batch_size": batch,
-            "compress": c.get("compress") or c.get("hook"), "hook": c.get("hook"),
-            "wire_kb_per_step": median_or_none(c.get("tx_bytes"), 1e-3),
-            "sent_kb_per_step": median_or_none(c.get("sent_bytes"), 1e-3)})
+        recs.append(
+            {
+                "rate": rate,
+                "rate_bits_per_s": rate_bits,
+                "world_size": n,
+                "config": c["name"],
+                "kind": c["kind"],
+                "allreduce": c.get("allreduce"),
+                "overlap": c.get("overlap", False),
+                "lazy": c.get("lazy", False),
+                "chunks": c.get("chunks"),
+                "bucket_mb": c.get("bucket_mb"),
+                "iters": len(ms),
+                "step_ms": ms,
+                "median_ms": med,
+                "p25_ms": quantile(ms, 0.25),
+                "p75_ms": quantile(ms, 0.75),
+                "min_ms": min(ms),
+                "max_ms": max(ms),
+                "fwd_bwd_ms": statistics.median(x * 1e3 for x in c["fb_s"]),
+                "sum_wait_ms": statistics.median(x * 1e3 for x in c["sum_s"]),
+                "opt_ms": statistics.median(x * 1e3 for x in c["opt_s"]),
+                "cpu_ms": statistics.median(x * 1e3 for x in c["cpu_s"]),
+                "cpu_sys_ms": statistics.median(x * 1e3 for x in c["sys_s"]),
+                "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
+                "images_per_s_per_rank": batch / (med / 1e3),
+                "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
+                "params_identical": c["params_identical"] if c["kind"] not in ("compute", "wire", "sync") else None,
+                "same_bits_as_plain": c.get("same_bits_as_plain"),
+                "batch_size": batch,
+                "compress": c.get("compress") or c.get("hook"),
+                "hook": c.get("hook"),
+                "wire_kb_per_step": median_or_none(c.get("tx_bytes"), 1e-3),
+                "sent_kb_per_step": median_or_none(c.get("sent_bytes"), 1e-3),
+            }
+        )
     base = {r["config"]: r["median_ms"] for r in recs}
     for r in recs:
         for key, ref in (("x_compute", "compute"), ("x_compute_alone", "compute-alone"), ("x_ddp", "ddp")):
@@ -42,18 +60,40 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
 
 
 def table(records: list[dict], mode: str) -> str:
-    head = ("| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
-            "| cpu/rank (sys) | img/s/rank | x compute | x DDP | wire KB/step | identical |")
+    head = (
+        "| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
+        "| cpu/rank (sys) | img/s/rank | x compute | x DDP | wire KB/step | identical |"
+    )
     lines = [head, "|:--|--:|--:|:--|" + "--:|" * 12 + ":-:|"]
     for r in records:
-        identical = ({None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
-                     + (", = plain" if r["same_bits_as_plain"] else ""))
-        lines.append("| " + " | ".join([
-            r["rate"] or mode, str(r["world_size"]), str(r["batch_size"]), r["config"], fmt(r["chunks"], "{}"),
-            fmt(r["bucket_mb"], "{:g}"), f"{r['median_ms']:.1f}", f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
-            f"{r['fwd_bwd_ms']:.1f}", f"{r['sum_wait_ms']:.1f}", f"{r['opt_ms']:.1f}",
-            f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})", f"{r['images_per_s_per_rank']:.0f}",
-            fmt(r["x_compute"]), fmt(r["x_ddp"]), fmt(r.get("wire_kb_per_step"), "{:.0f}"), identical]) + " |")
+        identical = {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]] + (
+            ", = plain" if r["same_bits_as_plain"] else ""
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["rate"] or mode,
+                    str(r["world_size"]),
+                    str(r["batch_size"]),
+                    r["config"],
+                    fmt(r["chunks"], "{}"),
+                    fmt(r["bucket_mb"], "{:g}"),
+                    f"{r['median_ms']:.1f}",
+                    f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
+                    f"{r['fwd_bwd_ms']:.1f}",
+                    f"{r['sum_wait_ms']:.1f}",
+                    f"{r['opt_ms']:.1f}",
+                    f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})",
+                    f"{r['images_per_s_per_rank']:.0f}",
+                    fmt(r["x_compute"]),
+                    fmt(r["x_ddp"]),
+                    fmt(r.get("wire_kb_per_step"), "{:.0f}"),
+                    identical,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -71,13 +111,15 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
                 continue
             best = fastest(ours)
             out.append(versus("best >= DDP throughput", best, by["ddp"], bound("ddp")))
-            if n == 2 and rows[0]["rate_bits_per_s"] == 10 ** 9 and "compute" in by:
+            if n == 2 and rows[0]["rate_bits_per_s"] == 10**9 and "compute" in by:
                 compute = by["compute"]
-                target = dict(versus(f"1gbit N=2: best <= {bound('compute'):.2f}x compute", best, compute,
-                                     bound("compute")),
-                              ratio_compute_alone=best["median_ms"] / by["compute-alone"]["median_ms"]
-                              if "compute-alone" in by else None)
-                for key in ("sync", "wire"):                  # the floors, for comparison
+                target = dict(
+                    versus(f"1gbit N=2: best <= {bound('compute'):.2f}x compute", best, compute, bound("compute")),
+                    ratio_compute_alone=best["median_ms"] / by["compute-alone"]["median_ms"]
+                    if "compute-alone" in by
+                    else None,
+                )
+                for key in ("sync", "wire"):  # the floors, for comparison
                     if f"compute+{key}" in by:
                         target.update(floor(key, by[f"compute+{key}"], compute))
                 out.append(target)
@@ -89,15 +131,25 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
 
 def versus(target: str, ours: dict, peer: dict, limit: float) -> dict:
     """A target's record: ours' ms/step against peer's, round by round (harness.compare)."""
-    return {"target": target, "rate": ours["rate"], "world_size": ours["world_size"], "best": ours["config"],
-            "best_ms": ours["median_ms"], "peer": peer["config"], "peer_ms": peer["median_ms"],
-            **compare(ours["step_ms"], peer["step_ms"], limit)}
+    return {
+        "target": target,
+        "rate": ours["rate"],
+        "world_size": ours["world_size"],
+        "best": ours["config"],
+        "best_ms": ours["median_ms"],
+        "peer": peer["config"],
+        "peer_ms": peer["median_ms"],
+        **compare(ours["step_ms"], peer["step_ms"], limit),
+    }
 
 
 def floor(key: str, row: dict, compute: dict) -> dict:
     """A floor (compute+sync, compute+wire) against compute only, shown under a target."""
-    return {f"{key}_ms": row["median_ms"], f"{key}_ratio": row["median_ms"] / compute["median_ms"],
-            f"{key}_paired": statistics.median(paired_ratios(row["step_ms"], compute["step_ms"]))}
+    return {
+        f"{key}_ms": row["median_ms"],
+        f"{key}_ratio": row["median_ms"] / compute["median_ms"],
+        f"{key}_paired": statistics.median(paired_ratios(row["step_ms"], compute["step_ms"])),
+    }
 
 
 def fastest(rows: list[dict]) -> dict | None:
@@ -108,8 +160,16 @@ def timeline_targets(records: list[dict]) -> list[dict]:
     """Issue #15: recording a timeline costs at most 2% of step time (any link, loopback too)."""
     out = []
     for traced in (r for r in records if r["config"].endswith("+timeline")):
-        plain = next((r for r in records if r["rate"] == traced["rate"] and r["world_size"] == traced["world_size"]
-                      and r["config"] == traced["config"][:-len("+timeline")]), None)
+        plain = next(
+            (
+                r
+                for r in records
+                if r["rate"] == traced["rate"]
+                and r["world_size"] == traced["world_size"]
+                and r["config"] == traced["config"][: -len("+timeline")]
+            ),
+            None,
+        )
         if plain is not None:
             out.append(versus(f"timeline on <= {bound('timeline'):.2f}x off", traced, plain, bound("timeline")))
     return out
@@ -119,7 +179,7 @@ def compression_targets(rows: list[dict]) -> list[dict]:
     """Issue #13's targets for one (rate, N), at 200 Mbit/s only: ours powersgd <= 1.02x DDP + PowerSGD
     (same rank and warm-up), and at N=2 <= 1.30x compute-only; ours bf16 <= 1.02x the better of DDP +
     fp16/bf16 hook. Ours = the fastest of our rows with that compression."""
-    if not rows or rows[0]["rate_bits_per_s"] != 200 * 10 ** 6:
+    if not rows or rows[0]["rate_bits_per_s"] != 200 * 10**6:
         return []
     n, out = rows[0]["world_size"], []
     by = {r["config"]: r for r in rows}
@@ -129,7 +189,7 @@ def compression_targets(rows: list[dict]) -> list[dict]:
         out.append(versus(f"powersgd <= {peer:.2f}x DDP+PowerSGD", ours_psgd, by["ddp+powersgd"], peer))
     if ours_psgd and n == 2 and "compute" in by:
         t = versus(f"powersgd N=2 <= {compute:.2f}x compute", ours_psgd, by["compute"], compute)
-        if "compute+sync" in by:                       # the lockstep floor, for comparison
+        if "compute+sync" in by:  # the lockstep floor, for comparison
             t.update(floor("sync", by["compute+sync"], by["compute"]))
         out.append(t)
     ours_bf16 = fastest([r for r in rows if r["kind"] == "sum" and r.get("compress") == "bf16"])
@@ -146,43 +206,65 @@ def target_lines(targets: list[dict]) -> str:
         paired = f"paired per round: median {t['paired_median_ratio']:.3f}x"
         sign = f"faster in {t['rounds_faster']}/{t['rounds']} rounds, sign test {p_text(t['sign_test_p'])}"
         if t["target"] == "best >= DDP throughput":
-            lines.append(f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
-                         f"{t['best_ms']:.1f} ms vs ddp {t['peer_ms']:.1f} ms = {t['ratio']:.3f}x "
-                         f"(bound {t['bound']:.2f}x; {paired}, {sign})")
+            lines.append(
+                f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
+                f"{t['best_ms']:.1f} ms vs ddp {t['peer_ms']:.1f} ms = {t['ratio']:.3f}x "
+                f"(bound {t['bound']:.2f}x; {paired}, {sign})"
+            )
         elif t["target"].startswith("1gbit N=2"):
             alone = f"; vs compute-alone {t['ratio_compute_alone']:.3f}x" if t.get("ratio_compute_alone") else ""
             name = f"best <= {t['bound']:.2f}x compute-only"
-            lines.append(f"{t['status']:<5} {name:<32}{where:<14} best "
-                         f"{t['best']} {t['best_ms']:.1f} ms vs compute (N ranks at once) {t['peer_ms']:.1f} ms = "
-                         f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}{alone})")
+            lines.append(
+                f"{t['status']:<5} {name:<32}{where:<14} best "
+                f"{t['best']} {t['best_ms']:.1f} ms vs compute (N ranks at once) {t['peer_ms']:.1f} ms = "
+                f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}{alone})"
+            )
         else:
             extra = f", {sign}" if t["peer"] != "compute" else ""
-            lines.append(f"{t['status']:<5} {t['target']:<33} {where:<14} {t['best']} {t['best_ms']:.1f} ms vs "
-                         f"{t['peer']} {t['peer_ms']:.1f} ms = {t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}{extra})")
+            lines.append(
+                f"{t['status']:<5} {t['target']:<33} {where:<14} {t['best']} {t['best_ms']:.1f} ms vs "
+                f"{t['peer']} {t['peer_ms']:.1f} ms = {t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}{extra})"
+            )
         for key, what in (("sync", "lockstep alone"), ("wire", "+ the bytes")):
             if t.get(f"{key}_ms"):
-                lines.append(f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} "
-                             f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute (paired: "
-                             f"{t[key + '_paired']:.3f}x)")
+                lines.append(
+                    f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} "
+                    f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute (paired: "
+                    f"{t[key + '_paired']:.3f}x)"
+                )
     return "\n".join(lines)
 
 
 def plot(records: list[dict], title: str, rates: list[str | None], worlds: list[int]) -> bytes:
     """One panel per (rate, N): a bar per configuration (median ms/step, whiskers p25..p75), as PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"compute": "0.75", "wire": "0.55", "sync": "0.45", "ddp": "black", "two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
-    references = [("compute", 1, dict(color="tab:red", lw=1.2,
-                                      label="compute-only, all N ranks at once (the baseline)")),
-                  ("compute", bound("compute"), dict(color="tab:red", lw=1, ls="--",
-                                                     label=f"{bound('compute'):.2f}x compute-only")),
-                  ("compute-alone", 1, dict(color="tab:red", lw=1, ls=":", label="compute-only, one rank alone")),
-                  ("ddp", 1, dict(color="black", lw=0.8, ls="-.", alpha=0.7, label="DDP"))]
-    fig, axes = plt.subplots(len(rates), len(worlds), figsize=(6.4 * len(worlds), 4.6 * len(rates) + 0.6),
-                             squeeze=False)
+    colors = {
+        "compute": "0.75",
+        "wire": "0.55",
+        "sync": "0.45",
+        "ddp": "black",
+        "two-pass": "tab:orange",
+        "ring": "tab:blue",
+        "gloo": "tab:green",
+    }
+    references = [
+        ("compute", 1, dict(color="tab:red", lw=1.2, label="compute-only, all N ranks at once (the baseline)")),
+        (
+            "compute",
+            bound("compute"),
+            dict(color="tab:red", lw=1, ls="--", label=f"{bound('compute'):.2f}x compute-only"),
+        ),
+        ("compute-alone", 1, dict(color="tab:red", lw=1, ls=":", label="compute-only, one rank alone")),
+        ("ddp", 1, dict(color="black", lw=0.8, ls="-.", alpha=0.7, label="DDP")),
+    ]
+    fig, axes = plt.subplots(
+        len(rates), len(worlds), figsize=(6.4 * len(worlds), 4.6 * len(rates) + 0.6), squeeze=False
+    )
     legend = []
     for i, rate in enumerate(rates):
         for j, n in enumerate(worlds):
@@ -191,21 +273,44 @@ def plot(records: list[dict], title: str, rates: list[str | None], worlds: list[
             if not rows:
                 ax.set_visible(False)
                 continue
-            col = [("0.3" if r["kind"] == "ddp" else "tab:purple") if r.get("compress")
-                   else colors.get(r["kind"] if r["kind"] != "sum" else r["allreduce"], "tab:purple") for r in rows]
+            col = [
+                ("0.3" if r["kind"] == "ddp" else "tab:purple")
+                if r.get("compress")
+                else colors.get(r["kind"] if r["kind"] != "sum" else r["allreduce"], "tab:purple")
+                for r in rows
+            ]
             err = [[r["median_ms"] - r["p25_ms"] for r in rows], [r["p75_ms"] - r["median_ms"] for r in rows]]
-            bars = ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=col, yerr=err, capsize=2,
-                          ecolor="0.3", edgecolor="white")
+            bars = ax.bar(
+                range(len(rows)),
+                [r["median_ms"] for r in rows],
+                color=col,
+                yerr=err,
+                capsize=2,
+                ecolor="0.3",
+                edgecolor="white",
+            )
             for b, r in zip(bars, rows):
                 if r["overlap"]:
                     b.set_hatch("//")
                 # the part of the step spent in sum()/wait() after backward (exposed communication)
                 if r["kind"] == "sum" and r["sum_wait_ms"] > 0:
-                    ax.bar(b.get_x() + b.get_width() / 2, min(r["sum_wait_ms"], r["median_ms"]),
-                           bottom=max(0.0, r["median_ms"] - r["sum_wait_ms"]), width=b.get_width() * 0.35,
-                           color="white", alpha=0.55)
-                ax.annotate(f"{r['median_ms']:.0f}", (b.get_x() + b.get_width() / 2, r["p75_ms"]),
-                            ha="center", va="bottom", fontsize=7, xytext=(0, 1), textcoords="offset points")
+                    ax.bar(
+                        b.get_x() + b.get_width() / 2,
+                        min(r["sum_wait_ms"], r["median_ms"]),
+                        bottom=max(0.0, r["median_ms"] - r["sum_wait_ms"]),
+                        width=b.get_width() * 0.35,
+                        color="white",
+                        alpha=0.55,
+                    )
+                ax.annotate(
+                    f"{r['median_ms']:.0f}",
+                    (b.get_x() + b.get_width() / 2, r["p75_ms"]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    xytext=(0, 1),
+                    textcoords="offset points",
+                )
             by = {r["config"]: r["median_ms"] for r in rows}
             for name, factor, style in references:
                 if name in by:
@@ -213,15 +318,17 @@ def plot(records: list[dict], title: str, rates: list[str | None], worlds: list[
             ax.set_xticks(range(len(rows)))
             ax.set_xticklabels([r["config"] for r in rows], rotation=35, ha="right", fontsize=8)
             ax.set_ylabel("ms per step (median; whiskers p25..p75)")
-            ax.set_title(f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks, "
-                         f"batch {rows[0]['batch_size']}/rank")
+            ax.set_title(
+                f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks, batch {rows[0]['batch_size']}/rank"
+            )
             ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.12)
             ax.grid(True, axis="y", alpha=0.3)
             if not legend:
                 legend, _ = ax.get_legend_handles_labels()
-    legend += [Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)"),
-               Patch(facecolor="white", edgecolor="0.5", alpha=0.55,
-                     label="light inset: time in sum()/wait() after backward")]
+    legend += [
+        Patch(facecolor="0.6", hatch="//", edgecolor="white", label="+overlap (hatched)"),
+        Patch(facecolor="white", edgecolor="0.5", alpha=0.55, label="light inset: time in sum()/wait() after backward"),
+    ]
     fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.07 / len(rates), 1, 1))

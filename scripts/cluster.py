@@ -10,6 +10,7 @@ benchmarks: ``Cluster``, ``train``, ``cleanup_stale``) and as this command line.
 watched by the repo's one process supervisor (utils/launch.py): when one fails the others get
 --grace seconds, every rank is killed on every way out, and every namespace is removed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,23 @@ import sys
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns import (DEFAULT_NICS, GRACE, MAX_RANKS_PER_HOST, NEEDS_ROOT, PREFIX, TBF_LATENCY, Cluster,  # noqa: E402,F401
-                   ClusterError, cleanup_stale, parse_rate, tbf_burst)
+from netns import (
+    DEFAULT_NICS,
+    GRACE,
+    MAX_RANKS_PER_HOST,
+    Cluster,  # noqa: F401
+    ClusterError,
+    cleanup_stale,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from utils.launch import supervise  # noqa: E402
 
 
-def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_output: bool = True,
-             grace: float = GRACE) -> int:
+def _run_all(
+    cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_output: bool = True, grace: float = GRACE
+) -> int:
     """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.launch.supervise); see train()."""
     out_lock = threading.Lock()
 
@@ -52,8 +59,16 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
         # our own pipe, not stdout=PIPE: supervise would read a PIPE to its end, we stream it line by line
         read_end, write_end = os.pipe()
         try:
-            procs.append(cluster.popen(cluster.host_of(r), argv, env=threads, stdin=subprocess.DEVNULL,
-                                       stdout=write_end, stderr=subprocess.STDOUT))
+            procs.append(
+                cluster.popen(
+                    cluster.host_of(r),
+                    argv,
+                    env=threads,
+                    stdin=subprocess.DEVNULL,
+                    stdout=write_end,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         except BaseException:
             os.close(read_end)
             raise
@@ -66,12 +81,16 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
 
     def announce(rank: int) -> None:
         host = cluster.host_of(rank)
-        print(f"cluster.py: host{host} ({cluster.nic(host)}){f' rank{rank}' if cluster.ranks_per_host > 1 else ''}"
-              f" exited with {procs[rank].returncode}; killing the others in {grace:g}s", file=sys.stderr, flush=True)
+        print(
+            f"cluster.py: host{host} ({cluster.nic(host)}){f' rank{rank}' if cluster.ranks_per_host > 1 else ''}"
+            f" exited with {procs[rank].returncode}; killing the others in {grace:g}s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def watch(procs: list[subprocess.Popen]) -> None:
         nonlocal first_failure
-        codes = [p.poll() for p in procs]       # every one, every round (supervise's own poll stops at a live one)
+        codes = [p.poll() for p in procs]  # every one, every round (supervise's own poll stops at a live one)
         if first_failure is None:
             first_failure = next((r for r, rc in enumerate(codes) if rc not in (None, 0)), None)
             if first_failure is not None:
@@ -80,8 +99,8 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
     outcome = supervise(procs, timeout=timeout, grace=grace, poll=0.05, while_running=watch)
     if outcome.timed_out:
         print(f"cluster.py: timeout after {timeout}s; killing all hosts", file=sys.stderr, flush=True)
-    elif outcome.killed:                        # a rank failed and the grace period ran out
-        if first_failure is None:               # (failed and grace ran out between two watches)
+    elif outcome.killed:  # a rank failed and the grace period ran out
+        if first_failure is None:  # (failed and grace ran out between two watches)
             first_failure = outcome.codes.index(outcome.failed)
             announce(first_failure)
         print("cluster.py: grace period over; killing remaining hosts", file=sys.stderr, flush=True)
@@ -90,12 +109,20 @@ def _run_all(cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_ou
     if outcome.timed_out:
         return 124
     rc = outcome.codes[first_failure] if first_failure is not None else outcome.failed
-    return rc if rc >= 0 else 128 - rc          # killed by signal N -> 128+N
+    return rc if rc >= 0 else 128 - rc  # killed by signal N -> 128+N
 
 
-def train(hosts: int, extra_args: list[str], rate: str | None = None, nics: list[str] | None = None,
-          port: int = 29500, timeout: float = 600, prefix_output: bool = True, grace: float = GRACE,
-          ranks_per_host: int = 1) -> int:
+def train(
+    hosts: int,
+    extra_args: list[str],
+    rate: str | None = None,
+    nics: list[str] | None = None,
+    port: int = 29500,
+    timeout: float = 600,
+    prefix_output: bool = True,
+    grace: float = GRACE,
+    ranks_per_host: int = 1,
+) -> int:
     """Run train.py on every emulated host, as users would on real servers (K ranks each,
     sharing the host's one NIC, with ranks_per_host=K).
 
@@ -104,26 +131,43 @@ def train(hosts: int, extra_args: list[str], rate: str | None = None, nics: list
     0 only if every rank returned 0; else the first failing rank's code, or 124 on timeout.
     """
     with Cluster(hosts, rate=rate, nics=nics, ranks_per_host=ranks_per_host) as c:
-        return _run_all(c, [c.train_argv(r, port, extra_args) for r in range(c.world_size)],
-                        timeout, prefix_output, grace)
+        return _run_all(
+            c, [c.train_argv(r, port, extra_args) for r in range(c.world_size)], timeout, prefix_output, grace
+        )
 
 
-def exec_all(hosts: int, template: list[str], rate: str | None = None, nics: list[str] | None = None,
-             timeout: float = 600, prefix_output: bool = True, grace: float = GRACE, ranks_per_host: int = 1) -> int:
+def exec_all(
+    hosts: int,
+    template: list[str],
+    rate: str | None = None,
+    nics: list[str] | None = None,
+    timeout: float = 600,
+    prefix_output: bool = True,
+    grace: float = GRACE,
+    ranks_per_host: int = 1,
+) -> int:
     """Run a command template for every rank at once, on its host (see the CLI's `exec`)."""
-    if len(template) == 1:                  # one word: a shell command line, like ssh
+    if len(template) == 1:  # one word: a shell command line, like ssh
         template = ["sh", "-c", template[0]]
     with Cluster(hosts, rate=rate, nics=nics, ranks_per_host=ranks_per_host) as c:
         argvs = []
         for r in range(c.world_size):
             host = c.host_of(r)
-            fields = dict(rank=r, world_size=c.world_size, host=host, local_rank=r % ranks_per_host,
-                          addr=c.addr(host), addr0=c.addr(0), nic=c.nic(host))
+            fields = dict(
+                rank=r,
+                world_size=c.world_size,
+                host=host,
+                local_rank=r % ranks_per_host,
+                addr=c.addr(host),
+                addr0=c.addr(0),
+                nic=c.nic(host),
+            )
             try:
                 argvs.append([word.format_map(fields) for word in template])
             except (KeyError, IndexError, ValueError) as e:
-                raise ClusterError(f"bad command template ({e!r}); fields: {', '.join(fields)}; "
-                                   "write {{ }} for literal braces") from None
+                raise ClusterError(
+                    f"bad command template ({e!r}); fields: {', '.join(fields)}; write {{{{ }}}} for literal braces"
+                ) from None
         return _run_all(c, argvs, timeout, prefix_output, grace)
 
 
@@ -150,7 +194,7 @@ class _Signalled(BaseException):
 
 
 def _on_signal(signum, frame):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # don't let a second signal interrupt teardown
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # don't let a second signal interrupt teardown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     raise _Signalled(signum)
@@ -161,17 +205,27 @@ def main(argv: list[str] | None = None) -> int:
     rest: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
+        argv, rest = argv[:i], argv[i + 1 :]
     ap = _Parser(prog="cluster.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    for name, help_ in (("train", "run train.py on every host: cluster.py train --hosts 3 -- --epochs 1"),
-                        ("exec", "run a command on every host (once per rank); template fields {rank} "
-                                 "{world_size} {host} {local_rank} {addr} {addr0} {nic}: "
-                                 "cluster.py exec --hosts 2 -- hostname -I")):
+    for name, help_ in (
+        ("train", "run train.py on every host: cluster.py train --hosts 3 -- --epochs 1"),
+        (
+            "exec",
+            "run a command on every host (once per rank); template fields {rank} "
+            "{world_size} {host} {local_rank} {addr} {addr0} {nic}: "
+            "cluster.py exec --hosts 2 -- hostname -I",
+        ),
+    ):
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--hosts", type=int, required=True)
-        p.add_argument("--ranks-per-host", type=ranks_per_host, default=1, metavar="K",
-                       help="ranks on each host, sharing its one NIC (default 1); rank r runs on host r // K")
+        p.add_argument(
+            "--ranks-per-host",
+            type=ranks_per_host,
+            default=1,
+            metavar="K",
+            help="ranks on each host, sharing its one NIC (default 1); rank r runs on host r // K",
+        )
         p.add_argument("--rate", help="egress cap per host, tc syntax, e.g. 1gbit, 200mbit")
         p.add_argument("--nics", help=f"comma separated NIC names (default {','.join(DEFAULT_NICS)})")
         p.add_argument("--timeout", type=float, default=600, help="hard limit in seconds (exit 124)")
@@ -192,10 +246,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         nics = args.nics.split(",") if args.nics else None
         if args.cmd == "train":
-            return train(args.hosts, rest, args.rate, nics, args.port, args.timeout, grace=args.grace,
-                         ranks_per_host=args.ranks_per_host)
-        return exec_all(args.hosts, rest, args.rate, nics, args.timeout, grace=args.grace,
-                        ranks_per_host=args.ranks_per_host)
+            return train(
+                args.hosts,
+                rest,
+                args.rate,
+                nics,
+                args.port,
+                args.timeout,
+                grace=args.grace,
+                ranks_per_host=args.ranks_per_host,
+            )
+        return exec_all(
+            args.hosts, rest, args.rate, nics, args.timeout, grace=args.grace, ranks_per_host=args.ranks_per_host
+        )
     except ClusterError as e:
         print(f"cluster.py: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ is its command line (train, exec, cleanup). Standard library only; shells out to
 teardown always runs, so nothing is left behind; leftovers of runs that were SIGKILLed carry
 their owner's pid in their names and are removed by the next run (``cleanup_stale``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,12 +31,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_NICS = ["eth0", "ens3", "enp1s0", "eno1", "eth1", "ens4", "enp2s0", "eno2"]
-PREFIX = "mnr"              # every namespace / bridge / veth we create starts with this
-SUBNET = "10.213"           # 10.213.X.0/24 per cluster; only ever configured inside our namespaces
-IP_TIMEOUT = 15             # seconds for any single ip/tc call
-GRACE = 5.0                 # seconds the other ranks get after one rank failed
-TBF_LATENCY = "50ms"        # tbf queue length, expressed as time at the capped rate
-MAX_RANKS_PER_HOST = 64     # as train.py's --nproc: more ranks on one machine's cores would look like a hang
+PREFIX = "mnr"  # every namespace / bridge / veth we create starts with this
+SUBNET = "10.213"  # 10.213.X.0/24 per cluster; only ever configured inside our namespaces
+IP_TIMEOUT = 15  # seconds for any single ip/tc call
+GRACE = 5.0  # seconds the other ranks get after one rank failed
+TBF_LATENCY = "50ms"  # tbf queue length, expressed as time at the capped rate
+MAX_RANKS_PER_HOST = 64  # as train.py's --nproc: more ranks on one machine's cores would look like a hang
 NEEDS_ROOT = "needs root (CAP_NET_ADMIN) to create network namespaces; run it with sudo"
 
 # <prefix><owner pid, base36>-<cluster counter><kind><rank>; kind: b=bridge, v=veth, h=namespace.
@@ -43,7 +44,7 @@ NEEDS_ROOT = "needs root (CAP_NET_ADMIN) to create network namespaces; run it wi
 _NAME_RE = re.compile(rf"^{PREFIX}([0-9a-z]+)-(\d+)([bvh])(\d*)$")
 _counter = itertools.count()
 _counter_lock = threading.Lock()
-_live_tags: set[str] = set()    # clusters of this process that are up right now
+_live_tags: set[str] = set()  # clusters of this process that are up right now
 
 
 class ClusterError(RuntimeError):
@@ -119,7 +120,7 @@ def _pid_dead(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")    # unreaped zombies count as dead
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # unreaped zombies count as dead
 
 
 def _netns_pids(ns: str) -> list[int]:
@@ -140,9 +141,9 @@ def _kill_netns(ns: str, timeout: float = 5.0) -> None:
 
 def _our_objects() -> tuple[list[str], list[str]]:
     """(namespaces, links) whose names carry our prefix."""
-    nss = [l.split()[0] for l in _cmd(["ip", "netns", "list"], check=False).splitlines() if l.strip()]
-    links = [l.split(":")[1].strip().split("@")[0] for l in _cmd(["ip", "-o", "link"], check=False).splitlines()]
-    return [n for n in nss if _NAME_RE.match(n)], [l for l in links if _NAME_RE.match(l)]
+    nss = [line.split()[0] for line in _cmd(["ip", "netns", "list"], check=False).splitlines() if line.strip()]
+    links = [line.split(":")[1].strip().split("@")[0] for line in _cmd(["ip", "-o", "link"], check=False).splitlines()]
+    return [n for n in nss if _NAME_RE.match(n)], [link for link in links if _NAME_RE.match(link)]
 
 
 def cleanup_stale() -> list[str]:
@@ -162,11 +163,11 @@ def cleanup_stale() -> list[str]:
         return _pid_dead(pid)
 
     nss, links = _our_objects()
-    nss, links = [n for n in nss if stale(n)], [l for l in links if stale(l)]
+    nss, links = [n for n in nss if stale(n)], [link for link in links if stale(link)]
     for ns in nss:
         _kill_netns(ns)
     # veths first (deleting one end deletes the pair), then bridges, then namespaces
-    for name in sorted(links, key=lambda l: _NAME_RE.match(l)[3] == "b"):
+    for name in sorted(links, key=lambda link: _NAME_RE.match(link)[3] == "b"):
         _cmd(["ip", "link", "del", name], check=False)
     for ns in nss:
         _cmd(["ip", "netns", "del", ns], check=False)
@@ -180,8 +181,7 @@ class Cluster:
     namespaces and deletes everything, also when the body raised.
     """
 
-    def __init__(self, hosts: int, rate: str | None = None, nics: list[str] | None = None,
-                 ranks_per_host: int = 1):
+    def __init__(self, hosts: int, rate: str | None = None, nics: list[str] | None = None, ranks_per_host: int = 1):
         if not 1 <= hosts <= 253:
             raise ClusterError(f"hosts must be 1..253, got {hosts}")
         if not 1 <= ranks_per_host <= MAX_RANKS_PER_HOST:
@@ -191,18 +191,18 @@ class Cluster:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", n) or n == "lo":
                 raise ClusterError(f"bad NIC name {n!r}")
         self.hosts = hosts
-        self.ranks_per_host = ranks_per_host      # ranks 0..K-1 on host 0, K..2K-1 on host 1, ...
+        self.ranks_per_host = ranks_per_host  # ranks 0..K-1 on host 0, K..2K-1 on host 1, ...
         self.world_size = hosts * ranks_per_host
         self.rate = rate
         self.rate_bits = parse_rate(rate) if rate else None
-        self.nics = [nics[i % len(nics)] for i in range(hosts)]     # short lists cycle
+        self.nics = [nics[i % len(nics)] for i in range(hosts)]  # short lists cycle
         with _counter_lock:
             seq = next(_counter)
         self.tag = f"{PREFIX}{_b36(os.getpid())}-{seq % 100}"
         self.subnet = f"{SUBNET}.{seq % 256}"
         self.bridge = f"{self.tag}b"
-        self.veths = [f"{self.tag}v{r}" for r in range(hosts)]     # bridge-side ends
-        self.names = [f"{self.tag}h{r}" for r in range(hosts)]     # namespaces
+        self.veths = [f"{self.tag}v{r}" for r in range(hosts)]  # bridge-side ends
+        self.names = [f"{self.tag}h{r}" for r in range(hosts)]  # namespaces
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
 
@@ -224,13 +224,23 @@ class Cluster:
 
     def train_argv(self, rank: int, port: int, extra: list[str]) -> list[str]:
         """Exactly the command the README tells users to run for `rank` on its server."""
-        return [sys.executable, "-u", str(REPO / "train.py"),
-                "--init-method", f"tcp://{self.addr(0)}:{port}",
-                "--rank", str(rank), "--world-size", str(self.world_size),
-                "--gloo_socket_ifname", self.nic(self.host_of(rank)), *extra]
+        return [
+            sys.executable,
+            "-u",
+            str(REPO / "train.py"),
+            "--init-method",
+            f"tcp://{self.addr(0)}:{port}",
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(self.world_size),
+            "--gloo_socket_ifname",
+            self.nic(self.host_of(rank)),
+            *extra,
+        ]
 
     # -- lifecycle ----------------------------------------------------------
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         _check_privileges()
         cleanup_stale()
         _live_tags.add(self.tag)
@@ -257,9 +267,25 @@ class Cluster:
             _cmd(["ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", nic])
             _cmd(["ip", "-n", ns, "link", "set", nic, "up"])
             if self.rate_bits:
-                _cmd(["tc", "-n", ns, "qdisc", "add", "dev", nic, "root", "tbf",
-                      "rate", f"{self.rate_bits}bit", "burst", str(tbf_burst(self.rate_bits)),
-                      "latency", TBF_LATENCY])
+                _cmd(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        nic,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{self.rate_bits}bit",
+                        "burst",
+                        str(tbf_burst(self.rate_bits)),
+                        "latency",
+                        TBF_LATENCY,
+                    ]
+                )
         for r in range(self.hosts):
             self._wait_carrier(r)
 
@@ -302,14 +328,23 @@ class Cluster:
         """
         if env is not None:
             env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-        p = subprocess.Popen(["ip", "netns", "exec", self.names[rank], *argv], env=env,
-                             start_new_session=True, **popen_kwargs)
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", self.names[rank], *argv], env=env, start_new_session=True, **popen_kwargs
+        )
         with self._lock:
             self._procs.append(p)
         return p
 
-    def run_on(self, rank: int, argv: list[str], timeout: float, input=None,
-               capture_output: bool = True, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    def run_on(
+        self,
+        rank: int,
+        argv: list[str],
+        timeout: float,
+        input=None,
+        capture_output: bool = True,
+        check: bool = False,
+        **kw,
+    ) -> subprocess.CompletedProcess:
         """Like subprocess.run(argv) but inside host `rank`; kills the group on timeout."""
         if capture_output:
             kw.setdefault("stdout", subprocess.PIPE)

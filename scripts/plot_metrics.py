@@ -20,6 +20,7 @@ plus world size, algorithm and overlap (and "run k" when a file holds several).
 The PNG is written atomically (temporary file + rename). A missing, unreadable, empty or
 malformed file: one line on stderr, exit code 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from utils.files import write_file  # noqa: E402
 from utils.errors import UsageError  # noqa: E402
+from utils.files import write_file  # noqa: E402
 
 PROG = "plot_metrics.py"
 REQUIRED = ("epoch", "train_loss", "test_accuracy")
@@ -82,20 +83,27 @@ def read_runs(path: str) -> list[dict]:
         epoch = number(row["epoch"], "epoch", where)
         if epoch < 0 or epoch != int(epoch):
             raise BadInput(f"{where}: 'epoch' must be a whole number >= 0, got {row['epoch']!r}")
-        clean = {"epoch": int(epoch),
-                 "train_loss": number(row["train_loss"], "train_loss", where, allow_none=True),
-                 "test_accuracy": number(row["test_accuracy"], "test_accuracy", where, allow_none=True)}
+        clean = {
+            "epoch": int(epoch),
+            "train_loss": number(row["train_loss"], "train_loss", where, allow_none=True),
+            "test_accuracy": number(row["test_accuracy"], "test_accuracy", where, allow_none=True),
+        }
         for key in ("seconds", "comm_share", "busbw_gbps"):
             clean[key] = number(row[key], key, where, allow_none=True) if key in row else None
         ident = (row.get("world_size"), row.get("allreduce"), row.get("overlap"))
         last = runs[-1] if runs else None
         prev = last["rows"][-1]["epoch"] if last else None
-        if (last is None or ident != last["ident"] or clean["epoch"] < prev
-                or (clean["epoch"] == prev and clean["epoch"] <= 1)):
-            runs.append({"ident": ident, "world_size": ident[0], "allreduce": ident[1], "overlap": ident[2],
-                         "rows": [clean]})
+        if (
+            last is None
+            or ident != last["ident"]
+            or clean["epoch"] < prev
+            or (clean["epoch"] == prev and clean["epoch"] <= 1)
+        ):
+            runs.append(
+                {"ident": ident, "world_size": ident[0], "allreduce": ident[1], "overlap": ident[2], "rows": [clean]}
+            )
         elif clean["epoch"] == prev:
-            last["rows"][-1] = clean                  # a resumed run repeated this epoch: keep the later line
+            last["rows"][-1] = clean  # a resumed run repeated this epoch: keep the later line
         else:
             last["rows"].append(clean)
     if not runs:
@@ -122,10 +130,9 @@ def label(name: str, run: dict, k: int, total: int) -> str:
     return name + (f" run {k + 1}" if total > 1 else "") + (f" ({', '.join(parts)})" if parts else "")
 
 
-
-
 def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
@@ -139,11 +146,9 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
     marker = "o" if max_epochs <= 40 else None
 
     def draw(ax, key, run, color, name, scale=1.0):
-        pts = [(r["epoch"], r[key] * scale) for r in run["rows"]
-               if r[key] is not None and math.isfinite(r[key])]
+        pts = [(r["epoch"], r[key] * scale) for r in run["rows"] if r[key] is not None and math.isfinite(r[key])]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=3.5, lw=1.6,
-                    label=name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=3.5, lw=1.6, label=name)
         return bool(pts)
 
     losses, accs = [], []
@@ -156,14 +161,18 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
             draw(bw_ax, "busbw_gbps", run, c, name)
         elif have_comm:
             draw(bw_ax, "comm_share", run, c, name, 100.0)
-        accs += [r["test_accuracy"] * 100 for r in run["rows"]
-                 if r["test_accuracy"] is not None and math.isfinite(r["test_accuracy"])]
-        losses += [r["train_loss"] for r in run["rows"]
-                   if r["train_loss"] is not None and math.isfinite(r["train_loss"])]
+        accs += [
+            r["test_accuracy"] * 100
+            for r in run["rows"]
+            if r["test_accuracy"] is not None and math.isfinite(r["test_accuracy"])
+        ]
+        losses += [
+            r["train_loss"] for r in run["rows"] if r["train_loss"] is not None and math.isfinite(r["train_loss"])
+        ]
 
     acc_ax.set_title("test accuracy (10,000 images)")
     acc_ax.set_ylabel("accuracy, %")
-    if accs and min(accs) > 90:              # zoom into the interesting range, but keep 100 % in view
+    if accs and min(accs) > 90:  # zoom into the interesting range, but keep 100 % in view
         acc_ax.set_ylim(max(90.0, min(accs) - 0.2 * (100 - min(accs)) - 0.05), 100.0)
     loss_ax.set_title("train loss (mean over the epoch)")
     loss_ax.set_ylabel("cross-entropy")
@@ -171,15 +180,20 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
         loss_ax.set_yscale("log")
         plain = FuncFormatter(lambda v, _: f"{v:g}")
         loss_ax.yaxis.set_major_formatter(plain)
-        loss_ax.yaxis.set_minor_formatter(FuncFormatter(   # label 2, 3 and 5 x 10^k; the rest crowd
-            lambda v, _: f"{v:g}" if v > 0 and f"{v:.0e}"[0] in "235" else ""))
+        loss_ax.yaxis.set_minor_formatter(
+            FuncFormatter(  # label 2, 3 and 5 x 10^k; the rest crowd
+                lambda v, _: f"{v:g}" if v > 0 and f"{v:.0e}"[0] in "235" else ""
+            )
+        )
     sec_ax.set_title("time per epoch")
     sec_ax.set_ylabel("seconds")
     sec_ax.set_ylim(bottom=0)
     if have_busbw:
         lacking = sum(all(r["busbw_gbps"] is None for r in run["rows"]) for _, run in series)
-        bw_ax.set_title("gradient sums: achieved bus bandwidth (busbw)"
-                        + (f"\n({lacking} run(s) without busbw_gbps not shown)" if lacking else ""))
+        bw_ax.set_title(
+            "gradient sums: achieved bus bandwidth (busbw)"
+            + (f"\n({lacking} run(s) without busbw_gbps not shown)" if lacking else "")
+        )
         bw_ax.set_ylabel("GB/s")
         bw_ax.set_ylim(bottom=0)
     elif have_comm:
@@ -187,8 +201,15 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
         bw_ax.set_ylabel("% of step time")
         bw_ax.set_ylim(0, 100)
     else:
-        bw_ax.text(0.5, 0.5, "no busbw_gbps / comm_share in these logs", ha="center", va="center",
-                   transform=bw_ax.transAxes, color="0.5")
+        bw_ax.text(
+            0.5,
+            0.5,
+            "no busbw_gbps / comm_share in these logs",
+            ha="center",
+            va="center",
+            transform=bw_ax.transAxes,
+            color="0.5",
+        )
         bw_ax.set_yticks([])
     for ax in axes.flat:
         ax.set_xlabel("epoch")
@@ -197,8 +218,7 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
     handles, labels = acc_ax.get_legend_handles_labels()
     if not handles:
         handles, labels = loss_ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), fontsize=9,
-               frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), fontsize=9, frameon=False)
     fig.suptitle(title or "MNIST data-parallel training: learning curves", fontsize=12)
     rows = math.ceil(len(labels) / 3) if labels else 0
     fig.tight_layout(rect=(0, 0.035 * rows + 0.01, 1, 1))
@@ -209,8 +229,12 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     ap.add_argument("files", nargs="+", help="metrics JSONL file(s), e.g. runs/metrics.jsonl")
     ap.add_argument("-o", "--output", default="curves.png", help="PNG to write (default curves.png)")
     ap.add_argument("--title", help="figure title")
@@ -225,7 +249,7 @@ def main(argv=None) -> int:
             runs = read_runs(path)
             series += [(label(name, run, k, len(runs)), run) for k, run in enumerate(runs)]
         plot(series, out, args.title)
-    except (BadInput, UsageError) as e:   # UsageError: write_file could not write the PNG
+    except (BadInput, UsageError) as e:  # UsageError: write_file could not write the PNG
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -1,17 +1,16 @@
-"""One rank of the compression tests: averages known gradients through utils/compress.py, saves what it got."""
+"""One rank of the compression tests: averages known gradients through utils/comm/compress.py, saves what it got."""
+
 import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.allreduce import make_allreduce  # noqa: E402
-from utils.compress import make_compressor  # noqa: E402
+from utils.comm.allreduce import make_allreduce
+from utils.comm.compress import make_compressor
 
 SIZES = (1, 7, 9973, 100_003)
-SHAPES = [(32, 1, 3, 3), (32,), (64, 288), (10, 129), (5,)]   # conv, bias, matrices, a vector
+SHAPES = [(32, 1, 3, 3), (32,), (64, 288), (10, 129), (5,)]  # conv, bias, matrices, a vector
 
 
 def inputs(rank, size, scale=1.0, step=0):
@@ -32,7 +31,7 @@ def half_precision(rank, n):
     for name in ("bf16", "fp16"):
         for algorithm, chunks in (("two-pass", 3), ("ring", 1), ("gloo", 1)):
             for size in SIZES:
-                for scale in ((1.0, 1e-7, 1e6) if name == "fp16" else (1.0,)):
+                for scale in (1.0, 1e-7, 1e6) if name == "fp16" else (1.0,):
                     compressor = make_compressor(name, [[torch.empty(size)]])
                     flat = inputs(rank, size, scale)
                     compressor.average_(flat, 0, make_allreduce(algorithm, chunks))
@@ -67,17 +66,28 @@ def powersgd_books(rank, n, steps=6):
     for step in range(steps):
         flat = inputs(rank, numel, 1.0, step)
         updates.append(compressor.average_(flat, 0, sum_).clone())
-    return {"updates": torch.stack(updates), "error": compressor.state_dict()["errors"][0],
-            "bytes_sent": torch.tensor(sum_.bytes_sent)}
+    return {
+        "updates": torch.stack(updates),
+        "error": compressor.state_dict()["errors"][0],
+        "bytes_sent": torch.tensor(sum_.bytes_sent),
+    }
 
 
 if __name__ == "__main__":
     rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    results = {"half": half_precision(rank, world_size), "lowrank": powersgd_low_rank(rank, world_size),
-               "books": powersgd_books(rank, world_size)}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    results = {
+        "half": half_precision(rank, world_size),
+        "lowrank": powersgd_low_rank(rank, world_size),
+        "books": powersgd_books(rank, world_size),
+    }
     torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -4,19 +4,19 @@ argv: rank world_size port out topology [topology ...]. A topology is the host i
 0, 1, ... ("0,0,1,1": ranks 0 and 1 share host 0, ranks 2 and 3 host 1); ranks beyond it sit
 that one out, so one world of processes checks many topologies. The first topology covers the
 world and is found the way train.py finds it: RING_HOST_ID (the test sets each rank's id in it)
-and discover(), through make_allreduce("hierarchical") with its default hosts; it is also summed with bfloat16 on the wire.
+and discover(), through make_allreduce("hierarchical") with its default hosts; it is also summed
+with bfloat16 on the wire.
 The others go to Hierarchy directly.
 """
+
 import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import hierarchical, ring  # noqa: E402
-from utils.allreduce import make_allreduce  # noqa: E402
+from utils.comm import hierarchical, ring
+from utils.comm.allreduce import make_allreduce
 
 
 def inputs(rank, size):
@@ -34,18 +34,19 @@ if __name__ == "__main__":
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
     results = {}
     for i, topology in enumerate(topologies):
         hosts = hierarchical.hosts_of(topology.split(","))
         if i == 0:
             assert hierarchical.discover() == hosts, (hierarchical.discover(), hosts)
-            allreduce = make_allreduce("hierarchical")    # over discover()'s hosts, the default group's timeout
+            allreduce = make_allreduce("hierarchical")  # over discover()'s hosts, the default group's timeout
         else:
             allreduce = make_allreduce("hierarchical", timeout=timeout, hosts=hosts)
-        ring_group = None                                 # one rank per host: compare with `ring`
-        if all(len(h) == 1 for h in hosts):               # (new_group: every rank, in the same order)
+        ring_group = None  # one rank per host: compare with `ring`
+        if all(len(h) == 1 for h in hosts):  # (new_group: every rank, in the same order)
             ring_group = dist.new_group(list(range(len(hosts))), timeout=timeout)
         if rank >= len(topology.split(",")):
             continue
@@ -53,10 +54,10 @@ if __name__ == "__main__":
             flat = inputs(rank, size)
             allreduce.sum_(flat)
             results[f"{topology}/{size}"] = flat
-            if i == 0:                                    # compressed: bfloat16 across hosts
+            if i == 0:  # compressed: bfloat16 across hosts
                 flat = inputs(rank, size)
                 results[f"{topology}/{size}/bf16"] = allreduce.sum_(flat, torch.bfloat16)
-            if ring_group is not None:                    # one rank per host: must be `ring`, bit for bit
+            if ring_group is not None:  # one rank per host: must be `ring`, bit for bit
                 results[f"{topology}/{size}/ring"] = ring.ring_sum(inputs(rank, size), ring_group)
     torch.save(results, out)
     dist.destroy_process_group()

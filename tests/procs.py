@@ -1,4 +1,5 @@
 """Starting real processes from tests, with a hard timeout that kills them all; reading what they left."""
+
 import atexit
 import os
 import re
@@ -10,10 +11,10 @@ import time
 
 import torch
 
+from utils.launch import free_port, kill, supervise  # noqa: F401  (free_port: for the tests)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
-sys.path.insert(0, REPO)
-from utils.launch import free_port, kill, supervise  # noqa: E402,F401  (free_port: for the tests)
 
 
 def kill_group(proc):
@@ -31,9 +32,16 @@ def scratch_dir():
 
 def run(argv, timeout, cwd=None, env=None):
     """Run argv in its own process group; on timeout kill the whole group and fail."""
-    proc = subprocess.Popen(argv, cwd=cwd or scratch_dir(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    outcome = supervise([proc], timeout=timeout, poll=0.05)   # kills the group on the way out, whatever happens
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd or scratch_dir(),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    outcome = supervise([proc], timeout=timeout, poll=0.05)  # kills the group on the way out, whatever happens
     out, err = outcome.outputs[0]
     if outcome.timed_out:
         raise AssertionError(f"{argv} did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
@@ -50,11 +58,30 @@ def start_ranks(world_size, args, port=None, cwd=None, env=None):
     with `env` laid over os.environ); returns the Popen list."""
     port, cwd = port or free_port(), cwd or scratch_dir()
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return [subprocess.Popen([sys.executable, TRAIN, "--rank", str(r), "--world-size", str(world_size),
-                              "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *args],
-                             env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-            for r in range(world_size)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                TRAIN,
+                "--rank",
+                str(r),
+                "--world-size",
+                str(world_size),
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--gloo_socket_ifname",
+                "lo",
+                *args,
+            ],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world_size)
+    ]
 
 
 def wait_all(procs, timeout):
@@ -62,8 +89,10 @@ def wait_all(procs, timeout):
     Returns [(returncode, stdout, stderr)]."""
     outcome = supervise(procs, timeout=timeout, grace=None, poll=0.05)
     if outcome.timed_out:
-        out, err = next(((o, e) for p, (o, e) in zip(procs, outcome.outputs) if p.returncode is None or
-                         p.returncode < 0), outcome.outputs[0])
+        out, err = next(
+            ((o, e) for p, (o, e) in zip(procs, outcome.outputs) if p.returncode is None or p.returncode < 0),
+            outcome.outputs[0],
+        )
         raise AssertionError(f"a rank did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outcome.outputs)]
 
@@ -73,10 +102,17 @@ def run_workers(worker, world_size, tmp_path, extra=(), env=None, timeout=200):
     each must exit 0. Returns what each rank saved to its OUT, in rank order."""
     port = free_port()
     outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
-    ranks = [subprocess.Popen([sys.executable, worker, str(r), str(world_size), str(port), str(outs[r]), *extra],
-                              env=env(r) if env else None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
-             for r in range(world_size)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, worker, str(r), str(world_size), str(port), str(outs[r]), *extra],
+            env=env(r) if env else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world_size)
+    ]
     try:
         for code, _, err in wait_all(ranks, timeout=timeout):
             assert code == 0, err

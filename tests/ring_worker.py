@@ -1,13 +1,12 @@
 """One rank of the ring test: sums known inputs with every algorithm, saves what it got."""
+
 import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.allreduce import make_allreduce  # noqa: E402
+from utils.comm.allreduce import make_allreduce
 
 
 def inputs(rank, size):
@@ -26,8 +25,13 @@ def cases(world_size):
 if __name__ == "__main__":
     rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     results = {}
     for size, algorithm, chunks in cases(world_size):
         flat = inputs(rank, size)

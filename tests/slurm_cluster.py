@@ -18,6 +18,7 @@ Leaving the ``with`` block (also by an exception or KeyboardInterrupt) cancels a
 every process in the namespaces (daemons, slurmstepd, tasks), deletes namespaces, the hosts files
 and the temporary directory.  Needs root and Debian's ``slurm-wlm`` + ``munge``.  Standard library only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,19 +26,26 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import netns  # noqa: E402
+import netns
 
 TOOLS = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "unshare"]
 CONTROLLER = "ctl"
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE"}
-CLIENT_TIMEOUT = 30          # seconds for one client command (slurmctld answers in milliseconds)
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+CLIENT_TIMEOUT = 30  # seconds for one client command (slurmctld answers in milliseconds)
 ETC_NETNS = Path("/etc/netns")
 TEMP_PREFIX = "slurm-emu-"
 
@@ -46,7 +54,7 @@ TEMP_PREFIX = "slurm-emu-"
 # SlurmCluster(**FAST_REQUEUE).
 FAST_REQUEUE = {"auth_info": "cred_expire=5", "extra_conf": "SchedulerParameters=sched_interval=1"}
 
-TIME_LIMIT_PERIOD = 30       # seconds between slurmctld's looks at time limits
+TIME_LIMIT_PERIOD = 30  # seconds between slurmctld's looks at time limits
 
 # Sets the hostname of a fresh UTS namespace, then becomes the daemon: sh -c SCRIPT HOSTNAME ARGV...
 _AS_HOST = 'hostname "$0" && exec "$@"'
@@ -64,10 +72,13 @@ def require_slurm() -> None:
     """For the tests: where a Slurm cannot run here (not root, or not installed), fail under CI=true
     (.ci/run installs it), else skip."""
     import pytest
+
     problem = None if os.geteuid() == 0 else "the Slurm tests need root (network namespaces, slurmd)"
     if missing := missing_tools():
-        problem = (f"Slurm is not installed ({', '.join(missing)} missing): "
-                   f"apt-get install slurmctld slurmd slurm-client munge")
+        problem = (
+            f"Slurm is not installed ({', '.join(missing)} missing): "
+            f"apt-get install slurmctld slurmd slurm-client munge"
+        )
     if problem:
         (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(problem)
 
@@ -83,7 +94,7 @@ def _remove_orphans() -> None:
         if d.name not in live:
             shutil.rmtree(d, ignore_errors=True)
     for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{netns.PREFIX}*"):
-        tag = "-".join(d.name.removeprefix(TEMP_PREFIX).split("-")[:2])    # <tag>-<mkdtemp's random part>
+        tag = "-".join(d.name.removeprefix(TEMP_PREFIX).split("-")[:2])  # <tag>-<mkdtemp's random part>
         if not any(ns.startswith(f"{tag}h") for ns in live):
             shutil.rmtree(d, ignore_errors=True)
 
@@ -91,13 +102,20 @@ def _remove_orphans() -> None:
 class SlurmCluster:
     """`nodes` compute nodes node1..nodeN plus the controller; a context manager (see module docstring)."""
 
-    def __init__(self, nodes: int = 2, workdir: str | os.PathLike | None = None, nics: list[str] | None = None,
-                 extra_conf: str = "", auth_info: str = "", ready_timeout: float = 30.0):
+    def __init__(
+        self,
+        nodes: int = 2,
+        workdir: str | os.PathLike | None = None,
+        nics: list[str] | None = None,
+        extra_conf: str = "",
+        auth_info: str = "",
+        ready_timeout: float = 30.0,
+    ):
         self.nodes = nodes
         self.node_names = [f"node{k}" for k in range(1, nodes + 1)]
-        self.net = netns.Cluster(nodes + 1, nics=nics)     # host 0 = controller, host k = node k
-        self.extra_conf = extra_conf             # more slurm.conf lines
-        self.auth_info = auth_info               # more AuthInfo options, e.g. "cred_expire=10"
+        self.net = netns.Cluster(nodes + 1, nics=nics)  # host 0 = controller, host k = node k
+        self.extra_conf = extra_conf  # more slurm.conf lines
+        self.auth_info = auth_info  # more AuthInfo options, e.g. "cred_expire=10"
         self.ready_timeout = ready_timeout
         self._workdir = workdir
         self.dir: Path | None = None
@@ -125,7 +143,7 @@ class SlurmCluster:
         try:
             _remove_orphans()
             self.dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.net.tag}-"))
-            self.dir.chmod(0o755)       # else munged warns that its socket is inaccessible to other users
+            self.dir.chmod(0o755)  # else munged warns that its socket is inaccessible to other users
             for sub in ["state", *(f"spool-{n}" for n in self.node_names)]:
                 (self.dir / sub).mkdir()
             self.workdir = Path(self._workdir) if self._workdir else self.dir / "work"
@@ -150,18 +168,18 @@ class SlurmCluster:
         """Cancel all jobs, kill everything in the namespaces, remove hosts files and temp dir. Idempotent."""
         try:
             if self.dir is not None and (self.dir / "slurmctld.pid").exists():
-                self.run(["scancel", f"--user={os.getuid()}"], timeout=10)   # the tasks get SIGTERM first
+                self.run(["scancel", f"--user={os.getuid()}"], timeout=10)  # the tasks get SIGTERM first
         except (subprocess.TimeoutExpired, OSError):
             pass
         finally:
             try:
-                self.net.teardown()      # SIGKILLs every process in the namespaces: daemons, slurmstepd, tasks
+                self.net.teardown()  # SIGKILLs every process in the namespaces: daemons, slurmstepd, tasks
             finally:
                 for ns in self.net.names:
                     shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
                 if self._made_etc_netns:
                     with contextlib.suppress(OSError):
-                        ETC_NETNS.rmdir()       # only if empty: another cluster may be using it
+                        ETC_NETNS.rmdir()  # only if empty: another cluster may be using it
                 if self.dir is not None:
                     shutil.rmtree(self.dir, ignore_errors=True)
                     self.dir = None
@@ -169,7 +187,8 @@ class SlurmCluster:
     def _write_hosts_files(self) -> None:
         self._made_etc_netns = not ETC_NETNS.exists()
         hosts = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n" + "".join(
-            f"{self.addr(k)}\t{self.hostname(k)}\n" for k in range(self.nodes + 1))
+            f"{self.addr(k)}\t{self.hostname(k)}\n" for k in range(self.nodes + 1)
+        )
         for ns in self.net.names:
             (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
             (ETC_NETNS / ns / "hosts").write_text(hosts)
@@ -177,24 +196,42 @@ class SlurmCluster:
     def _start(self, host: int, argv: list[str], name: str) -> None:
         """Start daemon argv (in the foreground) on `host` under its hostname; its output to <name>.stdout."""
         with open(self.dir / f"{name}.stdout", "ab") as out:
-            self.net.popen(host, ["unshare", "--uts", "sh", "-c", _AS_HOST, self.hostname(host), *argv],
-                           env={"SLURM_CONF": self.conf}, stdin=subprocess.DEVNULL, stdout=out,
-                           stderr=subprocess.STDOUT)
+            self.net.popen(
+                host,
+                ["unshare", "--uts", "sh", "-c", _AS_HOST, self.hostname(host), *argv],
+                env={"SLURM_CONF": self.conf},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def _start_munged(self) -> None:
         key = self.dir / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         self.munge_socket = self.dir / "munge.socket"
-        self._start(0, ["munged", "--foreground", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
-                        f"--pid-file={self.dir / 'munged.pid'}", f"--seed-file={self.dir / 'munged.seed'}"], "munged")
+        self._start(
+            0,
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.dir / 'munged.pid'}",
+                f"--seed-file={self.dir / 'munged.seed'}",
+            ],
+            "munged",
+        )
         self._wait(lambda: self.munge_socket.exists(), 10, "munged did not create its socket")
 
     def _write_conf(self) -> None:
         cpus = len(os.sched_getaffinity(0))
         d = self.dir
-        nodes = "".join(f"NodeName={self.hostname(k)} NodeAddr={self.addr(k)} CPUs={cpus} RealMemory=1000 "
-                        "State=UNKNOWN\n" for k in range(1, self.nodes + 1))
+        nodes = "".join(
+            f"NodeName={self.hostname(k)} NodeAddr={self.addr(k)} CPUs={cpus} RealMemory=1000 State=UNKNOWN\n"
+            for k in range(1, self.nodes + 1)
+        )
         self.conf.write_text(f"""\
 ClusterName=emu
 SlurmctldHost={CONTROLLER}({self.addr(0)})
@@ -232,6 +269,7 @@ JobRequeue=1
             r = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=10)
             states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
             return r.returncode == 0 and all(states.get(n) == "idle" for n in self.node_names)
+
         self._wait(all_idle, self.ready_timeout, "the nodes did not become idle")
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -242,18 +280,32 @@ JobRequeue=1
             time.sleep(0.2)
 
     # -- using it -------------------------------------------------------------------------------
-    def run(self, argv: list[str], timeout: float = CLIENT_TIMEOUT, env: dict | None = None,
-            check: bool = False) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: list[str], timeout: float = CLIENT_TIMEOUT, env: dict | None = None, check: bool = False
+    ) -> subprocess.CompletedProcess:
         """Run a client command on the controller ("login node") with SLURM_CONF set."""
-        return self.net.run_on(0, ["unshare", "--uts", "sh", "-c", _AS_HOST, CONTROLLER, *argv], timeout=timeout,
-                               env={"SLURM_CONF": self.conf, **(env or {})}, text=True, check=check,
-                               stdin=subprocess.DEVNULL)
+        return self.net.run_on(
+            0,
+            ["unshare", "--uts", "sh", "-c", _AS_HOST, CONTROLLER, *argv],
+            timeout=timeout,
+            env={"SLURM_CONF": self.conf, **(env or {})},
+            text=True,
+            check=check,
+            stdin=subprocess.DEVNULL,
+        )
 
-    def sbatch(self, script: str | os.PathLike, *options: str, script_args: list[str] = (),
-               cwd: str | os.PathLike | None = None, env: dict | None = None) -> int:
+    def sbatch(
+        self,
+        script: str | os.PathLike,
+        *options: str,
+        script_args: list[str] = (),
+        cwd: str | os.PathLike | None = None,
+        env: dict | None = None,
+    ) -> int:
         """Submit `script` with sbatch `options`; it runs in cwd (default: the shared workdir). Returns the job id."""
-        r = self.run(["sbatch", "--parsable", f"--chdir={cwd or self.workdir}", *options, str(script), *script_args],
-                     env=env)
+        r = self.run(
+            ["sbatch", "--parsable", f"--chdir={cwd or self.workdir}", *options, str(script), *script_args], env=env
+        )
         if r.returncode != 0:
             raise netns.ClusterError(f"sbatch failed: {r.stderr.strip()}")
         return int(r.stdout.strip().split(";")[0])
@@ -274,8 +326,9 @@ JobRequeue=1
                 return info
             if time.monotonic() > deadline or info is None:
                 squeue = self.run(["squeue", "-a"]).stdout
-                raise netns.ClusterError(f"job {job_id} not in {sorted(states)} within {timeout} s: {info}\n"
-                                         f"{squeue}\n{self.log_tails()}")
+                raise netns.ClusterError(
+                    f"job {job_id} not in {sorted(states)} within {timeout} s: {info}\n{squeue}\n{self.log_tails()}"
+                )
             time.sleep(0.5)
 
     def next_time_limit_check(self) -> float:
@@ -283,8 +336,9 @@ JobRequeue=1
 
         Its background thread does that every 30 s (PERIODIC_TIMEOUT, not configurable), counted
         from its start; the log says when it started."""
-        started = re.search(r"^\[([\d-]+T[\d:]+)\.(\d+)\] slurmctld version \S+ started",
-                            (self.dir / "slurmctld.log").read_text(), re.M)
+        started = re.search(
+            r"^\[([\d-]+T[\d:]+)\.(\d+)\] slurmctld version \S+ started", (self.dir / "slurmctld.log").read_text(), re.M
+        )
         if started is None:
             raise netns.ClusterError(f"slurmctld's log does not say when it started\n{self.log_tails()}")
         base = time.mktime(time.strptime(started.group(1), "%Y-%m-%dT%H:%M:%S")) + int(started.group(2)) / 1000
@@ -299,5 +353,7 @@ JobRequeue=1
         return {p.name: p.read_text(errors="replace") for p in sorted(self.dir.glob("*.log")) + files}
 
     def log_tails(self, lines: int = 20) -> str:
-        return "\n".join(f"--- {name} (last {lines} lines)\n" + "\n".join(text.splitlines()[-lines:])
-                         for name, text in self.logs().items())
+        return "\n".join(
+            f"--- {name} (last {lines} lines)\n" + "\n".join(text.splitlines()[-lines:])
+            for name, text in self.logs().items()
+        )

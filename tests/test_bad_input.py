@@ -1,19 +1,17 @@
 """Bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
+
 import os
 import pickle
 import random
 import shutil
-import sys
-
-import pytest
-import torch
 
 import procs
+import pytest
+import torch
 from procs import REPO
 
-sys.path.insert(0, REPO)
-from utils.checkpoint import safe_load  # noqa: E402
-from utils.errors import UsageError  # noqa: E402
+from utils.checkpoint import safe_load
+from utils.errors import UsageError
 
 SHIPPED = os.path.join(REPO, "model_state_dict.pth")
 
@@ -28,8 +26,16 @@ def assert_one_line_error(result, *needles):
 
 
 def rank_args(rank=0, world_size=1, port=None, nic="lo"):
-    return ["--init-method", f"tcp://127.0.0.1:{port or procs.free_port()}", "--rank", str(rank),
-            "--world-size", str(world_size), "--gloo_socket_ifname", nic]
+    return [
+        "--init-method",
+        f"tcp://127.0.0.1:{port or procs.free_port()}",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--gloo_socket_ifname",
+        nic,
+    ]
 
 
 CASES = {
@@ -37,8 +43,10 @@ CASES = {
     "negative rank": (rank_args(rank=-1, world_size=2), ["--rank"]),
     "world size 0": (rank_args(rank=0, world_size=0), ["--world-size"]),
     "unknown NIC": (rank_args(nic="nosuchnic0"), ["nosuchnic0", "lo"]),
-    "malformed init method": (["--init-method", "192.168.0.1:23456", "--rank", "0", "--world-size", "1"],
-                              ["malformed --init-method"]),
+    "malformed init method": (
+        ["--init-method", "192.168.0.1:23456", "--rank", "0", "--world-size", "1"],
+        ["malformed --init-method"],
+    ),
     "port out of range": (["--init-method", "tcp://127.0.0.1:70000", "--rank", "0", "--world-size", "1"], ["port"]),
     "non-numeric epochs": (["--epochs", "ten"], ["--epoch"]),
     "zero epochs": (["--epochs", "0"], ["--epoch"]),
@@ -46,14 +54,19 @@ CASES = {
     "nan lr": (["--lr", "nan"], ["--lr"]),
     "zero batch size": (["--batch-size", "0"], ["--batch-size"]),
     "zero test subset": (["--test-subset", "0"], ["--test-subset"]),
-    "global batch smaller than the local ranks": (["--global-batch", "2", "--nproc", "3"],
-                                                  ["global batch of 2", "--global-batch 3 or more"]),
+    "global batch smaller than the local ranks": (
+        ["--global-batch", "2", "--nproc", "3"],
+        ["global batch of 2", "--global-batch 3 or more"],
+    ),
     "global and per-rank batch both": (["--global-batch", "64", "--batch-size", "32"], ["not both"]),
     "zero timeout": (["--timeout", "0"], ["--timeout"]),
     "unknown algorithm": (["--allreduce", "tree"], ["--allreduce"]),
     "unknown compression": (["--compress", "zstd"], ["--compress"]),
     "powersgd rank 0": (["--compress", "powersgd", "--powersgd-rank", "0"], ["--powersgd-rank"]),
-    "powersgd rank beyond the model": (["--compress", "powersgd", "--powersgd-rank", "1000"], ["--powersgd-rank", "at most"]),
+    "powersgd rank beyond the model": (
+        ["--compress", "powersgd", "--powersgd-rank", "1000"],
+        ["--powersgd-rank", "at most"],
+    ),
     "negative powersgd warm-up": (["--compress", "powersgd", "--powersgd-warmup", "-1"], ["--powersgd-warmup"]),
     "powersgd rank without powersgd": (["--compress", "bf16", "--powersgd-rank", "2"], ["needs --compress powersgd"]),
     "lazy update without overlap": (["--lazy-update", "--no-overlap"], ["--lazy-update needs --overlap"]),
@@ -72,8 +85,10 @@ CASES = {
     "a billion chunks": (["--chunks", "1000000000"], ["--chunks", "at most"]),
     "a thousand local ranks": (["--nproc", "1000"], ["--nproc", "at most"]),
     "fewer training images than local ranks": (["--train-subset", "3", "--nproc", "4"], ["--train-subset", "4 ranks"]),
-    "fewer training images than servers": ([*rank_args(world_size=2), "--train-subset", "1"],
-                                           ["--train-subset", "2 ranks"]),
+    "fewer training images than servers": (
+        [*rank_args(world_size=2), "--train-subset", "1"],
+        ["--train-subset", "2 ranks"],
+    ),
 }
 
 
@@ -106,10 +121,11 @@ def bad_model_files(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_bad_model_files(tmp_path):
-    for name, path in bad_model_files(tmp_path).items():
+    for _name, path in bad_model_files(tmp_path).items():
         for mode in (["--eval"], rank_args()):
-            result = procs.train([*mode, "--model_path", str(path), "--save-path", str(tmp_path / "out.pth")],
-                                 timeout=50)
+            result = procs.train(
+                [*mode, "--model_path", str(path), "--save-path", str(tmp_path / "out.pth")], timeout=50
+            )
             assert_one_line_error(result, str(path))
     assert not (tmp_path / "out.pth").exists()
 
@@ -169,7 +185,7 @@ def test_an_output_that_cannot_be_written_fails_before_training(option, tmp_path
     folder = tmp_path / "a-folder"
     folder.mkdir()
     for path, needle in ((folder, "is a folder"), ("/proc/no-such-dir/out.pth", "cannot write")):
-        for mode in ([], rank_args()):   # the local launcher, and rank 0 of a multi-server job
+        for mode in ([], rank_args()):  # the local launcher, and rank 0 of a multi-server job
             result = procs.train([*mode, "--train-subset", "64", "--epochs", "1", option, str(path)], timeout=60)
             assert_one_line_error(result, option, str(path), needle)
             assert "epoch 1/1" not in result.stdout
@@ -178,11 +194,11 @@ def test_an_output_that_cannot_be_written_fails_before_training(option, tmp_path
 @pytest.mark.timeout(120)
 def test_unavailable_data_is_one_line_even_with_several_local_ranks(tmp_path):
     not_a_folder = tmp_path / "data"
-    not_a_folder.write_text("")   # no MNIST there, and no download can land there either
+    not_a_folder.write_text("")  # no MNIST there, and no download can land there either
     for mode in ([], rank_args()):
         result = procs.train([*mode, "--data-dir", str(not_a_folder)], timeout=100)
         assert_one_line_error(result, "MNIST is not in", str(not_a_folder))
     missing = tmp_path / "no-such-folder"
     result = procs.train(["--data-dir", str(missing)], timeout=100)
     assert_one_line_error(result, "MNIST is not in", str(missing))
-    assert not missing.exists()   # the failed download leaves no empty folders behind
+    assert not missing.exists()  # the failed download leaves no empty folders behind

@@ -1,4 +1,5 @@
 """bench/allreduce.py end to end on loopback: it runs, writes its results, and its checks bite."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,13 @@ QUICK = ["--world-sizes", "2", "--sizes", "4K,64K", "--iters", "2", "--warmup", 
 
 def bench(tmp_path, *extra):
     # The benchmark kills its own ranks on every exit path; the outer timeout is a last resort.
-    return subprocess.run([sys.executable, BENCH, *QUICK, "--results-dir", str(tmp_path), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    return subprocess.run(
+        [sys.executable, BENCH, *QUICK, "--results-dir", str(tmp_path), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -32,7 +38,7 @@ def test_loopback_run_writes_every_algorithm_and_passes_correctness(tmp_path):
         assert row["correct"] and row["bit_identical"] and row["max_error_over_bound"] <= 1.0
         assert row["median_ms"] > 0 and row["busbw_MBps"] == pytest.approx(row["algbw_MBps"])  # N=2: 2(N-1)/N = 1
     pipelined = {row["size"]: row["chunks"] for row in rows if row["algorithm"] == "two-pass-pipelined"}
-    assert pipelined == {"4K": 1, "64K": 1}      # auto_chunks: one 256 KiB piece covers both
+    assert pipelined == {"4K": 1, "64K": 1}  # auto_chunks: one 256 KiB piece covers both
     assert (tmp_path / "allreduce-loopback.png").stat().st_size > 10_000
     assert "| N | size |" in r.stdout and "| 2 | 64K | 65536 | ring |" in r.stdout
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
@@ -57,12 +63,31 @@ def test_sigterm_kills_every_rank(tmp_path):
     """Like a user's Ctrl-C or a scheduler's SIGTERM: the benchmark exits 130 and no rank survives it."""
     import signal
     import time
-    job = subprocess.Popen([sys.executable, BENCH, "--world-sizes", "3", "--sizes", "16M", "--iters", "50",
-                            "--results-dir", str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            BENCH,
+            "--world-sizes",
+            "3",
+            "--sizes",
+            "16M",
+            "--iters",
+            "50",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
+
         def ranks():
             return [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(pid)]
+
         deadline = time.time() + 60
         while len(ranks()) < 3 and time.time() < deadline:
             time.sleep(0.2)
@@ -87,26 +112,26 @@ def _is_rank(pid):
 
 
 def test_sign_test_tells_a_tie_from_a_real_difference():
-    sys.path.insert(0, os.path.join(REPO, "bench"))
     from harness import sign_test_p
-    assert sign_test_p(20, 41) == 1.0 and sign_test_p(21, 41) == 1.0        # an even split: no difference
-    assert sign_test_p(0, 5) == pytest.approx(2 / 32)                       # 5 of 5 one way: 2 * (1/2)^5
-    assert sign_test_p(9, 31) == pytest.approx(sign_test_p(22, 31))         # two-sided
-    assert sign_test_p(9, 31) < 0.05 < sign_test_p(14, 41) < 0.1            # 9/31 is real, 14/41 is not
+
+    assert sign_test_p(20, 41) == 1.0 and sign_test_p(21, 41) == 1.0  # an even split: no difference
+    assert sign_test_p(0, 5) == pytest.approx(2 / 32)  # 5 of 5 one way: 2 * (1/2)^5
+    assert sign_test_p(9, 31) == pytest.approx(sign_test_p(22, 31))  # two-sided
+    assert sign_test_p(9, 31) < 0.05 < sign_test_p(14, 41) < 0.1  # 9/31 is real, 14/41 is not
     assert sign_test_p(0, 0) == 1.0
 
 
 def test_a_tiny_p_is_not_printed_as_zero():
-    sys.path.insert(0, os.path.join(REPO, "bench"))
     from harness import p_text, sign_test_p
-    assert p_text(sign_test_p(15, 15)) == "p<0.001"       # 15 of 15 rounds: p = 6e-5, not "p=0.00"
+
+    assert p_text(sign_test_p(15, 15)) == "p<0.001"  # 15 of 15 rounds: p = 6e-5, not "p=0.00"
     assert p_text(0.004) == "p=0.004" and p_text(0.12) == "p=0.12"
 
 
 def test_each_rate_and_tcp_setting_writes_its_own_results_files():
     """A 1 Gbit/s run once overwrote the committed 200 Mbit/s results: the names now differ."""
-    sys.path.insert(0, os.path.join(REPO, "bench"))
     from allreduce import results_stem
+
     assert results_stem("loopback", None, None, None) == "allreduce-loopback"
     assert results_stem("cluster", "200mbit", None, None) == "allreduce-cluster-200mbit"
     assert results_stem("cluster", "1gbit", None, "reno") == "allreduce-cluster-1gbit-reno"
@@ -117,10 +142,32 @@ def test_each_rate_and_tcp_setting_writes_its_own_results_files():
 def test_the_gloo_schedule_candidate_sums_correctly(tmp_path):
     """bench/candidates/gloo_schedule.py is measured against gloo in the README: it must be right too
     (N = 3 and the model's 421,642 floats: segments that do not divide evenly)."""
-    r = subprocess.run([sys.executable, BENCH, "--world-sizes", "3", "--sizes", "4K,model", "--algorithms", "gloo",
-                        "--iters", "1", "--warmup", "0", "--timeout", "90", "--results-dir", str(tmp_path),
-                        "--candidate", os.path.join(REPO, "bench", "candidates", "gloo_schedule.py")],
-                       cwd=REPO, capture_output=True, text=True, timeout=110)
+    r = subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--world-sizes",
+            "3",
+            "--sizes",
+            "4K,model",
+            "--algorithms",
+            "gloo",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--timeout",
+            "90",
+            "--results-dir",
+            str(tmp_path),
+            "--candidate",
+            os.path.join(REPO, "bench", "candidates", "gloo_schedule.py"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads((tmp_path / "allreduce-loopback.json").read_text())["results"]
     candidate = [row for row in rows if row["algorithm"] == "ring:gloo_schedule"]

@@ -1,4 +1,5 @@
 """bench/pool_runs.py: pooling runs of the all-reduce benchmark, on results files made up here."""
+
 import json
 import os
 import subprocess
@@ -11,8 +12,10 @@ TOOL = os.path.join(REPO, "bench", "pool_runs.py")
 
 
 def results_file(path, ring_ms, gloo_ms, size="2M"):
-    rows = [{"world_size": 2, "size": size, "algorithm": alg, "times_ms": times}
-            for alg, times in (("ring", ring_ms), ("gloo", gloo_ms))]
+    rows = [
+        {"world_size": 2, "size": size, "algorithm": alg, "times_ms": times}
+        for alg, times in (("ring", ring_ms), ("gloo", gloo_ms))
+    ]
     path.write_text(json.dumps({"results": rows}))
     return str(path)
 

@@ -1,40 +1,62 @@
 """bench/time_to_accuracy.py (issues #13, #24): its pure parts, torch's local SGD as the bench builds
 it (in a world of one), and two quick runs end to end on loopback."""
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import time_to_accuracy as tta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "time_to_accuracy.py")
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import time_to_accuracy as tta  # noqa: E402
 
 
 def test_configurations_parse_and_nothing_else_does():
     assert tta.parse_config("ours") == {"name": "ours", "kind": "ours", "compress": "none", "sync_every": 1}
-    assert tta.parse_config("ddp+powersgd") == {"name": "ddp+powersgd", "kind": "ddp", "compress": "powersgd",
-                                                "sync_every": 1}
+    assert tta.parse_config("ddp+powersgd") == {
+        "name": "ddp+powersgd",
+        "kind": "ddp",
+        "compress": "powersgd",
+        "sync_every": 1,
+    }
     assert tta.parse_config("ours+bf16")["compress"] == "bf16" and tta.parse_config("ddp+fp16")["kind"] == "ddp"
-    assert tta.parse_config("ours+bf16@16") == {"name": "ours+bf16@16", "kind": "ours", "compress": "bf16",
-                                                "sync_every": 16}
+    assert tta.parse_config("ours+bf16@16") == {
+        "name": "ours+bf16@16",
+        "kind": "ours",
+        "compress": "bf16",
+        "sync_every": 16,
+    }
     assert tta.parse_config("ours@4") == {"name": "ours@4", "kind": "ours", "compress": "none", "sync_every": 4}
     assert tta.parse_config("ours+fp16@64")["compress"] == "fp16" and "merge_after" not in tta.parse_config("ours@64")
     assert tta.parse_config("ours+fp16@64:32")["merge_after"] == 32 and tta.parse_config("ours@8:8")["sync_every"] == 8
     for bad in ("ours@8:0", "ours@8:9", "ours@8:", "ours:4", "localsgd@8:2", "ours@8:x"):
         with pytest.raises(ValueError):
             tta.parse_config(bad)
-    assert tta.parse_config("localsgd@2") == {"name": "localsgd@2", "kind": "localsgd", "compress": "none",
-                                              "sync_every": 2}
+    assert tta.parse_config("localsgd@2") == {
+        "name": "localsgd@2",
+        "kind": "localsgd",
+        "compress": "none",
+        "sync_every": 2,
+    }
     for bad in ("ours+none", "ddp+int8", "gloo", "ours+", "", "ours+bf16+fp16"):
         with pytest.raises(ValueError, match="unknown configuration"):
             tta.parse_config(bad)
-    for bad, why in (("ours@1", "H >= 2"), ("ours@0", "H >= 2"), ("localsgd", "localsgd@H needs a period H >= 2"),
-                     ("localsgd@1", "H >= 2"), ("localsgd+bf16@8", "no \\+C"), ("ours+powersgd@8", "refuses powersgd"),
-                     ("ddp@4", "DDP sums every step"), ("ddp+fp16@4", "DDP"), ("ours@x", "whole number"),
-                     ("ours@", "whole number"), ("ours@-2", "whole number"), ("ours@8@8", "whole number")):
+    for bad, why in (
+        ("ours@1", "H >= 2"),
+        ("ours@0", "H >= 2"),
+        ("localsgd", "localsgd@H needs a period H >= 2"),
+        ("localsgd@1", "H >= 2"),
+        ("localsgd+bf16@8", "no \\+C"),
+        ("ours+powersgd@8", "refuses powersgd"),
+        ("ddp@4", "DDP sums every step"),
+        ("ddp+fp16@4", "DDP"),
+        ("ours@x", "whole number"),
+        ("ours@", "whole number"),
+        ("ours@-2", "whole number"),
+        ("ours@8@8", "whole number"),
+    ):
         with pytest.raises(ValueError, match=why):
             tta.parse_config(bad)
     assert tta.parse_ours("ring+overlap+lazy") == {"allreduce": "ring", "overlap": True, "lazy_update": True}
@@ -45,11 +67,11 @@ def test_configurations_parse_and_nothing_else_does():
 
 
 def test_evaluation_points_are_evenly_spaced_and_end_each_epoch():
-    assert tta.DEFAULTS["evals_per_epoch"] == 16            # issue #24: 4 a epoch cannot resolve a 10% target
+    assert tta.DEFAULTS["evals_per_epoch"] == 16  # issue #24: 4 a epoch cannot resolve a 10% target
     assert tta.eval_steps(937, 16) == [59, 117, 176, 234, 293, 351, 410, 468, 527, 586, 644, 703, 761, 820, 878, 937]
     assert tta.eval_steps(937, 4) == [234, 468, 703, 937]
     assert tta.eval_steps(10, 1) == [10]
-    assert tta.eval_steps(3, 8) == [1, 2, 3]            # never more points than steps, never twice
+    assert tta.eval_steps(3, 8) == [1, 2, 3]  # never more points than steps, never twice
 
 
 def points(*accuracies, spe=4):
@@ -58,7 +80,7 @@ def points(*accuracies, spe=4):
 
 def test_time_to_target_is_the_first_point_at_or_above_it():
     ps = points(0.1, 0.98, 0.99, 0.985, 0.995)
-    assert tta.time_to_target(ps, 0.99)["seconds"] == 20.0        # reached exactly counts, later dips don't matter
+    assert tta.time_to_target(ps, 0.99)["seconds"] == 20.0  # reached exactly counts, later dips don't matter
     assert tta.time_to_target(ps, 0.9999) is None
     assert tta.time_to_target([], 0.99) is None
     assert tta.accuracy_after_epoch(points(0.1, 0.5, 0.9, 0.95, 0.97, 0.98, 0.99, 0.991, 0.992), 1, 4) == 0.97
@@ -67,20 +89,36 @@ def test_time_to_target_is_the_first_point_at_or_above_it():
 
 
 def test_summary_and_free_network():
-    raw = {"points": points(0.1, 0.97, 0.99, 0.991, 0.992, spe=2), "steps_per_epoch": 2, "steps": 4,
-           "batch_size": 32, "compute_step_s": 0.5, "train_seconds": 40.0, "wall_seconds": 50.0,
-           "wire_bytes": [4000, 6000], "sent_bytes": [3000, 3000], "counts_bytes": True, "params_identical": True}
+    raw = {
+        "points": points(0.1, 0.97, 0.99, 0.991, 0.992, spe=2),
+        "steps_per_epoch": 2,
+        "steps": 4,
+        "batch_size": 32,
+        "compute_step_s": 0.5,
+        "train_seconds": 40.0,
+        "wall_seconds": 50.0,
+        "wire_bytes": [4000, 6000],
+        "sent_bytes": [3000, 3000],
+        "counts_bytes": True,
+        "params_identical": True,
+    }
     r = tta.summarize(raw, {"name": "ours", "kind": "ours", "compress": "none"}, 2, 0.99, 2)
     assert r["time_to_target_s"] == 20.0 and r["steps_to_target"] == 2 and r["epochs_to_target"] == 1.0
     assert r["compute_x_steps_to_target_s"] == 1.0 and r["compute_x_steps_s"] == 2.0
     assert r["accuracy_by_epoch"] == {"1": 0.99, "2": 0.992} and r["ms_per_step"] == 10000.0
     assert r["wire_kb_per_step"] == 1.25 and r["sent_kb_per_step"] == 0.75
     ddp = dict(r, config="ddp", kind="ddp", compute_ms_per_step=700.0)
-    free = tta.free_network([dict(r, compute_ms_per_step=500.0), ddp, dict(r, config="ours+bf16", compress="bf16",
-                                                                           compute_ms_per_step=600.0)])
+    free = tta.free_network(
+        [
+            dict(r, compute_ms_per_step=500.0),
+            ddp,
+            dict(r, config="ours+bf16", compress="bf16", compute_ms_per_step=600.0),
+        ]
+    )
     assert free["of"] == "ours" and free["ms_per_step"] == 600.0 and free["to_target_s"] == pytest.approx(1.2)
     assert "| 2 | ours ring+overlap+lazy | 20.0 | 2 (1.00) | 1.0 | 20.00x | 99.00% | 99.20% |" in tta.table(
-        [r], "ring+overlap+lazy", 0.99, 2)
+        [r], "ring+overlap+lazy", 0.99, 2
+    )
 
 
 def test_a_quick_or_partial_run_never_overwrites_the_full_results(monkeypatch):
@@ -98,8 +136,17 @@ def test_a_quick_or_partial_run_never_overwrites_the_full_results(monkeypatch):
     assert stem("--rate", "1gbit", "--world-sizes", "2") == "time_to_accuracy-cluster-1gbit-n2"
     assert stem("--epochs", "1", "--train-subset", "6400") == "time_to_accuracy-cluster-e1-sub6400"
     assert stem("--configs", "ours") == "time_to_accuracy-cluster-subset"
-    assert stem("--world-sizes", "4", "--evals-per-epoch", "2", "--configs",
-                "ours+powersgd,ddp+powersgd,ours+bf16,ddp+fp16,ours,ddp") == "time_to_accuracy-cluster-n4-ev2"
+    assert (
+        stem(
+            "--world-sizes",
+            "4",
+            "--evals-per-epoch",
+            "2",
+            "--configs",
+            "ours+powersgd,ddp+powersgd,ours+bf16,ddp+fp16,ours,ddp",
+        )
+        == "time_to_accuracy-cluster-n4-ev2"
+    )
     assert stem("--powersgd-rank", "2") == "time_to_accuracy-cluster-r2w10"
     assert stem("--ours", "gloo+overlap") == "time_to_accuracy-cluster-gloo+overlap"
     assert stem("--repeats", "3") == "time_to_accuracy-cluster-x3"
@@ -110,15 +157,25 @@ def test_a_quick_or_partial_run_never_overwrites_the_full_results(monkeypatch):
     assert stem("--loopback", "--rates", "20mbit,1gbit") == "time_to_accuracy-loopback"
     assert stem("--configs", "ours+bf16@16,localsgd@16", "--outer", "average") == "time_to_accuracy-cluster-subset"
     assert stem("--configs", "ours@16", "--outer", "nesterov") == "time_to_accuracy-cluster-nesterov-subset"
-    assert stem("--configs", "ours@16", "--outer", "nesterov", "--outer-lr", "0.7",
-                "--outer-momentum", "0.9") == "time_to_accuracy-cluster-nesterov-subset"     # the defaults, spelt out
-    assert stem("--configs", "ours@16", "--outer", "nesterov", "--outer-lr", "0.5",
-                "--outer-momentum", "0.8") == "time_to_accuracy-cluster-nesterov-olr0.5-om0.8-subset"
+    assert (
+        stem("--configs", "ours@16", "--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+        == "time_to_accuracy-cluster-nesterov-subset"
+    )  # the defaults, spelt out
+    assert (
+        stem("--configs", "ours@16", "--outer", "nesterov", "--outer-lr", "0.5", "--outer-momentum", "0.8")
+        == "time_to_accuracy-cluster-nesterov-olr0.5-om0.8-subset"
+    )
     assert stem("--localsgd-warmup", "4") == "time_to_accuracy-cluster-lw4"
     args = (tta.main(["--configs", "ours@16", "--outer", "nesterov", "--outer-lr", "0.5"]), parsed.pop())[1]
     assert tta.outer_settings(args) == (0.5, 0.9) and args.rates == ["200mbit"]
-    for bad in (["--rate", "1gbit", "--rates", "20mbit"], ["--outer-lr", "0.5"], ["--rates", "20mbit,20mbit"],
-                ["--outer", "nesterov"], ["--configs", "localsgd"], ["--localsgd-warmup", "-1"]):
+    for bad in (
+        ["--rate", "1gbit", "--rates", "20mbit"],
+        ["--outer-lr", "0.5"],
+        ["--rates", "20mbit,20mbit"],
+        ["--outer", "nesterov"],
+        ["--configs", "localsgd"],
+        ["--localsgd-warmup", "-1"],
+    ):
         with pytest.raises(SystemExit) as e:
             tta.main(bad)
         assert e.value.code == 2 and not parsed
@@ -126,17 +183,33 @@ def test_a_quick_or_partial_run_never_overwrites_the_full_results(monkeypatch):
 
 def test_repeats_give_medians_and_each_run_against_our_best():
     def record(config, kind, run, seconds, ms):
-        return {"config": config, "kind": kind, "run": run, "world_size": 2, "time_to_target_s": seconds,
-                "ms_per_step": ms, "compute_x_steps_to_target_s": 20.0}
-    records = [record("ours+powersgd", "ours", 1, 30.0, 25.0), record("ddp+powersgd", "ddp", 1, 33.0, 27.0),
-               record("ours+powersgd", "ours", 2, 36.0, 29.0), record("ddp+powersgd", "ddp", 2, 30.0, 26.0),
-               record("ours+powersgd", "ours", 3, 31.0, 26.0), record("ddp+powersgd", "ddp", 3, 40.0, 30.0),
-               record("ours+bf16", "ours", 1, None, 40.0), record("ours+bf16", "ours", 2, 50.0, 41.0),
-               record("ours+bf16", "ours", 3, 51.0, 42.0)]
+        return {
+            "config": config,
+            "kind": kind,
+            "run": run,
+            "world_size": 2,
+            "time_to_target_s": seconds,
+            "ms_per_step": ms,
+            "compute_x_steps_to_target_s": 20.0,
+        }
+
+    records = [
+        record("ours+powersgd", "ours", 1, 30.0, 25.0),
+        record("ddp+powersgd", "ddp", 1, 33.0, 27.0),
+        record("ours+powersgd", "ours", 2, 36.0, 29.0),
+        record("ddp+powersgd", "ddp", 2, 30.0, 26.0),
+        record("ours+powersgd", "ours", 3, 31.0, 26.0),
+        record("ddp+powersgd", "ddp", 3, 40.0, 30.0),
+        record("ours+bf16", "ours", 1, None, 40.0),
+        record("ours+bf16", "ours", 2, 50.0, 41.0),
+        record("ours+bf16", "ours", 3, 51.0, 42.0),
+    ]
     lines = tta.medians(records, "two-pass", 0.99).splitlines()
     assert lines[2] == "| 2 | ours two-pass+powersgd | 3 | 31.0 | 30.0, 36.0, 31.0 | 26.0 | 1.55x |  |"
-    assert lines[3] == ("| 2 | ddp+powersgd | 3 | 33.0 | 33.0, 30.0, 40.0 | 27.0 | 1.65x | "
-                        "ours two-pass+powersgd: 0.909x, 1.200x, 0.775x |")
+    assert lines[3] == (
+        "| 2 | ddp+powersgd | 3 | 33.0 | 33.0, 30.0, 40.0 | 27.0 | 1.65x | "
+        "ours two-pass+powersgd: 0.909x, 1.200x, 0.775x |"
+    )
     assert lines[4] == "| 2 | ours two-pass+bf16 | 3 | not reached | -, 50.0, 51.0 | 41.0 | - |  |"
     assert tta.label(records[2], "two-pass") == "ours two-pass+powersgd (run 2)"
 
@@ -144,29 +217,49 @@ def test_repeats_give_medians_and_each_run_against_our_best():
 def run_record(config, rate, run, seconds, steps=None, acc=(0.98, 0.99), wire=None, n=2):
     """A synthetic record, as summarize() and run_all() make it, for the tables."""
     spec = tta.parse_config(config)
-    return {"config": config, "kind": spec["kind"], "compress": spec["compress"], "sync_every": spec["sync_every"],
-            "rate": rate, "run": run, "world_size": n, "time_to_target_s": seconds, "steps_to_target": steps,
-            "accuracy_by_epoch": {"1": acc[0], "2": acc[1]}, "wire_kb_per_step": wire, "ms_per_step": 20.0,
-            "compute_x_steps_to_target_s": 10.0, "epochs_to_target": steps and steps / 1000, "steps": 2000,
-            "train_seconds": 60.0, "compute_ms_per_step": 10.0, "params_identical": True}
+    return {
+        "config": config,
+        "kind": spec["kind"],
+        "compress": spec["compress"],
+        "sync_every": spec["sync_every"],
+        "rate": rate,
+        "run": run,
+        "world_size": n,
+        "time_to_target_s": seconds,
+        "steps_to_target": steps,
+        "accuracy_by_epoch": {"1": acc[0], "2": acc[1]},
+        "wire_kb_per_step": wire,
+        "ms_per_step": 20.0,
+        "compute_x_steps_to_target_s": 10.0,
+        "epochs_to_target": steps and steps / 1000,
+        "steps": 2000,
+        "train_seconds": 60.0,
+        "compute_ms_per_step": 10.0,
+        "params_identical": True,
+    }
 
 
 def test_h_by_link_table_has_a_column_group_per_rate_and_medians_in_it():
-    records = [run_record("ours+bf16@16", "20mbit", 1, 30.0, 1000, (0.985, 0.992), 14.0),
-               run_record("ours+bf16@16", "20mbit", 2, 34.0, 1100, (0.987, 0.991), 16.0),
-               run_record("ours+bf16@16", "20mbit", 3, 31.0, 1000, (0.986, 0.990), 15.0),
-               run_record("localsgd@16", "20mbit", 1, 90.0, 1044, (0.988, 0.9925), 60.0),
-               run_record("localsgd@16", "20mbit", 2, None, None, (0.980, 0.985), 61.0),
-               run_record("localsgd@16", "20mbit", 3, 95.0, 1044, (0.989, 0.993), 62.0),
-               run_record("ours+bf16@16", "1gbit", 1, 20.0, 1000, (0.985, 0.992), 14.5)]
+    records = [
+        run_record("ours+bf16@16", "20mbit", 1, 30.0, 1000, (0.985, 0.992), 14.0),
+        run_record("ours+bf16@16", "20mbit", 2, 34.0, 1100, (0.987, 0.991), 16.0),
+        run_record("ours+bf16@16", "20mbit", 3, 31.0, 1000, (0.986, 0.990), 15.0),
+        run_record("localsgd@16", "20mbit", 1, 90.0, 1044, (0.988, 0.9925), 60.0),
+        run_record("localsgd@16", "20mbit", 2, None, None, (0.980, 0.985), 61.0),
+        run_record("localsgd@16", "20mbit", 3, 95.0, 1044, (0.989, 0.993), 62.0),
+        run_record("ours+bf16@16", "1gbit", 1, 20.0, 1000, (0.985, 0.992), 14.5),
+    ]
     lines = tta.h_by_link(records, ["20mbit", "1gbit"], "ring+overlap+lazy", 0.99, 2).splitlines()
-    assert lines[0] == ("| N | configuration | 20mbit: time to 99.0% (s) | 20mbit: steps to it | 20mbit: acc after 1 ep "
-                        "| 20mbit: acc after 2 ep | 20mbit: wire KB/step/rank | 1gbit: time to 99.0% (s) "
-                        "| 1gbit: steps to it | 1gbit: acc after 1 ep | 1gbit: acc after 2 ep | 1gbit: wire KB/step/rank |")
+    assert lines[0] == (
+        "| N | configuration | 20mbit: time to 99.0% (s) | 20mbit: steps to it | 20mbit: acc after 1 ep "
+        "| 20mbit: acc after 2 ep | 20mbit: wire KB/step/rank | 1gbit: time to 99.0% (s) "
+        "| 1gbit: steps to it | 1gbit: acc after 1 ep | 1gbit: acc after 2 ep | 1gbit: wire KB/step/rank |"
+    )
     assert lines[1] == "|--:|:--|" + "--:|" * 10
     # ours@H: the algorithm alone (no per-step sum to overlap or make lazy); medians over the three runs
-    assert lines[2] == ("| 2 | ours ring+bf16@16 | 31.0 | 1000 | 98.60% | 99.10% | 15 "
-                        "| 20.0 | 1000 | 98.50% | 99.20% | 14 |")
+    assert lines[2] == (
+        "| 2 | ours ring+bf16@16 | 31.0 | 1000 | 98.60% | 99.10% | 15 | 20.0 | 1000 | 98.50% | 99.20% | 14 |"
+    )
     # a run that never reached the target: no median time; no run at a rate: dashes
     assert lines[3] == "| 2 | localsgd@16 | not reached | - | 98.80% | 99.25% | 61 | - | - | - | - | - |"
     assert len(lines) == 4
@@ -176,37 +269,50 @@ def test_h_by_link_table_has_a_column_group_per_rate_and_medians_in_it():
     assert "#### 20mbit" in md and "#### 1gbit" in md and "H x link (medians over 3 run(s) each)" in md
     assert md.count("Medians over 3 runs") == 2
     plain = [dict(r, config="ours", sync_every=1, rate="200mbit") for r in records[:3]]
-    md = tta.tables(plain, ["200mbit"], "ring", 0.99, 2, 1)         # one rate, no @H: today's table alone
+    md = tta.tables(plain, ["200mbit"], "ring", 0.99, 2, 1)  # one rate, no @H: today's table alone
     assert "H x link" not in md and "####" not in md and "Medians" not in md and md.startswith("| N |")
 
 
 def test_medians_set_our_best_against_local_sgd_and_give_the_headline_ratios():
     records = []
-    for run, (o16, o64, loc, ddp, psgd) in enumerate([(20.0, 22.0, 50.0, 40.0, 39.0), (21.0, 19.0, 44.0, 42.0, 41.0),
-                                                      (22.0, 23.0, 46.0, 41.0, 45.0)], 1):
-        records += [run_record("ours+bf16@16", "20mbit", run, o16), run_record("ours+bf16@64", "20mbit", run, o64),
-                    run_record("localsgd@16", "20mbit", run, loc), run_record("ddp+powersgd", "20mbit", run, ddp),
-                    run_record("ours+powersgd", "20mbit", run, psgd)]
+    for run, (o16, o64, loc, ddp, psgd) in enumerate(
+        [(20.0, 22.0, 50.0, 40.0, 39.0), (21.0, 19.0, 44.0, 42.0, 41.0), (22.0, 23.0, 46.0, 41.0, 45.0)], 1
+    ):
+        records += [
+            run_record("ours+bf16@16", "20mbit", run, o16),
+            run_record("ours+bf16@64", "20mbit", run, o64),
+            run_record("localsgd@16", "20mbit", run, loc),
+            run_record("ddp+powersgd", "20mbit", run, ddp),
+            run_record("ours+powersgd", "20mbit", run, psgd),
+        ]
     lines = tta.medians(records, "two-pass", 0.99).splitlines()
     assert lines[2] == "| 2 | ours two-pass+bf16@16 | 3 | 21.0 | 20.0, 21.0, 22.0 | 20.0 | 2.10x |  |"
     # our best by median is ours@16 (21.0 s, against @64's 22.0): every run of it against local SGD's, run by run
-    assert lines[4] == ("| 2 | localsgd@16 | 3 | 46.0 | 50.0, 44.0, 46.0 | 20.0 | 4.60x | "
-                        "ours two-pass+bf16@16: 0.400x, 0.477x, 0.478x |")
+    assert lines[4] == (
+        "| 2 | localsgd@16 | 3 | 46.0 | 50.0, 44.0, 46.0 | 20.0 | 4.60x | "
+        "ours two-pass+bf16@16: 0.400x, 0.477x, 0.478x |"
+    )
     assert lines[5].startswith("| 2 | ddp+powersgd | 3 | 41.0 |") and lines[5].endswith(
-        "ours two-pass+bf16@16: 0.500x, 0.500x, 0.537x |")
-    assert lines[6].endswith("|  |")                                    # ours against ours: no pairing
+        "ours two-pass+bf16@16: 0.500x, 0.500x, 0.537x |"
+    )
+    assert lines[6].endswith("|  |")  # ours against ours: no pairing
     assert lines[7] == ""
-    assert lines[8] == ("20mbit N=2: best localsgd@H / best ours@H, median time to 99.0%: 2.19x "
-                        "(localsgd@16 46.0 s; ours two-pass+bf16@16 21.0 s)  ")
-    assert lines[9] == ("20mbit N=2: ddp+powersgd / best ours, median time to 99.0%: 1.95x "
-                        "(ddp+powersgd 41.0 s; ours two-pass+bf16@16 21.0 s)  ")
+    assert lines[8] == (
+        "20mbit N=2: best localsgd@H / best ours@H, median time to 99.0%: 2.19x "
+        "(localsgd@16 46.0 s; ours two-pass+bf16@16 21.0 s)  "
+    )
+    assert lines[9] == (
+        "20mbit N=2: ddp+powersgd / best ours, median time to 99.0%: 1.95x "
+        "(ddp+powersgd 41.0 s; ours two-pass+bf16@16 21.0 s)  "
+    )
     assert len(lines) == 10
     unreached = [dict(r, time_to_target_s=None) if r["kind"] == "localsgd" else r for r in records]
     assert tta.medians(unreached, "two-pass", 0.99).splitlines()[8] == (
         "20mbit N=2: best localsgd@H / best ours@H, median time to 99.0%: - "
-        "(localsgd@16: not reached; ours two-pass+bf16@16 21.0 s)  ")
+        "(localsgd@16: not reached; ours two-pass+bf16@16 21.0 s)  "
+    )
     only_per_step = [r for r in records if r["config"] in ("ours+powersgd", "localsgd@16")]
-    assert "best localsgd@H" not in tta.medians(only_per_step, "two-pass", 0.99)   # no ours@H to set against it
+    assert "best localsgd@H" not in tta.medians(only_per_step, "two-pass", 0.99)  # no ours@H to set against it
 
 
 def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
@@ -227,7 +333,7 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
     try:
         torch.manual_seed(0)
         net = Net()
-        optimizer, scheduler = make_optimizer(net, Recipe(epochs=1), 40)   # peak rate at step 6
+        optimizer, scheduler = make_optimizer(net, Recipe(epochs=1), 40)  # peak rate at step 6
         ddp, wrapped = make_localsgd(net, optimizer, period=2, warmup=3)
         assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.module is net
         assert isinstance(wrapped, PostLocalSGDOptimizer) and wrapped.optim is optimizer
@@ -239,20 +345,24 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
         assert wrapped.averager.step == 5
         assert rates[0] < rates[1] < rates[4] and wrapped.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
         before = [p.detach().clone() for p in net.parameters()]
-        sync.flush()                                               # the end's average: a world of one keeps its bits
+        sync.flush()  # the end's average: a world of one keeps its bits
         assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
     finally:
         dist.destroy_process_group()
 
 
 def test_defaults_follow_the_trainer():
-    from utils.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
-    assert (tta.DEFAULTS["powersgd_rank"], tta.DEFAULTS["powersgd_warmup"]) == (DEFAULT_POWERSGD_RANK,
-                                                                               DEFAULT_POWERSGD_WARMUP)
-    sys.path.insert(0, REPO)
+    from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
+
+    assert (tta.DEFAULTS["powersgd_rank"], tta.DEFAULTS["powersgd_warmup"]) == (
+        DEFAULT_POWERSGD_RANK,
+        DEFAULT_POWERSGD_WARMUP,
+    )
     import train
+
     assert tta.DEFAULTS["global_batch"] == train.GLOBAL_BATCH
     from utils.model import Net
+
     assert sum(p.numel() for p in Net().parameters()) == tta.MODEL_NUMEL
 
 
@@ -260,17 +370,52 @@ def test_defaults_follow_the_trainer():
 def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
     # The benchmark kills its own ranks on every exit path (and has its own --timeout per world);
     # the outer timeout is a last resort.
-    r = subprocess.run([sys.executable, BENCH, "--loopback", "--world-sizes", "2", "--epochs", "1",
-                        "--train-subset", "640", "--test-subset", "500", "--evals-per-epoch", "2",
-                        "--configs", "ours+powersgd,ddp+powersgd", "--powersgd-rank", "2", "--powersgd-warmup", "2",
-                        "--compute-steps", "3", "--repeats", "2",
-                        "--target", "0.5", "--timeout", "150", "--results-dir", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=170)
+    r = subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--loopback",
+            "--world-sizes",
+            "2",
+            "--epochs",
+            "1",
+            "--train-subset",
+            "640",
+            "--test-subset",
+            "500",
+            "--evals-per-epoch",
+            "2",
+            "--configs",
+            "ours+powersgd,ddp+powersgd",
+            "--powersgd-rank",
+            "2",
+            "--powersgd-warmup",
+            "2",
+            "--compute-steps",
+            "3",
+            "--repeats",
+            "2",
+            "--target",
+            "0.5",
+            "--timeout",
+            "150",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     stem = "time_to_accuracy-loopback-n2-e1-ev2-sub640-test500-r2w2-subset-x2"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
-    assert [(row["config"], row["run"]) for row in data["results"]] == [   # round-robin
-        ("ours+powersgd", 1), ("ddp+powersgd", 1), ("ours+powersgd", 2), ("ddp+powersgd", 2)]
+    assert [(row["config"], row["run"]) for row in data["results"]] == [  # round-robin
+        ("ours+powersgd", 1),
+        ("ddp+powersgd", 1),
+        ("ours+powersgd", 2),
+        ("ddp+powersgd", 2),
+    ]
     for row in data["results"]:
         assert row["params_identical"] is True and row["steps"] == 10 and row["steps_per_epoch"] == 10
         assert [p["step"] for p in row["points"]] == [0, 5, 10]
@@ -279,7 +424,10 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
     ours = data["results"][0]
     assert ours["counts_bytes"] is True and ours["sent_kb_per_step"] > 0
     md = (tmp_path / f"{stem}.md").read_text()
-    assert "`python3 bench/time_to_accuracy.py --loopback" in md and "| 2 | ours ring+overlap+lazy+powersgd (run 2) |" in md
+    assert (
+        "`python3 bench/time_to_accuracy.py --loopback" in md
+        and "| 2 | ours ring+overlap+lazy+powersgd (run 2) |" in md
+    )
     assert "Medians over 2 runs" in md and "| 2 | ddp+powersgd | 2 |" in md
     png = (tmp_path / f"{stem}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -290,22 +438,55 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
 def test_loopback_run_trains_ours_every_h_steps_and_torchs_local_sgd(tmp_path):
     # 1600 images at N=2: 25 steps of 32 a rank; ours@8 sums at steps 8, 16, 24 and its flush at 25,
     # local SGD (4 synchronous steps first) averages after steps 5, 13, 21: neither ends on a sync.
-    r = subprocess.run([sys.executable, BENCH, "--loopback", "--world-sizes", "2", "--epochs", "1",
-                        "--train-subset", "1600", "--test-subset", "500", "--evals-per-epoch", "2",
-                        "--configs", "ours+bf16@8,localsgd@8", "--localsgd-warmup", "4", "--compute-steps", "3",
-                        "--target", "0.5", "--timeout", "100", "--results-dir", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=110)
+    r = subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--loopback",
+            "--world-sizes",
+            "2",
+            "--epochs",
+            "1",
+            "--train-subset",
+            "1600",
+            "--test-subset",
+            "500",
+            "--evals-per-epoch",
+            "2",
+            "--configs",
+            "ours+bf16@8,localsgd@8",
+            "--localsgd-warmup",
+            "4",
+            "--compute-steps",
+            "3",
+            "--target",
+            "0.5",
+            "--timeout",
+            "100",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     stem = "time_to_accuracy-loopback-n2-e1-ev2-sub1600-test500-lw4-subset"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert (data["rates"], data["outer"], data["outer_lr"], data["localsgd_warmup"]) == ([None], "average", None, 4)
     ours, local = data["results"]
     assert (ours["config"], ours["kind"], ours["sync_every"], ours["outer"]) == ("ours+bf16@8", "ours", 8, "average")
-    assert (local["config"], local["kind"], local["sync_every"], "outer" in local) == ("localsgd@8", "localsgd", 8, False)
+    assert (local["config"], local["kind"], local["sync_every"], "outer" in local) == (
+        "localsgd@8",
+        "localsgd",
+        8,
+        False,
+    )
     for row in (ours, local):
         assert row["params_identical"] is True and row["steps"] == 25 and row["rate"] is None
         assert [p["step"] for p in row["points"]] == [0, 12, 25]
-        assert row["points"][-1]["seconds"] == row["train_seconds"] > 0     # the end's flush is on the clock
+        assert row["points"][-1]["seconds"] == row["train_seconds"] > 0  # the end's flush is on the clock
         assert row["reached"] and row["final_accuracy"] > 0.6
     # 3 rounds and the flush: four sums of the model's change, 2 bytes a value (bf16), none per step
     assert ours["sent_kb_per_step"] * 25 * 1e3 == pytest.approx(4 * tta.MODEL_NUMEL * 2, rel=1e-3)

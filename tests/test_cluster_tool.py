@@ -3,6 +3,7 @@
 They need root (CAP_NET_ADMIN); in CI (CI=true) they run as root and must not
 skip.  No test depends on train.py.  Every test has a hard timeout.
 """
+
 import re
 import signal
 import subprocess
@@ -10,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import cluster
+import netns
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 CLUSTER_PY = SCRIPTS / "cluster.py"
-sys.path.insert(0, str(SCRIPTS))
-import cluster  # noqa: E402
-import netns  # noqa: E402
 
 PY = sys.executable
 
@@ -38,6 +38,7 @@ def of_cluster(name, tag):
 def readline(proc, timeout=10):
     """One line of proc.stdout, or fail (never block forever)."""
     import selectors
+
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
@@ -50,13 +51,13 @@ def pid_dead(pid):
 
 
 # Small socket programs run inside the namespaces.
-ECHO_SERVER = r'''
+ECHO_SERVER = r"""
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", 5001)); s.listen(1); print("READY", flush=True)
 c, peer = s.accept(); c.sendall(c.recv(100) + b" from " + peer[0].encode()); c.close()
-'''
-CONNECT = r'''
+"""
+CONNECT = r"""
 import socket, sys, time
 deadline = time.monotonic() + 10
 while True:
@@ -65,11 +66,14 @@ while True:
     except OSError:
         if time.monotonic() > deadline: raise
         time.sleep(0.02)
-'''
-ECHO_CLIENT = CONNECT + r'''
+"""
+ECHO_CLIENT = (
+    CONNECT
+    + r"""
 s.sendall(b"hello"); print(s.recv(100).decode(), flush=True)
-'''
-SINK_SERVER = r'''
+"""
+)
+SINK_SERVER = r"""
 import socket, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", 5001)); s.listen(1); print("READY", flush=True)
@@ -78,20 +82,25 @@ while b := c.recv(1 << 20):
     if t0 is None: t0, first = time.monotonic(), len(b)
     n += len(b)
 print(n, first, time.monotonic() - t0, flush=True)
-'''
-SOURCE_CLIENT = CONNECT + r'''
+"""
+SOURCE_CLIENT = (
+    CONNECT
+    + r"""
 left = int(sys.argv[3]); buf = b"x" * (1 << 20)
 while left: left -= s.send(buf[:min(left, len(buf))])
 s.close()
-'''
-PINGPONG_SERVER = r'''
+"""
+)
+PINGPONG_SERVER = r"""
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", 5001)); s.listen(1); print("READY", flush=True)
 c, _ = s.accept(); assert c.recv(4) == b"ping"; c.sendall(b"pong")
 for line in sys.stdin: c.sendall(line.encode())      # the test makes us talk
-'''
-PATIENT_CLIENT = CONNECT + r'''
+"""
+PATIENT_CLIENT = (
+    CONNECT
+    + r"""
 s.sendall(b"ping"); assert s.recv(4) == b"pong"; print("CONNECTED", flush=True)
 sys.stdin.readline()                                  # link is down now
 s.sendall(b"x" * 1000)                                # into the void; must not fail
@@ -105,15 +114,16 @@ except OSError as e:
 sys.stdin.readline()                                  # link is up again
 s.settimeout(15)
 print("RECOVERED", s.recv(100).decode().strip(), flush=True)
-'''
-CONNECT_ONCE = r'''
+"""
+)
+CONNECT_ONCE = r"""
 import socket, sys
 try:
     socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.0); print("CONNECTED")
 except socket.timeout: print("TIMEOUT")
 except ConnectionRefusedError: print("REFUSED")
 except OSError as e: print("ERROR", e.errno)
-'''
+"""
 
 
 @pytest.mark.timeout(30)
@@ -129,9 +139,20 @@ def test_hosts_have_named_nics_addresses_and_reach_each_other():
             assert f"{c.nic(r)}    inet {c.addr(r)}/24" in addrs
         assert len({c.addr(r) for r in range(3)}) == 3
         assert c.train_argv(1, 29501, ["--epochs", "1"]) == [
-            sys.executable, "-u", str(SCRIPTS.parent / "train.py"), "--init-method",
-            f"tcp://{c.addr(0)}:29501", "--rank", "1", "--world-size", "3",
-            "--gloo_socket_ifname", "ens3", "--epochs", "1"]
+            sys.executable,
+            "-u",
+            str(SCRIPTS.parent / "train.py"),
+            "--init-method",
+            f"tcp://{c.addr(0)}:29501",
+            "--rank",
+            "1",
+            "--world-size",
+            "3",
+            "--gloo_socket_ifname",
+            "ens3",
+            "--epochs",
+            "1",
+        ]
         # the test subnet exists only inside our namespaces
         root = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=10).stdout
         assert f"{c.addr(0)}/" not in root
@@ -149,8 +170,9 @@ def test_hosts_have_named_nics_addresses_and_reach_each_other():
 def test_tbf_caps_egress_rate():
     size, rate = 5_000_000, "50mbit"
     with cluster.Cluster(2, rate=rate) as c:
-        qdisc = subprocess.run(["tc", "-n", c.names[0], "qdisc", "show", "dev", c.nic(0)],
-                               capture_output=True, text=True, timeout=10).stdout
+        qdisc = subprocess.run(
+            ["tc", "-n", c.names[0], "qdisc", "show", "dev", c.nic(0)], capture_output=True, text=True, timeout=10
+        ).stdout
         assert "tbf" in qdisc and "rate 50Mbit" in qdisc
         server = c.popen(1, [PY, "-c", SINK_SERVER], stdout=subprocess.PIPE, text=True)
         assert readline(server) == "READY"
@@ -158,7 +180,7 @@ def test_tbf_caps_egress_rate():
         n, first, elapsed = readline(server, 20).split()
     n, first, elapsed = int(n), int(first), float(elapsed)
     assert n == size
-    expected = size * 8 / 50e6                             # 0.8 s of payload at the cap
+    expected = size * 8 / 50e6  # 0.8 s of payload at the cap
     assert 0.85 * expected <= elapsed <= 1.15 * expected, f"{elapsed:.3f}s vs {expected:.3f}s"
     # tbf counts whole frames: 1448 B payload travel as 1514 B (TCP/IP/Ethernet headers)
     wire_rate = (n - first) * 8 / elapsed * 1514 / 1448
@@ -173,22 +195,25 @@ def test_link_down_is_silence_and_link_up_restores():
         # link up: a closed port answers with RST at once
         assert c.run_on(2, closed_port, timeout=10, text=True).stdout.strip() == "REFUSED"
 
-        server = c.popen(1, [PY, "-c", PINGPONG_SERVER], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+        server = c.popen(1, [PY, "-c", PINGPONG_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert readline(server) == "READY"
-        client = c.popen(0, [PY, "-c", PATIENT_CLIENT, c.addr(1), "5001"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+        client = c.popen(
+            0, [PY, "-c", PATIENT_CLIENT, c.addr(1), "5001"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert readline(client) == "CONNECTED"
 
         c.link_down(1)
-        server.stdin.write("during\n"); server.stdin.flush()   # sent while unplugged: lost
-        client.stdin.write("\n"); client.stdin.flush()
-        assert readline(client, 10) == "SILENCE"               # blocked recv just times out
+        server.stdin.write("during\n")
+        server.stdin.flush()  # sent while unplugged: lost
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert readline(client, 10) == "SILENCE"  # blocked recv just times out
         # no RST any more, not even from a closed port: the connect attempt just times out
         assert c.run_on(2, closed_port, timeout=10, text=True).stdout.strip() == "TIMEOUT"
 
         c.link_up(1)
-        client.stdin.write("\n"); client.stdin.flush()
+        client.stdin.write("\n")
+        client.stdin.flush()
         # the established connection survives: TCP retransmits what was lost
         assert readline(client, 20) == "RECOVERED during"
         assert client.wait(timeout=10) == 0
@@ -203,7 +228,7 @@ def test_teardown_leaves_nothing(body_raises):
 
     try:
         with cluster.Cluster(2, rate="100mbit", nics=["ens3", "eno1"]) as c:
-            assert len(leftovers(c.tag)) == 2 + 2 + 1       # namespaces, veths, bridge
+            assert len(leftovers(c.tag)) == 2 + 2 + 1  # namespaces, veths, bridge
             proc = c.popen(1, ["sleep", "300"])
             if body_raises:
                 raise Boom()
@@ -213,13 +238,13 @@ def test_teardown_leaves_nothing(body_raises):
     ns_list = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert not any(n in ns_list for n in c.names)
     assert proc.returncode == -signal.SIGKILL
-    c.teardown()                                            # idempotent
+    c.teardown()  # idempotent
     assert leftovers(c.tag) == []
 
 
 @pytest.mark.timeout(30)
 def test_failed_setup_leaves_nothing(monkeypatch):
-    monkeypatch.setattr(netns, "TBF_LATENCY", "not-a-time")     # the tc call of host 0 fails
+    monkeypatch.setattr(netns, "TBF_LATENCY", "not-a-time")  # the tc call of host 0 fails
     c = cluster.Cluster(2, rate="1gbit")
     with pytest.raises(cluster.ClusterError, match="tc -n"):
         with c:
@@ -246,9 +271,10 @@ def test_processes_still_running_at_exit_are_killed():
 def drop_net_caps():
     """In the child before exec: drop CAP_NET_ADMIN (12) and CAP_SYS_ADMIN (21), like a normal user."""
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     for cap in (12, 21):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:                # PR_CAPBSET_DROP
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
@@ -260,8 +286,10 @@ def cli(*args, timeout=60, **kw):
 
 @pytest.mark.timeout(60)
 def test_exec_cli_failure_kills_the_others():
-    code = ("import os, sys, time; print('pid', os.getpid(), flush=True); time.sleep(0.5); "
-            "sys.exit(3) if {rank}==1 else time.sleep(60)")
+    code = (
+        "import os, sys, time; print('pid', os.getpid(), flush=True); time.sleep(0.5); "
+        "sys.exit(3) if {rank}==1 else time.sleep(60)"
+    )
     r, elapsed = cli("exec", "--hosts", "3", "--timeout", "40", "--", PY, "-c", code)
     assert r.returncode == 3, r.stderr
     assert elapsed < cluster.GRACE + 10
@@ -273,8 +301,17 @@ def test_exec_cli_failure_kills_the_others():
 
 @pytest.mark.timeout(30)
 def test_exec_cli_success_template_and_prefixes():
-    r, _ = cli("exec", "--hosts", "2", "--nics", "enp1s0,eno2", "--timeout", "20", "--",
-               "echo {rank} {world_size} {addr} {addr0} {nic}; cat /sys/class/net/{nic}/operstate")
+    r, _ = cli(
+        "exec",
+        "--hosts",
+        "2",
+        "--nics",
+        "enp1s0,eno2",
+        "--timeout",
+        "20",
+        "--",
+        "echo {rank} {world_size} {addr} {addr0} {nic}; cat /sys/class/net/{nic}/operstate",
+    )
     assert r.returncode == 0, r.stderr
     lines = sorted(r.stdout.splitlines())
     assert lines[0].startswith("[host0 enp1s0] 0 2 10.213.") and lines[0].endswith(".1 enp1s0")
@@ -284,19 +321,36 @@ def test_exec_cli_success_template_and_prefixes():
 
 @pytest.mark.timeout(30)
 def test_ranks_per_host_share_their_host_and_bad_counts_are_one_line():
-    r, _ = cli("exec", "--hosts", "2", "--ranks-per-host", "2", "--timeout", "20", "--",
-               "echo {rank}/{world_size} host {host} local {local_rank} {nic} {addr}")
+    r, _ = cli(
+        "exec",
+        "--hosts",
+        "2",
+        "--ranks-per-host",
+        "2",
+        "--timeout",
+        "20",
+        "--",
+        "echo {rank}/{world_size} host {host} local {local_rank} {nic} {addr}",
+    )
     assert r.returncode == 0, r.stderr
     lines = sorted(r.stdout.splitlines())
     assert [re.sub(r"10\.213\.\d+\.", "A.", line) for line in lines] == [
-        "[host0 eth0 rank0] 0/4 host 0 local 0 eth0 A.1", "[host0 eth0 rank1] 1/4 host 0 local 1 eth0 A.1",
-        "[host1 ens3 rank2] 2/4 host 1 local 0 ens3 A.2", "[host1 ens3 rank3] 3/4 host 1 local 1 ens3 A.2"], r.stdout
-    for bad, why in (("0", "must be 1..64"), ("-1", "must be 1..64"), ("two", "expected a whole number"),
-                     ("65", "must be 1..64")):
+        "[host0 eth0 rank0] 0/4 host 0 local 0 eth0 A.1",
+        "[host0 eth0 rank1] 1/4 host 0 local 1 eth0 A.1",
+        "[host1 ens3 rank2] 2/4 host 1 local 0 ens3 A.2",
+        "[host1 ens3 rank3] 3/4 host 1 local 1 ens3 A.2",
+    ], r.stdout
+    for bad, why in (
+        ("0", "must be 1..64"),
+        ("-1", "must be 1..64"),
+        ("two", "expected a whole number"),
+        ("65", "must be 1..64"),
+    ):
         r, _ = cli("train", "--hosts", "2", "--ranks-per-host", bad, "--", "--epochs", "1")
         assert r.returncode == 2 and r.stdout == "", (bad, r.stdout, r.stderr)
         assert r.stderr.strip().splitlines() == [
-            f"cluster.py: error: argument --ranks-per-host: {why}, got '{bad}' (see --help)"], r.stderr
+            f"cluster.py: error: argument --ranks-per-host: {why}, got '{bad}' (see --help)"
+        ], r.stderr
 
 
 @pytest.mark.timeout(30)
@@ -305,7 +359,7 @@ def test_cli_timeout_usage_error_and_no_root():
     assert r.returncode == 124 and elapsed < 10
     assert "timeout" in r.stderr
 
-    r, _ = cli("exec", "--rate", "1gbit", "--", "true")       # --hosts missing
+    r, _ = cli("exec", "--rate", "1gbit", "--", "true")  # --hosts missing
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
     r, _ = cli("exec", "--hosts", "2", "--rate", "fast", "--", "true")
@@ -319,9 +373,12 @@ def test_cli_timeout_usage_error_and_no_root():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_tears_down_on_signal(sig):
-    proc = subprocess.Popen([PY, str(CLUSTER_PY), "exec", "--hosts", "2", "--timeout", "60", "--",
-                             "echo started; exec sleep 60"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PY, str(CLUSTER_PY), "exec", "--hosts", "2", "--timeout", "60", "--", "echo started; exec sleep 60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert readline(proc, 20).endswith("started")
         ours = [n for n in sum(netns._our_objects(), []) if n.startswith(f"mnr{netns._b36(proc.pid)}-")]
@@ -334,14 +391,14 @@ def test_cli_tears_down_on_signal(sig):
     assert not [n for n in sum(netns._our_objects(), []) if n in ours]
 
 
-OWNER = r'''
+OWNER = r"""
 import sys, time
-sys.path.insert(0, sys.argv[1]); import cluster
+import cluster
 c = cluster.Cluster(2).__enter__()
 p = c.popen(0, ["sleep", "300"])
 print(c.tag, p.pid, flush=True)
 time.sleep(300)
-'''
+"""
 
 
 @pytest.mark.timeout(30)
@@ -351,15 +408,16 @@ def test_cleanup_stale_removes_leftovers_of_killed_run():
         tag, sleeper = readline(owner, 20).split()
         sleeper = int(sleeper)
         assert len(leftovers(tag)) == 5
-        cluster.cleanup_stale()                   # owner alive: its cluster is left alone
+        cluster.cleanup_stale()  # owner alive: its cluster is left alone
         assert len(leftovers(tag)) == 5
     finally:
         owner.kill()
         owner.wait(timeout=10)
-    assert len(leftovers(tag)) == 5 and not pid_dead(sleeper)   # SIGKILL: no teardown ran
+    assert len(leftovers(tag)) == 5 and not pid_dead(sleeper)  # SIGKILL: no teardown ran
     removed = cluster.cleanup_stale()
     assert sorted(n for n in removed if of_cluster(n, tag)) == sorted(
-        [f"{tag}h0", f"{tag}h1", f"{tag}v0", f"{tag}v1", f"{tag}b"])
+        [f"{tag}h0", f"{tag}h1", f"{tag}v0", f"{tag}v1", f"{tag}b"]
+    )
     assert leftovers(tag) == []
     deadline = time.monotonic() + 5
     while not pid_dead(sleeper):

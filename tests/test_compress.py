@@ -1,12 +1,12 @@
-"""Compressed gradient sums (utils/compress.py): right within the wire format, identical on every rank.
+"""Compressed gradient sums (utils/comm/compress.py): right within the wire format, identical on every rank.
 
 Real processes and gloo over loopback; tests/compress_worker.py is one rank.
 """
+
 import os
 
 import pytest
 import torch
-
 from compress_worker import SHAPES, SIZES, inputs, low_rank
 from procs import run_workers
 
@@ -36,12 +36,12 @@ def test_16_bit_sums_are_right_to_one_rounding_per_hop(ranks):
         name, algorithm, size, scale = key.split("/")
         xs = [inputs(r, int(size), float(scale)).double() for r in range(n)]
         reference, magnitude = sum(xs) / n, sum(x.abs() for x in xs)
-        unit = 2.0 ** (-8 if name == "bf16" else -11)   # the wire format's rounding, relative
+        unit = 2.0 ** (-8 if name == "bf16" else -11)  # the wire format's rounding, relative
         # Float32 adds, one rounding per hop: at most about one unit per rank's share, whatever N.
-        bound = 2 * unit * magnitude / n * max(1, n - 1) + magnitude.max() * 2.0 ** -24
+        bound = 2 * unit * magnitude / n * max(1, n - 1) + magnitude.max() * 2.0**-24
         assert torch.all((got.double() - reference).abs() <= bound), key
         checked += 1
-    assert checked == 2 * 3 * len(SIZES) + 2 * 3 * len(SIZES)   # bf16: 1 scale, fp16: 3 scales
+    assert checked == 2 * 3 * len(SIZES) + 2 * 3 * len(SIZES)  # bf16: 1 scale, fp16: 3 scales
 
 
 @pytest.mark.timeout(240)
@@ -49,12 +49,12 @@ def test_fp16_keeps_tiny_and_huge_gradients_and_survives_a_jump(ranks):
     n, results = ranks
     half = results[0]["half"]
     for algorithm in ("two-pass", "ring", "gloo"):
-        for scale in ("1e-07", "1e+06"):   # subnormal in float16 / beyond its 65504, unscaled
+        for scale in ("1e-07", "1e+06"):  # subnormal in float16 / beyond its 65504, unscaled
             got = half[f"fp16/{algorithm}/9973/{scale}"].double()
             reference = sum(inputs(r, 9973, float(scale)).double() for r in range(n)) / n
             relative = ((got - reference).norm() / reference.norm()).item()
             assert relative < 2e-3, (algorithm, scale, relative)
-    for step, scale in enumerate((1.0, 1e4)):   # the second step's gradient is 10,000x the first's
+    for step, scale in enumerate((1.0, 1e4)):  # the second step's gradient is 10,000x the first's
         got = half[f"fp16-jump/{step}"].double()
         reference = sum(inputs(r, 9973, scale, step).double() for r in range(n)) / n
         assert torch.isfinite(got).all()

@@ -1,25 +1,34 @@
 """The trainer with --compress: every algorithm and mode, the bytes it reports, exact resume, refusals."""
+
 import json
 import subprocess
 import sys
 
+import procs
 import pytest
 import torch
-
-import procs
-from procs import REPO
 from procs import checkpoint_position, final_digest, wait_for
 
-sys.path.insert(0, REPO)
-from utils import ring  # noqa: E402
+from utils.comm import ring
 
 SMALL = ["--test-subset", "1000", "--train-subset", "960", "--epochs", "1", "--bucket-mb", "0.05"]
 MODES = {"plain": ["--no-overlap"], "overlapped": ["--overlap"], "lazy": ["--overlap", "--lazy-update"]}
 
 
 def train_3_ranks(tmp_path, name, args):
-    ranks = procs.start_ranks(3, [*SMALL, *args, "--metrics", str(tmp_path / f"{name}.jsonl"),
-                                  "--checkpoint", str(tmp_path / f"{name}.pt"), "--save-path", str(tmp_path / f"{name}.pth")])
+    ranks = procs.start_ranks(
+        3,
+        [
+            *SMALL,
+            *args,
+            "--metrics",
+            str(tmp_path / f"{name}.jsonl"),
+            "--checkpoint",
+            str(tmp_path / f"{name}.pt"),
+            "--save-path",
+            str(tmp_path / f"{name}.pth"),
+        ],
+    )
     results = procs.wait_all(ranks, timeout=150)
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
     assert "parameters identical on all 3 ranks" in results[0][1]
@@ -40,17 +49,19 @@ def test_powersgd_with_every_algorithm_and_mode(allreduce, tmp_path):
     assert "compress powersgd (rank 2, 3 warm-up steps)" in stdout
     assert metrics["compress"] == "powersgd" and len(metrics["bytes_sent_per_step_by_rank"]) == 3
     # 16 steps, 3 of them uncompressed: well under half of what plain float32 sums send
-    plain_bytes = ring.two_pass_bytes_sent if allreduce == "two-pass" else ring.ring_bytes_sent   # gloo: as a ring
+    plain_bytes = ring.two_pass_bytes_sent if allreduce == "two-pass" else ring.ring_bytes_sent  # gloo: as a ring
     plain = max(plain_bytes(421_642, 4, r, 3) for r in range(3))
     assert metrics["bytes_sent_per_step"] < 0.3 * plain
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("compress,allreduce,mode", [("bf16", "ring", "lazy"), ("fp16", "gloo", "overlapped"),
-                                                     ("fp16", "two-pass", "plain")])
+@pytest.mark.parametrize(
+    "compress,allreduce,mode", [("bf16", "ring", "lazy"), ("fp16", "gloo", "overlapped"), ("fp16", "two-pass", "plain")]
+)
 def test_16_bit_sums_train_and_send_half_the_bytes(compress, allreduce, mode, tmp_path):
-    _, metrics, stdout = train_3_ranks(tmp_path, compress, ["--compress", compress, "--allreduce", allreduce,
-                                                            *MODES[mode]])
+    _, metrics, stdout = train_3_ranks(
+        tmp_path, compress, ["--compress", compress, "--allreduce", allreduce, *MODES[mode]]
+    )
     _, plain_metrics, _ = train_3_ranks(tmp_path, "none", ["--allreduce", allreduce, *MODES[mode]])
     assert f"compress {compress}" in stdout and "sent " in stdout
     # every rank sends half the bytes (fp16: plus one number per bucket for its first scale)
@@ -61,8 +72,13 @@ def test_16_bit_sums_train_and_send_half_the_bytes(compress, allreduce, mode, tm
 
 def interrupted_run(args, checkpoint):
     """Start a local job and kill it all just after its first mid-epoch checkpoint (step 6 or later)."""
-    job = subprocess.Popen([sys.executable, procs.TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [sys.executable, procs.TRAIN, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
         procs.kill_group(job)
@@ -75,17 +91,31 @@ def interrupted_run(args, checkpoint):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("compress", [["powersgd", "--powersgd-warmup", "2"], ["fp16"]])
 def test_resume_mid_epoch_with_compression_is_bit_identical(compress, tmp_path):
-    common = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "--epochs", "2", "--save-every", "3",
-              "--lazy-update", "--compress", *compress]
-    straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
-                           timeout=200)
+    common = [
+        "--test-subset",
+        "1000",
+        "--train-subset",
+        "1200",
+        "--metrics",
+        "",
+        "--epochs",
+        "2",
+        "--save-every",
+        "3",
+        "--lazy-update",
+        "--compress",
+        *compress,
+    ]
+    straight = procs.train(
+        [*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")], timeout=200
+    )
     assert straight.returncode == 0, straight.stderr
     checkpoint = tmp_path / "b.pt"
     args = [*common, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")]
     saved = interrupted_run(args, checkpoint)
     assert saved["epoch"] == 1 and 0 < saved["step"] < 18
-    assert len(saved["compression"]) == 2   # every rank's state
-    if compress[0] == "powersgd":           # each rank's own error buffers
+    assert len(saved["compression"]) == 2  # every rank's state
+    if compress[0] == "powersgd":  # each rank's own error buffers
         assert not torch.equal(saved["compression"][0]["errors"][0], saved["compression"][1]["errors"][0])
     resumed = procs.train([*args, "--resume"], timeout=200)
     assert resumed.returncode == 0, resumed.stderr
@@ -95,14 +125,29 @@ def test_resume_mid_epoch_with_compression_is_bit_identical(compress, tmp_path):
 @pytest.mark.timeout(200)
 def test_resume_refuses_a_different_compression(tmp_path):
     checkpoint = tmp_path / "c.pt"
-    common = ["--test-subset", "1000", "--train-subset", "1200", "--epochs", "2", "--metrics", "", "--save-every", "3",
-              "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth")]
+    common = [
+        "--test-subset",
+        "1000",
+        "--train-subset",
+        "1200",
+        "--epochs",
+        "2",
+        "--metrics",
+        "",
+        "--save-every",
+        "3",
+        "--checkpoint",
+        str(checkpoint),
+        "--save-path",
+        str(tmp_path / "m.pth"),
+    ]
     interrupted_run([*common, "--compress", "powersgd"], checkpoint)
     before = checkpoint.read_bytes()
-    for changed, needle in ((["--compress", "bf16"], "made with --compress powersgd, this run has bf16"),
-                            ([], "made with --compress powersgd, this run has none"),
-                            (["--compress", "powersgd", "--powersgd-rank", "2"],
-                             "made with --powersgd-rank 4, this run has 2")):
+    for changed, needle in (
+        (["--compress", "bf16"], "made with --compress powersgd, this run has bf16"),
+        ([], "made with --compress powersgd, this run has none"),
+        (["--compress", "powersgd", "--powersgd-rank", "2"], "made with --powersgd-rank 4, this run has 2"),
+    ):
         result = procs.train([*common, *changed, "--resume"], timeout=120)
         assert result.returncode == 2, result.stderr
         assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

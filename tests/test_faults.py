@@ -1,4 +1,5 @@
 """Faults: dead or missing peers, kills during saving, exact resume, mismatched ranks."""
+
 import datetime
 import os
 import re
@@ -8,10 +9,9 @@ import subprocess
 import sys
 import time
 
+import procs
 import pytest
 import torch.distributed as dist
-
-import procs
 from procs import checkpoint_position, final_digest, wait_for
 
 SUBSET = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "--epochs", "2"]
@@ -19,16 +19,22 @@ SUBSET = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "-
 
 def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     common = [*SUBSET, "--save-every", "3"]
-    straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
-                           timeout=200)
+    straight = procs.train(
+        [*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")], timeout=200
+    )
     assert straight.returncode == 0, straight.stderr
 
     # The interrupted run updates lazily (utils/lazy.LazyUpdate): its checkpoints, and the
     # resumed run, must still match the plain, uninterrupted one bit for bit.
     checkpoint = tmp_path / "b.pt"
     args = [*common, "--lazy-update", "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")]
-    job = subprocess.Popen([sys.executable, procs.TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [sys.executable, procs.TRAIN, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:  # kill the whole job in the middle of epoch 1, just after a mid-epoch checkpoint
         wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
         procs.kill_group(job)
@@ -46,15 +52,36 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
 
 def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
     checkpoint = tmp_path / "c.pt"
-    args = ["--test-subset", "1000", "--train-subset", "4000", "--metrics", "", "--epochs", "1", "--save-every", "1",
-            "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth")]
+    args = [
+        "--test-subset",
+        "1000",
+        "--train-subset",
+        "4000",
+        "--metrics",
+        "",
+        "--epochs",
+        "1",
+        "--save-every",
+        "1",
+        "--checkpoint",
+        str(checkpoint),
+        "--save-path",
+        str(tmp_path / "m.pth"),
+    ]
     positions = []
     for attempt in range(4):
-        job = subprocess.Popen([sys.executable, procs.TRAIN, *args, *(["--resume"] if attempt else [])],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        job = subprocess.Popen(
+            [sys.executable, procs.TRAIN, *args, *(["--resume"] if attempt else [])],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             before = checkpoint_position(checkpoint) or (0, 0)
-            wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) > before, 120, "a new checkpoint")
+            wait_for(
+                lambda before=before: (checkpoint_position(checkpoint) or (0, 0)) > before, 120, "a new checkpoint"
+            )
             time.sleep(0.05 + 0.11 * attempt)  # land the kill at different points of a save (one per step)
             procs.kill_group(job)
             job.communicate(timeout=30)
@@ -74,15 +101,41 @@ def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
 # (lazy) in the next forward's hooks, or (gloo) in the wait for gloo's asynchronous all_reduce;
 # with --no-recover all must say so in one line, and the lowest survivor saves the last step
 # (tests/test_recovery.py: without it, they go on).
-@pytest.mark.parametrize("victim, mode", [("first", ["--overlap"]), ("middle", ["--lazy-update"]),
-                                          ("last", ["--no-overlap"]), ("first", ["--allreduce", "gloo"]),
-                                          ("last", ["--allreduce", "gloo", "--lazy-update"])])
+@pytest.mark.parametrize(
+    "victim, mode",
+    [
+        ("first", ["--overlap"]),
+        ("middle", ["--lazy-update"]),
+        ("last", ["--no-overlap"]),
+        ("first", ["--allreduce", "gloo"]),
+        ("last", ["--allreduce", "gloo", "--lazy-update"]),
+    ],
+)
 def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp_path):
     timeout = 10
-    ranks = procs.start_ranks(3, [*mode, "--no-recover", "--test-subset", "1000", "--train-subset", "30000",
-                                  "--epochs", "1", "--metrics", "", "--timeout",
-                                  str(timeout), "--save-every", "2", "--checkpoint", str(tmp_path / "c.pt"),
-                                  "--save-path", str(tmp_path / "m.pth")])
+    ranks = procs.start_ranks(
+        3,
+        [
+            *mode,
+            "--no-recover",
+            "--test-subset",
+            "1000",
+            "--train-subset",
+            "30000",
+            "--epochs",
+            "1",
+            "--metrics",
+            "",
+            "--timeout",
+            str(timeout),
+            "--save-every",
+            "2",
+            "--checkpoint",
+            str(tmp_path / "c.pt"),
+            "--save-path",
+            str(tmp_path / "m.pth"),
+        ],
+    )
     try:
         wait_for(lambda: checkpoint_position(tmp_path / "c.pt") is not None, 120, "training to start")
         index = {"first": 0, "middle": 1, "last": 2}[victim]
@@ -94,7 +147,7 @@ def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp
         for r in ranks:
             procs.kill_group(r)
     assert took < timeout + 10
-    for rank, (code, out, err) in enumerate(results):
+    for rank, (code, _out, err) in enumerate(results):
         if rank == index:
             assert code == -signal.SIGKILL
             continue
@@ -109,35 +162,85 @@ def test_survivors_of_a_killed_rank_exit_quickly_with_one_line(victim, mode, tmp
         else:
             assert f"(--no-recover); rank {writer} saves the checkpoint of epoch 1, step " in lines[0], lines[0]
     said = re.search(r"saved the checkpoint of epoch 1, step (\d+)", results[writer][2])
-    assert checkpoint_position(tmp_path / "c.pt") == (1, int(said.group(1)))   # the last step, not the last --save-every
+    assert checkpoint_position(tmp_path / "c.pt") == (1, int(said.group(1)))  # the last step, not the last --save-every
 
 
 def test_a_rank_that_never_shows_up(tmp_path):
     port = procs.free_port()
-    args = ["--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "3", "--gloo_socket_ifname", "lo",
-            "--timeout", "8", "--metrics", "", "--save-path", str(tmp_path / "m.pth")]
+    args = [
+        "--init-method",
+        f"tcp://127.0.0.1:{port}",
+        "--world-size",
+        "3",
+        "--gloo_socket_ifname",
+        "lo",
+        "--timeout",
+        "8",
+        "--metrics",
+        "",
+        "--save-path",
+        str(tmp_path / "m.pth"),
+    ]
     started = time.time()
-    ranks = [subprocess.Popen([sys.executable, procs.TRAIN, "--rank", str(r), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, procs.TRAIN, "--rank", str(r), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in (0, 1)
+    ]
     results = procs.wait_all(ranks, timeout=60)
     assert time.time() - started < 8 + 10 + 10  # + start-up (imports, data)
     assert results[0][0] == 1 and "not every rank joined" in results[0][2], results[0]
     assert results[1][0] != 0
-    for code, out, err in results:
+    for _code, _out, err in results:
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("setting,values", [("lr", ("0.004", "0.001")), ("batch-size", ("32", "16")),
-                                            ("allreduce", ("two-pass", "ring")), ("seed", ("1", "2"))])
+@pytest.mark.parametrize(
+    "setting,values",
+    [
+        ("lr", ("0.004", "0.001")),
+        ("batch-size", ("32", "16")),
+        ("allreduce", ("two-pass", "ring")),
+        ("seed", ("1", "2")),
+    ],
+)
 def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_path):
     port = procs.free_port()
-    ranks = [subprocess.Popen([sys.executable, procs.TRAIN, "--rank", str(r), "--world-size", "2",
-                               "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo",
-                               f"--{setting}", values[r], "--timeout", "20", "--metrics", "",
-                               "--save-path", str(tmp_path / f"m{r}.pth")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for r in (0, 1)]
-    for code, out, err in procs.wait_all(ranks, timeout=60):
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                procs.TRAIN,
+                "--rank",
+                str(r),
+                "--world-size",
+                "2",
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--gloo_socket_ifname",
+                "lo",
+                f"--{setting}",
+                values[r],
+                "--timeout",
+                "20",
+                "--metrics",
+                "",
+                "--save-path",
+                str(tmp_path / f"m{r}.pth"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in (0, 1)
+    ]
+    for code, _out, err in procs.wait_all(ranks, timeout=60):
         assert code == 2, err
         assert f"different --{setting}" in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []  # nothing written, and rank 0 removed its lock (utils/outputs.py) on exit
@@ -148,12 +251,40 @@ def test_port_in_use_and_unreachable_master(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = procs.train(["--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0", "--world-size", "2",
-                              "--timeout", "5", "--metrics", "", "--save-path", str(tmp_path / "m.pth")], timeout=60)
+        result = procs.train(
+            [
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--rank",
+                "0",
+                "--world-size",
+                "2",
+                "--timeout",
+                "5",
+                "--metrics",
+                "",
+                "--save-path",
+                str(tmp_path / "m.pth"),
+            ],
+            timeout=60,
+        )
     assert result.returncode == 2 and "already in use" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = procs.train(["--init-method", f"tcp://127.0.0.1:{procs.free_port()}", "--rank", "1",
-                          "--world-size", "2", "--timeout", "5", "--metrics", ""], timeout=60)
+    result = procs.train(
+        [
+            "--init-method",
+            f"tcp://127.0.0.1:{procs.free_port()}",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--timeout",
+            "5",
+            "--metrics",
+            "",
+        ],
+        timeout=60,
+    )
     assert result.returncode == 2 and "could not reach rank 0" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -161,9 +292,22 @@ def test_port_in_use_and_unreachable_master(tmp_path):
 def test_resume_refuses_a_different_global_batch(tmp_path):
     """Another number of ranks may resume (tests/test_resize.py), but --batch-size is per rank: on 3 ranks
     instead of 2 it asks for 96 images a step instead of 64, and that changes the run."""
-    args = ["--test-subset", "1000", "--train-subset", "600", "--epochs", "1", "--metrics", "", "--checkpoint",
-            str(tmp_path / "c.pt"),
-            "--save-path", str(tmp_path / "m.pth"), "--batch-size", "32"]
+    args = [
+        "--test-subset",
+        "1000",
+        "--train-subset",
+        "600",
+        "--epochs",
+        "1",
+        "--metrics",
+        "",
+        "--checkpoint",
+        str(tmp_path / "c.pt"),
+        "--save-path",
+        str(tmp_path / "m.pth"),
+        "--batch-size",
+        "32",
+    ]
     assert procs.train(args, timeout=120).returncode == 0
     before = (tmp_path / "c.pt").read_bytes()
     result = procs.train([*args, "--resume", "--nproc", "3"], timeout=120)
@@ -177,22 +321,49 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path, rendezvo
     """static: one agent with both workers (--master-port). c10d: two agents, one worker each, as on
     two servers (--rdzv-backend c10d); the worker of the second agent is killed."""
     common = [*SUBSET, "--save-every", "3"]
-    straight = procs.train([*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")],
-                           timeout=200)
+    straight = procs.train(
+        [*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")], timeout=200
+    )
     assert straight.returncode == 0, straight.stderr
     checkpoint = tmp_path / "b.pt"
-    train_args = [procs.TRAIN, *common, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth"),
-                  "--timeout", "20"]
+    train_args = [
+        procs.TRAIN,
+        *common,
+        "--checkpoint",
+        str(checkpoint),
+        "--save-path",
+        str(tmp_path / "b.pth"),
+        "--timeout",
+        "20",
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]  # one restart must be enough
     port = str(procs.free_port())
     if rendezvous == "static":
         launches = [[*torchrun, "--nproc-per-node", "2", "--master-port", port, *train_args]]
     else:
-        launches = [[*torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test", *train_args]] * 2
+        launches = [
+            [
+                *torchrun,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "test",
+                *train_args,
+            ]
+        ] * 2
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the straight run: the thread count changes the bits
-    jobs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True) for argv in launches]
+    jobs = [
+        subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        for argv in launches
+    ]
     try:
         wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0)) >= (1, 6), 120, "a mid-epoch checkpoint")
         workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker(pid, checkpoint)]
@@ -207,7 +378,9 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path, rendezvo
                 for j in jobs:
                     procs.kill_group(j)
                 out, err = job.communicate()
-                raise AssertionError(f"torchrun did not finish\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
+                raise AssertionError(
+                    f"torchrun did not finish\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
+                ) from None
     finally:
         for job in jobs:
             procs.kill_group(job)
@@ -257,20 +430,50 @@ def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path, res
 def agent_store_and_workers(tmp_path):
     """Play torchrun's agent: (its store, start(rank, restart_count) -> a worker of a 2-rank job)."""
     port = procs.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
     cwd = procs.scratch_dir()
 
     def start(rank, restart_count):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   TORCHELASTIC_RESTART_COUNT=str(restart_count), OMP_NUM_THREADS="1")
-        return subprocess.Popen([sys.executable, procs.TRAIN, "--test-subset", "1000", "--train-subset", "128",
-                                 "--epochs", "1",
-                                 "--metrics", "", "--timeout", "30", "--save-path", str(tmp_path / "m.pth"),
-                                 "--checkpoint", str(tmp_path / "c.pt")],
-                                env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT=str(restart_count),
+            OMP_NUM_THREADS="1",
+        )
+        return subprocess.Popen(
+            [
+                sys.executable,
+                procs.TRAIN,
+                "--test-subset",
+                "1000",
+                "--train-subset",
+                "128",
+                "--epochs",
+                "1",
+                "--metrics",
+                "",
+                "--timeout",
+                "30",
+                "--save-path",
+                str(tmp_path / "m.pth"),
+                "--checkpoint",
+                str(tmp_path / "c.pt"),
+            ],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
     return store, start
 
 
@@ -304,7 +507,7 @@ def test_a_torchrun_attempt_comes_together_after_attempts_that_died_half_way(tmp
     last = procs.wait_all(late, timeout=120)
     assert all(code == 0 for code, _, _ in last), last
     assert f"{tmp_path / 'c.pt'} is a finished run" in last[1][1], last[1]
-    del store
+    store = None  # closes the agent's store (its port) now
 
 
 def _is_worker(pid, marker):

@@ -9,6 +9,7 @@ They need root (CAP_NET_ADMIN); in CI (CI=true) they run as root and must not sk
 Every test has a pytest timeout and its own hard deadlines; leaving a `with Cluster`
 block (also by an exception) kills every process in the namespaces and deletes them.
 """
+
 import hashlib
 import math
 import os
@@ -18,30 +19,30 @@ import sys
 import time
 from pathlib import Path
 
+import cluster
+import netns
 import pytest
 import torch
 
+from utils.model import Net
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-sys.path.insert(0, str(REPO))
-import cluster  # noqa: E402
-import netns  # noqa: E402
-from utils.model import Net  # noqa: E402
 
 PY = sys.executable
 NICS = ["eth0", "ens3", "enp1s0"]
-ENV = {"OMP_NUM_THREADS": "1"}                     # 2 cores shared by all ranks
+ENV = {"OMP_NUM_THREADS": "1"}  # 2 cores shared by all ranks
 GRADIENT_BYTES = sum(p.numel() for p in Net().parameters()) * 4
 SHA_LINE = r"saved the model to (\S+); parameters identical on all {n} ranks \(sha256 ([0-9a-f]{{64}})\)"
 
-_created = []      # every namespace / veth / bridge name a cluster of this module had
+_created = []  # every namespace / veth / bridge name a cluster of this module had
 
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
 
 def remember(c):
     _created.extend([*c.names, *c.veths, c.bridge])
@@ -52,8 +53,9 @@ def existing_names():
     """Names of all network namespaces and links (root namespace) on this machine right now."""
     nss = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=15, check=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=15, check=True).stdout
-    return ({line.split()[0] for line in nss.splitlines() if line.strip()} |
-            {line.split(":")[1].strip().split("@")[0] for line in links.splitlines()})
+    return {line.split()[0] for line in nss.splitlines() if line.strip()} | {
+        line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
+    }
 
 
 def left_of(names):
@@ -84,8 +86,9 @@ def start_ranks(c, argvs, logdir, env=ENV):
         home = logdir / f"host{r}"
         home.mkdir(exist_ok=True)
         with open(logdir / f"rank{r}.out", "wb") as out, open(logdir / f"rank{r}.err", "wb") as err:
-            procs.append(c.popen(c.host_of(r), argv, env=env, cwd=home, stdin=subprocess.DEVNULL, stdout=out,
-                                 stderr=err))
+            procs.append(
+                c.popen(c.host_of(r), argv, env=env, cwd=home, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            )
     return procs
 
 
@@ -104,69 +107,103 @@ def wait_ranks(c, procs, logdir, timeout):
                 c.kill(p)
             break
         time.sleep(0.05)
-    results = [(p.wait(timeout=10), (logdir / f"rank{r}.out").read_text(), (logdir / f"rank{r}.err").read_text(),
-                exited.get(r)) for r, p in enumerate(procs)]
+    results = [
+        (
+            p.wait(timeout=10),
+            (logdir / f"rank{r}.out").read_text(),
+            (logdir / f"rank{r}.err").read_text(),
+            exited.get(r),
+        )
+        for r, p in enumerate(procs)
+    ]
     missing = [r for r in range(len(procs)) if r not in exited]
     assert not missing, f"ranks {missing} still running after {timeout} s; killed\n" + report(results)
     return results
 
 
 def report(results):
-    return "\n".join(f"--- rank {r}: exit {code} after {secs} s\nstdout:\n{out}\nstderr:\n{err}"
-                     for r, (code, out, err, secs) in enumerate(results))
+    return "\n".join(
+        f"--- rank {r}: exit {code} after {secs} s\nstdout:\n{out}\nstderr:\n{err}"
+        for r, (code, out, err, secs) in enumerate(results)
+    )
 
 
 # -- tests --------------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(120)
 def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path):
     subset, world, batch = 1500, 3, 32
-    saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]   # one filesystem: a path each
+    saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]  # one filesystem: a path each
     with remember(cluster.Cluster(world, nics=NICS)) as c:
         assert [c.nic(r) for r in range(world)] == NICS
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", str(subset),
-                                         "--batch-size", str(batch),
-                                         "--metrics", "", "--save-path", str(saves[r]), "--timeout", "60"])
-                 for r in range(world)]
+        argvs = [
+            c.train_argv(
+                r,
+                29500,
+                [
+                    "--epochs",
+                    "1",
+                    "--test-subset",
+                    "1000",
+                    "--train-subset",
+                    str(subset),
+                    "--batch-size",
+                    str(batch),
+                    "--metrics",
+                    "",
+                    "--save-path",
+                    str(saves[r]),
+                    "--timeout",
+                    "60",
+                ],
+            )
+            for r in range(world)
+        ]
         before = [nic_bytes(c, r) for r in range(world)]
         lo_before = [nic_bytes(c, r, "lo") for r in range(world)]
         results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=70)
         after = [nic_bytes(c, r) for r in range(world)]
         lo_after = [nic_bytes(c, r, "lo") for r in range(world)]
-    assert left_of(_created[-(2 * world + 1):]) == []
+    assert left_of(_created[-(2 * world + 1) :]) == []
 
     assert [code for code, *_ in results] == [0] * world, report(results)
     out0 = results[0][1]
-    for code, out, err, _ in results:
+    for _code, out, err, _ in results:
         assert "Traceback" not in out + err, report(results)
-    assert [out for _, out, _, _ in results[1:]] == [""] * (world - 1), report(results)   # others stay quiet
+    assert [out for _, out, _, _ in results[1:]] == [""] * (world - 1), report(results)  # others stay quiet
 
     # bit-identical parameters on every rank: rank 0 compared all ranks' sha256; the file has them
     m = re.search(SHA_LINE.format(n=world), out0)
     assert m, out0
     assert Path(m[1]) == saves[0]
     assert digest_of(saves[0]) == m[2]
-    assert not saves[1].exists() and not saves[2].exists()      # only rank 0 writes
+    assert not saves[1].exists() and not saves[2].exists()  # only rank 0 writes
 
     # well above chance (10 %), and the saved model scores exactly what rank 0 reported
     reported = re.findall(r"test accuracy ([\d.]+)%", out0)
     assert len(reported) == 1 and float(reported[0]) > 60.0, out0
-    ev = subprocess.run([PY, str(REPO / "train.py"), "--eval", "--test-subset", "1000", "--model_path", str(saves[0])],
-                        capture_output=True, text=True, timeout=40, env={**os.environ, **ENV})
+    ev = subprocess.run(
+        [PY, str(REPO / "train.py"), "--eval", "--test-subset", "1000", "--model_path", str(saves[0])],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env={**os.environ, **ENV},
+    )
     assert ev.returncode == 0, ev.stderr
     assert re.findall(r"test accuracy ([\d.]+)%", ev.stdout) == reported, (ev.stdout, out0)
 
     # gloo used each host's NIC: every step each rank sends and receives at least one full
     # gradient on it (default two-pass ring: rank 0 sends twice, rank 1 receives twice, rank 2
     # sends and receives once - its tx is barely above the bound, as veth counts GSO frames)
-    steps = math.ceil(subset // world / batch)      # each rank's share of the epoch, in batches
+    steps = math.ceil(subset // world / batch)  # each rank's share of the epoch, in batches
     least = steps * GRADIENT_BYTES
     for r in range(world):
         rx, tx = (a - b for a, b in zip(after[r], before[r]))
         assert rx >= least and tx >= least, f"{c.nic(r)} on host {r}: rx {rx:,} tx {tx:,} B < {least:,} B"
         lo = sum(lo_after[r]) - sum(lo_before[r])
         print(f"host {r} {c.nic(r)}: rx {rx:,} B, tx {tx:,} B (at least {least:,}); lo {lo:,} B")
-        assert lo < GRADIENT_BYTES, f"host {r} moved {lo:,} B over lo"   # no gradient took a shortcut
+        assert lo < GRADIENT_BYTES, f"host {r} moved {lo:,} B over lo"  # no gradient took a shortcut
 
 
 @pytest.mark.timeout(120)
@@ -178,25 +215,47 @@ def test_two_ranks_per_host_train_hierarchically_to_identical_parameters(tmp_pat
     world = hosts * k
     save = tmp_path / "host0" / "model.pth"
     with remember(cluster.Cluster(hosts, nics=NICS, ranks_per_host=k)) as c:
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", str(subset),
-                                         "--batch-size", str(batch),
-                                         "--allreduce", "hierarchical", "--lazy-update", "--metrics", "",
-                                         "--save-path", str(save), "--timeout", "60"]) for r in range(world)]
+        argvs = [
+            c.train_argv(
+                r,
+                29500,
+                [
+                    "--epochs",
+                    "1",
+                    "--test-subset",
+                    "1000",
+                    "--train-subset",
+                    str(subset),
+                    "--batch-size",
+                    str(batch),
+                    "--allreduce",
+                    "hierarchical",
+                    "--lazy-update",
+                    "--metrics",
+                    "",
+                    "--save-path",
+                    str(save),
+                    "--timeout",
+                    "60",
+                ],
+            )
+            for r in range(world)
+        ]
         before = [nic_bytes(c, h) for h in range(hosts)]
         results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=100)
         after = [nic_bytes(c, h) for h in range(hosts)]
-    assert left_of(_created[-(2 * hosts + 1):]) == []
+    assert left_of(_created[-(2 * hosts + 1) :]) == []
 
     assert [code for code, *_ in results] == [0] * world, report(results)
     out0 = results[0][1]
     assert "all-reduce hierarchical (chunks auto, overlap on, lazy update), 2 hosts × 2 ranks" in out0, out0
-    m = re.search(SHA_LINE.format(n=world), out0)        # rank 0 compared every rank's parameters
+    m = re.search(SHA_LINE.format(n=world), out0)  # rank 0 compared every rank's parameters
     assert m, out0
     assert digest_of(save) == m[2]
     assert float(re.findall(r"test accuracy ([\d.]+)%", out0)[0]) > 60.0, out0
 
     steps = math.ceil(subset // world / batch)
-    for h in range(hosts):   # per step about the gradient once (+ start-up: parameters broadcast, checks)
+    for h in range(hosts):  # per step about the gradient once (+ start-up: parameters broadcast, checks)
         tx = after[h][1] - before[h][1]
         print(f"host {h} {c.nic(h)}: tx {tx:,} B = {tx / steps / GRADIENT_BYTES:.2f} gradients per step")
         assert steps * GRADIENT_BYTES <= tx <= (1.2 * steps + 3) * GRADIENT_BYTES, (h, tx, steps)
@@ -206,12 +265,25 @@ def test_two_ranks_per_host_train_hierarchically_to_identical_parameters(tmp_pat
 def test_three_hosts_write_one_timeline_on_aligned_clocks(tmp_path):
     """--timeline on rank 0 alone: every host records, rank 0 writes; host 2's clock is 3 s ahead."""
     from test_timeline import COMMON, FIRST, LAST, check_trace
+
     world, trace = 3, tmp_path / "timeline.json"
     with remember(cluster.Cluster(world, nics=NICS)) as c:
         window = ["--timeline", str(trace), "--timeline-steps", f"{FIRST}:{LAST}"]
-        argvs = [c.train_argv(r, 29500, [*COMMON[:-2], "--save-path", str(tmp_path / f"m{r}.pth"),
-                                         "--checkpoint", str(tmp_path / f"c{r}.pt"), *(window if r == 0 else [])])
-                 for r in range(world)]
+        argvs = [
+            c.train_argv(
+                r,
+                29500,
+                [
+                    *COMMON[:-2],
+                    "--save-path",
+                    str(tmp_path / f"m{r}.pth"),
+                    "--checkpoint",
+                    str(tmp_path / f"c{r}.pt"),
+                    *(window if r == 0 else []),
+                ],
+            )
+            for r in range(world)
+        ]
         procs = start_ranks(c, argvs, tmp_path, env={**ENV, "TIMELINE_TEST_CLOCK_SKEW_S": "0,0,-3"})
         results = wait_ranks(c, procs, tmp_path, timeout=100)
     assert [code for code, *_ in results] == [0] * world, report(results)
@@ -222,20 +294,44 @@ def test_three_hosts_write_one_timeline_on_aligned_clocks(tmp_path):
 @pytest.mark.timeout(90)
 def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
     save = tmp_path / "model.pth"
-    argv = [PY, str(SCRIPTS / "cluster.py"), "train", "--hosts", "2", "--timeout", "70", "--",
-            "--epochs", "1", "--test-subset", "1000", "--train-subset", "600", "--metrics", "", "--save-path",
-str(save)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, **ENV}, start_new_session=True)
-    ours = f"{cluster.PREFIX}{netns._b36(proc.pid)}-"       # the names this CLI run creates
+    argv = [
+        PY,
+        str(SCRIPTS / "cluster.py"),
+        "train",
+        "--hosts",
+        "2",
+        "--timeout",
+        "70",
+        "--",
+        "--epochs",
+        "1",
+        "--test-subset",
+        "1000",
+        "--train-subset",
+        "600",
+        "--metrics",
+        "",
+        "--save-path",
+        str(save),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **ENV},
+        start_new_session=True,
+    )
+    ours = f"{cluster.PREFIX}{netns._b36(proc.pid)}-"  # the names this CLI run creates
     try:
         out, err = proc.communicate(timeout=80)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate(timeout=10)
-        cluster.cleanup_stale()                                 # its owner is dead now
+        cluster.cleanup_stale()  # its owner is dead now
         pytest.fail(f"cluster.py train did not finish within 80 s\n{out}\n{err}")
-    _created.extend(n for n in existing_names() if n.startswith(ours))   # (none, if all went well)
+    _created.extend(n for n in existing_names() if n.startswith(ours))  # (none, if all went well)
     assert not [n for n in existing_names() if n.startswith(ours)]
 
     assert proc.returncode == 0, out + err
@@ -252,19 +348,37 @@ str(save)]
 def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
     world, timeout = 3, 8
     with remember(cluster.Cluster(world, nics=NICS)) as c:
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", "600",
-                                         "--metrics", "", "--save-path",
-                                         str(tmp_path / f"host{r}" / "m.pth"), "--timeout", str(timeout)])
-                 for r in range(world)]
+        argvs = [
+            c.train_argv(
+                r,
+                29500,
+                [
+                    "--epochs",
+                    "1",
+                    "--test-subset",
+                    "1000",
+                    "--train-subset",
+                    "600",
+                    "--metrics",
+                    "",
+                    "--save-path",
+                    str(tmp_path / f"host{r}" / "m.pth"),
+                    "--timeout",
+                    str(timeout),
+                ],
+            )
+            for r in range(world)
+        ]
         argvs[1][argvs[1].index("--gloo_socket_ifname") + 1] = "wlan9"
         results = wait_ranks(c, start_ranks(c, argvs, tmp_path), tmp_path, timeout=timeout + 30)
-    assert left_of(_created[-(2 * world + 1):]) == []
+    assert left_of(_created[-(2 * world + 1) :]) == []
 
     code, out, err, _ = results[1]
     assert code == 2, report(results)
     assert out == ""
     assert err.strip().splitlines() == [
-        "train.py: error: network interface 'wlan9' not found on this host; it has: lo, ens3"], report(results)
+        "train.py: error: network interface 'wlan9' not found on this host; it has: lo, ens3"
+    ], report(results)
     # the others notice within --timeout (plus start-up) and stop by themselves
     print("exit codes", [res[0] for res in results], "after", [f"{res[3]:.1f} s" for res in results])
     for r in (0, 2):
@@ -277,12 +391,12 @@ def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_no_namespace_veth_or_bridge_is_left():
-    if not _created:            # run on its own: make (and tear down) a cluster with a process in it
+    if not _created:  # run on its own: make (and tear down) a cluster with a process in it
         with remember(cluster.Cluster(2, nics=NICS)) as c:
             assert left_of(_created) == sorted(_created)
             c.popen(1, ["sleep", "300"])
     assert left_of(_created) == []
-    assert not any(Path(f"/run/netns/{n}").exists() for n in _created)     # no namespace mount either
+    assert not any(Path(f"/run/netns/{n}").exists() for n in _created)  # no namespace mount either
 
 
 @pytest.mark.timeout(150)
@@ -293,9 +407,28 @@ def test_survivors_stop_within_the_timeout_when_a_host_drops_off(fault, tmp_path
     happened, and the last step is saved (tests/test_recovery*.py: without --no-recover they go on)."""
     world, timeout = 3, 10
     with remember(cluster.Cluster(world, nics=NICS)) as c:
-        argvs = [c.train_argv(r, 29500, ["--epochs", "1", "--test-subset", "1000", "--train-subset", "30000",
-                                         "--metrics", "", "--no-recover",
-                                         "--save-every", "2", "--timeout", str(timeout)]) for r in range(world)]
+        argvs = [
+            c.train_argv(
+                r,
+                29500,
+                [
+                    "--epochs",
+                    "1",
+                    "--test-subset",
+                    "1000",
+                    "--train-subset",
+                    "30000",
+                    "--metrics",
+                    "",
+                    "--no-recover",
+                    "--save-every",
+                    "2",
+                    "--timeout",
+                    str(timeout),
+                ],
+            )
+            for r in range(world)
+        ]
         procs = start_ranks(c, argvs, tmp_path)
         checkpoint = tmp_path / "host0" / "runs" / "checkpoint.pt"
         deadline = time.monotonic() + 90

@@ -1,4 +1,5 @@
 """One output folder, one job: rank 0 locks its outputs; a finished run resumes to nothing."""
+
 import hashlib
 import json
 import os
@@ -9,25 +10,29 @@ import subprocess
 import sys
 import time
 
+import procs
 import pytest
 import torch
+from procs import checkpoint_position, wait_for
 
-import procs
-from procs import REPO, checkpoint_position, wait_for
-
-sys.path.insert(0, REPO)
-from utils.config import Outputs  # noqa: E402
-from utils.errors import UsageError  # noqa: E402
-from utils.model import Net  # noqa: E402
-from utils.outputs import lock_outputs  # noqa: E402
+from utils.config import Outputs
+from utils.errors import UsageError
+from utils.model import Net
+from utils.outputs import lock_outputs
 
 HOST = socket.gethostname()
 
 
 def start(args, cwd):
     """The local launcher in its own process group, not waited for."""
-    return subprocess.Popen([sys.executable, procs.TRAIN, *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, procs.TRAIN, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def read(path):
@@ -39,8 +44,10 @@ def read(path):
 
 def snapshot(folder):
     """Every file in `folder`: name -> (mtime, sha256)."""
-    return {name: (os.stat(folder / name).st_mtime_ns, hashlib.sha256((folder / name).read_bytes()).hexdigest())
-            for name in sorted(os.listdir(folder))}
+    return {
+        name: (os.stat(folder / name).st_mtime_ns, hashlib.sha256((folder / name).read_bytes()).hexdigest())
+        for name in sorted(os.listdir(folder))
+    }
 
 
 def assert_refused(result, path, pid):
@@ -53,24 +60,32 @@ def assert_refused(result, path, pid):
 
 def holder_script(folder):
     """A process that locks the outputs named `folder`/x.* and waits to be killed."""
-    return [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {REPO!r})\n"
-            "from utils.config import Outputs\nfrom utils.outputs import lock_outputs\n"
-            f"lock_outputs(Outputs(checkpoint={str(folder / 'x.pt')!r}, save_path={str(folder / 'x.pth')!r}, "
-            f"metrics={str(folder / 'x.jsonl')!r}))\nprint('locked', flush=True)\ntime.sleep(120)"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys, time\n"
+        "from utils.config import Outputs\nfrom utils.outputs import lock_outputs\n"
+        f"lock_outputs(Outputs(checkpoint={str(folder / 'x.pt')!r}, save_path={str(folder / 'x.pth')!r}, "
+        f"metrics={str(folder / 'x.jsonl')!r}))\nprint('locked', flush=True)\ntime.sleep(120)",
+    ]
 
 
 @pytest.mark.timeout(60)
 def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
-    outputs = Outputs(checkpoint=str(tmp_path / "x.pt"), save_path=str(tmp_path / "x.pth"),
-                      metrics=str(tmp_path / "x.jsonl"))
+    outputs = Outputs(
+        checkpoint=str(tmp_path / "x.pt"), save_path=str(tmp_path / "x.pth"), metrics=str(tmp_path / "x.jsonl")
+    )
     lock_outputs(outputs, hold=False)  # nobody holds them; a look creates no file
     assert not list(tmp_path.iterdir())
     holder = subprocess.Popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         for hold in (False, True):
-            with pytest.raises(UsageError, match=rf"--checkpoint {re.escape(outputs.checkpoint)} is in use by "
-                                                 rf"another job \(pid {holder.pid} on {re.escape(HOST)}\)"):
+            with pytest.raises(
+                UsageError,
+                match=rf"--checkpoint {re.escape(outputs.checkpoint)} is in use by "
+                rf"another job \(pid {holder.pid} on {re.escape(HOST)}\)",
+            ):
                 lock_outputs(outputs, hold=hold)
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
@@ -91,10 +106,24 @@ def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(t
     args = ["--epochs", "2", "--test-subset", "1000", "--train-subset", "9600"]
     first = start(args, str(tmp_path))
     try:  # the lock names the job: the launcher's pid, written by its rank 0
-        wait_for(lambda: read(tmp_path / "runs" / "checkpoint.pt.lock") == f"pid {first.pid} on {HOST}", 120,
-                 "the first job's rank 0 to take the lock")
-        for mode in ([], ["--rank", "0", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{procs.free_port()}",
-                          "--timeout", "100"]):  # the local launcher, and a rank 0 started by hand
+        wait_for(
+            lambda: read(tmp_path / "runs" / "checkpoint.pt.lock") == f"pid {first.pid} on {HOST}",
+            120,
+            "the first job's rank 0 to take the lock",
+        )
+        for mode in (
+            [],
+            [
+                "--rank",
+                "0",
+                "--world-size",
+                "2",
+                "--init-method",
+                f"tcp://127.0.0.1:{procs.free_port()}",
+                "--timeout",
+                "100",
+            ],
+        ):  # the local launcher, and a rank 0 started by hand
             started = time.time()
             second = procs.train([*args, "--seed", "2", *mode], timeout=60, cwd=str(tmp_path))
             assert_refused(second, os.path.join("runs", "checkpoint.pt"), first.pid)
@@ -152,15 +181,27 @@ def test_jobs_with_their_own_outputs_run_side_by_side(tmp_path):
 @pytest.mark.timeout(300)
 def test_resuming_a_finished_run_does_nothing(tmp_path):
     run = tmp_path / "run"
-    args = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "640", "--checkpoint", str(run / "c.pt"),
-            "--save-path", str(run / "m.pth"), "--metrics", str(run / "metrics.jsonl")]
+    args = [
+        "--epochs",
+        "1",
+        "--test-subset",
+        "1000",
+        "--train-subset",
+        "640",
+        "--checkpoint",
+        str(run / "c.pt"),
+        "--save-path",
+        str(run / "m.pth"),
+        "--metrics",
+        str(run / "metrics.jsonl"),
+    ]
     assert procs.train(args, timeout=200).returncode == 0
     before = snapshot(run)
     line = f"{run / 'c.pt'} is a finished run (1 of 1 epochs); nothing to do"
-    result = procs.train([*args, "--resume"], timeout=100)   # the local launcher: it decides alone
+    result = procs.train([*args, "--resume"], timeout=100)  # the local launcher: it decides alone
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, line, ""), result
     assert snapshot(run) == before
-    ranks = procs.start_ranks(2, [*args, "--resume", "--timeout", "60"])   # rank 0 tells rank 1
+    ranks = procs.start_ranks(2, [*args, "--resume", "--timeout", "60"])  # rank 0 tells rank 1
     results = procs.wait_all(ranks, timeout=100)
     assert results == [(0, line + "\n", ""), (0, "", "")], results
     assert snapshot(run) == before

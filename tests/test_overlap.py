@@ -7,21 +7,38 @@ and with it the float rounding - can differ: those are compared within a toleran
 updates (--lazy-update) only move each bucket's Adam update into the next forward: the same
 bits as overlapped, for every algorithm.
 """
-import pytest
-import torch
 
 import procs
-
+import pytest
+import torch
 
 MODES = {"plain": ["--no-overlap"], "overlapped": ["--overlap"], "lazy": ["--overlap", "--lazy-update"]}
 
 
 def train_3_ranks(tmp_path, mode, allreduce):
     save = tmp_path / f"{mode}.pth"
-    ranks = procs.start_ranks(3, ["--test-subset", "1000", "--train-subset", "960", "--epochs", "1", "--metrics",
-                                  "", "--allreduce", allreduce,
-                                  "--bucket-mb", "0.05", *MODES[mode],
-                                  "--checkpoint", str(tmp_path / f"{mode}.pt"), "--save-path", str(save)])
+    ranks = procs.start_ranks(
+        3,
+        [
+            "--test-subset",
+            "1000",
+            "--train-subset",
+            "960",
+            "--epochs",
+            "1",
+            "--metrics",
+            "",
+            "--allreduce",
+            allreduce,
+            "--bucket-mb",
+            "0.05",
+            *MODES[mode],
+            "--checkpoint",
+            str(tmp_path / f"{mode}.pt"),
+            "--save-path",
+            str(save),
+        ],
+    )
     results = procs.wait_all(ranks, timeout=150)
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
     return torch.load(save, weights_only=True)
@@ -41,10 +58,9 @@ def test_overlapped_and_lazy_equal_plain(allreduce, tmp_path):
 
 
 def test_buckets_follow_backward_order():
-    import sys
-    sys.path.insert(0, procs.REPO)
     from utils.model import Net
-    from utils.gradsync import make_buckets
+    from utils.sync.buckets import make_buckets
+
     params = list(reversed(list(Net().parameters())))
     buckets = make_buckets(params, 64 * 1024)
     assert [p for b in buckets for p in b] == params  # every parameter once, in backward order

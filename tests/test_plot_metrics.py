@@ -1,4 +1,5 @@
 """scripts/plot_metrics.py: learning curves from metrics JSONL files; bad input is one line, exit 2."""
+
 import json
 import os
 import subprocess
@@ -12,8 +13,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def plot(*args, cwd=None):
-    return subprocess.run([sys.executable, PLOT, *map(str, args)], cwd=cwd or REPO,
-                          capture_output=True, text=True, timeout=90)
+    return subprocess.run(
+        [sys.executable, PLOT, *map(str, args)], cwd=cwd or REPO, capture_output=True, text=True, timeout=90
+    )
 
 
 def write_jsonl(path, rows):
@@ -24,8 +26,15 @@ def write_jsonl(path, rows):
 def rows(world_size, allreduce, epochs, busbw=False):
     out = []
     for e in range(1, epochs + 1):
-        row = {"epoch": e, "train_loss": 0.3 / e, "test_accuracy": 0.97 + 0.004 * e, "seconds": 30.0 / world_size,
-               "comm_share": 0.2, "world_size": world_size, "allreduce": allreduce}
+        row = {
+            "epoch": e,
+            "train_loss": 0.3 / e,
+            "test_accuracy": 0.97 + 0.004 * e,
+            "seconds": 30.0 / world_size,
+            "comm_share": 0.2,
+            "world_size": world_size,
+            "allreduce": allreduce,
+        }
         if busbw:
             row["busbw_gbps"] = 0.1 + 0.001 * e
         out.append(row)
@@ -44,19 +53,19 @@ def assert_png(path):
 def test_two_files_with_and_without_busbw_make_a_png(tmp_path):
     a = write_jsonl(tmp_path / "metrics.jsonl", rows(2, "two-pass", 5) + rows(4, "ring", 3))  # two runs, one file
     b = write_jsonl(tmp_path / "gloo.jsonl", rows(4, "gloo", 4, busbw=True))
-    out = tmp_path / "out" / "curves.png"                       # the folder does not exist yet
+    out = tmp_path / "out" / "curves.png"  # the folder does not exist yet
     r = plot(a, b, "-o", out)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     assert "3 run(s), 12 epoch(s)" in r.stdout
     assert_png(out)
-    assert [p.name for p in out.parent.iterdir()] == ["curves.png"]   # atomic: no temporary left behind
+    assert [p.name for p in out.parent.iterdir()] == ["curves.png"]  # atomic: no temporary left behind
 
 
 @pytest.mark.timeout(120)
 def test_a_resumed_epoch_replaces_the_earlier_line(tmp_path):
     lines = rows(2, "two-pass", 3)
-    lines.insert(2, dict(lines[1], train_loss=9.0))          # epoch 2 logged twice; the later line wins
+    lines.insert(2, dict(lines[1], train_loss=9.0))  # epoch 2 logged twice; the later line wins
     f = write_jsonl(tmp_path / "m.jsonl", lines)
     r = plot(f, "-o", tmp_path / "c.png")
     assert r.returncode == 0, r.stderr
@@ -65,15 +74,18 @@ def test_a_resumed_epoch_replaces_the_earlier_line(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("content, message", [
-    (None, "no such file"),
-    ("", "empty"),
-    ("\n\n", "empty"),
-    ('{"epoch": 1, "train_loss": 0.1, "test_accuracy": 0.98}\nnot json\n', ":2: not a JSON line"),
-    ('{"epoch": 1, "test_accuracy": 0.98}\n', ":1: missing train_loss"),
-    ('[1, 2]\n', "expected a JSON object"),
-    ('{"epoch": "one", "train_loss": 0.1, "test_accuracy": 0.98}\n', "'epoch' must be a number"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file"),
+        ("", "empty"),
+        ("\n\n", "empty"),
+        ('{"epoch": 1, "train_loss": 0.1, "test_accuracy": 0.98}\nnot json\n', ":2: not a JSON line"),
+        ('{"epoch": 1, "test_accuracy": 0.98}\n', ":1: missing train_loss"),
+        ("[1, 2]\n", "expected a JSON object"),
+        ('{"epoch": "one", "train_loss": 0.1, "test_accuracy": 0.98}\n', "'epoch' must be a number"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, content, message):
     f = tmp_path / "metrics.jsonl"
     if content is not None:

@@ -1,29 +1,29 @@
 """A lost rank costs at most the step in flight: real processes, real signals (RING_FAULT makes a
-rank send itself SIGKILL, SIGSTOP or SIGTERM at a chosen step, utils/faults.py).
+rank send itself SIGKILL, SIGSTOP or SIGTERM at a chosen step, utils/elastic/faults.py).
 
 The oracle: a job that loses a rank as step k+1 begins and goes on in place must end with the same
 bits as the same job stopped by SIGTERM after step k and resumed with --resume on the survivors.
 """
+
 import json
 import os
 import re
 import signal
 import time
 
-import pytest
-
 import procs
+import pytest
 from procs import checkpoint_position, final_digest
 
 SHORT = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
-K = 12   # the step the faults come after (30 steps in all)
+K = 12  # the step the faults come after (30 steps in all)
 
 
 def faulted(fault, args, cwd, timeout=120):
     return procs.train([*SHORT, *args], timeout=timeout, cwd=cwd, env=dict(os.environ, RING_FAULT=fault))
 
 
-_references = {}   # (flags, k) -> digest; --lazy-update changes when updates apply, not the bits
+_references = {}  # (flags, k) -> digest; --lazy-update changes when updates apply, not the bits
 
 
 def reference(extra, cwd, k):
@@ -43,10 +43,15 @@ def stopped_and_resumed(extra, cwd, k):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault, extra", [(f"0:{K + 1}:KILL", []),                       # rank 0: the leader and writer
-                                          (f"1:{K + 1}:KILL:sum", ["--lazy-update"]),    # the middle rank, mid-sum
-                                          (f"2:{K + 1}:KILL:sum", ["--no-overlap", "--allreduce", "ring"])],
-                         ids=["rank0-kill", "middle-kill-during-lazy-sum", "last-kill-ring"])
+@pytest.mark.parametrize(
+    "fault, extra",
+    [
+        (f"0:{K + 1}:KILL", []),  # rank 0: the leader and writer
+        (f"1:{K + 1}:KILL:sum", ["--lazy-update"]),  # the middle rank, mid-sum
+        (f"2:{K + 1}:KILL:sum", ["--no-overlap", "--allreduce", "ring"]),
+    ],
+    ids=["rank0-kill", "middle-kill-during-lazy-sum", "last-kill-ring"],
+)
 def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(fault, extra, tmp_path):
     lost = int(fault[0])
     (tmp_path / "shrunk").mkdir()
@@ -58,8 +63,10 @@ def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(fault, extra,
     # (with overlap, backward starts them)
     went_on = int(re.search(r"continuing on 2 ranks from step (\d+)", result.stdout).group(1))
     assert went_on == K or (went_on == K + 1 and fault.endswith(":sum")), result.stdout
-    for r in survivors:   # one line on every survivor
-        assert re.search(rf"rank {r}: lost rank {lost} at epoch 1, step ({K + 1}|{K + 2}) \(", result.stdout), result.stdout
+    for r in survivors:  # one line on every survivor
+        assert re.search(rf"rank {r}: lost rank {lost} at epoch 1, step ({K + 1}|{K + 2}) \(", result.stdout), (
+            result.stdout
+        )
         assert f"continuing on 2 ranks from step {went_on} (members {survivors[0]}, {survivors[1]}," in result.stdout
     assert f"the job finished without rank {lost}" in result.stderr
     assert final_digest(result.stdout) == reference(extra, str(tmp_path / "stopped"), went_on)
@@ -68,8 +75,11 @@ def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(fault, extra,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("extra", [["--compress", "powersgd", "--powersgd-warmup", "2"],
-                                   ["--allreduce", "hierarchical", "--compress", "bf16"]], ids=["powersgd", "hierarchical"])
+@pytest.mark.parametrize(
+    "extra",
+    [["--compress", "powersgd", "--powersgd-warmup", "2"], ["--allreduce", "hierarchical", "--compress", "bf16"]],
+    ids=["powersgd", "hierarchical"],
+)
 def test_powersgd_and_the_hierarchical_sum_go_on_after_a_lost_rank(extra, tmp_path):
     """PowerSGD loses the dead rank's error feedback; the hierarchical sum learns its hosts again."""
     result = faulted(f"1:{K + 1}:KILL:sum", ["--nproc", "3", *extra], str(tmp_path))
@@ -84,8 +94,9 @@ def test_two_servers_rank_0s_side_goes_on_and_rank_1s_side_stops_with_the_last_s
     it saves the step it completed last and exits 1."""
     result = faulted(f"0:{K + 1}:KILL", [], str(tmp_path))
     assert result.returncode != 0
-    assert re.search(r"only rank 1 of 2 is reachable \(rank 0: [^)]+\): not a majority, so this side stops",
-                     result.stderr), result.stderr
+    assert re.search(
+        r"only rank 1 of 2 is reachable \(rank 0: [^)]+\): not a majority, so this side stops", result.stderr
+    ), result.stderr
     assert f"saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt" in result.stderr
     assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, K)
     assert not (tmp_path / "runs" / "checkpoint.pt.lock").exists()
@@ -95,8 +106,9 @@ def test_two_servers_rank_0s_side_goes_on_and_rank_1s_side_stops_with_the_last_s
 def test_no_recover_saves_the_last_completed_step_and_exits_1(tmp_path):
     result = faulted(f"1:{K + 1}:KILL", ["--no-recover"], str(tmp_path))
     assert result.returncode == 1, result.stderr
-    assert f"(--no-recover); saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt; to resume:" \
-        in result.stderr, result.stderr
+    assert (
+        f"(--no-recover); saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt; to resume:" in result.stderr
+    ), result.stderr
     assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, K)
     resumed = procs.train([*SHORT, "--resume"], timeout=120, cwd=str(tmp_path))
     assert resumed.returncode == 0 and f"after step {K}" in resumed.stdout, resumed.stderr
@@ -106,14 +118,31 @@ def test_no_recover_saves_the_last_completed_step_and_exits_1(tmp_path):
 def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
     """SIGSTOP: silence for --heartbeat seconds; the others go on. SIGCONT later: the woken rank
     finds the job went on without it, and stops without writing anything."""
-    args = [*SHORT, "--nproc", "3", "--heartbeat", "2", "--epochs", "2", "--train-subset", "6400",
-            "--metrics", "m.jsonl"]
+    args = [
+        *SHORT,
+        "--nproc",
+        "3",
+        "--heartbeat",
+        "2",
+        "--epochs",
+        "2",
+        "--train-subset",
+        "6400",
+        "--metrics",
+        "m.jsonl",
+    ]
     events = tmp_path / "events.jsonl"
-    launcher = procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, *args], cwd=tmp_path,
-                                      env=dict(os.environ, RING_FAULT=f"2:{K + 1}:STOP", RING_EVENTS=str(events)),
-                                      text=True, stdout=procs.subprocess.PIPE, stderr=procs.subprocess.PIPE,
-                                      start_new_session=True)
+    launcher = procs.subprocess.Popen(
+        [procs.sys.executable, procs.TRAIN, *args],
+        cwd=tmp_path,
+        env=dict(os.environ, RING_FAULT=f"2:{K + 1}:STOP", RING_EVENTS=str(events)),
+        text=True,
+        stdout=procs.subprocess.PIPE,
+        stderr=procs.subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
+
         def frozen():
             for pid in os.listdir("/proc"):
                 try:
@@ -121,12 +150,17 @@ def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
                     state = open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
                 except OSError:
                     continue
-                if "--rank" in cmd and cmd[cmd.index("--rank") + 1] == "2" and str(tmp_path) in \
-                        os.readlink(f"/proc/{pid}/cwd") and state == "T":
+                if (
+                    "--rank" in cmd
+                    and cmd[cmd.index("--rank") + 1] == "2"
+                    and str(tmp_path) in os.readlink(f"/proc/{pid}/cwd")
+                    and state == "T"
+                ):
                     return int(pid)
 
-        def went_on():   # the survivors' first step without it (they have 200 steps to go: still running)
+        def went_on():  # the survivors' first step without it (they have 200 steps to go: still running)
             return events.exists() and '"after": "shrank"' in events.read_text()
+
         procs.wait_for(frozen, 60, "rank 2 to stop itself")
         procs.wait_for(went_on, 60, "the others to go on without rank 2")
         os.kill(frozen(), signal.SIGCONT)
@@ -159,22 +193,43 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
     ranks = procs.start_ranks(2, JOIN_RUN, port, str(tmp_path))
     joiner = None
     try:
-        procs.wait_for(lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120,
-                       "training to begin")
+        procs.wait_for(
+            lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
+        )
         started = time.monotonic()
-        joiner = procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, "--rank", "2", "--world-size", "3",
-                                         "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo",
-                                         *JOIN_RUN, "--join"], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                        cwd=str(tmp_path), text=True, stdout=procs.subprocess.PIPE,
-                                        stderr=procs.subprocess.PIPE, start_new_session=True)
+        joiner = procs.subprocess.Popen(
+            [
+                procs.sys.executable,
+                procs.TRAIN,
+                "--rank",
+                "2",
+                "--world-size",
+                "3",
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--gloo_socket_ifname",
+                "lo",
+                *JOIN_RUN,
+                "--join",
+            ],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            cwd=str(tmp_path),
+            text=True,
+            stdout=procs.subprocess.PIPE,
+            stderr=procs.subprocess.PIPE,
+            start_new_session=True,
+        )
         results = procs.wait_all([*ranks, joiner], timeout=300)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             procs.kill_group(p)
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
     out, joined = results[0][1], results[2][1]
-    k = int(procs.re.search(r"rank 2 joined after epoch 1, step (\d+); continuing on 3 ranks \(members 0, 1, 2", out)
-            .group(1))
+    k = int(
+        procs.re.search(r"rank 2 joined after epoch 1, step (\d+); continuing on 3 ranks \(members 0, 1, 2", out).group(
+            1
+        )
+    )
     assert f"rank 2: joined the job after epoch 1, step {k}, as rank 2 of 3 (members 0, 1, 2)" in joined, joined
     assert time.monotonic() - started < 60
     assert "parameters identical on all 3 ranks" in out
@@ -193,21 +248,43 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
 @pytest.mark.timeout(200)
 def test_join_to_nowhere_or_with_other_settings_is_one_line_and_exit_2(tmp_path):
     port = procs.free_port()
-    nowhere = procs.train(["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}",
-                           "--timeout", "3", "--join"], timeout=60, cwd=str(tmp_path))
+    nowhere = procs.train(
+        ["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}", "--timeout", "3", "--join"],
+        timeout=60,
+        cwd=str(tmp_path),
+    )
     assert nowhere.returncode == 2 and nowhere.stderr.count("\n") == 1, nowhere.stderr
     assert f"no running job answered at 127.0.0.1:{port} within 3 s" in nowhere.stderr
-    malformed = procs.train(["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}",
-                             "--join", "nowhere"], timeout=60, cwd=str(tmp_path))
+    malformed = procs.train(
+        ["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}", "--join", "nowhere"],
+        timeout=60,
+        cwd=str(tmp_path),
+    )
     assert malformed.returncode == 2 and "malformed --join 'nowhere'" in malformed.stderr, malformed.stderr
 
     ranks = procs.start_ranks(2, JOIN_RUN, port, str(tmp_path))
     try:
-        procs.wait_for(lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120,
-                       "training to begin")
-        other = procs.train(["--rank", "2", "--world-size", "3", "--init-method", f"tcp://127.0.0.1:{port}",
-                             "--gloo_socket_ifname", "lo", *JOIN_RUN, "--lr", "0.01", "--join"], timeout=60,
-                            cwd=str(tmp_path))
+        procs.wait_for(
+            lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
+        )
+        other = procs.train(
+            [
+                "--rank",
+                "2",
+                "--world-size",
+                "3",
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--gloo_socket_ifname",
+                "lo",
+                *JOIN_RUN,
+                "--lr",
+                "0.01",
+                "--join",
+            ],
+            timeout=60,
+            cwd=str(tmp_path),
+        )
         results = procs.wait_all(ranks, timeout=200)
     finally:
         for r in ranks:
@@ -225,9 +302,26 @@ def test_under_torchrun_a_restart_resumes_from_the_step_before_the_fault(tmp_pat
     straight = procs.train([*SHORT, "--metrics", ""], timeout=120, cwd=str(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr
     env = dict(os.environ, OMP_NUM_THREADS="1", RING_FAULT=f"1:{K + 1}:KILL", RING_FAULT_ONCE=str(tmp_path / "fired"))
-    result = procs.run([procs.sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--max-restarts", "1", "--master-port", str(procs.free_port()), procs.TRAIN, *SHORT,
-                        "--metrics", ""], timeout=240, cwd=str(tmp_path), env=env)
+    result = procs.run(
+        [
+            procs.sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--master-port",
+            str(procs.free_port()),
+            procs.TRAIN,
+            *SHORT,
+            "--metrics",
+            "",
+        ],
+        timeout=240,
+        cwd=str(tmp_path),
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"saved the checkpoint of epoch 1, step {K} to runs/checkpoint.pt" in result.stderr, result.stderr[-3000:]
     assert f"resuming from runs/checkpoint.pt: epoch 1, after step {K}" in result.stdout, result.stdout
@@ -241,38 +335,70 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
     --join it is taken back in, and rank 4 is killed as the job takes it in: that growth fails, the
     survivors drop rank 4, and rank 0 asks again and gets in. The job ends on ranks 0-3, having
     trained every image of every epoch once."""
-    args = ["--epochs", "2", "--train-subset", "12800", "--test-subset", "200", "--timeout", "60",
-            "--heartbeat", "2", "--metrics", "m.jsonl"]   # 400 steps: still running when rank 0 is back
+    args = [
+        "--epochs",
+        "2",
+        "--train-subset",
+        "12800",
+        "--test-subset",
+        "200",
+        "--timeout",
+        "60",
+        "--heartbeat",
+        "2",
+        "--metrics",
+        "m.jsonl",
+    ]  # 400 steps: still running when rank 0 is back
     events, port = tmp_path / "events.jsonl", procs.free_port()
-    ranks = procs.start_ranks(5, args, port, str(tmp_path),
-                              env={"RING_FAULT": f"0:{K}:STOP:sum,4:0:KILL:join", "RING_EVENTS": str(events)})
+    ranks = procs.start_ranks(
+        5, args, port, str(tmp_path), env={"RING_FAULT": f"0:{K}:STOP:sum,4:0:KILL:join", "RING_EVENTS": str(events)}
+    )
     joiner = None
     try:
+
         def state(pid):
             return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
+
         procs.wait_for(lambda: state(ranks[0].pid) == "T", 120, "rank 0 to stop itself")
         procs.wait_for(lambda: '"after": "shrank"' in events.read_text(), 60, "the others to go on without rank 0")
         os.kill(ranks[0].pid, signal.SIGCONT)
         fenced = procs.supervise([ranks[0]], timeout=30, grace=None, poll=0.05)
         assert not fenced.timed_out and ranks[0].returncode == 1, fenced.outputs
         assert "train.py: rank 0: the job went on without this rank (generation 1)" in fenced.outputs[0][1]
-        joiner = procs.subprocess.Popen([procs.sys.executable, procs.TRAIN, "--rank", "0", "--world-size", "5",
-                                         "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo",
-                                         *args, "--join"], env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                                    RING_EVENTS=str(events)),
-                                        cwd=str(tmp_path), text=True, stdout=procs.subprocess.PIPE,
-                                        stderr=procs.subprocess.PIPE, start_new_session=True)
+        joiner = procs.subprocess.Popen(
+            [
+                procs.sys.executable,
+                procs.TRAIN,
+                "--rank",
+                "0",
+                "--world-size",
+                "5",
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--gloo_socket_ifname",
+                "lo",
+                *args,
+                "--join",
+            ],
+            env=dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(events)),
+            cwd=str(tmp_path),
+            text=True,
+            stdout=procs.subprocess.PIPE,
+            stderr=procs.subprocess.PIPE,
+            start_new_session=True,
+        )
         results = procs.wait_all([*ranks[1:], joiner], timeout=300)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             procs.kill_group(p)
     codes = [code for code, _, _ in results]
     assert codes == [0, 0, 0, -signal.SIGKILL, 0], results
-    out = results[0][1]   # rank 1: rank 0 of the job from the loss of rank 0 on
+    out = results[0][1]  # rank 1: rank 0 of the job from the loss of rank 0 on
     assert re.search(r"rank 1: lost rank 0 at epoch 1, step \d+ \([^)]+\); continuing on 4 ranks", out), out
     assert re.search(r"rank 1: lost rank 4 at epoch \d, step \d+ \([^)]+\); continuing on 3 ranks", out), out
-    assert re.search(r"rank 0: joined the job after epoch \d, step \d+, as rank 3 of 4 \(members 1, 2, 3, 0\)",
-                     results[4][1]), results[4]
+    assert re.search(
+        r"rank 0: joined the job after epoch \d, step \d+, as rank 3 of 4 \(members 1, 2, 3, 0\)", results[4][1]
+    ), results[4]
     assert "parameters identical on all 4 ranks" in out
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == [1, 2] and [row["images"] for row in rows] == [12800] * 2, rows

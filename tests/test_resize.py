@@ -3,22 +3,19 @@
 Bits are not expected to survive a resize (the sums add in another order); the step after it must
 match the unresized run's within float tolerance, and the job must end about as accurate.
 """
+
 import io
 import os
 import re
 import signal
-import sys
-
-import pytest
-import torch
 
 import procs
-from procs import REPO
+import pytest
+import torch
 from procs import checkpoint_position, final_digest, wait_for
 
-sys.path.insert(0, REPO)
-from utils.compress import state_for  # noqa: E402
-from utils.data import epoch_permutation, step_batches  # noqa: E402
+from utils.comm.compress import state_for
+from utils.data import epoch_permutation, step_batches
 
 
 def test_every_image_of_an_epoch_is_trained_once_across_a_resize():
@@ -35,13 +32,16 @@ def test_every_image_of_an_epoch_is_trained_once_across_a_resize():
                 shares = [len(batches[s]) for batches, _ in ranks]
                 assert max(shares) - min(shares) <= 1 and sum(shares) == ranks[0][1][s]
                 together = torch.cat([batches[s] for batches, _ in ranks])
-                assert torch.equal(together.sort().values, permutation[global_batch * s:global_batch * (s + 1)].sort().values)
+                assert torch.equal(
+                    together.sort().values, permutation[global_batch * s : global_batch * (s + 1)].sort().values
+                )
             # rank r's batches are every n-th entry of the permutation, from r on
             for r, (batches, _) in enumerate(ranks):
                 assert torch.equal(torch.cat(batches), permutation[r::n])
         for old, new, at in ((2, 3, min(5, steps)), (3, 2, 1), (4, 1, steps - 1), (1, 5, 0)):
-            trained = [plan[old][r][0][s] for r in range(old) for s in range(at)] + \
-                      [plan[new][r][0][s] for r in range(new) for s in range(at, steps)]
+            trained = [plan[old][r][0][s] for r in range(old) for s in range(at)] + [
+                plan[new][r][0][s] for r in range(new) for s in range(at, steps)
+            ]
             assert torch.equal(torch.cat(trained).sort().values, torch.arange(images))
 
 
@@ -53,7 +53,7 @@ def test_powersgd_state_on_another_number_of_ranks_keeps_the_mean_error():
     for rank in range(3):
         state = state_for(states, rank, 3)
         assert state["steps"] == [12, 12] and state["qs"] == [q, None] and state["errors"][1] is None
-        assert torch.equal(state["errors"][0], torch.tensor([2.0, 0.0]))   # the old ranks' mean
+        assert torch.equal(state["errors"][0], torch.tensor([2.0, 0.0]))  # the old ranks' mean
     assert state_for([{"scales": {0: 2.0**-3}}] * 3, 1, 2) == {"scales": {0: 2.0**-3}}
 
 
@@ -83,14 +83,18 @@ def accuracy(stdout):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("before, after, extra", [(2, 3, ["--compress", "powersgd", "--powersgd-warmup", "2"]),
-                                                  (3, 2, ["--lazy-update"])], ids=["2-to-3-powersgd", "3-to-2-lazy"])
+@pytest.mark.parametrize(
+    "before, after, extra",
+    [(2, 3, ["--compress", "powersgd", "--powersgd-warmup", "2"]), (3, 2, ["--lazy-update"])],
+    ids=["2-to-3-powersgd", "3-to-2-lazy"],
+)
 def test_the_step_after_a_resize_matches_the_unresized_run(before, after, extra, tmp_path):
     """The unresized run saves before its last step; that checkpoint resumes on another number of ranks
     for that one step. Its parameters must match the unresized run's end within float tolerance."""
     checkpoint, kept = tmp_path / "c.pt", tmp_path / "before-last-step.pt"
-    ranks = procs.start_ranks(before, [*SMALL, *extra, "--checkpoint", str(checkpoint),
-                                       "--save-path", str(tmp_path / "unresized.pth")])
+    ranks = procs.start_ranks(
+        before, [*SMALL, *extra, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "unresized.pth")]
+    )
     try:  # the epoch's end (after evaluating) overwrites it: keep a copy first
         wait_for(lambda: keep_if_at(checkpoint, (1, STEPS - 1), kept), 240, "the checkpoint before the last step")
         unresized = procs.wait_all(ranks, timeout=240)
@@ -100,13 +104,16 @@ def test_the_step_after_a_resize_matches_the_unresized_run(before, after, extra,
     assert [code for code, _, _ in unresized] == [0] * before, [err for _, _, err in unresized]
     assert checkpoint_position(kept) == (1, STEPS - 1)
 
-    ranks = procs.start_ranks(after, [*SMALL, *extra, "--checkpoint", str(kept), "--save-path",
-                                      str(tmp_path / "resized.pth"), "--resume"])
+    ranks = procs.start_ranks(
+        after, [*SMALL, *extra, "--checkpoint", str(kept), "--save-path", str(tmp_path / "resized.pth"), "--resume"]
+    )
     resized = procs.wait_all(ranks, timeout=240)
     assert [code for code, _, _ in resized] == [0] * after, [err for _, _, err in resized]
     out = resized[0][1]
-    assert (f"resuming from {kept}: epoch 1, after step {STEPS - 1}; resuming on {after} ranks; "
-            f"the checkpoint was made on {before}") in out, out
+    assert (
+        f"resuming from {kept}: epoch 1, after step {STEPS - 1}; resuming on {after} ranks; "
+        f"the checkpoint was made on {before}"
+    ) in out, out
     assert f"batch 64 ({'32' if after == 2 else '21-22'} per rank)" in out
     a, b = parameters(tmp_path / "unresized.pth"), parameters(tmp_path / "resized.pth")
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
@@ -122,8 +129,12 @@ def test_a_job_stopped_on_three_hosts_resumes_on_two(needs_root, tmp_path):
     from test_multihost import NICS, report, start_ranks, wait_ranks
 
     settings = ["--train-subset", "3200", "--epochs", "1", "--metrics", "", "--save-every", "4", "--timeout", "30"]
-    unresized = procs.wait_all(procs.start_ranks(3, [*settings, "--checkpoint", str(tmp_path / "u.pt"),
-                                                     "--save-path", str(tmp_path / "u.pth")]), timeout=300)
+    unresized = procs.wait_all(
+        procs.start_ranks(
+            3, [*settings, "--checkpoint", str(tmp_path / "u.pt"), "--save-path", str(tmp_path / "u.pth")]
+        ),
+        timeout=300,
+    )
     assert [code for code, _, _ in unresized] == [0, 0, 0], [err for _, _, err in unresized]
 
     checkpoint = tmp_path / "c.pt"
@@ -132,7 +143,7 @@ def test_a_job_stopped_on_three_hosts_resumes_on_two(needs_root, tmp_path):
         (tmp_path / "three").mkdir()
         started = start_ranks(c, [c.train_argv(r, 29500, job) for r in range(3)], tmp_path / "three")
         wait_for(lambda: checkpoint.exists() or any(p.poll() is not None for p in started), 240, "training")
-        os.killpg(started[1].pid, signal.SIGTERM)    # host 1's rank (its own session)
+        os.killpg(started[1].pid, signal.SIGTERM)  # host 1's rank (its own session)
         results = wait_ranks(c, started, tmp_path / "three", timeout=60)
         assert [code for code, *_ in results] == [3, 3, 3], report(results)
         step = checkpoint_position(checkpoint)[1]
@@ -148,4 +159,4 @@ def test_a_job_stopped_on_three_hosts_resumes_on_two(needs_root, tmp_path):
     assert f"after step {step}; resuming on 2 ranks; the checkpoint was made on 3" in out, out
     assert "parameters identical on all 2 ranks" in out
     assert abs(accuracy(out) - accuracy(unresized[0][1])) <= 0.1, (out, unresized[0][1])
-    assert final_digest(out) != final_digest(unresized[0][1])   # resized: the same run, not the same bits
+    assert final_digest(out) != final_digest(unresized[0][1])  # resized: the same run, not the same bits

@@ -1,9 +1,9 @@
 """The ring sums: correct against a float64 reference and bit-identical on every rank."""
+
 import os
 
 import pytest
 import torch
-
 from procs import run_workers
 from ring_worker import cases, inputs
 

@@ -1,10 +1,10 @@
 """requirements.txt and environment.yaml name the same packages and versions; the README's
 test command is the one CI runs."""
+
 import os
 import re
 
 import yaml
-
 from procs import REPO
 
 

@@ -5,6 +5,7 @@ as the uninterrupted one; scancel leaves a whole checkpoint; a finished job is n
 
 Needs root and slurmctld, slurmd, slurm-client and munge (.ci/run installs them); in CI their absence is a failure.
 """
+
 import math
 import os
 import re
@@ -13,16 +14,15 @@ import signal
 import sys
 import time
 
-import pytest
-
 import procs
+import pytest
 from procs import checkpoint_position, final_digest, wait_for
 from slurm_cluster import FAST_REQUEUE, TIME_LIMIT_PERIOD, SlurmCluster, require_slurm
 
 SCRIPT = os.path.join(procs.REPO, "scripts", "slurm.sbatch")
 # About 8 s of training on two emulated nodes (the machine's two cores), 98% on the test subset.
 TRAINING = ["--train-subset", "9600", "--test-subset", "1000", "--epochs", "2", "--save-every", "20"]
-WARNING_AFTER = 7   # seconds from the time-limited job's start to Slurm's warning: past start-up, mid-training
+WARNING_AFTER = 7  # seconds from the time-limited job's start to Slurm's warning: past start-up, mid-training
 # One thread a rank (OMP_NUM_THREADS from --cpus-per-task): the thread count changes the bits.
 SBATCH = ["--cpus-per-task=1"]
 JOB_ENV = {"PYTHON": sys.executable, "TRAIN_PY": procs.TRAIN}
@@ -77,24 +77,29 @@ def straight(cluster, time_limited_job, tmp_path_factory):
 def test_the_shipped_script_trains_on_two_nodes_without_rank_flags(straight):
     _, log, job, _ = straight
     assert f"Slurm job {job} step 0: 2 tasks on 2 nodes (node1, node2)" in log, log
-    assert "2 hosts × 1 rank" in log, log   # Slurm's node ids: one rank on each node
+    assert "2 hosts × 1 rank" in log, log  # Slurm's node ids: one rank on each node
     accuracies = [float(a) for a in re.findall(r"epoch \d/2 .* test accuracy ([\d.]+)%", log)]
-    assert len(accuracies) == 2 and accuracies[-1] > 95.0, log   # 98.0% here
+    assert len(accuracies) == 2 and accuracies[-1] > 95.0, log  # 98.0% here
     assert "parameters identical on all 2 ranks" in log
     assert "Traceback" not in log and "error" not in log.lower(), log
 
 
 @pytest.mark.timeout(400)
-def test_a_time_limit_stops_checkpoints_requeues_and_the_job_ends_as_the_uninterrupted_one(cluster, straight,
-                                                                                         time_limited_job):
+def test_a_time_limit_stops_checkpoints_requeues_and_the_job_ends_as_the_uninterrupted_one(
+    cluster, straight, time_limited_job
+):
     job, folder = time_limited_job
     info, log = finished(cluster, folder, job, timeout=360)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log)
     restarts = int(info["Restarts"])
     assert restarts >= 1, log
-    assert len(stop_lines(log, "SIGUSR1")) == 2 * restarts, log    # both ranks, each time
-    assert log.count(f"train.py: rank 0: requeued Slurm job {job}: when it runs again it continues from "
-                     f"runs/checkpoint.pt") == restarts, log
+    assert len(stop_lines(log, "SIGUSR1")) == 2 * restarts, log  # both ranks, each time
+    assert (
+        log.count(
+            f"train.py: rank 0: requeued Slurm job {job}: when it runs again it continues from runs/checkpoint.pt"
+        )
+        == restarts
+    ), log
     assert f"Slurm job {job} step 0: 2 tasks on 2 nodes (node1, node2), requeued {restarts} time" in log, log
     assert len(re.findall(r"resuming from runs/checkpoint\.pt: epoch \d, after step \d+", log)) == restarts, log
     assert final_digest(log.rsplit("resuming from", 1)[1]) == straight[0]
@@ -103,8 +108,11 @@ def test_a_time_limit_stops_checkpoints_requeues_and_the_job_ends_as_the_uninter
 
 def stop_lines(log, signal_name):
     """(rank, epoch, step) of every rank's stop line for `signal_name`."""
-    return re.findall(rf"train\.py: rank (\d): stopped after epoch (\d), step (\d+)/\d+ \({signal_name} to ranks "
-                      rf"0, 1\); checkpoint saved to runs/checkpoint\.pt", log)
+    return re.findall(
+        rf"train\.py: rank (\d): stopped after epoch (\d), step (\d+)/\d+ \({signal_name} to ranks "
+        rf"0, 1\); checkpoint saved to runs/checkpoint\.pt",
+        log,
+    )
 
 
 def stopped_at(log, signal_name, checkpoint):
@@ -121,6 +129,7 @@ def wait_past(cluster, job, checkpoint, before):
     def moved():
         assert cluster.job_state(job)["JobState"] in ("PENDING", "RUNNING"), cluster.job_state(job)
         return (checkpoint_position(checkpoint) or (0, 0)) > before
+
     wait_for(moved, 120, "a checkpoint beyond " + str(before))
 
 
@@ -159,18 +168,46 @@ def test_a_finished_run_submitted_again_does_nothing_and_is_not_requeued(cluster
 
 def test_a_broken_slurm_environment_is_one_line_and_exit_2(tmp_path):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for broken, needle in (({"SLURM_PROCID": "0"}, "SLURM_PROCID is set but SLURM_NTASKS, SLURM_JOB_ID"),
-                           ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_NODEID": "0",
-                             "SLURM_STEP_NODELIST": "node[1-2]"}, "SLURM_NTASKS is not"),
-                           ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
-                             "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "node[1-2]"}, "SLURM_PROCID=2 is not a rank"),
-                           ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
-                             "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "node[1-2"}, "malformed Slurm node list")):
+    for broken, needle in (
+        ({"SLURM_PROCID": "0"}, "SLURM_PROCID is set but SLURM_NTASKS, SLURM_JOB_ID"),
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_STEP_ID": "0",
+                "SLURM_JOB_ID": "7",
+                "SLURM_NODEID": "0",
+                "SLURM_STEP_NODELIST": "node[1-2]",
+            },
+            "SLURM_NTASKS is not",
+        ),
+        (
+            {
+                "SLURM_PROCID": "2",
+                "SLURM_NTASKS": "2",
+                "SLURM_STEP_ID": "0",
+                "SLURM_JOB_ID": "7",
+                "SLURM_NODEID": "0",
+                "SLURM_STEP_NODELIST": "node[1-2]",
+            },
+            "SLURM_PROCID=2 is not a rank",
+        ),
+        (
+            {
+                "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2",
+                "SLURM_STEP_ID": "0",
+                "SLURM_JOB_ID": "7",
+                "SLURM_NODEID": "0",
+                "SLURM_STEP_NODELIST": "node[1-2",
+            },
+            "malformed Slurm node list",
+        ),
+    ):
         result = procs.train([], timeout=120, cwd=str(tmp_path), env=dict(environ, **broken))
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr)
         assert needle in lines[0] and "Traceback" not in result.stdout + result.stderr, lines[0]
-    assert not (tmp_path / "runs").exists()   # nothing written
+    assert not (tmp_path / "runs").exists()  # nothing written
 
 
 @pytest.mark.timeout(120)
@@ -178,7 +215,7 @@ def test_the_warning_while_a_rank_starts_stops_the_job_after_its_first_step(tmp_
     """SIGUSR1 (Slurm's warning: there is time left) does not end a rank that is still starting."""
     ranks = procs.start_ranks(2, [*TRAINING, "--resume"], cwd=str(tmp_path))
     try:
-        line = ranks[0].stdout.readline()   # printed after the signals are handled, before training begins
+        line = ranks[0].stdout.readline()  # printed after the signals are handled, before training begins
         assert line.startswith("no checkpoint at runs/checkpoint.pt; starting afresh"), line
         os.kill(ranks[0].pid, signal.SIGUSR1)
         results = procs.wait_all(ranks, timeout=90)
@@ -187,8 +224,11 @@ def test_the_warning_while_a_rank_starts_stops_the_job_after_its_first_step(tmp_
             procs.kill_group(rank)
     for rank, (code, _, err) in enumerate(results):
         assert code == 3, (rank, code, err)
-        assert re.fullmatch(rf"train\.py: rank {rank}: stopped after epoch 1, step 1/150 \(SIGUSR1 to rank 0\); "
-                            r"checkpoint saved to runs/checkpoint\.pt; to resume: .*", err.strip()), err
+        assert re.fullmatch(
+            rf"train\.py: rank {rank}: stopped after epoch 1, step 1/150 \(SIGUSR1 to rank 0\); "
+            r"checkpoint saved to runs/checkpoint\.pt; to resume: .*",
+            err.strip(),
+        ), err
     assert checkpoint_position(tmp_path / "runs" / "checkpoint.pt") == (1, 1)
 
 
@@ -196,16 +236,18 @@ def test_the_warning_while_a_rank_starts_stops_the_job_after_its_first_step(tmp_
 def test_two_tasks_a_node_sum_hierarchically_and_srun_torchrun_still_works(cluster, tmp_path):
     short = ["--epochs", "1", "--train-subset", "1280", "--metrics", ""]
     job = submit(cluster, tmp_path, "--ntasks-per-node=2", args=[*short, "--allreduce", "hierarchical"])
-    torchrun = tmp_path / "torchrun.sbatch"   # one torchrun agent a node; torchrun's RANK wins over Slurm's
-    torchrun.write_text(f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n"
-                        f"export OMP_NUM_THREADS=1\nsrun {sys.executable} -m torch.distributed.run --nnodes 2 "
-                        f"--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint node1:29400 --rdzv-id t "
-                        f"{procs.TRAIN} {shlex.join(short)} --checkpoint t.pt --save-path t.pth\n")
+    torchrun = tmp_path / "torchrun.sbatch"  # one torchrun agent a node; torchrun's RANK wins over Slurm's
+    torchrun.write_text(
+        f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n"
+        f"export OMP_NUM_THREADS=1\nsrun {sys.executable} -m torch.distributed.run --nnodes 2 "
+        f"--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint node1:29400 --rdzv-id t "
+        f"{procs.TRAIN} {shlex.join(short)} --checkpoint t.pt --save-path t.pth\n"
+    )
     torchrun_job = cluster.sbatch(torchrun, cwd=tmp_path)
     info, log = finished(cluster, tmp_path, job, timeout=240)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log)
     assert f"Slurm job {job} step 0: 4 tasks on 2 nodes (node1, node2)" in log, log
-    assert "all-reduce hierarchical" in log and "2 hosts × 2 ranks" in log, log   # node ids from Slurm
+    assert "all-reduce hierarchical" in log and "2 hosts × 2 ranks" in log, log  # node ids from Slurm
     assert "parameters identical on all 4 ranks" in log, log
     info, log = finished(cluster, tmp_path, torchrun_job, timeout=240)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log)

@@ -3,6 +3,7 @@ run on node1 and node2, each seeing its own hostname, NIC and address, and nothi
 
 Needs root and slurm-wlm + munge; in CI (CI=true) their absence is a failure, never a skip.
 """
+
 import os
 import re
 import subprocess
@@ -13,10 +14,10 @@ from slurm_cluster import ETC_NETNS, SlurmCluster, require_slurm
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
-TASK = r'''#!/bin/sh
+TASK = r"""#!/bin/sh
 #SBATCH --nodes=2 --ntasks-per-node=1 --time=2 --output=job-%j.out
 srun sh -c 'echo "task $(hostname) $SLURM_PROCID $SLURM_NODEID $SLURM_NODELIST $(ip -o -4 addr show scope global)"'
-'''
+"""
 TASK_LINE = re.compile(r"^task (\S+) (\d+) (\d+) (\S+) \d+: (\S+)\s+inet (\d+\.\d+\.\d+\.\d+)/", re.MULTILINE)
 
 
@@ -53,8 +54,10 @@ def test_two_node_job_runs_on_both_nodes_and_nothing_is_left(slurm_installed, tm
         assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, c.log_tails())
         out = (tmp_path / f"job-{job}.out").read_text()
         tasks = sorted(TASK_LINE.findall(out))
-        assert tasks == [("node1", "0", "0", "node[1-2]", c.nic(1), c.addr(1)),
-                         ("node2", "1", "1", "node[1-2]", c.nic(2), c.addr(2))], out
+        assert tasks == [
+            ("node1", "0", "0", "node[1-2]", c.nic(1), c.addr(1)),
+            ("node2", "1", "1", "node[1-2]", c.nic(2), c.addr(2)),
+        ], out
         assert c.nic(1) != c.nic(2)
     assert not processes_mentioning(temp_dir)
     assert not set(names) & namespaces()

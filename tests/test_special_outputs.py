@@ -1,13 +1,13 @@
 """Outputs that are not regular files: a device is written in place (never replaced by a file), a
 symlink through to its target (the link stays), and nothing is left beside them after the run.
 The devices are private copies (mknod, as root) of /dev/null and /dev/full, in the test's folder."""
+
 import os
 import stat
 
+import procs
 import pytest
 import torch
-
-import procs
 
 
 def device(path, minor):
@@ -29,15 +29,36 @@ def test_devices_and_symlinks_are_written_through(tmp_path):
     target.parent.mkdir()
     link = tmp_path / "c.pt"
     link.symlink_to(target)
-    result = procs.train(["--epochs", "1", "--train-subset", "640", "--test-subset", "200", "--metrics", "",
-                          "--save-path", str(null), "--checkpoint", str(link), "--timeline", str(full),
-                          "--timeline-steps", "2:3"], timeout=150, cwd=str(tmp_path))
+    result = procs.train(
+        [
+            "--epochs",
+            "1",
+            "--train-subset",
+            "640",
+            "--test-subset",
+            "200",
+            "--metrics",
+            "",
+            "--save-path",
+            str(null),
+            "--checkpoint",
+            str(link),
+            "--timeline",
+            str(full),
+            "--timeline-steps",
+            "2:3",
+        ],
+        timeout=150,
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
-    assert stat.S_ISCHR(os.stat(null).st_mode) and stat.S_ISCHR(os.stat(full).st_mode)   # still devices
-    assert link.is_symlink() and os.readlink(link) == str(target)                            # still a link
-    assert torch.load(target, weights_only=True)["epoch"] == 2                              # written through
+    assert stat.S_ISCHR(os.stat(null).st_mode) and stat.S_ISCHR(os.stat(full).st_mode)  # still devices
+    assert link.is_symlink() and os.readlink(link) == str(target)  # still a link
+    assert torch.load(target, weights_only=True)["epoch"] == 2  # written through
     # a full device is a write that failed: said in one line, and the training went on
-    assert f"could not write the timeline (cannot write {full}: No space left on device)" in result.stderr, result.stderr
+    assert f"could not write the timeline (cannot write {full}: No space left on device)" in result.stderr, (
+        result.stderr
+    )
     assert "timeline of steps" not in result.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "full", "null", "real"]   # no lock, no temp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "full", "null", "real"]  # no lock, no temp
     assert sorted(p.name for p in target.parent.iterdir()) == ["c.pt"]

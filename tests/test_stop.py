@@ -4,6 +4,7 @@ rank 0 saves, every rank says so in one line and exits 3; a second signal stops 
 One job is stopped and resumed again and again, each time another way, and must end bit-identical
 to a run that was never stopped: the uninterrupted run is made once per module.
 """
+
 import os
 import re
 import signal
@@ -11,16 +12,27 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import procs
+import pytest
 from procs import checkpoint_position, final_digest, wait_for
 
 STOPPED = 3
-STEPS = 100   # 6400 images, 64 a step
-COMMON = ["--test-subset", "1000", "--train-subset", "6400", "--epochs", "1", "--metrics", "", "--save-every", "4",
-          "--timeout", "30"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")   # as procs.start_ranks: the thread count changes the bits
+STEPS = 100  # 6400 images, 64 a step
+COMMON = [
+    "--test-subset",
+    "1000",
+    "--train-subset",
+    "6400",
+    "--epochs",
+    "1",
+    "--metrics",
+    "",
+    "--save-every",
+    "4",
+    "--timeout",
+    "30",
+]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # as procs.start_ranks: the thread count changes the bits
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +47,33 @@ def straight(tmp_path_factory):
 
 def stop_line(rank, who, checkpoint):
     """The pattern of the one line a stopped rank prints; group 1: the step."""
-    return (rf"train\.py: rank {rank}: stopped after epoch 1, step (\d+)/{STEPS} \({re.escape(who)}\); "
-            rf"checkpoint saved to {re.escape(str(checkpoint))}; to resume: python3 -u train\.py .* --resume")
+    return (
+        rf"train\.py: rank {rank}: stopped after epoch 1, step (\d+)/{STEPS} \({re.escape(who)}\); "
+        rf"checkpoint saved to {re.escape(str(checkpoint))}; to resume: python3 -u train\.py .* --resume"
+    )
 
 
 def start(checkpoint, extra=()):
-    return procs.start_ranks(3, [*COMMON, *extra, "--checkpoint", str(checkpoint),
-                                 "--save-path", str(checkpoint.parent / "m.pth"), "--resume"])
+    return procs.start_ranks(
+        3,
+        [*COMMON, *extra, "--checkpoint", str(checkpoint), "--save-path", str(checkpoint.parent / "m.pth"), "--resume"],
+    )
 
 
 def wait_past(checkpoint, before, job=()):
     """Until the job has saved a checkpoint beyond `before`: it is training."""
+
     def moved():
         assert all(p.poll() is None for p in job), "the job ended before it was signalled"
         return (checkpoint_position(checkpoint) or (0, 0)) > before
+
     wait_for(moved, 240, "training to go on")
 
 
 def assert_stopped(results, who, checkpoint):
     """Every rank exited 3 with its one line, all at the same step, and the checkpoint holds that step."""
     steps = set()
-    for rank, (code, out, err) in enumerate(results):
+    for rank, (code, _out, err) in enumerate(results):
         assert code == STOPPED, (rank, code, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1, err
@@ -90,15 +108,32 @@ def test_signals_stop_every_rank_at_one_step_and_the_job_resumes_bit_identical(s
         results, took = signal_and_wait(ranks, victims, signal.SIGTERM)
         who = f"SIGTERM to rank {victims[0]}" if len(victims) == 1 else "SIGTERM to ranks 0, 1, 2"
         assert_stopped(results, who, checkpoint)
-        assert took < 20, took   # a step, a save: about a second unloaded
+        assert took < 20, took  # a step, a save: about a second unloaded
 
     # Ctrl-C on the local launcher's terminal: SIGINT to its whole process group, so every rank gets it
     # twice (directly and passed on by the launcher), which counts once. Every step saves, so the
     # signal is likely to land during a save: the checkpoint must still be whole.
     before = checkpoint_position(checkpoint)
-    launcher = subprocess.Popen([sys.executable, procs.TRAIN, *COMMON, "--save-every", "1", "--nproc", "3",
-                                 "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth"), "--resume"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            procs.TRAIN,
+            *COMMON,
+            "--save-every",
+            "1",
+            "--nproc",
+            "3",
+            "--checkpoint",
+            str(checkpoint),
+            "--save-path",
+            str(tmp_path / "m.pth"),
+            "--resume",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_past(checkpoint, before, [launcher])
         os.killpg(launcher.pid, signal.SIGINT)
@@ -130,10 +165,12 @@ def test_signals_stop_every_rank_at_one_step_and_the_job_resumes_bit_identical(s
             procs.kill_group(r)
             r.wait()
     assert ranks[0].returncode == 128 + signal.SIGTERM, err
-    assert err.strip() == ("train.py: rank 0: second signal (SIGTERM): stopped at once, without saving this step; "
-                           "the checkpoint saved before stays whole"), err
+    assert err.strip() == (
+        "train.py: rank 0: second signal (SIGTERM): stopped at once, without saving this step; "
+        "the checkpoint saved before stays whole"
+    ), err
     assert took < 5, took
-    assert checkpoint_position(checkpoint) >= before   # whole (it loads), and never went back
+    assert checkpoint_position(checkpoint) >= before  # whole (it loads), and never went back
 
     # and the job still ends as if it had never stopped
     ranks = start(checkpoint, ["--lazy-update"])
@@ -150,14 +187,29 @@ def test_torchrun_stopped_by_sigterm_saves_and_torchrun_again_resumes(straight, 
     checkpoint = tmp_path / "c.pt"
 
     def torchrun():
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
-                str(procs.free_port()), procs.TRAIN, *COMMON, "--checkpoint", str(checkpoint),
-                "--save-path", str(tmp_path / "m.pth"), "--resume"]
-    job = subprocess.Popen(torchrun(), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            str(procs.free_port()),
+            procs.TRAIN,
+            *COMMON,
+            "--checkpoint",
+            str(checkpoint),
+            "--save-path",
+            str(tmp_path / "m.pth"),
+            "--resume",
+        ]
+
+    job = subprocess.Popen(
+        torchrun(), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         wait_past(checkpoint, (0, 0), [job])
-        job.send_signal(signal.SIGTERM)       # the agent alone, as a scheduler stopping the job would
+        job.send_signal(signal.SIGTERM)  # the agent alone, as a scheduler stopping the job would
         out, err = job.communicate(timeout=120)
     finally:
         procs.kill_group(job)

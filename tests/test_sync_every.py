@@ -1,24 +1,30 @@
 """--sync-every H: H inner steps on each rank, then the parameters' change averaged behind the
-next round (utils/periodic.py). Real processes, our own rings."""
+next round (utils/sync/periodic.py). Real processes, our own rings."""
+
 import json
 import os
 import re
 
-import pytest
-
 import procs
+import pytest
 from procs import final_digest
 
-SHORT = ["--epochs", "1", "--train-subset", "3200", "--test-subset", "1000", "--timeout", "60"]   # 50 steps
+SHORT = ["--epochs", "1", "--train-subset", "3200", "--test-subset", "1000", "--timeout", "60"]  # 50 steps
 
 
 def test_bad_values_are_one_line_and_exit_2():
-    for args in (["--sync-every", "0"], ["--sync-every", "4", "--outer", "nesterov", "--outer-lr", "nan"],
-                 ["--outer", "nesterov"], ["--sync-every", "4", "--outer-lr", "0.5"],
-                 ["--sync-every", "4", "--outer", "nesterov", "--outer-momentum", "1"],
-                 ["--sync-every", "4", "--compress", "powersgd"], ["--sync-every", "4", "--lazy-update"],
-                 ["--merge-after", "2"], ["--sync-every", "8", "--merge-after", "9"],
-                 ["--sync-every", "8", "--merge-after", "0"]):
+    for args in (
+        ["--sync-every", "0"],
+        ["--sync-every", "4", "--outer", "nesterov", "--outer-lr", "nan"],
+        ["--outer", "nesterov"],
+        ["--sync-every", "4", "--outer-lr", "0.5"],
+        ["--sync-every", "4", "--outer", "nesterov", "--outer-momentum", "1"],
+        ["--sync-every", "4", "--compress", "powersgd"],
+        ["--sync-every", "4", "--lazy-update"],
+        ["--merge-after", "2"],
+        ["--sync-every", "8", "--merge-after", "9"],
+        ["--sync-every", "8", "--merge-after", "0"],
+    ):
         result = procs.train(args, timeout=30)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, (args, result.stderr)
         assert result.stderr.startswith("train.py: error: "), (args, result.stderr)
@@ -27,19 +33,21 @@ def test_bad_values_are_one_line_and_exit_2():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("outer", ["average", "nesterov"])
 def test_h8_trains_sends_an_eighth_and_ends_identical(outer, tmp_path):
-    result = procs.train([*SHORT, "--sync-every", "8", "--outer", outer, "--metrics", "m.jsonl",
-                          "--timeline", "trace.json"], cwd=str(tmp_path))
+    result = procs.train(
+        [*SHORT, "--sync-every", "8", "--outer", outer, "--metrics", "m.jsonl", "--timeline", "trace.json"],
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     assert "parameters identical on all 2 ranks" in result.stdout
     row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
-    assert row["test_accuracy"] > 0.80, row   # it trains (10% is chance); accuracy targets: the benchmark
+    assert row["test_accuracy"] > 0.80, row  # it trains (10% is chance); accuracy targets: the benchmark
     # the timeline: each rank's outer sums as spans, on their own row, beside the inner steps
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
     for rank in (0, 1):
         sums = [e for e in trace if e["ph"] == "X" and e["pid"] == rank and e["name"] == "outer-sum"]
         steps = [e for e in trace if e["ph"] == "X" and e["pid"] == rank and e["name"] == "optimizer"]
-        assert len(sums) >= 3 and len(steps) >= 20, (rank, len(sums), len(steps))   # (the window: its last 30 steps)
+        assert len(sums) >= 3 and len(steps) >= 20, (rank, len(sums), len(steps))  # (the window: its last 30 steps)
         assert {rows[rank, e["tid"]] for e in sums}.isdisjoint({rows[rank, e["tid"]] for e in steps}), rows
     if outer != "average":
         return
@@ -84,11 +92,14 @@ def test_a_job_stopped_mid_round_on_2_ranks_resumes_on_3(tmp_path):
 
 
 def test_a_resume_with_another_h_is_refused(tmp_path):
-    stopped = procs.train([*SHORT, "--sync-every", "4"], cwd=str(tmp_path), env=dict(os.environ, RING_FAULT="0:5:TERM"),
-                          timeout=120)
+    stopped = procs.train(
+        [*SHORT, "--sync-every", "4"], cwd=str(tmp_path), env=dict(os.environ, RING_FAULT="0:5:TERM"), timeout=120
+    )
     assert stopped.returncode == 3, stopped.stderr
     result = procs.train([*SHORT, "--sync-every", "8", "--resume"], cwd=str(tmp_path), timeout=60)
-    assert result.returncode == 2 and "--sync-every 4" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert result.returncode == 2 and "--sync-every 4" in result.stderr and result.stderr.count("\n") == 1, (
+        result.stderr
+    )
 
 
 @pytest.mark.timeout(300)
@@ -97,8 +108,11 @@ def test_a_lost_rank_is_seen_at_a_rounds_end_and_the_others_go_on(tmp_path):
     sum is merged (step 28, for the round ending at step 24; or at step 20, if the round ending at
     step 16 was still being summed when it died, as on a loaded machine): that step counts as
     done, and the survivors go on from the last outer step."""
-    result = procs.train([*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"], cwd=str(tmp_path),
-                         env=dict(os.environ, RING_FAULT="1:20:KILL"))
+    result = procs.train(
+        [*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"],
+        cwd=str(tmp_path),
+        env=dict(os.environ, RING_FAULT="1:20:KILL"),
+    )
     assert result.returncode == 0, result.stderr
     # the round ending at step 24 sums in the background; its failure, or the next one's, is seen at its merge
     assert re.search(r"continuing on 2 ranks from step (20|28|36) ", result.stdout), result.stdout

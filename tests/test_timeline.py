@@ -7,22 +7,34 @@ handed over during backward and running from then on, and the clock alignment: o
 (TIMELINE_TEST_CLOCK_SKEW_S), yet on the trace's clock no rank ends a bucket's sum before every
 rank has started it (within the measured error), and the estimated offset is the skew within it.
 """
+
 import json
 import os
 import subprocess
 import sys
 from collections import defaultdict
 
-import pytest
-
 import procs
+import pytest
 from procs import REPO
 
 SUMMARY = os.path.join(REPO, "scripts", "timeline_summary.py")
 SKEW_S = 5.5
 FIRST, LAST = 4, 11
-COMMON = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "1280", "--metrics", "", "--timeout", "60",
-          "--timeline-steps", f"{FIRST}:{LAST}"]           # (the window last: see test_multihost.py)
+COMMON = [
+    "--epochs",
+    "1",
+    "--test-subset",
+    "1000",
+    "--train-subset",
+    "1280",
+    "--metrics",
+    "",
+    "--timeout",
+    "60",
+    "--timeline-steps",
+    f"{FIRST}:{LAST}",
+]  # (the window last: see test_multihost.py)
 
 
 def load_spans(path):
@@ -33,8 +45,11 @@ def load_spans(path):
     spans = defaultdict(list)
     for e in trace["traceEvents"]:
         if e["ph"] == "X":
-            spans[e["pid"]].append(dict(name=e["name"], row=rows[e["pid"], e["tid"]], start=e["ts"],
-                                        end=e["ts"] + e["dur"], args=e["args"]))
+            spans[e["pid"]].append(
+                dict(
+                    name=e["name"], row=rows[e["pid"], e["tid"]], start=e["ts"], end=e["ts"] + e["dur"], args=e["args"]
+                )
+            )
     return dict(spans), trace["otherData"]
 
 
@@ -43,14 +58,16 @@ def check_trace(path, world, buckets, overlap, lazy, skews=(0.0,)):
     assert sorted(spans) == list(range(world))
     assert (meta["first_step"], meta["last_step"], meta["world_size"]) == (FIRST, LAST, world)
     errors_us = [e / 1e3 for e in meta["clock_error_ns"]]
-    for rank in range(world):   # the estimated offset undoes the skew, within the measured error
+    for rank in range(world):  # the estimated offset undoes the skew, within the measured error
         skew_ns = skews[rank % len(skews)] * 1e9
         assert abs(meta["clock_offset_ns"][rank] + skew_ns) <= meta["clock_error_ns"][rank] + 1e3, meta
     for rank, mine in spans.items():
         training = [s for s in mine if s["row"] == "training"]
         for step in range(FIRST, LAST + 1):
-            def of(name, among=training):
+
+            def of(name, among=training, step=step):
                 return [s for s in among if s["name"] == name and s["args"]["step"] == step]
+
             assert [len(of(n)) for n in ("step", "forward", "backward")] == [1, 1, 1], (rank, step)
             (forward,), (backward,) = of("forward"), of("backward")
             updates = of("optimizer", mine)
@@ -60,18 +77,24 @@ def check_trace(path, world, buckets, overlap, lazy, skews=(0.0,)):
             ready = {s["args"]["bucket"]: s for s in of("ready")}
             for s in sums:
                 assert forward["start"] <= s["start"] and s["end"] <= max(u["end"] for u in updates), (rank, s)
-                if overlap:     # handed to its thread (or to gloo) inside backward, summed from then on
+                if overlap:  # handed to its thread (or to gloo) inside backward, summed from then on
                     hand_over = ready[s["args"]["bucket"]]["start"]
                     assert s["row"] != "training", (rank, s)
                     assert backward["start"] <= hand_over <= backward["end"], (rank, s, backward, hand_over)
                     assert hand_over <= s["start"] + 1, (rank, s, hand_over)
                 else:
                     assert s["start"] >= backward["end"] and s["row"] == "training", (rank, s, backward)
-    slack_us = sum(errors_us) + 1   # the clocks' errors, and the trace's rounding to ns
+    slack_us = sum(errors_us) + 1  # the clocks' errors, and the trace's rounding to ns
     for step in range(FIRST, LAST + 1):
         for bucket in range(buckets):
-            sums = [next(s for s in spans[r] if s["name"] == "sum" and s["args"]["step"] == step
-                         and s["args"]["bucket"] == bucket) for r in range(world)]
+            sums = [
+                next(
+                    s
+                    for s in spans[r]
+                    if s["name"] == "sum" and s["args"]["step"] == step and s["args"]["bucket"] == bucket
+                )
+                for r in range(world)
+            ]
             assert max(s["start"] for s in sums) <= min(s["end"] for s in sums) + slack_us, (step, bucket, sums)
     return spans
 
@@ -80,21 +103,35 @@ def check_trace(path, world, buckets, overlap, lazy, skews=(0.0,)):
 def test_two_ranks_overlap_lazy_ring_with_a_skewed_clock(tmp_path):
     trace = tmp_path / "timeline.json"
     env = dict(os.environ, TIMELINE_TEST_CLOCK_SKEW_S=f"0,{SKEW_S}")
-    result = procs.train([*COMMON, "--allreduce", "ring", "--lazy-update", "--timeline", str(trace),
-                          "--save-path", str(tmp_path / "m.pth"), "--checkpoint", str(tmp_path / "c.pt")],
-                         timeout=150, env=env)
+    result = procs.train(
+        [
+            *COMMON,
+            "--allreduce",
+            "ring",
+            "--lazy-update",
+            "--timeline",
+            str(trace),
+            "--save-path",
+            str(tmp_path / "m.pth"),
+            "--checkpoint",
+            str(tmp_path / "c.pt"),
+        ],
+        timeout=150,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert f"timeline of steps {FIRST}-{LAST} written to {trace}" in result.stdout
     check_trace(trace, world=2, buckets=2, overlap=True, lazy=True, skews=(0.0, SKEW_S))
 
     png = tmp_path / "t.png"
-    summary = subprocess.run([sys.executable, SUMMARY, str(trace), "--plot", str(png)], capture_output=True,
-                             text=True, timeout=60)
+    summary = subprocess.run(
+        [sys.executable, SUMMARY, str(trace), "--plot", str(png)], capture_output=True, text=True, timeout=60
+    )
     assert summary.returncode == 0, summary.stderr
     lines = summary.stdout.splitlines()
     for rank in (0, 1):
         row = next(line for line in lines if line.split()[:2] == [str(rank), str(LAST - FIRST + 1)])
-        assert float(row.split()[2]) > 0   # mean step ms
+        assert float(row.split()[2]) > 0  # mean step ms
         assert sum(f"rank {rank} bucket" in line for line in lines) == 2
     assert png.stat().st_size > 10_000
 
@@ -102,9 +139,21 @@ def test_two_ranks_overlap_lazy_ring_with_a_skewed_clock(tmp_path):
 @pytest.mark.timeout(180)
 def test_no_overlap_two_pass_sums_on_the_training_thread(tmp_path):
     trace = tmp_path / "timeline.json"
-    result = procs.train([*COMMON, "--no-overlap", "--nproc", "3", "--timeline", str(trace),
-                          "--save-path", str(tmp_path / "m.pth"), "--checkpoint", str(tmp_path / "c.pt")],
-                         timeout=150)
+    result = procs.train(
+        [
+            *COMMON,
+            "--no-overlap",
+            "--nproc",
+            "3",
+            "--timeline",
+            str(trace),
+            "--save-path",
+            str(tmp_path / "m.pth"),
+            "--checkpoint",
+            str(tmp_path / "c.pt"),
+        ],
+        timeout=150,
+    )
     assert result.returncode == 0, result.stderr
     check_trace(trace, world=3, buckets=1, overlap=False, lazy=False)
 
@@ -113,9 +162,25 @@ def test_no_overlap_two_pass_sums_on_the_training_thread(tmp_path):
 def test_torchrun_gloo_overlap_only_rank_0_names_the_file(tmp_path):
     """Under torchrun every rank gets the same command; gloo's asynchronous sums get rows of their own."""
     trace = tmp_path / "timeline.json"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(procs.free_port()), procs.TRAIN, *COMMON, "--allreduce", "gloo", "--timeline", str(trace),
-            "--save-path", str(tmp_path / "m.pth"), "--checkpoint", str(tmp_path / "c.pt")]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(procs.free_port()),
+        procs.TRAIN,
+        *COMMON,
+        "--allreduce",
+        "gloo",
+        "--timeline",
+        str(trace),
+        "--save-path",
+        str(tmp_path / "m.pth"),
+        "--checkpoint",
+        str(tmp_path / "c.pt"),
+    ]
     result = procs.run(argv, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr
     spans = check_trace(trace, world=2, buckets=2, overlap=True, lazy=False)

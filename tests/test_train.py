@@ -1,18 +1,17 @@
 """The trainer end to end: real processes, gloo over loopback TCP."""
+
 import hashlib
 import json
 import os
 import re
 import sys
 
+import procs
 import pytest
 import torch
-
-import procs
 from procs import REPO
 
-sys.path.insert(0, REPO)
-from utils.model import Net  # noqa: E402
+from utils.model import Net
 
 SMALL = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "2000", "--metrics", ""]
 
@@ -36,7 +35,7 @@ def test_two_ranks_learn_and_end_identical(tmp_path):
     result = procs.train([*SMALL, "--save-path", str(save)], timeout=180)
     assert result.returncode == 0, result.stderr
     assert accuracy_of(result.stdout) > 80.0  # chance is 10%
-    assert "all-reduce two-pass (chunks auto, overlap on), 1 host × 2 ranks" in result.stdout   # the topology
+    assert "all-reduce two-pass (chunks auto, overlap on), 1 host × 2 ranks" in result.stdout  # the topology
     digest = re.search(r"identical on all 2 ranks \(sha256 ([0-9a-f]{64})\)", result.stdout).group(1)
     assert digest == digest_of(save)  # the file rank 0 saved is what every rank ended with
 
@@ -56,8 +55,10 @@ def test_model_path_continues_from_a_saved_model(tmp_path):
     assert procs.train([*SMALL, "--save-path", str(first)], timeout=180).returncode == 0
     # A tiny learning rate barely moves the weights: the result must sit next to `first`,
     # which a model trained from scratch would not.
-    result = procs.train([*SMALL, "--train-subset", "64", "--lr", "1e-9", "--model_path", str(first),
-                          "--save-path", str(second)], timeout=180)
+    result = procs.train(
+        [*SMALL, "--train-subset", "64", "--lr", "1e-9", "--model_path", str(first), "--save-path", str(second)],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     a, b = torch.load(first, weights_only=True), torch.load(second, weights_only=True)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
@@ -66,9 +67,22 @@ def test_model_path_continues_from_a_saved_model(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_torchrun_needs_no_flags(tmp_path):
-    result = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(procs.free_port()), procs.TRAIN, *SMALL,
-                        "--save-path", str(tmp_path / "m.pth")], timeout=180)
+    result = procs.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(procs.free_port()),
+            procs.TRAIN,
+            *SMALL,
+            "--save-path",
+            str(tmp_path / "m.pth"),
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     assert "identical on all 2 ranks" in result.stdout
     assert accuracy_of(result.stdout) > 80.0
@@ -84,24 +98,60 @@ def test_shipped_model_scores_at_least_99_3_percent():
 @pytest.mark.timeout(60)
 def test_original_flag_spellings_are_accepted(tmp_path):
     # The original README's command line, with a NIC this host has and a rank that is alone.
-    result = procs.train(["--init-method", f"tcp://127.0.0.1:{procs.free_port()}", "--epoch", "1",
-                          "--rank", "0", "--world-size", "1", "--gloo_socket_ifname", "lo",
-                          "--model_path", os.path.join(REPO, "model_state_dict.pth"),
-                          "--train-subset", "64", "--save-path", str(tmp_path / "m.pth"), "--metrics", ""],
-                         timeout=50)
+    result = procs.train(
+        [
+            "--init-method",
+            f"tcp://127.0.0.1:{procs.free_port()}",
+            "--epoch",
+            "1",
+            "--rank",
+            "0",
+            "--world-size",
+            "1",
+            "--gloo_socket_ifname",
+            "lo",
+            "--model_path",
+            os.path.join(REPO, "model_state_dict.pth"),
+            "--train-subset",
+            "64",
+            "--save-path",
+            str(tmp_path / "m.pth"),
+            "--metrics",
+            "",
+        ],
+        timeout=50,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m.pth").exists()
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("allreduce", ["two-pass", "gloo"])   # a thread per bucket; gloo's async all_reduce
+@pytest.mark.parametrize("allreduce", ["two-pass", "gloo"])  # a thread per bucket; gloo's async all_reduce
 def test_lazy_update_with_step_checkpoints_still_counts_its_communication(allreduce, tmp_path):
     """With --save-every, the lazy update is applied before each save; its wait is the step's."""
     metrics = tmp_path / "metrics.jsonl"
-    result = procs.train(["--allreduce", allreduce, "--epochs", "1", "--train-subset", "512", "--lazy-update",
-                          "--test-subset", "1000", "--save-every", "1",
-                          "--metrics", str(metrics), "--save-path", str(tmp_path / "m.pth"),
-                          "--checkpoint", str(tmp_path / "c.pt")], timeout=180)
+    result = procs.train(
+        [
+            "--allreduce",
+            allreduce,
+            "--epochs",
+            "1",
+            "--train-subset",
+            "512",
+            "--lazy-update",
+            "--test-subset",
+            "1000",
+            "--save-every",
+            "1",
+            "--metrics",
+            str(metrics),
+            "--save-path",
+            str(tmp_path / "m.pth"),
+            "--checkpoint",
+            str(tmp_path / "c.pt"),
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     row = json.loads(metrics.read_text().splitlines()[-1])
     assert 0 < row["comm_share"] < 1 and row["busbw_gbps"] > 0, row

@@ -20,6 +20,7 @@ ranks or another:
 Checkpoints, state dicts and every other output are written by utils/files.write_file (atomic
 for a regular file, through a symlink, in place for a device or FIFO).
 """
+
 import io
 import os
 import pickle
@@ -28,18 +29,28 @@ import warnings
 
 import torch
 
-from utils.compress import state_for
+from utils.comm.compress import state_for
 from utils.errors import UsageError
 from utils.files import write_file
 
-SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}   # required keys
+SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}  # required keys
 
 
 def training_state(model, optimizer, scheduler, epoch, step, stats, world_size, compression, settings, config):
     """The checkpoint dict of a run after `step` of `epoch` (see the module's docstring)."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(), "epoch": epoch, "step": step, "epoch_stats": stats,
-            "world_size": world_size, "compression": compression, "settings": settings, "config": config}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+        "epoch": epoch,
+        "step": step,
+        "epoch_stats": stats,
+        "world_size": world_size,
+        "compression": compression,
+        "settings": settings,
+        "config": config,
+    }
 
 
 def save(state, path):
@@ -69,8 +80,10 @@ def load(path, expected):
         raise UsageError(f"checkpoint {path} is not a training checkpoint of this program")
     for name, value in upgrade(checkpoint)[0].items():
         if expected.get(name) != value:
-            raise UsageError(f"checkpoint {path} was made with --{name} {value}, this run has "
-                             f"{expected.get(name)}; resume with the same settings, or start afresh without --resume")
+            raise UsageError(
+                f"checkpoint {path} was made with --{name} {value}, this run has "
+                f"{expected.get(name)}; resume with the same settings, or start afresh without --resume"
+            )
     return checkpoint
 
 
@@ -104,11 +117,13 @@ def safe_load(path, what="file"):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = re.search(r"Unsupported [^\n.]*", str(e))
-        raise UsageError(f"{what} {path} was refused by the weights-only loader: it holds more than tensors"
-                         f"{f' ({reason.group(0)})' if reason else ''}; load only files you trust")
+        raise UsageError(
+            f"{what} {path} was refused by the weights-only loader: it holds more than tensors"
+            f"{f' ({reason.group(0)})' if reason else ''}; load only files you trust"
+        ) from None
     except Exception as e:  # random bytes reach the legacy unpickler, which can fail in any way at all
         detail = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise UsageError(f"{what} {path} is not a readable PyTorch file (truncated or corrupt: {detail})")
+        raise UsageError(f"{what} {path} is not a readable PyTorch file (truncated or corrupt: {detail})") from None
 
 
 def load_model_state(model, path):
@@ -123,7 +138,12 @@ def load_model_state(model, path):
     unexpected = sorted(set(state) - set(expected))
     wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
-        detail = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
-                  else f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, expected {tuple(expected[wrong[0]].shape)}")
+        detail = (
+            f"missing {missing[:3]}"
+            if missing
+            else f"unexpected {unexpected[:3]}"
+            if unexpected
+            else f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, expected {tuple(expected[wrong[0]].shape)}"
+        )
         raise UsageError(f"model file {path} is for a different architecture ({detail})")
     model.load_state_dict(state)

@@ -12,6 +12,7 @@ keep it (resume: utils/checkpoint.load compares them with the checkpoint's). Bot
 these lists, so a new setting is checked once it is declared here. Defaults are resolved here
 (the global batch, PowerSGD's rank and warm-up, the timeline's steps), never in the core.
 """
+
 import argparse
 import dataclasses
 import math
@@ -19,20 +20,20 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
 
 from utils.errors import UsageError
-from utils.slurm import SlurmStep, step_from as slurm_step
+from utils.slurm import SlurmStep
+from utils.slurm import step_from as slurm_step
 
-GLOBAL_BATCH = 64            # the recipe: 64 images per step in all, however many ranks share them
-ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")   # --allreduce: utils/allreduce.make_allreduce
-COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")          # --compress: utils/compress.make_compressor
+GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks share them
+ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")  # --allreduce: utils/allreduce.make_allreduce
+COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")  # --compress: utils/compress.make_compressor
 # One epoch of the default recipe over five seeds (bench/results/accuracy/one-epoch-seeds.md): rank 4 with
 # 10 plain steps averages 98.97% (2 ranks) and 99.00% (4 ranks), 0.02-0.03 points below no compression, as
 # DDP's own PowerSGD hook does; rank 8 or 100 plain steps gain 0.01-0.03 points, less than the seeds' spread.
 DEFAULT_POWERSGD_RANK = 4
-DEFAULT_POWERSGD_WARMUP = 10   # uncompressed steps first
-DEFAULT_TIMELINE_STEPS = (21, 60)   # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
+DEFAULT_POWERSGD_WARMUP = 10  # uncompressed steps first
+DEFAULT_TIMELINE_STEPS = (21, 60)  # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
 MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
 MAX_HEARTBEAT = 3600.0  # seconds
 MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it overflows (and far below, NaN)
@@ -40,8 +41,8 @@ MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like 
 MAX_NPROC = 64  # ranks on one machine; for more, use several servers
 MAX_SEED = 2**32 - 1
 MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
-OUTERS = ("average", "nesterov")   # --outer: utils/periodic.PeriodicSync
-DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer SGD (Douillard et al., 2023)
+OUTERS = ("average", "nesterov")  # --outer: utils/periodic.PeriodicSync
+DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer SGD (Douillard et al., 2023)
 MAX_SYNC_EVERY = 100_000
 
 
@@ -57,31 +58,31 @@ def setting(default, flag, agree=False, resume=False):
 
 @dataclass(frozen=True)
 class Recipe:
-    batch_size: Optional[int] = setting(None, "batch-size", agree=True)   # per rank, as given (or None)
-    global_batch: int = setting(GLOBAL_BATCH, "global-batch", agree=True, resume=True)   # resolved
+    batch_size: int | None = setting(None, "batch-size", agree=True)  # per rank, as given (or None)
+    global_batch: int = setting(GLOBAL_BATCH, "global-batch", agree=True, resume=True)  # resolved
     lr: float = setting(4e-3, "lr", agree=True, resume=True)
     seed: int = setting(1, "seed", agree=True, resume=True)
     epochs: int = setting(2, "epochs", agree=True, resume=True)
-    train_subset: Optional[int] = setting(None, "train-subset", agree=True, resume=True)
-    test_subset: Optional[int] = setting(None, "test-subset")
+    train_subset: int | None = setting(None, "train-subset", agree=True, resume=True)
+    test_subset: int | None = setting(None, "test-subset")
 
 
 @dataclass(frozen=True)
 class Sync:
     allreduce: str = setting("two-pass", "allreduce", agree=True)
-    chunks: Union[int, str] = setting("auto", "chunks", agree=True)
+    chunks: int | str = setting("auto", "chunks", agree=True)
     overlap: bool = setting(True, "overlap", agree=True)
     lazy_update: bool = setting(False, "lazy-update", agree=True)
     bucket_mb: float = setting(1.0, "bucket-mb", agree=True)
     compress: str = setting("none", "compress", agree=True, resume=True)
-    powersgd_rank: Optional[int] = setting(None, "powersgd-rank", agree=True, resume=True)     # None: not powersgd
-    powersgd_warmup: Optional[int] = setting(None, "powersgd-warmup", agree=True, resume=True)
-    timeout: float = setting(120.0, "timeout")   # seconds for rendezvous and every send/recv
-    sync_every: int = setting(1, "sync-every", agree=True, resume=True)   # 1: the gradients every step
-    outer: Optional[str] = setting(None, "outer", agree=True, resume=True)   # None with sync_every 1
-    outer_lr: Optional[float] = setting(None, "outer-lr", agree=True, resume=True)   # None but for nesterov
-    outer_momentum: Optional[float] = setting(None, "outer-momentum", agree=True, resume=True)
-    merge_after: Optional[int] = setting(None, "merge-after", agree=True, resume=True)   # None with sync_every 1
+    powersgd_rank: int | None = setting(None, "powersgd-rank", agree=True, resume=True)  # None: not powersgd
+    powersgd_warmup: int | None = setting(None, "powersgd-warmup", agree=True, resume=True)
+    timeout: float = setting(120.0, "timeout")  # seconds for rendezvous and every send/recv
+    sync_every: int = setting(1, "sync-every", agree=True, resume=True)  # 1: the gradients every step
+    outer: str | None = setting(None, "outer", agree=True, resume=True)  # None with sync_every 1
+    outer_lr: float | None = setting(None, "outer-lr", agree=True, resume=True)  # None but for nesterov
+    outer_momentum: float | None = setting(None, "outer-momentum", agree=True, resume=True)
+    merge_after: int | None = setting(None, "merge-after", agree=True, resume=True)  # None with sync_every 1
 
 
 @dataclass(frozen=True)
@@ -89,15 +90,19 @@ class Outputs:
     save_path: str = setting(os.path.join("runs", "model_state_dict.pth"), "save-path")
     checkpoint: str = setting(os.path.join("runs", "checkpoint.pt"), "checkpoint")
     save_every: int = setting(0, "save-every")
-    metrics: str = setting(os.path.join("runs", "metrics.jsonl"), "metrics")        # '' : off
-    timeline: Optional[str] = setting(None, "timeline")
-    timeline_steps: Optional[Tuple[int, int]] = setting(None, "timeline-steps")   # set with timeline
+    metrics: str = setting(os.path.join("runs", "metrics.jsonl"), "metrics")  # '' : off
+    timeline: str | None = setting(None, "timeline")
+    timeline_steps: tuple[int, int] | None = setting(None, "timeline-steps")  # set with timeline
 
     def files(self):
         """(flag, path) of every file rank 0 writes, each file once however it is spelled."""
         seen, found = set(), []
-        for option, path in (("--checkpoint", self.checkpoint), ("--save-path", self.save_path),
-                             ("--metrics", self.metrics), ("--timeline", self.timeline)):
+        for option, path in (
+            ("--checkpoint", self.checkpoint),
+            ("--save-path", self.save_path),
+            ("--metrics", self.metrics),
+            ("--timeline", self.timeline),
+        ):
             if path and os.path.realpath(path) not in seen:
                 seen.add(os.path.realpath(path))
                 found.append((option, path))
@@ -106,20 +111,20 @@ class Outputs:
 
 @dataclass(frozen=True)
 class Job:
-    rank: Optional[int] = None          # None: the local launcher, which starts every rank here
+    rank: int | None = None  # None: the local launcher, which starts every rank here
     world_size: int = 2
-    init_method: Optional[str] = None
-    ifname: Optional[str] = None
-    torchrun: bool = False              # RANK etc. came from torchrun's environment
+    init_method: str | None = None
+    ifname: str | None = None
+    torchrun: bool = False  # RANK etc. came from torchrun's environment
     nproc: int = 2
     data_dir: str = "data"
-    model_path: Optional[str] = None
+    model_path: str | None = None
     resume: bool = False
     eval: bool = False
-    recover: bool = True                # a lost rank: the others go on (False: they save and exit 1)
-    heartbeat: float = 5.0              # seconds of silence after which a rank is taken for lost
-    join: Optional[str] = None          # join a running job: "" (through --init-method) or "HOST:PORT"
-    slurm: Optional[SlurmStep] = None   # srun started this rank: rank, world and rendezvous came from it
+    recover: bool = True  # a lost rank: the others go on (False: they save and exit 1)
+    heartbeat: float = 5.0  # seconds of silence after which a rank is taken for lost
+    join: str | None = None  # join a running job: "" (through --init-method) or "HOST:PORT"
+    slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
 
 
 @dataclass(frozen=True)
@@ -131,19 +136,30 @@ class Config:
 
     def must_agree(self):
         """{flag: value} that every rank must have alike, in a fixed order."""
-        return {f.metadata["flag"]: getattr(part, f.name) for part in (self.recipe, self.sync)
-                for f in dataclasses.fields(part) if f.metadata["agree"]}
+        return {
+            f.metadata["flag"]: getattr(part, f.name)
+            for part in (self.recipe, self.sync)
+            for f in dataclasses.fields(part)
+            if f.metadata["agree"]
+        }
 
     def must_keep(self):
         """{flag: value} that a resumed run must have as the checkpoint recorded it (PowerSGD's
         rank and warm-up only under --compress powersgd: None is no setting)."""
-        return {f.metadata["flag"]: getattr(part, f.name) for part in (self.recipe, self.sync)
-                for f in dataclasses.fields(part) if f.metadata["resume"]
-                and not (f.name.startswith(("powersgd", "outer", "merge")) and getattr(part, f.name) is None)}
+        return {
+            f.metadata["flag"]: getattr(part, f.name)
+            for part in (self.recipe, self.sync)
+            for f in dataclasses.fields(part)
+            if f.metadata["resume"]
+            and not (f.name.startswith(("powersgd", "outer", "merge")) and getattr(part, f.name) is None)
+        }
 
     def to_dict(self):
-        return {"recipe": dataclasses.asdict(self.recipe), "sync": dataclasses.asdict(self.sync),
-                "outputs": dataclasses.asdict(self.outputs)}
+        return {
+            "recipe": dataclasses.asdict(self.recipe),
+            "sync": dataclasses.asdict(self.sync),
+            "outputs": dataclasses.asdict(self.outputs),
+        }
 
 
 def from_args(args, environ=os.environ):
@@ -155,8 +171,9 @@ def from_args(args, environ=os.environ):
         if args.world_size < 1:
             raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
         if not 0 <= args.rank < args.world_size:
-            raise UsageError(f"--rank must be between 0 and {args.world_size - 1} (world size {args.world_size}), "
-                             f"got {args.rank}")
+            raise UsageError(
+                f"--rank must be between 0 and {args.world_size - 1} (world size {args.world_size}), got {args.rank}"
+            )
         if args.init_method is None:
             raise UsageError("--init-method is required with --rank, e.g. --init-method tcp://192.168.0.1:23456")
     if args.init_method is not None:
@@ -177,7 +194,9 @@ def from_args(args, environ=os.environ):
         if args.timeline:
             raise UsageError("--join does not work with --timeline yet")
     if args.sync_every == 1 and args.outer is not None:
-        raise UsageError(f"--outer {args.outer} needs --sync-every 2 or more: with 1 the gradients are summed every step")
+        raise UsageError(
+            f"--outer {args.outer} needs --sync-every 2 or more: with 1 the gradients are summed every step"
+        )
     if args.merge_after is not None and not 1 < args.sync_every >= args.merge_after:
         raise UsageError(f"--merge-after {args.merge_after} needs --sync-every H with H >= {max(2, args.merge_after)}")
     if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
@@ -185,7 +204,9 @@ def from_args(args, environ=os.environ):
     if args.sync_every > 1 and args.compress == "powersgd":
         raise UsageError("--sync-every sends the parameter change as --compress none, bf16 or fp16, not powersgd")
     if args.sync_every > 1 and args.lazy_update:
-        raise UsageError("--lazy-update hides a per-step sum; with --sync-every the outer sum runs behind the inner steps")
+        raise UsageError(
+            "--lazy-update hides a per-step sum; with --sync-every the outer sum runs behind the inner steps"
+        )
     if args.eval and not args.model_path:
         raise UsageError("--eval needs --model_path")
     for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
@@ -204,29 +225,62 @@ def from_args(args, environ=os.environ):
         rank, world_size, init_method = None, args.nproc, None
     powersgd = args.compress == "powersgd"
     return Config(
-        job=Job(rank=rank, world_size=world_size, init_method=init_method, ifname=args.ifname, torchrun=torchrun,
-                nproc=args.nproc, data_dir=args.data_dir, model_path=args.model_path, resume=args.resume,
-                eval=args.eval, recover=(not torchrun) if args.recover is None else args.recover,
-                heartbeat=args.heartbeat, join=args.join, slurm=slurm),
-        recipe=Recipe(batch_size=args.batch_size,
-                      global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size
-                                                         else GLOBAL_BATCH),
-                      lr=args.lr, seed=args.seed, epochs=args.epochs, train_subset=args.train_subset,
-                      test_subset=args.test_subset),
-        sync=Sync(allreduce=args.allreduce, chunks=args.chunks, overlap=args.overlap, lazy_update=args.lazy_update,
-                  bucket_mb=args.bucket_mb, compress=args.compress,
-                  powersgd_rank=(args.powersgd_rank or DEFAULT_POWERSGD_RANK) if powersgd else None,
-                  powersgd_warmup=(DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup)
-                  if powersgd else None,
-                  timeout=args.timeout, sync_every=args.sync_every,
-                  outer=(args.outer or "average") if args.sync_every > 1 else None,
-                  outer_lr=(DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr) if args.outer == "nesterov" else None,
-                  outer_momentum=(DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum)
-                  if args.outer == "nesterov" else None,
-                  merge_after=(args.merge_after or default_merge_after(args.sync_every)) if args.sync_every > 1 else None),
-        outputs=Outputs(save_path=args.save_path, checkpoint=args.checkpoint, save_every=args.save_every,
-                        metrics=args.metrics, timeline=args.timeline,
-                        timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None))
+        job=Job(
+            rank=rank,
+            world_size=world_size,
+            init_method=init_method,
+            ifname=args.ifname,
+            torchrun=torchrun,
+            nproc=args.nproc,
+            data_dir=args.data_dir,
+            model_path=args.model_path,
+            resume=args.resume,
+            eval=args.eval,
+            recover=(not torchrun) if args.recover is None else args.recover,
+            heartbeat=args.heartbeat,
+            join=args.join,
+            slurm=slurm,
+        ),
+        recipe=Recipe(
+            batch_size=args.batch_size,
+            global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH),
+            lr=args.lr,
+            seed=args.seed,
+            epochs=args.epochs,
+            train_subset=args.train_subset,
+            test_subset=args.test_subset,
+        ),
+        sync=Sync(
+            allreduce=args.allreduce,
+            chunks=args.chunks,
+            overlap=args.overlap,
+            lazy_update=args.lazy_update,
+            bucket_mb=args.bucket_mb,
+            compress=args.compress,
+            powersgd_rank=(args.powersgd_rank or DEFAULT_POWERSGD_RANK) if powersgd else None,
+            powersgd_warmup=(DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup)
+            if powersgd
+            else None,
+            timeout=args.timeout,
+            sync_every=args.sync_every,
+            outer=(args.outer or "average") if args.sync_every > 1 else None,
+            outer_lr=(DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr)
+            if args.outer == "nesterov"
+            else None,
+            outer_momentum=(DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum)
+            if args.outer == "nesterov"
+            else None,
+            merge_after=(args.merge_after or default_merge_after(args.sync_every)) if args.sync_every > 1 else None,
+        ),
+        outputs=Outputs(
+            save_path=args.save_path,
+            checkpoint=args.checkpoint,
+            save_every=args.save_every,
+            metrics=args.metrics,
+            timeline=args.timeline,
+            timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None,
+        ),
+    )
 
 
 def check_init_method(url):
@@ -248,14 +302,19 @@ def check_interface(name):
 def check_share(train_images, world_size, global_batch=None):
     """Every rank needs at least one training image, or the job trains nothing at all (None: not given)."""
     if train_images is not None and train_images < world_size:
-        raise UsageError(f"{train_images} training image(s) (--train-subset) cannot be shared by {world_size} ranks; "
-                         f"give at least {world_size}")
+        raise UsageError(
+            f"{train_images} training image(s) (--train-subset) cannot be shared by {world_size} ranks; "
+            f"give at least {world_size}"
+        )
     if global_batch is not None and global_batch < world_size:
-        raise UsageError(f"a global batch of {global_batch} image(s) cannot be shared by {world_size} ranks; "
-                         f"give --global-batch {world_size} or more")
+        raise UsageError(
+            f"a global batch of {global_batch} image(s) cannot be shared by {world_size} ranks; "
+            f"give --global-batch {world_size} or more"
+        )
 
 
 # --- the command line's value types (train.parse_args): a bad value is one line, exit code 2 ----------
+
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
@@ -267,12 +326,15 @@ def positive(kind, most=None):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a {'number' if kind is float else 'whole number'}, got {text!r}"
+            ) from None
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
         if most is not None and value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text!r}")
         return value
+
     return parse
 
 
@@ -280,7 +342,7 @@ def momentum_value(text):
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text!r}")
     return value
@@ -290,7 +352,7 @@ def seed_value(text):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
     return value

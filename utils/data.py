@@ -4,6 +4,7 @@ The files come from utils/mnist.py (decompressed once, md5-checked) and are read
 a header, then the bytes; torchvision's reader gives the same tensors but costs every rank a
 second of start-up to import).
 """
+
 import math
 import os
 
@@ -43,8 +44,8 @@ def read_idx(path):
     if data[:3] != b"\x00\x00\x08":
         raise UsageError(f"{path} is not an IDX file of unsigned bytes")
     dims = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims)]
-    return torch.frombuffer(bytearray(data[4 + 4 * dims:]), dtype=torch.uint8).view(*shape)
+    shape = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
+    return torch.frombuffer(bytearray(data[4 + 4 * dims :]), dtype=torch.uint8).view(*shape)
 
 
 def epoch_permutation(num_examples, epoch, seed):
@@ -86,5 +87,5 @@ def step_batches(num_examples, epoch, rank, world_size, seed, global_batch):
     steps = steps_per_epoch(num_examples, global_batch)
     # this rank's entries before position p of the permutation: those at r + N*j < p
     before = [max(0, -(-(global_batch * s - rank) // world_size)) for s in range(steps + 1)]
-    batches = [mine[before[s]:before[s + 1]] for s in range(steps)]
+    batches = [mine[before[s] : before[s + 1]] for s in range(steps)]
     return batches, [min(global_batch, num_examples - global_batch * s) for s in range(steps)]

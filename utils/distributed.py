@@ -1,11 +1,12 @@
 """The process group and what the ranks settle through it before training.
 
-    init_distributed(job, seconds)       join the gloo group, bound to the job's card
-    torchrun_attempt_store(...)          under torchrun's agent: one store prefix per attempt
-    agree(config, model)                 every rank trains the same thing (compared by name)
-    broadcast_parameters(model)          rank 0's parameters everywhere, then proved equal
-    check_identical_parameters(model)    the sha256 of every rank's parameters, compared
+init_distributed(job, seconds)       join the gloo group, bound to the job's card
+torchrun_attempt_store(...)          under torchrun's agent: one store prefix per attempt
+agree(config, model)                 every rank trains the same thing (compared by name)
+broadcast_parameters(model)          rank 0's parameters everywhere, then proved equal
+check_identical_parameters(model)    the sha256 of every rank's parameters, compared
 """
+
 import dataclasses
 import datetime
 import hashlib
@@ -24,30 +25,41 @@ def init_distributed(job, seconds, attempt_store=None):
     `attempt_store`)."""
     if job.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname  # gloo reads it when the group starts
-    where = job.init_method if job.init_method != "env://" else \
-        f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    where = (
+        job.init_method
+        if job.init_method != "env://"
+        else f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    )
     timeout = datetime.timedelta(seconds=seconds)
     try:
         if attempt_store is not None:
-            dist.init_process_group("gloo", store=attempt_store, rank=job.rank, world_size=job.world_size,
-                                    timeout=timeout)
+            dist.init_process_group(
+                "gloo", store=attempt_store, rank=job.rank, world_size=job.world_size, timeout=timeout
+            )
         else:
-            dist.init_process_group("gloo", init_method=job.init_method, rank=job.rank,
-                                    world_size=job.world_size, timeout=timeout)
+            dist.init_process_group(
+                "gloo", init_method=job.init_method, rank=job.rank, world_size=job.world_size, timeout=timeout
+            )
     except (RuntimeError, ValueError) as e:
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             raise UsageError(f"port of {where} is already in use on this host; choose another port") from None
         if "connectFullMesh" in text:  # the rendezvous worked; gloo's own connections did not
-            raise PeerError(f"joined at {where} but could not connect to every other rank "
-                            f"(a firewall on gloo's ports, or a peer that went away): {first_line(e)}",
-                            resumable=False) from None
+            raise PeerError(
+                f"joined at {where} but could not connect to every other rank "
+                f"(a firewall on gloo's ports, or a peer that went away): {first_line(e)}",
+                resumable=False,
+            ) from None
         if job.rank == 0 or "wait timeout" in text:  # we reached rank 0, but not everyone came
-            raise PeerError(f"not every rank joined at {where} within {seconds:g} s "
-                            f"(are all {job.world_size} started, with the same --init-method?)",
-                            resumable=False) from None
-        raise UsageError(f"could not reach rank 0 at {where} within {seconds:g} s "
-                         f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}") from None
+            raise PeerError(
+                f"not every rank joined at {where} within {seconds:g} s "
+                f"(are all {job.world_size} started, with the same --init-method?)",
+                resumable=False,
+            ) from None
+        raise UsageError(
+            f"could not reach rank 0 at {where} within {seconds:g} s "
+            f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}"
+        ) from None
 
 
 def torchrun_attempt_store(rank, world_size, timeout):
@@ -72,13 +84,14 @@ def torchrun_attempt_store(rank, world_size, timeout):
     """
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                    is_master=False, timeout=timeout)
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
     except (RuntimeError, ValueError) as e:
         raise PeerError(f"could not reach torchrun's store at {where}: {first_line(e)}", resumable=False) from None
     try:
         return agree_on_attempt(agent_store, rank, world_size, timeout)
-    except RuntimeError as e:   # the store went away: torchrun's agent is gone or restarting
+    except RuntimeError as e:  # the store went away: torchrun's agent is gone or restarting
         raise PeerError(f"lost torchrun's store at {where}: {first_line(e)}", resumable=False) from None
 
 
@@ -92,8 +105,10 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
         answers = [f"train.py/{mine}/answer/rank-{r}" for r in range(1, world_size)]
         while answers and not agent_store.check(answers):
             if time.monotonic() > deadline:
-                raise PeerError(f"not every rank of this torchrun attempt came within {timeout.total_seconds():g} s",
-                                resumable=False)
+                raise PeerError(
+                    f"not every rank of this torchrun attempt came within {timeout.total_seconds():g} s",
+                    resumable=False,
+                )
             time.sleep(0.05)
         agent_store.set(f"train.py/{mine}/go", ",".join(v.decode() for v in agent_store.multi_get(answers)))
         return dist.PrefixStore(f"train.py/attempt-{mine}", agent_store), restarted
@@ -107,8 +122,9 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
         if answered is not None and agent_store.check([go]) and mine in agent_store.get(go).decode().split(","):
             return dist.PrefixStore(f"train.py/attempt-{answered}", agent_store), False
         if time.monotonic() > deadline:
-            raise PeerError(f"rank 0 of this torchrun attempt did not come within {timeout.total_seconds():g} s",
-                            resumable=False)
+            raise PeerError(
+                f"rank 0 of this torchrun attempt did not come within {timeout.total_seconds():g} s", resumable=False
+            )
         time.sleep(0.05)
 
 
@@ -118,15 +134,22 @@ def start_membership(job, settings):
     server must have alike."""
     import socket
 
-    from utils import faults
-    from utils.membership import Membership
-    from utils.sockets import card_address
+    from utils.elastic import faults
+    from utils.elastic.membership import Membership
+    from utils.elastic.sockets import card_address
     from utils.outputs import job_pid
-    toward = os.environ.get("MASTER_ADDR", "127.0.0.1") if job.init_method == "env://" else \
-        job.init_method[len("tcp://"):].rsplit(":", 1)[0]
-    port = int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
-    membership = Membership(job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")),
-                            port + job.rank if port else 0)
+
+    toward = (
+        os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if job.init_method == "env://"
+        else job.init_method[len("tcp://") :].rsplit(":", 1)[0]
+    )
+    port = (
+        int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
+    )
+    membership = Membership(
+        job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")), port + job.rank if port else 0
+    )
     mine = {"address": membership.address, "pid": job_pid(), "host": socket.gethostname(), "token": os.urandom(8).hex()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -138,42 +161,51 @@ def start_membership(job, settings):
 
 def join_running_job(config, model):
     """A server started with --join: ask a member of the running job to take it in, and join the
-    group it decides (utils/membership.py). Returns (membership, decision). model: its name."""
-    from utils import faults
-    from utils.membership import Membership
-    from utils.sockets import card_address
+    group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name."""
+    from utils.elastic import faults
+    from utils.elastic.membership import Membership
+    from utils.elastic.sockets import card_address
+
     job = config.job
-    faults.log(event="join-ready")   # torch and the data are loaded: what bench/recovery.py times from
-    where = job.join or job.init_method[len("tcp://"):]
+    faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery.py times from
+    where = job.join or job.init_method[len("tcp://") :]
     host, port = where.rsplit(":", 1)
     if job.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
-    own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank   # where members listen (free if it is back)
+    own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank  # where members listen (free if it is back)
     membership = Membership(None, job.heartbeat, card_address(job.ifname, host), own_port)
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         try:
-            decision = membership.request_join([(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)],
-                                               {"model": model, **config.must_agree()}, job.rank, config.sync.timeout)
+            decision = membership.request_join(
+                [(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)],
+                {"model": model, **config.must_agree()},
+                job.rank,
+                config.sync.timeout,
+            )
         except ValueError as e:
             raise UsageError(f"the job at {where} refused this server: {e}") from None
         except RuntimeError:
-            raise UsageError(f"no running job answered at {where} within {config.sync.timeout:g} s "
-                             f"(wrong address, the job is over, or a firewall on its UDP ports)") from None
+            raise UsageError(
+                f"no running job answered at {where} within {config.sync.timeout:g} s "
+                f"(wrong address, the job is over, or a firewall on its UDP ports)"
+            ) from None
         try:
             membership.join(decision, timeout=job.heartbeat + 5, gloo_timeout=config.sync.timeout)
             break
-        except (RuntimeError, ValueError) as e:   # a member was lost while it was taken in: the job forgot it, ask again
+        except (RuntimeError, ValueError) as e:  # a member was lost while it was taken in: the job forgot it, ask again
             if attempt == JOIN_ATTEMPTS:
-                raise PeerError(f"the job took this server in {attempt} times but its group never formed: "
-                                f"{first_line(e)}", resumable=False) from None
+                raise PeerError(
+                    f"the job took this server in {attempt} times but its group never formed: {first_line(e)}",
+                    resumable=False,
+                ) from None
     membership.settings = {"model": model, **config.must_agree()}
     membership.start_beating()
     faults.setup(membership.me)
     return membership, decision
 
 
-MAX_JOIN_CANDIDATES = 64   # a joining server asks the job's port + 0..63 (member r listens on port + r)
-JOIN_ATTEMPTS = 3          # a join whose group did not form (a member lost meanwhile) is asked for again
+MAX_JOIN_CANDIDATES = 64  # a joining server asks the job's port + 0..63 (member r listens on port + r)
+JOIN_ATTEMPTS = 3  # a join whose group did not form (a member lost meanwhile) is asked for again
 
 
 def agree(config, model):
@@ -185,8 +217,10 @@ def agree(config, model):
     for rank, (theirs, _) in enumerate(everyone):
         for name in mine:
             if theirs[name] != everyone[0][0][name]:
-                raise UsageError(f"ranks were started with different --{name}: rank 0 has {everyone[0][0][name]}, "
-                                 f"rank {rank} has {theirs[name]}")
+                raise UsageError(
+                    f"ranks were started with different --{name}: rank 0 has {everyone[0][0][name]}, "
+                    f"rank {rank} has {theirs[name]}"
+                )
     return dataclasses.replace(config, outputs=dataclasses.replace(config.outputs, timeline_steps=everyone[0][1]))
 
 
@@ -209,6 +243,7 @@ def check_identical_parameters(model):
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
-        raise PeerError("parameters differ between ranks: " +
-                        ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests)))
+        raise PeerError(
+            "parameters differ between ranks: " + ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests))
+        )
     return digest

@@ -1,9 +1,10 @@
 """The ways this program stops early, each reported as one line, and the exit codes that tell them apart.
 
-    0  done                       1  lost a peer (PeerError)      2  bad input (UsageError)
-    3  stopped on a signal, checkpoint saved (Stopped): resume with --resume
-    128+signal (130, 143)  stopped at once: a second signal, or a signal before training began
+0  done                       1  lost a peer (PeerError)      2  bad input (UsageError)
+3  stopped on a signal, checkpoint saved (Stopped): resume with --resume
+128+signal (130, 143)  stopped at once: a second signal, or a signal before training began
 """
+
 import re
 
 EXIT_LOST_PEER, EXIT_BAD_INPUT, EXIT_STOPPED = 1, 2, 3
@@ -11,7 +12,7 @@ EXIT_LOST_PEER, EXIT_BAD_INPUT, EXIT_STOPPED = 1, 2, 3
 # gloo appends advice to its socket errors ("Connection closed by peer [10.0.0.2]:41553. This is
 # typically caused by a remote worker crashing. Check the logs ... GLHF! 🏖️"); the first clause says it all
 GLOO_ADVICE = re.compile(r"\.?\s*(This is typically caused by|Check the logs of the remote worker|GLHF!).*", re.S)
-GLOO_ENFORCE = re.compile(r"^[^.]*\. \d+ vs \d+\. ")   # "state_ >= CONNECTED. 1 vs 4. Pair is not connected ..."
+GLOO_ENFORCE = re.compile(r"^[^.]*\. \d+ vs \d+\. ")  # "state_ >= CONNECTED. 1 vs 4. Pair is not connected ..."
 
 
 class UsageError(Exception):
@@ -24,8 +25,8 @@ class PeerError(Exception):
     def __init__(self, message, resumable=True, doing="summing gradients"):
         super().__init__(message)
         self.resumable = resumable  # False before training started: there is nothing to resume
-        self.doing = doing          # what the rank was doing, for the trainer's "lost a peer while ..."
-        self.position = None        # where the rank is, if a recovery moved it (utils/recovery.py)
+        self.doing = doing  # what the rank was doing, for the trainer's "lost a peer while ..."
+        self.position = None  # where the rank is, if a recovery moved it (utils/elastic/recovery.py)
 
 
 class Stopped(Exception):

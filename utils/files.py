@@ -9,6 +9,7 @@ folder is refused in one line. A write that fails (a full disk, /dev/full) is on
 No torch here: the local launcher checks the outputs, and a bad command line is answered, before
 torch is loaded (it takes a rank a second or two to import).
 """
+
 import os
 import stat
 import tempfile

@@ -9,6 +9,7 @@ together: once one fails, the others get `grace` seconds to say what they saw, t
 killed; at `timeout` every one is killed; and whatever is still running when supervise returns,
 or is interrupted, is killed (its whole process group, if it leads one).
 """
+
 import os
 import signal
 import socket
@@ -17,7 +18,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from utils import stop
 from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
@@ -29,11 +29,12 @@ POLL_SECONDS = 0.2
 @dataclass
 class Outcome:
     """What supervise saw of one job."""
-    codes: list                       # each process's exit code (None: killed at the timeout, still unreaped)
-    failed: int = 0                   # the first non-zero exit code, 0 if none
+
+    codes: list  # each process's exit code (None: killed at the timeout, still unreaped)
+    failed: int = 0  # the first non-zero exit code, 0 if none
     timed_out: bool = False
-    killed: bool = False              # some were still running when supervise stopped them
-    outputs: Optional[list] = None    # [(stdout, stderr)] of processes started with pipes, else None
+    killed: bool = False  # some were still running when supervise stopped them
+    outputs: list | None = None  # [(stdout, stderr)] of processes started with pipes, else None
 
 
 def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS, ok_codes=(0,), while_running=None):
@@ -46,10 +47,10 @@ def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS, ok_co
     deadline = time.monotonic() + timeout if timeout is not None else None
     failed, grace_ends, timed_out = 0, None, False
     try:
-        while any([p.poll() is None for p in procs]):   # a list: poll every one, each round
+        while any([p.poll() is None for p in procs]):  # a list: poll every one, each round
             if not failed:
                 failed = next((p.returncode for p in procs if p.returncode not in (None, *ok_codes)), 0)
-                if failed and grace is not None:   # the job is lost: the others say what they saw, then stop
+                if failed and grace is not None:  # the job is lost: the others say what they saw, then stop
                     grace_ends = time.monotonic() + grace
             now = time.monotonic()
             if grace_ends is not None and now > grace_ends:
@@ -67,7 +68,7 @@ def supervise(procs, timeout=None, grace=GRACE_SECONDS, poll=POLL_SECONDS, ok_co
     for p in procs:
         try:
             p.wait(timeout=10)
-        except subprocess.TimeoutExpired:   # stuck in the kernel: SIGKILLed, it goes when it can
+        except subprocess.TimeoutExpired:  # stuck in the kernel: SIGKILLed, it goes when it can
             pass
     outputs = [reader() for reader in readers] if any(p.stdout or p.stderr for p in procs) else None
     failed = failed or next((p.returncode for p in procs if p.returncode not in ok_codes), 0)
@@ -88,6 +89,7 @@ def collect(proc):
         for thread in threads:
             thread.join()
         return parts.get("stdout"), parts.get("stderr")
+
     return result
 
 
@@ -126,6 +128,7 @@ def die_with_parent():
     """In a child: get SIGTERM if the launcher dies, even by SIGKILL (Linux only)."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
@@ -143,6 +146,7 @@ def stragglers_stopped(grace):
             for p in procs:
                 if p.poll() is None:
                     kill(p)
+
     return check
 
 
@@ -153,30 +157,55 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     port, lo = free_port(), loopback_interface()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
-    env = dict(environ or os.environ, OMP_NUM_THREADS=str(threads),
-               RING_JOB_PID=str(os.getpid()))  # the pid a refused job names: this launcher's
-    stop.install(prog)   # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
+    env = dict(
+        environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid())
+    )  # the pid a refused job names: this launcher's
+    stop.install(prog)  # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
     procs = []
     try:
         for r in range(nproc):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-u", os.path.abspath(script), *argv, "--rank", str(r), "--world-size", str(nproc),
-                 "--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", lo],
-                env=env, preexec_fn=die_with_parent))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-u",
+                        os.path.abspath(script),
+                        *argv,
+                        "--rank",
+                        str(r),
+                        "--world-size",
+                        str(nproc),
+                        "--init-method",
+                        f"tcp://127.0.0.1:{port}",
+                        "--gloo_socket_ifname",
+                        lo,
+                    ],
+                    env=env,
+                    preexec_fn=die_with_parent,
+                )
+            )
         stop.forward_to(procs)
-        outcome = supervise(procs, grace=None if keep_going else GRACE_SECONDS,
-                            while_running=stragglers_stopped(GRACE_SECONDS) if keep_going else None)
+        outcome = supervise(
+            procs,
+            grace=None if keep_going else GRACE_SECONDS,
+            while_running=stragglers_stopped(GRACE_SECONDS) if keep_going else None,
+        )
     finally:
         for p in procs:
             kill(p)
     lost = [r for r, code in enumerate(outcome.codes) if code is not None and code < 0]
-    said = next((code for code in outcome.codes if code is not None and code > 0), 0)   # a rank's own exit code
+    said = next((code for code in outcome.codes if code is not None and code > 0), 0)  # a rank's own exit code
     if keep_going and lost and not said and 0 in outcome.codes:
-        print(f"{prog}: the job finished without rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
-              f"(killed by a signal)", file=sys.stderr)
+        print(
+            f"{prog}: the job finished without rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+            f"(killed by a signal)",
+            file=sys.stderr,
+        )
         return 0
-    if said and lost:   # a rank was killed and the others said why they stopped: their code tells what happened
+    if said and lost:  # a rank was killed and the others said why they stopped: their code tells what happened
         return said
-    if outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED):   # those were explained in one line
+    if (
+        outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED)
+    ):  # those were explained in one line
         print(f"{prog}: a rank failed (exit code {outcome.failed}); stopped the other ranks", file=sys.stderr)
     return outcome.failed

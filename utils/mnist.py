@@ -5,6 +5,7 @@ and checked against the published md5 sums. Only when data/ has none of them doe
 try to download them. No torch here: the local launcher prepares the files before its ranks
 start, without loading torch (utils/data.py reads them into tensors).
 """
+
 import gzip
 import hashlib
 import os
@@ -35,7 +36,7 @@ def _decompress(gz_path, path):
             shutil.copyfileobj(src, dst)
         os.replace(tmp, path)
     except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise UsageError(f"damaged data file {gz_path} ({e}); restore it with `git checkout -- {gz_path}`")
+        raise UsageError(f"damaged data file {gz_path} ({e}); restore it with `git checkout -- {gz_path}`") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -64,13 +65,14 @@ def ensure_mnist(root="data"):
     """Make root/MNIST/raw/ hold the four verified files, downloading them only if none are there."""
     if prepare_raw_files(root):
         return
-    from torchvision.datasets import MNIST   # only to download: a second of start-up otherwise spent for nothing
+    from torchvision.datasets import MNIST  # only to download: a second of start-up otherwise spent for nothing
+
     existed = os.path.exists(root)
     try:
         for train in (True, False):
             MNIST(root, train=train, download=True)
     except (RuntimeError, OSError) as e:
-        if not existed:   # torchvision made the folders for its download: leave no empty tree behind
+        if not existed:  # torchvision made the folders for its download: leave no empty tree behind
             shutil.rmtree(root, ignore_errors=True)
         reason = " ".join(str(e).split())  # torchvision's message spans lines, one per mirror
         raise UsageError(f"MNIST is not in {root}/MNIST/raw and could not be downloaded: {reason[:300]}") from None

@@ -1,4 +1,5 @@
 """The CNN: two 3x3 convolutions with max-pooling, then two fully connected layers."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -8,13 +8,14 @@ its lock, and a taker checks, once locked, that the file it locked is still the 
 path (else it opens the new one): so two jobs never each hold a lock on a different file of the
 same name. Devices and FIFOs (--save-path /dev/null) get no lock file: nothing is left beside them.
 """
+
 import fcntl
 import os
 import socket
 import time
 
-from utils.files import special_kind
 from utils.errors import UsageError
+from utils.files import special_kind
 
 PROBE_SECONDS = 0.5  # a lock taken for longer than another job's look (hold=False) is a job's
 _held = []  # the open lock files of this process: closing one would release its lock
@@ -24,7 +25,7 @@ def lock_outputs(outputs, hold=True, take_from=()):
     """Lock every output of this job, or stop in one line naming the job that has them.
 
     take_from: what holder() says of processes whose locks this one may take over (a job whose
-    rank 0 was lost and is frozen, not dead, still holds them: utils/recovery.py).
+    rank 0 was lost and is frozen, not dead, still holds them: utils/elastic/recovery.py).
 
     hold=False only looks (the local launcher, before it starts the rank 0 that will take the
     locks; a resumed run that is already finished, which writes nothing): it takes each lock and
@@ -40,7 +41,7 @@ def lock_outputs(outputs, hold=True, take_from=()):
                 continue  # every holder creates its lock file first: nobody holds this one
             try:
                 fd, locked = open_and_lock(lock_path, hold)
-                if not locked and holder(fd) in take_from:   # ours: remove it, so a new file is locked
+                if not locked and holder(fd) in take_from:  # ours: remove it, so a new file is locked
                     if same_file(fd, lock_path):
                         os.unlink(lock_path)
                     os.close(fd)
@@ -52,8 +53,10 @@ def lock_outputs(outputs, hold=True, take_from=()):
             except OSError as e:  # another user's lock file, a filesystem without locks (ENOLCK), ...
                 raise UsageError(f"cannot lock {option} {path} ({lock_path}): {e.strerror or e}") from None
             if not locked:
-                raise UsageError(f"{option} {path} is in use by another job ({holder(fd)}); let it finish, or give "
-                                 f"this job other files with --save-path, --checkpoint, --metrics and --timeline")
+                raise UsageError(
+                    f"{option} {path} is in use by another job ({holder(fd)}); let it finish, or give "
+                    f"this job other files with --save-path, --checkpoint, --metrics and --timeline"
+                )
     except BaseException:
         for fd, _ in taken:
             os.close(fd)
@@ -71,12 +74,12 @@ def open_and_lock(lock_path, hold):
     while True:
         try:
             fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
-        except FileNotFoundError:   # only a look opens without creating: the holder just released it
+        except FileNotFoundError:  # only a look opens without creating: the holder just released it
             return os.open(os.devnull, os.O_RDONLY), True
         locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0)
         if not locked or same_file(fd, lock_path):
             return fd, locked
-        os.close(fd)   # locked a file that is gone: its holder released it just now
+        os.close(fd)  # locked a file that is gone: its holder released it just now
 
 
 def same_file(fd, path):

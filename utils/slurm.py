@@ -9,8 +9,9 @@ srun starts every task of a step with SLURM_PROCID (its rank), SLURM_NTASKS (the
 SLURM_LOCALID (its place on its node), SLURM_NODEID (its node, 0..nodes-1) and the step's nodes
 in Slurm's compressed form (SLURM_STEP_NODELIST). The batch script itself runs outside any step
 (it has SLURM_PROCID=0 and SLURM_JOB_ID but no SLURM_STEP_ID), so `python train.py` there, without
-srun, is the local launcher, as on any machine. The rendezvous is MASTER_ADDR:MASTER_PORT where they are set, else the step's first
-node, at a port every task derives alike from the job id (so two jobs sharing a node differ).
+srun, is the local launcher, as on any machine. The rendezvous is MASTER_ADDR:MASTER_PORT where
+they are set, else the step's first node, at a port every task derives alike from the job id (so
+two jobs sharing a node differ).
 
 Time limits: `#SBATCH --signal=USR1@90` has Slurm send SIGUSR1 to every task 90 s before the
 limit. utils/stop.py takes it as it takes SIGTERM: every rank stops after the same step and rank 0
@@ -19,15 +20,15 @@ saves the checkpoint. Then rank 0 requeues the job, if it is a batch job Slurm m
 its `--resume` continues from the checkpoint. A finished run exits 0 and is not requeued; SIGTERM
 (scancel, or the limit itself) stops with the checkpoint and no requeue.
 """
+
 import itertools
 import re
 import subprocess
 from dataclasses import dataclass
-from typing import Tuple
 
 from utils.errors import UsageError
 
-FIRST_PORT, PORTS = 15000, 10000   # the derived port: FIRST_PORT + job id % PORTS (members use port + rank too)
+FIRST_PORT, PORTS = 15000, 10000  # the derived port: FIRST_PORT + job id % PORTS (members use port + rank too)
 SCONTROL_SECONDS = 30
 
 
@@ -39,38 +40,52 @@ class SlurmStep:
     world_size: int
     local_rank: int
     node_id: int
-    nodes: Tuple[str, ...]
-    rendezvous: str             # tcp://HOST:PORT
-    restarts: int = 0           # SLURM_RESTART_COUNT: how often the job was requeued before this run
+    nodes: tuple[str, ...]
+    rendezvous: str  # tcp://HOST:PORT
+    restarts: int = 0  # SLURM_RESTART_COUNT: how often the job was requeued before this run
 
 
 def step_from(environ):
     """The SlurmStep of this process if srun started it, else None. UsageError (one line, exit 2)
     for a Slurm environment that is incomplete or malformed."""
     if "SLURM_PROCID" not in environ or ("SLURM_STEP_ID" not in environ and "SLURM_JOB_ID" in environ):
-        return None   # not Slurm's, or sbatch's own shell (a job, but no step): the local launcher
-    missing = [name for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NODEID")
-               if name not in environ]
+        return None  # not Slurm's, or sbatch's own shell (a job, but no step): the local launcher
+    missing = [
+        name for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NODEID") if name not in environ
+    ]
     if not any(name in environ for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")):
         missing.append("SLURM_STEP_NODELIST")
     if missing:
-        raise UsageError(f"SLURM_PROCID is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
-                         f"start train.py with srun, or give --rank, --world-size and --init-method")
+        raise UsageError(
+            f"SLURM_PROCID is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            f"start train.py with srun, or give --rank, --world-size and --init-method"
+        )
     rank, world_size = whole_number(environ, "SLURM_PROCID"), whole_number(environ, "SLURM_NTASKS")
     if world_size < 1 or rank >= world_size:
         raise UsageError(f"SLURM_PROCID={rank} is not a rank of SLURM_NTASKS={world_size}")
-    listed = next(environ[name] for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-                  if name in environ)
+    listed = next(
+        environ[name] for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if name in environ
+    )
     nodes = tuple(expand_hostlist(listed))
     host = environ.get("MASTER_ADDR") or nodes[0]
-    port = whole_number(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else \
-        FIRST_PORT + whole_number(environ, "SLURM_JOB_ID") % PORTS
+    port = (
+        whole_number(environ, "MASTER_PORT")
+        if environ.get("MASTER_PORT")
+        else FIRST_PORT + whole_number(environ, "SLURM_JOB_ID") % PORTS
+    )
     if not 1 <= port <= 65535:
         raise UsageError(f"MASTER_PORT={port} is out of range (1-65535)")
-    return SlurmStep(job_id=environ["SLURM_JOB_ID"], step_id=environ["SLURM_STEP_ID"], rank=rank,
-                     world_size=world_size, local_rank=whole_number(environ, "SLURM_LOCALID", 0),
-                     node_id=whole_number(environ, "SLURM_NODEID"), nodes=nodes,
-                     rendezvous=f"tcp://{host}:{port}", restarts=whole_number(environ, "SLURM_RESTART_COUNT", 0))
+    return SlurmStep(
+        job_id=environ["SLURM_JOB_ID"],
+        step_id=environ["SLURM_STEP_ID"],
+        rank=rank,
+        world_size=world_size,
+        local_rank=whole_number(environ, "SLURM_LOCALID", 0),
+        node_id=whole_number(environ, "SLURM_NODEID"),
+        nodes=nodes,
+        rendezvous=f"tcp://{host}:{port}",
+        restarts=whole_number(environ, "SLURM_RESTART_COUNT", 0),
+    )
 
 
 def whole_number(environ, name, default=None):
@@ -94,9 +109,13 @@ def expand_hostlist(text):
         raise UsageError(f"malformed Slurm node list {text!r}; expected e.g. node[01-04,07],login1")
     hosts = []
     for item in re.findall(_ITEM, text):
-        parts = re.split(r"\[([^\]]*)\]", item)   # text, ranges, text, ranges, ..., text
-        hosts.extend("".join(names) for names in itertools.product(
-            *([part] if i % 2 == 0 else numbers(part, text) for i, part in enumerate(parts))))
+        parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ranges, ..., text
+        hosts.extend(
+            "".join(names)
+            for names in itertools.product(
+                *([part] if i % 2 == 0 else numbers(part, text) for i, part in enumerate(parts))
+            )
+        )
     return hosts
 
 

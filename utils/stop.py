@@ -22,6 +22,7 @@ gloo wait would not run one until the wait ends. Here the C-level handler writes
 number to a pipe (signal.set_wakeup_fd), and a thread of ours reads it at once. The Python-level
 handler does nothing: no KeyboardInterrupt tears through a save or a gradient sum.
 """
+
 import os
 import signal
 import threading
@@ -34,8 +35,8 @@ REPEAT_SECONDS = 1.0
 
 _label = "train.py"
 _armed = False
-_first = None          # (signal name, monotonic time) of the first signal
-_forward = None        # the launcher's ranks
+_first = None  # (signal name, monotonic time) of the first signal
+_forward = None  # the launcher's ranks
 _leaving = False
 
 
@@ -47,7 +48,7 @@ def install(label):
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     for signum in SIGNALS:
-        signal.signal(signum, lambda *_: None)   # the watch thread does the work
+        signal.signal(signum, lambda *_: None)  # the watch thread does the work
     threading.Thread(target=_watch, args=(read,), name="signal-watch", daemon=True).start()
 
 
@@ -78,24 +79,27 @@ def _watch(fd):
 
 def _received(sig):
     global _first
-    if _forward is not None:     # the launcher: its ranks decide what a signal means
+    if _forward is not None:  # the launcher: its ranks decide what a signal means
         for proc in _forward:
             if proc.poll() is None:
                 proc.send_signal(sig)
         return
     if _leaving:
         return
-    if not _armed and sig != signal.SIGUSR1:   # a warning, not a request to end: the first step stops
+    if not _armed and sig != signal.SIGUSR1:  # a warning, not a request to end: the first step stops
         _exit(f"stopped by {sig.name} before training began; nothing to save", 128 + sig)
     now = time.monotonic()
     if _first is None:
         _first = (sig.name, now)
     elif now - _first[1] >= REPEAT_SECONDS:
-        _exit(f"second signal ({sig.name}): stopped at once, without saving this step; the checkpoint "
-              f"saved before stays whole", 128 + sig)
+        _exit(
+            f"second signal ({sig.name}): stopped at once, without saving this step; the checkpoint "
+            f"saved before stays whole",
+            128 + sig,
+        )
 
 
 def _exit(message, code):
-    os.write(2, f"{_label}: {message}\n".encode())   # not print: the main thread may hold sys.stderr's lock
-    outputs.release()   # rank 0's lock files: a job stopped at once leaves none behind either
+    os.write(2, f"{_label}: {message}\n".encode())  # not print: the main thread may hold sys.stderr's lock
+    outputs.release()  # rank 0's lock files: a job stopped at once leaves none behind either
     os._exit(code)

@@ -19,6 +19,7 @@ holds every rank's offset and error.
 Off (no --timeline), `span` returns one shared do-nothing context: a global read and a test.
 Recording costs a few microseconds a span; there are about ten spans a step.
 """
+
 import contextlib
 import json
 import os
@@ -29,16 +30,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils.files import write_file
 from utils.errors import UsageError
+from utils.files import write_file
 
-ROUND_TRIPS = 8                 # per rank, to estimate its clock's offset to rank 0's
+ROUND_TRIPS = 8  # per rank, to estimate its clock's offset to rank 0's
 _OFF = contextlib.nullcontext()
 # For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number of
 # seconds, as another server's clock would be; the clock alignment must take it out.
 _skew_ns = 0
 
-recorder = None                 # the Recorder of this process while --timeline is on
+recorder = None  # the Recorder of this process while --timeline is on
 
 
 def now_ns():
@@ -93,7 +94,7 @@ class Recorder:
     def __init__(self, path, first, last, total_steps):
         self.path, self.first, self.last, self.total_steps = path, first, last, total_steps
         self.step, self.recording, self.written = 0, False, False
-        self.spans = []                # (name, row, start_ns on rank 0's clock, end_ns, args)
+        self.spans = []  # (name, row, start_ns on rank 0's clock, end_ns, args)
         skews = os.environ.get("TIMELINE_TEST_CLOCK_SKEW_S")
         if skews:
             global _skew_ns
@@ -108,7 +109,7 @@ class Recorder:
     @contextlib.contextmanager
     def span(self, name, args):
         """Yields `args`, which the block may add to (what it learns on the way: bytes sent)."""
-        args.setdefault("step", self.step)    # the step it began in, though it may end in the next
+        args.setdefault("step", self.step)  # the step it began in, though it may end in the next
         start = now_ns()
         try:
             yield args
@@ -125,8 +126,14 @@ class Recorder:
         if self.written:
             return
         self.recording, self.written = False, True
-        mine = dict(rank=dist.get_rank(), host=socket.gethostname(), pid=os.getpid(), spans=self.spans,
-                    offset_ns=self.offset_ns, error_ns=self.error_ns)
+        mine = dict(
+            rank=dist.get_rank(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            spans=self.spans,
+            offset_ns=self.offset_ns,
+            error_ns=self.error_ns,
+        )
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if dist.get_rank() == 0:
@@ -134,7 +141,7 @@ class Recorder:
             what = f"steps {self.first}-{last}" if self.spans else f"nothing (no step of {self.first}-{last} ran)"
             try:
                 write_file(self.path, json.dumps(chrome_trace(everyone, self.first, last, self.total_steps)).encode())
-            except UsageError as e:   # a full disk, /dev/full: the trace is lost, the training goes on
+            except UsageError as e:  # a full disk, /dev/full: the trace is lost, the training goes on
                 os.write(2, f"train.py: rank 0: could not write the timeline ({e}); training goes on\n".encode())
                 return
             print(f"timeline of {what} written to {self.path}", flush=True)
@@ -181,16 +188,33 @@ def chrome_trace(everyone, first, last, total_steps):
             events.append(dict(ph="M", name="thread_name", pid=pid, tid=tid, args=dict(name=row_label(row))))
             events.append(dict(ph="M", name="thread_sort_index", pid=pid, tid=tid, args=dict(sort_index=tid)))
         for name, row, start, end, args in r["spans"]:
-            events.append(dict(ph="X", name=name, cat=name.split()[0], pid=pid, tid=rows.index(row),
-                               ts=(start - origin) / 1e3, dur=(end - start) / 1e3, args=args))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"window": f"steps {first} to {last} of {total_steps} (--timeline-steps); "
-                                    f"the other steps are not in this file",
-                          "first_step": first, "last_step": last, "total_steps": total_steps,
-                          "world_size": len(everyone),
-                          "clock_offset_ns": [r["offset_ns"] for r in everyone],
-                          "clock_error_ns": [r["error_ns"] for r in everyone],
-                          "time_zero_ns_on_rank0_clock": origin}}
+            events.append(
+                dict(
+                    ph="X",
+                    name=name,
+                    cat=name.split()[0],
+                    pid=pid,
+                    tid=rows.index(row),
+                    ts=(start - origin) / 1e3,
+                    dur=(end - start) / 1e3,
+                    args=args,
+                )
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "window": f"steps {first} to {last} of {total_steps} (--timeline-steps); "
+            f"the other steps are not in this file",
+            "first_step": first,
+            "last_step": last,
+            "total_steps": total_steps,
+            "world_size": len(everyone),
+            "clock_offset_ns": [r["offset_ns"] for r in everyone],
+            "clock_error_ns": [r["error_ns"] for r in everyone],
+            "time_zero_ns_on_rank0_clock": origin,
+        },
+    }
 
 
 def row_order(row):

@@ -11,6 +11,7 @@ The schedule follows gloo's ring (gloo/allreduce.cc), as far as the wire sees it
     send, and before posting the third, wait for (and add) the first;
   - all-gather receives are posted only once reduce-scatter is done.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -22,17 +23,17 @@ def ring_sum(flat, group=None):
     if n == 1:
         return flat
     count = max(-(-flat.numel() * flat.element_size() // MAX_SEGMENT_BYTES), 2 * n)
-    count = -(-count // n) * n                       # segments, a multiple of n
+    count = -(-count // n) * n  # segments, a multiple of n
     per_rank = count // n
     length = -(-flat.numel() // count)
 
     def segment(i):
         i %= count
-        return flat[i * length: (i + 1) * length]    # the last ones may be short or empty
+        return flat[i * length : (i + 1) * length]  # the last ones may be short or empty
 
     to, frm = (rank - 1) % n, (rank + 1) % n
     scratch = [torch.empty(length, dtype=flat.dtype), torch.empty(length, dtype=flat.dtype)]
-    rounds = count - per_rank                        # segments each rank sends per phase
+    rounds = count - per_rank  # segments each rank sends per phase
 
     def phase(post, finish):
         """Post round i, then finish round i-2: two rounds in flight."""

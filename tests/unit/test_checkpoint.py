@@ -1,5 +1,6 @@
 """The checkpoint's schema, its checks and upgrade (utils/checkpoint.py); every written file: atomic, through a
 symlink, in place for a device or FIFO (utils/files.py)."""
+
 import os
 import socket
 import stat
@@ -25,7 +26,7 @@ def state(epoch=2, step=0, settings=None, **extra):
 def test_save_and_load_against_the_expected_settings(tmp_path):
     path = tmp_path / "c.pt"
     checkpoint.save(state(), path)
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]   # no temp file left
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # no temp file left
     loaded = checkpoint.load(str(path), {"model": "Net/421642", "global-batch": 64, "compress": "none"})
     assert checkpoint.SCHEMA <= set(loaded) and loaded["epoch_stats"] == {"steps": 3}
     with pytest.raises(UsageError, match="was made with --global-batch 64, this run has 96"):
@@ -84,9 +85,9 @@ def test_a_device_is_written_in_place_never_replaced():
     files.write_file("/dev/null", b"x" * 1000)
     after = os.stat("/dev/null")
     assert stat.S_ISCHR(after.st_mode) and after.st_ino == before.st_ino
-    assert not files.set_aside("/dev/null")   # a fresh start moves no device aside
+    assert not files.set_aside("/dev/null")  # a fresh start moves no device aside
     files.check_writable("/dev/null", "--save-path")
-    files.remove_stale_temps("/dev/null")     # looks at no folder of devices
+    files.remove_stale_temps("/dev/null")  # looks at no folder of devices
 
 
 def test_a_full_device_fails_instead_of_reporting_success():

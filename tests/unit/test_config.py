@@ -1,4 +1,5 @@
 """The command line becomes one frozen Config, with the defaults resolved in one place."""
+
 import dataclasses
 
 import pytest
@@ -14,7 +15,7 @@ def config(*argv, environ=None):
 
 def test_defaults_are_resolved_once():
     c = config()
-    assert (c.job.rank, c.job.world_size, c.job.nproc) == (None, 2, 2)   # the local launcher
+    assert (c.job.rank, c.job.world_size, c.job.nproc) == (None, 2, 2)  # the local launcher
     assert (c.recipe.global_batch, c.recipe.lr, c.recipe.epochs, c.recipe.seed) == (64, 4e-3, 2, 1)
     assert (c.sync.allreduce, c.sync.chunks, c.sync.overlap, c.sync.compress) == ("two-pass", "auto", True, "none")
     assert c.sync.powersgd_rank is None and c.outputs.timeline_steps is None
@@ -39,13 +40,34 @@ def test_it_is_frozen():
 def test_agreement_and_resume_lists_come_from_the_fields():
     c = config("--compress", "powersgd", "--powersgd-rank", "2")
     agree = c.must_agree()
-    assert list(agree)[:2] == ["batch-size", "global-batch"]   # a different --batch-size is named first
-    assert {"lr", "seed", "epochs", "allreduce", "chunks", "overlap", "lazy-update", "bucket-mb", "train-subset",
-            "compress", "powersgd-rank", "powersgd-warmup"} <= set(agree)
+    assert list(agree)[:2] == ["batch-size", "global-batch"]  # a different --batch-size is named first
+    assert {
+        "lr",
+        "seed",
+        "epochs",
+        "allreduce",
+        "chunks",
+        "overlap",
+        "lazy-update",
+        "bucket-mb",
+        "train-subset",
+        "compress",
+        "powersgd-rank",
+        "powersgd-warmup",
+    } <= set(agree)
     assert "timeout" not in agree and "test-subset" not in agree
-    assert c.must_keep() == {"global-batch": 64, "lr": 4e-3, "seed": 1, "epochs": 2, "train-subset": None,
-                             "compress": "powersgd", "powersgd-rank": 2, "powersgd-warmup": 10, "sync-every": 1}
-    assert "powersgd-rank" not in config().must_keep()   # no PowerSGD: no such setting to keep
+    assert c.must_keep() == {
+        "global-batch": 64,
+        "lr": 4e-3,
+        "seed": 1,
+        "epochs": 2,
+        "train-subset": None,
+        "compress": "powersgd",
+        "powersgd-rank": 2,
+        "powersgd-warmup": 10,
+        "sync-every": 1,
+    }
+    assert "powersgd-rank" not in config().must_keep()  # no PowerSGD: no such setting to keep
     assert "outer" not in config().must_keep() and "outer-lr" not in config("--sync-every", "4").must_keep()
     assert config("--sync-every", "4", "--outer", "nesterov").must_keep()["outer-lr"] == 0.7
 
@@ -56,19 +78,22 @@ def test_the_whole_config_goes_into_a_checkpoint():
     assert d["outputs"]["timeline_steps"] == (21, 60) and d["sync"]["allreduce"] == "two-pass"
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--rank", "0"], "--rank and --world-size go together"),
-    (["--rank", "2", "--world-size", "2", "--init-method", "tcp://h:1"], "--rank must be between 0 and 1"),
-    (["--rank", "0", "--world-size", "2"], "--init-method is required"),
-    (["--init-method", "udp://h:1"], "malformed --init-method"),
-    (["--init-method", "tcp://h:70000"], "out of range"),
-    (["--gloo_socket_ifname", "no-such-card0"], "not found on this host"),
-    (["--batch-size", "2", "--global-batch", "4"], "not both"),
-    (["--no-overlap", "--lazy-update"], "--lazy-update needs --overlap"),
-    (["--timeline-steps", "1:2"], "--timeline-steps needs --timeline"),
-    (["--eval"], "--eval needs --model_path"),
-    (["--powersgd-rank", "2"], "--powersgd-rank needs --compress powersgd"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--rank", "0"], "--rank and --world-size go together"),
+        (["--rank", "2", "--world-size", "2", "--init-method", "tcp://h:1"], "--rank must be between 0 and 1"),
+        (["--rank", "0", "--world-size", "2"], "--init-method is required"),
+        (["--init-method", "udp://h:1"], "malformed --init-method"),
+        (["--init-method", "tcp://h:70000"], "out of range"),
+        (["--gloo_socket_ifname", "no-such-card0"], "not found on this host"),
+        (["--batch-size", "2", "--global-batch", "4"], "not both"),
+        (["--no-overlap", "--lazy-update"], "--lazy-update needs --overlap"),
+        (["--timeline-steps", "1:2"], "--timeline-steps needs --timeline"),
+        (["--eval"], "--eval needs --model_path"),
+        (["--powersgd-rank", "2"], "--powersgd-rank needs --compress powersgd"),
+    ],
+)
 def test_what_does_not_go_together_is_one_line(argv, needle):
     with pytest.raises(UsageError, match=needle.replace("-", r"\-")):
         config(*argv)

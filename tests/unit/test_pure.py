@@ -1,27 +1,29 @@
 """Pure functions: bytes on the wire, the hierarchical plan, the data order, buckets, compression helpers."""
+
 import pytest
 import torch
 
-from utils import compress, config, data, hierarchical, mnist, ring
-from utils.gradsync import flat_buffer, make_buckets, set_gradients
-from utils.lazy import step_only
+from utils import config, data, mnist
+from utils.comm import compress, hierarchical, ring
 from utils.model import Net
+from utils.sync.buckets import flat_buffer, make_buckets, set_gradients
+from utils.sync.lazy import step_only
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 7])
 def test_bytes_sent_per_algorithm(n):
     numel = 1000
     two_pass = [ring.two_pass_bytes_sent(numel, 4, r, n) for r in range(n)]
-    assert two_pass == [8000] * max(0, n - 2) + [4000] * min(n, 2)   # pass 2 stops at rank N-2
+    assert two_pass == [8000] * max(0, n - 2) + [4000] * min(n, 2)  # pass 2 stops at rank N-2
     ring_bytes = [ring.ring_bytes_sent(numel, 4, r, n) for r in range(n)]
-    assert sum(ring_bytes) == 2 * (n - 1) * numel * 4                   # 2(N-1)/N of the buffer each
+    assert sum(ring_bytes) == 2 * (n - 1) * numel * 4  # 2(N-1)/N of the buffer each
     assert max(ring_bytes) - min(ring_bytes) <= 2 * (n - 1) * 4
     assert ring.two_pass_bytes_sent(numel, 4, 0, 1) == ring.ring_bytes_sent(numel, 4, 0, 1) == 0
 
 
 def test_chunks():
     assert ring.auto_chunks(10) == 1
-    assert ring.auto_chunks(421_642) == 7                 # 1.69 MB in pieces of about 256 KB
+    assert ring.auto_chunks(421_642) == 7  # 1.69 MB in pieces of about 256 KB
     assert ring.auto_chunks(10**9) == ring.MAX_CHUNKS
     assert ring.resolve_chunks("auto", 421_642, torch.bfloat16) == 4
     assert ring.resolve_chunks(3, 421_642) == 3
@@ -45,7 +47,7 @@ def test_each_step_trains_every_image_once_whatever_the_ranks(n, batch):
     order = data.epoch_permutation(images, epoch, 1)
     for s in range(steps):
         together = torch.cat([shares[r][0][s] for r in range(n)])
-        assert sorted(together.tolist()) == sorted(order[batch * s: batch * (s + 1)].tolist())
+        assert sorted(together.tolist()) == sorted(order[batch * s : batch * (s + 1)].tolist())
         assert all(shares[r][1][s] == len(together) for r in range(n))
         sizes = [len(shares[r][0][s]) for r in range(n)]
         assert max(sizes) - min(sizes) <= 1
@@ -82,14 +84,14 @@ def test_an_optimizer_step_in_pieces_equals_one_step():
 
 
 def test_compression_helpers():
-    assert compress.power_of_two_below(1000.0) == 512.0 and compress.power_of_two_below(1e-50) == 2.0 ** -126
+    assert compress.power_of_two_below(1000.0) == 512.0 and compress.power_of_two_below(1e-50) == 2.0**-126
     p = compress.orthonormalize(torch.randn(50, 4, generator=torch.Generator().manual_seed(1)))
     assert torch.allclose(p.t() @ p, torch.eye(4), atol=1e-5)
     layout = compress.PowerSGD([[torch.empty(128, 3136), torch.empty(128)]], 4, 10).layouts[0]
-    assert layout == ([(0, 128, 3136)], [(128 * 3136, 128)])   # the matrix compressed, the bias not
+    assert layout == ([(0, 128, 3136)], [(128 * 3136, 128)])  # the matrix compressed, the bias not
     states = [{"steps": [5], "errors": [torch.full((3,), float(r))], "qs": [None]} for r in range(3)]
     assert compress.state_for(states, 1, 3) is states[1]
-    assert torch.equal(compress.state_for(states, 0, 2)["errors"][0], torch.full((3,), 1.0))   # the mean error
+    assert torch.equal(compress.state_for(states, 0, 2)["errors"][0], torch.full((3,), 1.0))  # the mean error
 
 
 def test_timeline_steps_parse():
@@ -101,8 +103,10 @@ def test_timeline_steps_parse():
 
 def test_mnist_is_read_as_torchvision_reads_it():
     import os
-    from torchvision.datasets import MNIST
+
     from conftest import REPO
+    from torchvision.datasets import MNIST
+
     root = os.path.join(REPO, "data")
     mnist.ensure_mnist(root)
     raw = os.path.join(root, "MNIST", "raw")
@@ -114,20 +118,24 @@ def test_mnist_is_read_as_torchvision_reads_it():
 def test_deterministic_algorithms_are_on_without_importing_inductor():
     import subprocess
     import sys
-    from conftest import REPO
-    probe = (f"import sys; sys.path.insert(0, {REPO!r}); import torch; from utils.model import "
-             f"use_deterministic_algorithms as d; d(); "
-             f"print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)")
+
+    probe = (
+        "import sys; import torch; from utils.model import "
+        "use_deterministic_algorithms as d; d(); "
+        "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
     assert out.split() == ["True", "False"], out
 
 
 def test_a_subset_is_the_first_images_of_the_whole_normalised_alike():
     import os
+
     from conftest import REPO
+
     root = os.path.join(REPO, "data")
     whole, part = data.load_mnist(root), data.load_mnist(root, 300, 20)
     for w, p, n in zip(whole, part, (300, 300, 20, 20)):
         assert torch.equal(w[:n], p) and len(p) == n
     raw = data.read_idx(os.path.join(root, "MNIST", "raw", "t10k-images-idx3-ubyte"))
-    assert torch.equal(whole[2], ((raw.float() / 255.0 - data.MEAN) / data.STD).unsqueeze(1))   # the bits as ever
+    assert torch.equal(whole[2], ((raw.float() / 255.0 - data.MEAN) / data.STD).unsqueeze(1))  # the bits as ever

@@ -1,4 +1,5 @@
 """srun's environment becomes the rank, the world and the rendezvous (utils/slurm.py)."""
+
 import os
 import shutil
 import subprocess
@@ -10,8 +11,16 @@ from utils.config import from_args
 from utils.errors import UsageError
 from utils.slurm import FIRST_PORT, describe, expand_hostlist, step_from
 
-TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_JOB_ID": "4321",
-        "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_NODELIST": "node[07-09]"}
+TASK = {
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_ID": "4321",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_JOB_NODELIST": "node[07-09]",
+}
 
 # Forms Slurm's own parser takes, with what it makes of them (scontrol show hostnames, checked below).
 HOSTLISTS = {
@@ -41,11 +50,16 @@ def test_the_expansion_matches_scontrol(tmp_path):
         if os.environ.get("CI") == "true":
             pytest.fail("scontrol is not installed; .ci/run installs slurm-wlm")
         pytest.skip("scontrol is not installed")
-    conf = tmp_path / "slurm.conf"   # show hostnames reads no daemon, only needs a configuration
+    conf = tmp_path / "slurm.conf"  # show hostnames reads no daemon, only needs a configuration
     conf.write_text("ClusterName=test\nSlurmctldHost=localhost\nNodeName=localhost\n")
     for text, expected in HOSTLISTS.items():
-        shown = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30,
-                               env=dict(os.environ, SLURM_CONF=str(conf)))
+        shown = subprocess.run(
+            ["scontrol", "show", "hostnames", text],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(os.environ, SLURM_CONF=str(conf)),
+        )
         assert shown.stdout.split() == expected, (text, shown.stderr)
 
 
@@ -80,26 +94,38 @@ def test_flags_torchrun_and_the_batch_script_come_before_slurm():
     assert (flags.job.rank, flags.job.world_size, flags.job.slurm) == (0, 2, None)
     torchrun = config(environ=dict(TASK, RANK="3", WORLD_SIZE="8"))
     assert (torchrun.job.rank, torchrun.job.torchrun, torchrun.job.slurm) == (3, True, None)
-    batch_script = {k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}   # sbatch's shell, outside srun
-    assert config(environ=batch_script).job.rank is None   # the local launcher, as on any machine
+    batch_script = {k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}  # sbatch's shell, outside srun
+    assert config(environ=batch_script).job.rank is None  # the local launcher, as on any machine
     assert config("--init-method", "tcp://10.1.1.1:4000", environ=TASK).job.init_method == "tcp://10.1.1.1:4000"
     assert config("--eval", "--model_path", "m.pth", environ=TASK).job.slurm is None
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"SLURM_NTASKS": None}, "SLURM_PROCID is set but SLURM_NTASKS is not"),
-    ({"SLURM_NTASKS": None, "SLURM_NODEID": None}, "SLURM_NTASKS, SLURM_NODEID are not"),
-    ({"SLURM_NTASKS": None, "SLURM_JOB_ID": None, "SLURM_STEP_ID": None, "SLURM_NODEID": None,
-      "SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, "SLURM_PROCID is set but SLURM_NTASKS, "),
-    ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, "SLURM_STEP_NODELIST is not"),
-    ({"SLURM_NTASKS": "four"}, "malformed SLURM_NTASKS='four'"),
-    ({"SLURM_PROCID": "-1"}, "malformed SLURM_PROCID='-1'"),
-    ({"SLURM_PROCID": "4"}, "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
-    ({"SLURM_NTASKS": "0", "SLURM_PROCID": "0"}, "SLURM_PROCID=0 is not a rank of SLURM_NTASKS=0"),
-    ({"SLURM_STEP_NODELIST": "node[07-"}, "malformed Slurm node list 'node\\[07-'"),
-    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is out of range"),
-    ({"SLURM_JOB_ID": "12a"}, "malformed SLURM_JOB_ID='12a'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"SLURM_NTASKS": None}, "SLURM_PROCID is set but SLURM_NTASKS is not"),
+        ({"SLURM_NTASKS": None, "SLURM_NODEID": None}, "SLURM_NTASKS, SLURM_NODEID are not"),
+        (
+            {
+                "SLURM_NTASKS": None,
+                "SLURM_JOB_ID": None,
+                "SLURM_STEP_ID": None,
+                "SLURM_NODEID": None,
+                "SLURM_STEP_NODELIST": None,
+                "SLURM_JOB_NODELIST": None,
+            },
+            "SLURM_PROCID is set but SLURM_NTASKS, ",
+        ),
+        ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, "SLURM_STEP_NODELIST is not"),
+        ({"SLURM_NTASKS": "four"}, "malformed SLURM_NTASKS='four'"),
+        ({"SLURM_PROCID": "-1"}, "malformed SLURM_PROCID='-1'"),
+        ({"SLURM_PROCID": "4"}, "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
+        ({"SLURM_NTASKS": "0", "SLURM_PROCID": "0"}, "SLURM_PROCID=0 is not a rank of SLURM_NTASKS=0"),
+        ({"SLURM_STEP_NODELIST": "node[07-"}, "malformed Slurm node list 'node\\[07-'"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is out of range"),
+        ({"SLURM_JOB_ID": "12a"}, "malformed SLURM_JOB_ID='12a'"),
+    ],
+)
 def test_a_broken_slurm_environment_is_one_line(change, message):
     environ = {k: v for k, v in {**TASK, **change}.items() if v is not None}
     with pytest.raises(UsageError, match=message):

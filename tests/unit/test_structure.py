@@ -1,5 +1,6 @@
 """The shape the redesign promised: no import cycle in utils/, no argparse Namespace in the core,
 a train.py that only sets up, and modules small enough to read in one sitting."""
+
 import ast
 import os
 import re
@@ -33,7 +34,7 @@ def test_no_import_cycle_in_utils():
     done, path = set(), []
 
     def visit(module):
-        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module) :] + [module])}"
         if module in done:
             return
         path.append(module)
@@ -41,6 +42,7 @@ def test_no_import_cycle_in_utils():
             visit(imported)
         path.pop()
         done.add(module)
+
     for module in graph:
         visit(module)
 
@@ -50,7 +52,7 @@ def test_the_core_takes_no_argparse_namespace():
     for path in sources("utils"):
         text = open(os.path.join(REPO, path)).read()
         if path.endswith("config.py"):
-            text = text[:text.index("def from_args(")] + text[text.index("def check_init_method("):]
+            text = text[: text.index("def from_args(")] + text[text.index("def check_init_method(") :]
         assert "getattr(args" not in text and not re.search(r"\bargs\.(?!setdefault)\w+", text), path
 
 
@@ -74,9 +76,12 @@ def test_a_bad_command_line_and_the_launcher_need_no_torch():
     answer without it (every rank imports it where it starts training)."""
     import subprocess
     import sys
+
     light = "utils.config, utils.errors, utils.files, utils.launch, utils.mnist, utils.outputs, utils.stop"
-    probe = (f"import sys; sys.path.insert(0, {REPO!r}); import {light}; import train; "
-             f"code = train.main(['--lr', '-1']); print(code, 'torch' in sys.modules)")
+    probe = (
+        f"import sys; import {light}; import train; "
+        f"code = train.main(['--lr', '-1']); print(code, 'torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["2", "False"], (result.stdout, result.stderr)
     assert "--lr" in result.stderr

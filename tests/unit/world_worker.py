@@ -1,19 +1,18 @@
 """One rank of the fast tier's tiny gloo world: every all-reduce object, and the gradient-sync seam."""
+
 import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from utils.allreduce import ALGORITHMS, make_allreduce  # noqa: E402
-from utils.config import Recipe, Sync  # noqa: E402
-from utils.model import Net  # noqa: E402
-from utils.run import make_optimizer, train_step  # noqa: E402
-from utils.gradsync import make_gradient_sync  # noqa: E402
-from utils.compress import make_compressor  # noqa: E402
-from utils.periodic import PeriodicSync  # noqa: E402
+from utils.comm.allreduce import ALGORITHMS, make_allreduce
+from utils.comm.compress import make_compressor
+from utils.config import Recipe, Sync
+from utils.model import Net
+from utils.run import make_optimizer, train_step
+from utils.sync.buckets import make_gradient_sync
+from utils.sync.periodic import PeriodicSync
 
 
 def inputs(rank, size):
@@ -40,9 +39,12 @@ def sums(rank):
 def training(rank, world_size):
     """Three steps of the CNN under each way of summing: the parameters after them."""
     results = {}
-    for mode, sync in {"plain": Sync(overlap=False), "overlap": Sync(), "lazy": Sync(lazy_update=True),
-                       "lazy-powersgd": Sync(lazy_update=True, compress="powersgd", powersgd_rank=2,
-                                             powersgd_warmup=1)}.items():
+    for mode, sync in {
+        "plain": Sync(overlap=False),
+        "overlap": Sync(),
+        "lazy": Sync(lazy_update=True),
+        "lazy-powersgd": Sync(lazy_update=True, compress="powersgd", powersgd_rank=2, powersgd_warmup=1),
+    }.items():
         torch.manual_seed(1)
         model = Net()
         optimizer, scheduler = make_optimizer(model, Recipe(epochs=1), 3)
@@ -79,9 +81,16 @@ def periodic(rank, rounds=4, every=3):
         model = torch.nn.Linear(5, 3)
         optimizer = RecordingSGD(model.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        sync = PeriodicSync(model, make_allreduce(name, chunks=3, own_group=True),
-                            make_compressor(wire, [list(model.parameters())]), optimizer, scheduler, every, outer,
-                            merge_after=merge_after)
+        sync = PeriodicSync(
+            model,
+            make_allreduce(name, chunks=3, own_group=True),
+            make_compressor(wire, [list(model.parameters())]),
+            optimizer,
+            scheduler,
+            every,
+            outer,
+            merge_after=merge_after,
+        )
         key = f"periodic/{name}/{outer}/{wire}/{merge_after}"
         results[f"{key}/initial"] = sync.anchor.clone()
         record = {"start": [], "after": [], "params": [], "anchor": []}
@@ -94,7 +103,7 @@ def periodic(rank, rounds=4, every=3):
             record["after"].append(optimizer.after)
             record["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
             record["anchor"].append(sync.anchor.clone())
-        results[f"{key}/cut-short"] = sync.start - record["params"][-1]    # the last round's steps so far
+        results[f"{key}/cut-short"] = sync.start - record["params"][-1]  # the last round's steps so far
         sync.flush()
         results.update({f"{key}/{what}": torch.stack(values) for what, values in record.items()})
         results[f"{key}/final"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -105,8 +114,13 @@ def periodic(rank, rounds=4, every=3):
 if __name__ == "__main__":
     rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=30),
+    )
     only_periodic = sys.argv[5:] == ["periodic"]
     torch.save(periodic(rank) if only_periodic else {**sums(rank), **training(rank, world_size), **periodic(rank)}, out)
     dist.barrier()

@@ -11,6 +11,7 @@ bucket is done first, while the big fc bucket is still on the wire:
 Adam's update of a parameter reads only that parameter's gradient and state, so updating bucket
 by bucket, with the step's learning rate, gives exactly the parameters of one optimizer.step().
 """
+
 import time
 
 from utils import timeline
@@ -28,20 +29,21 @@ class LazyUpdate:
 
     def __init__(self, model, optimizer, scheduler, overlapped):
         self.optimizer, self.scheduler, self.overlapped = optimizer, scheduler, overlapped
-        self.due = []                 # bucket indices whose update is still to be applied
+        self.due = []  # bucket indices whose update is still to be applied
         self.due_step = None
-        self.kept = []                # (param, its value, its optimizer state) before a partial update
-        self.waited_seconds = 0.0     # time the training thread blocked on communication
+        self.kept = []  # (param, its value, its optimizer state) before a partial update
+        self.waited_seconds = 0.0  # time the training thread blocked on communication
         self.handles = [model.register_forward_hook(lambda *_: self.finish())]
         for module in model.modules():
             mine = sorted({overlapped.bucket_of[p] for p in module.parameters(recurse=False)})
             if mine:
-                self.handles.append(module.register_forward_pre_hook(
-                    lambda *_, buckets=tuple(mine): self._update(buckets)))
+                self.handles.append(
+                    module.register_forward_pre_hook(lambda *_, buckets=tuple(mine): self._update(buckets))
+                )
 
     def step(self):
         self.due = list(range(len(self.overlapped.buckets)))
-        self.due_step = timeline.current_step()   # the step these updates belong to, for the timeline
+        self.due_step = timeline.current_step()  # the step these updates belong to, for the timeline
 
     def apply(self, bucket):
         """Wait for `bucket`'s sum and apply its update now rather than in the next forward."""
@@ -54,14 +56,16 @@ class LazyUpdate:
                 self.overlapped.wait_bucket(i)
                 self.waited_seconds += time.perf_counter() - start
                 self.due.remove(i)
-                if self.due:   # part of a step: what it changes is kept, in case the rest never comes
-                    self.kept += [(p, p.detach().clone(), keep_state(self.optimizer.state.get(p, {})))
-                                  for p in self.overlapped.buckets[i]]
+                if self.due:  # part of a step: what it changes is kept, in case the rest never comes
+                    self.kept += [
+                        (p, p.detach().clone(), keep_state(self.optimizer.state.get(p, {})))
+                        for p in self.overlapped.buckets[i]
+                    ]
                 with timeline.span("optimizer", bucket=i, step=self.due_step):
                     step_only(self.optimizer, self.overlapped.buckets[i])
                 for p in self.overlapped.buckets[i]:
                     p.grad = None
-                if not self.due:      # the whole step is applied: now the next learning rate
+                if not self.due:  # the whole step is applied: now the next learning rate
                     self.scheduler.step()
                     self.kept = []
 

@@ -39,9 +39,10 @@ wrong; a wrong grouping costs speed, never correctness.
 
 Process groups: a Hierarchy holds the subgroups of one sum: one per host with more than one
 rank, one per cross-host ring. dist.new_group is a collective of all ranks, so every rank
-creates every Hierarchy at the same point, in the same order (utils/gradsync.py makes one per
+creates every Hierarchy at the same point, in the same order (utils/sync/buckets.py makes one per
 gradient bucket, so buckets never share connections; utils/allreduce.Hierarchical owns it).
 """
+
 import fcntl
 import os
 import queue
@@ -52,9 +53,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from utils import ring
+from utils.comm import ring
 
-PIECE_BYTES = 512 * 1024   # pipelining: about this much of the buffer per piece
+PIECE_BYTES = 512 * 1024  # pipelining: about this much of the buffer per piece
 MAX_PIECES = 32
 
 
@@ -102,7 +103,7 @@ def discover():
 
 
 def forget():
-    """The default group changed (a rank lost or joined, utils/recovery.py): discover() asks again."""
+    """The default group changed (a rank lost or joined, utils/elastic/recovery.py): discover() asks again."""
     global _topology
     _topology = None
 
@@ -129,8 +130,10 @@ def uneven_note(hosts):
     sizes = [len(h) for h in hosts]
     if len(set(sizes)) == 1:
         return None
-    return (f"hierarchical: the hosts hold different numbers of ranks ({'+'.join(map(str, sizes))}): the buffer "
-            f"is cut into {max(sizes)} shards, and a rank of a smaller host carries several, one after another")
+    return (
+        f"hierarchical: the hosts hold different numbers of ranks ({'+'.join(map(str, sizes))}): the buffer "
+        f"is cut into {max(sizes)} shards, and a rank of a smaller host carries several, one after another"
+    )
 
 
 def blocks(hosts):
@@ -144,8 +147,10 @@ def plan(hosts):
     carries that shard. (Two shards never have the same members: the host with the most ranks
     gives each shard to another rank.)"""
     per_host, shards = blocks(hosts)
-    return [(s, [next(h[j] for j, block in enumerate(per_host[i]) if s in block) for i, h in enumerate(hosts)])
-            for s in range(shards)], shards
+    return [
+        (s, [next(h[j] for j, block in enumerate(per_host[i]) if s in block) for i, h in enumerate(hosts)])
+        for s in range(shards)
+    ], shards
 
 
 class Hierarchy:
@@ -158,15 +163,17 @@ class Hierarchy:
     def __init__(self, hosts=None, timeout=None):
         self.hosts = hosts if hosts is not None else discover()
         rank = dist.get_rank()
-        self.host = next((h for h in self.hosts if rank in h), None)   # None: not in `hosts` (tests)
-        self.local = self.gather = None    # this host's ranks, for phases 1 and 3 (None: alone on the host)
-        for h in self.hosts:               # every rank creates every group, in the same order
-            groups = [dist.new_group(h, timeout=timeout, backend="gloo") for _ in range(2)] if len(h) > 1 else [None] * 2
+        self.host = next((h for h in self.hosts if rank in h), None)  # None: not in `hosts` (tests)
+        self.local = self.gather = None  # this host's ranks, for phases 1 and 3 (None: alone on the host)
+        for h in self.hosts:  # every rank creates every group, in the same order
+            groups = (
+                [dist.new_group(h, timeout=timeout, backend="gloo") for _ in range(2)] if len(h) > 1 else [None] * 2
+            )
             if h is self.host:
                 self.local, self.gather = groups
         per_host, self.shards = blocks(self.hosts)
-        self.local_blocks = per_host[self.hosts.index(self.host)] if self.host else []   # each local rank's shards
-        self.rings = []                    # (shard, group) of each cross-host ring this rank is in
+        self.local_blocks = per_host[self.hosts.index(self.host)] if self.host else []  # each local rank's shards
+        self.rings = []  # (shard, group) of each cross-host ring this rank is in
         for shard, members in plan(self.hosts)[0]:
             group = dist.new_group(members, timeout=timeout, backend="gloo") if len(members) > 1 else None
             if rank in members and group is not None:
@@ -199,11 +206,11 @@ class Hierarchy:
 
         def run(phase):
             try:
-                for piece in (pieces if phase == 0 else iter(handoff[phase - 1].get, None)):
+                for piece in pieces if phase == 0 else iter(handoff[phase - 1].get, None):
                     self._phase(phase, piece, wire_dtype)
                     if phase < 2:
                         handoff[phase].put(piece)
-            except Exception as e:     # a lost peer: stop, and stop the phases after this one
+            except Exception as e:  # a lost peer: stop, and stop the phases after this one
                 errors.append(e)
             finally:
                 if phase < 2:
@@ -235,8 +242,8 @@ class Hierarchy:
         """Phase 0 (reduce-scatter over loopback), 1 (the rings across hosts) or 2 (all-gather) of `piece`."""
         edge, k = self._edges(piece.numel()), len(self.host)
         if phase == 1:
-            for shard, group in self.rings:                  # in shard order (see the module's docstring)
-                ring.ring_sum(piece[edge[shard]:edge[shard + 1]], group, wire_dtype)
+            for shard, group in self.rings:  # in shard order (see the module's docstring)
+                ring.ring_sum(piece[edge[shard] : edge[shard + 1]], group, wire_dtype)
         elif k > 1:
             segments = self._local_segments(piece, edge)
             if phase == 0:
@@ -251,13 +258,15 @@ class Hierarchy:
     def _local_segments(self, flat, edge):
         """The host ring's segments: local rank j's block of shards, rotated by one, since
         ring_steps leaves local rank j with segment j+1 of its list."""
-        mine = [flat[edge[b.start]:edge[b.stop]] for b in self.local_blocks]
+        mine = [flat[edge[b.start] : edge[b.stop]] for b in self.local_blocks]
         return [mine[(i - 1) % len(mine)] for i in range(len(mine))]
 
     def bytes_sent(self, numel, element_size, wire_element_size):
         """How many bytes this rank sends in one sum of `numel` elements: over loopback (in the
         buffer's element size) and across hosts (in the wire's)."""
-        count = self._piece_count(numel, element_size)   # as torch.tensor_split cuts: the first numel % count get one more
+        count = self._piece_count(
+            numel, element_size
+        )  # as torch.tensor_split cuts: the first numel % count get one more
         sizes = [numel // count + (i < numel % count) for i in range(count)]
         return sum(self._piece_bytes(size, element_size, wire_element_size) for size in sizes)
 
@@ -268,6 +277,7 @@ class Hierarchy:
             j = self.host.index(dist.get_rank())
             sent += sum(sizes[(j - s - 1) % k] for s in range(2 * (k - 1))) * element_size
         for shard, group in self.rings:
-            sent += ring.ring_bytes_sent(edge[shard + 1] - edge[shard], wire_element_size,
-                                         dist.get_rank(group), dist.get_world_size(group))
+            sent += ring.ring_bytes_sent(
+                edge[shard + 1] - edge[shard], wire_element_size, dist.get_rank(group), dist.get_world_size(group)
+            )
         return sent

@@ -9,18 +9,19 @@ RANK is the rank in the job's first generation; STEP counts from the run's first
 epochs; PHASE is step (default), sum, save (as the checkpoint after that step is written), or
 join (as this member takes a joining server in, at the first growth from step STEP on).
 RING_EVENTS=PATH: each fault, and each rank's first completed step after a change of members
-(utils/recovery.py), is appended there as a JSON line with its time (bench/recovery.py reads it).
+(utils/elastic/recovery.py), is appended there as a JSON line with its time (bench/recovery.py reads it).
 
 Each fault fires once per process; with RING_FAULT_ONCE=PATH, once per job (the first process to
 fire creates PATH: a rank that torchrun restarts does not kill itself again). Without RING_FAULT
 nothing here does anything.
 """
+
 import json
 import os
 import signal
 import time
 
-_faults = None     # [(rank, step, signal, phase)] of this process, once parsed
+_faults = None  # [(rank, step, signal, phase)] of this process, once parsed
 _step = None
 
 

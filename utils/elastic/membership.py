@@ -26,6 +26,7 @@ The agreement, on every rank that is still running:
 A member of an older generation that speaks up (a frozen server woken by SIGCONT) is told it
 was fenced out; it stops (Fenced) without writing anything: the survivors own the checkpoint.
 """
+
 import json
 import os
 import socket
@@ -35,14 +36,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils import faults
-from utils.sockets import cut_connections
+from utils.elastic import faults
+from utils.elastic.sockets import cut_connections
 
-SETTLE_SECONDS = 1.0      # every live member answers within this; a silent one is gone after it
-RECOVERY_BEAT = 0.05      # seconds between messages while recovering
+SETTLE_SECONDS = 1.0  # every live member answers within this; a silent one is gone after it
+RECOVERY_BEAT = 0.05  # seconds between messages while recovering
 MAX_AGREE_SECONDS = 60.0  # an agreement that takes longer is given up (NoQuorum)
-CUT_AGAIN_SECONDS = 0.5   # broken, but the main thread still trains: cut what was made (or missed) since
-FENCED_EXIT_SECONDS = 5.0 # told it was fenced out, and still not out of a wait: exit from here
+CUT_AGAIN_SECONDS = 0.5  # broken, but the main thread still trains: cut what was made (or missed) since
+FENCED_EXIT_SECONDS = 5.0  # told it was fenced out, and still not out of a wait: exit from here
 
 
 class NoQuorum(Exception):
@@ -50,9 +51,11 @@ class NoQuorum(Exception):
 
     def __init__(self, alive, members, gone=None):
         why = "; ".join(f"rank {m}: {reason}" for m, reason in sorted((gone or {}).items()))
-        super().__init__(f"only rank{'s' if len(alive) > 1 else ''} {', '.join(map(str, sorted(alive)))} of "
-                         f"{len(members)} {'are' if len(alive) > 1 else 'is'} reachable{f' ({why})' if why else ''}: "
-                         f"not a majority, so this side stops (the other side, if it has the majority, goes on)")
+        super().__init__(
+            f"only rank{'s' if len(alive) > 1 else ''} {', '.join(map(str, sorted(alive)))} of "
+            f"{len(members)} {'are' if len(alive) > 1 else 'is'} reachable{f' ({why})' if why else ''}: "
+            f"not a majority, so this side stops (the other side, if it has the majority, goes on)"
+        )
         self.alive, self.members = alive, members
 
 
@@ -60,8 +63,10 @@ class Fenced(Exception):
     """The job went on without this rank (it was frozen or cut off meanwhile)."""
 
     def __init__(self, generation):
-        super().__init__(f"the job went on without this rank (generation {generation}); it wrote nothing (the "
-                         f"survivors hold the job's checkpoint); restart this server's command to start a job afresh")
+        super().__init__(
+            f"the job went on without this rank (generation {generation}); it wrote nothing (the "
+            f"survivors hold the job's checkpoint); restart this server's command to start a job afresh"
+        )
 
 
 def has_quorum(alive, members):
@@ -77,28 +82,28 @@ class Membership:
     def __init__(self, me, heartbeat, address, port=0):
         self.me, self.heartbeat = me, heartbeat
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:   # the job's port + this rank: where a joining server looks (utils/distributed.py)
+        try:  # the job's port + this rank: where a joining server looks (utils/distributed.py)
             self.sock.bind((address, port))
         except OSError:
             self.sock.bind((address, 0))
         self.address = self.sock.getsockname()
         self.lock = threading.Lock()
-        self.book, self.token = {}, None      # id -> {"address", "pid", "host"}; the job's random id
+        self.book, self.token = {}, None  # id -> {"address", "pid", "host"}; the job's random id
         self.generation, self.members = 0, []
-        self.state = "training"               # or "recovering"
-        self.report = None                    # while recovering: this rank's position
+        self.state = "training"  # or "recovering"
+        self.report = None  # while recovering: this rank's position
         self.heard, self.refused, self.reports = {}, set(), {}
-        self.named = {}                       # rank -> generation in which a survivor saw it fall silent
-        self.attempt = 0                      # while recovering: how many decisions did not form
-        self.decisions, self.sending = [], None   # decisions received; the one this leader sends
-        self.fenced_at = None                 # the generation that went on without this rank
-        self.broken, self.reason, self.lost = threading.Event(), None, None   # why it ended; who was lost
-        self.cut_at = 0.0                     # when break_ last cut the connections
-        self.peers = {}                       # id -> a UDP socket connected to it (sees refusals)
-        self.settings = None                  # what a joining server must have alike (Config.must_agree)
-        self.joining = {}                     # the leader: nonce -> join request of a server waiting to join
-        self.nonce, self.refusal = None, None # a joining server: its request's nonce; why it was refused
-        self.forming = ()                     # while join() forms a group: its members
+        self.named = {}  # rank -> generation in which a survivor saw it fall silent
+        self.attempt = 0  # while recovering: how many decisions did not form
+        self.decisions, self.sending = [], None  # decisions received; the one this leader sends
+        self.fenced_at = None  # the generation that went on without this rank
+        self.broken, self.reason, self.lost = threading.Event(), None, None  # why it ended; who was lost
+        self.cut_at = 0.0  # when break_ last cut the connections
+        self.peers = {}  # id -> a UDP socket connected to it (sees refusals)
+        self.settings = None  # what a joining server must have alike (Config.must_agree)
+        self.joining = {}  # the leader: nonce -> join request of a server waiting to join
+        self.nonce, self.refusal = None, None  # a joining server: its request's nonce; why it was refused
+        self.forming = ()  # while join() forms a group: its members
 
     def start(self, book, token):
         """Begin: `book` maps every id to its address (this rank's `address` among them)."""
@@ -120,12 +125,12 @@ class Membership:
             peer.connect(tuple(self.book[member]["address"]))
         try:
             peer.send(json.dumps(dict(message, job=self.token, id=self.me)).encode())
-        except ConnectionRefusedError:      # nothing listens there any more: the process is gone
+        except ConnectionRefusedError:  # nothing listens there any more: the process is gone
             with self.lock:
                 self.refused.add(member)
             if member in self.members and self.state == "training":
                 self.break_(f"rank {member} is gone (its port refused)", lost=member)
-            elif member in self.forming:    # a member of the group being formed is gone: its waits end now
+            elif member in self.forming:  # a member of the group being formed is gone: its waits end now
                 cut_connections()
         except OSError:
             pass
@@ -134,9 +139,14 @@ class Membership:
         sent = 0.0
         while True:
             with self.lock:
-                message = {"t": "alive", "g": self.generation, "state": self.state, "report": self.report,
-                           "attempt": self.attempt,
-                           "lost": self.lost}
+                message = {
+                    "t": "alive",
+                    "g": self.generation,
+                    "state": self.state,
+                    "report": self.report,
+                    "attempt": self.attempt,
+                    "lost": self.lost,
+                }
                 targets = [m for m in self.members if m != self.me]
                 decision, training = self.sending, self.state == "training"
             now = time.monotonic()
@@ -146,12 +156,12 @@ class Membership:
                     self._send(member, message)
                 if decision is not None:
                     self._send_decision(decision)
-            if training:   # looked at more often than beats are sent: silence is noticed within 0.05 s of it
+            if training:  # looked at more often than beats are sent: silence is noticed within 0.05 s of it
                 silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
                 if silent:
                     self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
                 if self.broken.is_set() and now - self.cut_at > CUT_AGAIN_SECONDS:
-                    self.cut_at = now   # (a rank woken by SIGCONT may sit in a wait on a pair made after the cut)
+                    self.cut_at = now  # (a rank woken by SIGCONT may sit in a wait on a pair made after the cut)
                     cut_connections()
             if self.fenced_at is not None and now - self.fenced_heard > FENCED_EXIT_SECONDS:
                 self._exit_fenced()
@@ -162,6 +172,7 @@ class Membership:
         holds nothing the job needs (it writes nothing), so it leaves as train.py would have."""
         from utils.errors import EXIT_LOST_PEER
         from utils.outputs import release
+
         os.write(2, f"train.py: rank {self.me}: {Fenced(self.fenced_at)}\n".encode())
         release()
         os._exit(EXIT_LOST_PEER)
@@ -177,7 +188,9 @@ class Membership:
             if kind == "join":
                 self._on_join(message)
                 continue
-            mine = self.nonce is not None and (message.get("nonce") == self.nonce or self.nonce in message.get("joined", {}))
+            mine = self.nonce is not None and (
+                message.get("nonce") == self.nonce or self.nonce in message.get("joined", {})
+            )
             if message.get("job") != self.token and not mine:
                 continue
             if kind == "refused":
@@ -191,7 +204,7 @@ class Membership:
                 if kind == "alive" and message.get("state") == "recovering":
                     self.reports[sender] = (generation, message.get("attempt"), message.get("report"))
                     if message.get("lost") is not None:
-                        self.named[message["lost"]] = generation   # it saw that rank fall silent
+                        self.named[message["lost"]] = generation  # it saw that rank fall silent
                 elif kind == "decision":
                     self.decisions.append(message)
                 elif kind == "fenced" and message["g"] > current and self.fenced_at is None:
@@ -199,12 +212,16 @@ class Membership:
             if kind == "fenced" and self.fenced_at is not None:
                 self.break_("the job went on without this rank")
             elif kind == "alive" and generation < current and sender not in members:
-                self._send(sender, {"t": "fenced", "g": current})   # it missed a generation: tell it
-            elif kind == "alive" and generation == current and message.get("state") == "recovering" \
-                    and state in ("training", "growing"):
+                self._send(sender, {"t": "fenced", "g": current})  # it missed a generation: tell it
+            elif (
+                kind == "alive"
+                and generation == current
+                and message.get("state") == "recovering"
+                and state in ("training", "growing")
+            ):
                 self.break_(f"rank {sender} lost a peer")
             elif kind == "alive" and generation > current and state == "training":
-                self.break_(f"rank {sender} is at a newer generation")   # then the agreement finds out
+                self.break_(f"rank {sender} is at a newer generation")  # then the agreement finds out
 
     # -- ending a generation, agreeing on the next ------------------------------------------------
     def break_(self, reason, lost=None):
@@ -225,18 +242,24 @@ class Membership:
         started = time.monotonic()
         with self.lock:
             self.state, self.report, self.sending = "recovering", report, None
-            self.attempt = attempt = len(tried)   # the survivors' try at forming this generation's successor
+            self.attempt = attempt = len(tried)  # the survivors' try at forming this generation's successor
         generation, members = self.generation, self.members
         while True:
             with self.lock:
                 if self.fenced_at is not None:
                     raise Fenced(self.fenced_at)
-                mine = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
-                        and d.get("attempt") == attempt
-                        and d["name"] not in tried]
+                mine = [
+                    d
+                    for d in self.decisions
+                    if d["g"] > generation
+                    and self.me in d["members"]
+                    and d.get("attempt") == attempt
+                    and d["name"] not in tried
+                ]
                 outsider = [d for d in self.decisions if d["g"] > generation and self.me not in d["members"]]
-                reports = {m: r for m, (g, a, r) in self.reports.items() if g == generation and a == attempt
-                           and m in members}
+                reports = {
+                    m: r for m, (g, a, r) in self.reports.items() if g == generation and a == attempt and m in members
+                }
                 reports[self.me] = report
                 now, heard, refused = time.monotonic(), dict(self.heard), set(self.refused)
                 named = {m for m, g in self.named.items() if g == generation}
@@ -245,12 +268,23 @@ class Membership:
             if outsider:
                 raise Fenced(outsider[0]["g"])
             settled = now - started > SETTLE_SECONDS
-            gone = {m: why for m in members if m != self.me for why in [
-                    "its port refused" if m in refused else
-                    f"silent {now - heard.get(m, 0):.1f} s" if settled and now - heard.get(m, 0) > self.heartbeat else
-                    "it broke this generation" if m == self.lost and m not in reports else
-                    "another rank lost it" if m in named and m not in reports and
-                    now - heard.get(m, 0) > min(0.5, self.heartbeat) else None] if why}   # (a reporter may die too)
+            gone = {
+                m: why
+                for m in members
+                if m != self.me
+                for why in [
+                    "its port refused"
+                    if m in refused
+                    else f"silent {now - heard.get(m, 0):.1f} s"
+                    if settled and now - heard.get(m, 0) > self.heartbeat
+                    else "it broke this generation"
+                    if m == self.lost and m not in reports
+                    else "another rank lost it"
+                    if m in named and m not in reports and now - heard.get(m, 0) > min(0.5, self.heartbeat)
+                    else None
+                ]
+                if why
+            }  # (a reporter may die too)
             reports = {m: r for m, r in reports.items() if m not in gone}
             pending = [m for m in members if m not in reports and m not in gone]
             if not pending and next(m for m in members if m not in gone) == self.me:
@@ -269,19 +303,28 @@ class Membership:
     def _decide(self, generation, reports, attempt):
         """The leader: the next generation's members, store and source (the furthest position)."""
         store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
-        members = [m for m in self.members if m in reports]   # in rank order: rank 0 stays first if alive
+        members = [m for m in self.members if m in reports]  # in rank order: rank 0 stays first if alive
         furthest = max(tuple(r) for r in reports.values())
-        decision = {"t": "decision", "g": generation + 1, "name": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
-                    "members": members, "store": [self.book[self.me]["address"][0], store.port],
-                    "source": next(m for m in members if tuple(reports[m]) == furthest),
-                    "position": list(furthest), "reports": {str(m): reports[m] for m in members}, "attempt": attempt}
+        decision = {
+            "t": "decision",
+            "g": generation + 1,
+            "name": f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
+            "members": members,
+            "store": [self.book[self.me]["address"][0], store.port],
+            "source": next(m for m in members if tuple(reports[m]) == furthest),
+            "position": list(furthest),
+            "reports": {str(m): reports[m] for m in members},
+            "attempt": attempt,
+        }
         with self.lock:
             self.sending, self.leader_store = decision, store
-        self._send_decision(decision)   # now, not only with the next beat: a leader that stops (--no-recover) leaves at once
+        self._send_decision(
+            decision
+        )  # now, not only with the next beat: a leader that stops (--no-recover) leaves at once
         return decision
 
     def _send_decision(self, decision):
-        for member in decision.get("joined", {}).values():   # into the book now: a joiner that died refuses
+        for member in decision.get("joined", {}).values():  # into the book now: a joiner that died refuses
             entry = decision["book"][str(member)]
             if self.book.get(member) != entry:
                 self.book[member] = entry
@@ -293,7 +336,7 @@ class Membership:
 
     # -- growing: a server joins at a step boundary ---------------------------------------------
     def _on_join(self, message):
-        """A join request (utils/recovery.py: --join): the leader takes it, any other member passes it on."""
+        """A join request (utils/elastic/recovery.py: --join): the leader takes it, any other member passes it on."""
         with self.lock:
             leader = self.members[0] if self.members else None
             if leader is None or self.state != "training":
@@ -304,12 +347,16 @@ class Membership:
         theirs, joiner = message.get("settings") or {}, tuple(message["entry"]["address"])
         for name, value in (self.settings or {}).items():
             if theirs.get(name) != value:
-                reply = {"t": "refused", "nonce": message["nonce"], "reason": f"the job has --{name} {value}, "
-                         f"this server has {theirs.get(name)}; join with the job's settings"}
+                reply = {
+                    "t": "refused",
+                    "nonce": message["nonce"],
+                    "reason": f"the job has --{name} {value}, "
+                    f"this server has {theirs.get(name)}; join with the job's settings",
+                }
                 self.sock.sendto(json.dumps(reply).encode(), joiner)
                 return
         with self.lock:
-            self.joining[message["nonce"]] = dict(message, heard=time.monotonic())   # it asks again every 0.2 s
+            self.joining[message["nonce"]] = dict(message, heard=time.monotonic())  # it asks again every 0.2 s
 
     def forget_joiners(self, decision):
         """A growth that failed: its joiners (all, if it decided nothing) must ask again; one that
@@ -336,10 +383,13 @@ class Membership:
         if self.members[0] == self.me:
             return self._decide_growth(report)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.broken.is_set():   # (a member lost meanwhile: agree)
+        while time.monotonic() < deadline and not self.broken.is_set():  # (a member lost meanwhile: agree)
             with self.lock:
-                found = [d for d in self.decisions if d["g"] > generation and self.me in d["members"]
-                         and d.get("attempt") is None]   # a growth's decision, not a recovery's
+                found = [
+                    d
+                    for d in self.decisions
+                    if d["g"] > generation and self.me in d["members"] and d.get("attempt") is None
+                ]  # a growth's decision, not a recovery's
             if found:
                 return found[-1]
             time.sleep(0.01)
@@ -353,15 +403,22 @@ class Membership:
         joined, members = {}, list(self.members)
         for request in waiting:
             want, taken = request.get("want"), {int(m) for m in book} | set(joined.values())
-            member = want if want is not None and want not in members else max(taken) + 1   # its old rank if free
+            member = want if want is not None and want not in members else max(taken) + 1  # its old rank if free
             joined[request["nonce"]] = member
             book[str(member)] = request["entry"]
             members.append(member)
         store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
-        decision = {"t": "decision", "g": self.generation + 1,
-                    "name": f"{self.generation + 1}.{self.me}.{os.urandom(4).hex()}", "members": members,
-                    "store": [self.book[self.me]["address"][0], store.port], "source": self.me,
-                    "position": list(report), "book": book, "joined": joined}
+        decision = {
+            "t": "decision",
+            "g": self.generation + 1,
+            "name": f"{self.generation + 1}.{self.me}.{os.urandom(4).hex()}",
+            "members": members,
+            "store": [self.book[self.me]["address"][0], store.port],
+            "source": self.me,
+            "position": list(report),
+            "book": book,
+            "joined": joined,
+        }
         with self.lock:
             self.sending, self.leader_store = decision, store
         self._send_decision(decision)
@@ -371,10 +428,16 @@ class Membership:
         """A new server: ask the job at `candidates` ((host, port), any member) to take it in at its
         next step; returns the decision, or raises RuntimeError (refused: its reason; or no answer)."""
         from utils.outputs import job_pid
-        with self.lock:   # (asked again after a growth that did not form: a new request)
+
+        with self.lock:  # (asked again after a growth that did not form: a new request)
             self.nonce, self.decisions, self.refusal = os.urandom(6).hex(), [], None
-        request = {"t": "join", "nonce": self.nonce, "want": want, "settings": settings,
-                   "entry": {"address": list(self.address), "pid": job_pid(), "host": socket.gethostname()}}
+        request = {
+            "t": "join",
+            "nonce": self.nonce,
+            "want": want,
+            "settings": settings,
+            "entry": {"address": list(self.address), "pid": job_pid(), "host": socket.gethostname()},
+        }
         if not any(t.name == "membership-receive" for t in threading.enumerate()):
             threading.Thread(target=self._receive, name="membership-receive", daemon=True).start()
         deadline, wire = time.monotonic() + timeout, json.dumps(request).encode()
@@ -408,12 +471,13 @@ class Membership:
         """Form the decided generation's default process group; returns this rank's new rank.
         A RuntimeError if a member does not come within `timeout` (then agree() again)."""
         import datetime
+
         try:
             dist.destroy_process_group()
         except (RuntimeError, ValueError, AssertionError):
             pass
-        if not dist.is_initialized():   # (after a failed init, torch's group counter stays up: it names the
-            dist.distributed_c10d._world.group_count = 0   # store keys, which must match the other members')
+        if not dist.is_initialized():  # (after a failed init, torch's group counter stays up: it names the
+            dist.distributed_c10d._world.group_count = 0  # store keys, which must match the other members')
         host, port = decision["store"]
         members = decision["members"]
         self.forming = members
@@ -422,17 +486,23 @@ class Membership:
                 store = self.leader_store
             else:
                 store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-            dist.init_process_group("gloo", store=dist.PrefixStore(decision["name"], store),
-                                    rank=members.index(self.me), world_size=len(members),
-                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(decision["name"], store),
+                rank=members.index(self.me),
+                world_size=len(members),
+                timeout=datetime.timedelta(seconds=timeout),
+            )
             dist.barrier()
         finally:
             self.forming = ()
-        dist.group.WORLD._get_backend(torch.device("cpu"))._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
+        dist.group.WORLD._get_backend(torch.device("cpu"))._set_default_timeout(
+            datetime.timedelta(seconds=gloo_timeout)
+        )
         with self.lock:
             self.generation, self.members = decision["g"], members
             for m, entry in decision.get("book", {}).items():
-                if self.book.get(int(m)) != entry and int(m) in self.peers:   # a new server under an old rank
+                if self.book.get(int(m)) != entry and int(m) in self.peers:  # a new server under an old rank
                     self.peers.pop(int(m)).close()
                 self.book[int(m)] = entry
             self.refused -= set(members)

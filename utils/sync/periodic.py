@@ -29,6 +29,7 @@ merged at its step as always, so saving changes no bits, and a checkpoint holds 
 state (state_dict()): a stop mid-round resumes bit for bit. flush(), at the end of training,
 merges everything: the same parameters on every rank.
 """
+
 import threading
 import time
 
@@ -39,34 +40,46 @@ from utils.errors import PeerError, first_line
 
 
 class PeriodicSync:
-    """The gradient-sync interface (utils/gradsync.py) for --sync-every H > 1."""
+    """The gradient-sync interface (utils/sync/buckets.py) for --sync-every H > 1."""
 
-    def __init__(self, model, allreduce, compressor, optimizer, scheduler, every, outer="average", outer_lr=0.7,
-                 outer_momentum=0.9, local_flag=lambda: 0.0, merge_after=None):
+    def __init__(
+        self,
+        model,
+        allreduce,
+        compressor,
+        optimizer,
+        scheduler,
+        every,
+        outer="average",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        local_flag=lambda: 0.0,
+        merge_after=None,
+    ):
         self.params = [p for p in model.parameters()]
         self.allreduce = allreduce
-        self.compressor = compressor   # --compress none, bf16 or fp16 (utils/compress.py): how the change travels
+        self.compressor = compressor  # --compress none, bf16 or fp16 (utils/comm/compress.py): how the change travels
         self.allreduces = [allreduce]
         self.optimizer, self.scheduler = optimizer, scheduler
         self.every, self.outer, self.outer_lr, self.outer_momentum = every, outer, outer_lr, outer_momentum
-        self.merge_after = merge_after or every                 # inner steps from a sum's start to its merge
+        self.merge_after = merge_after or every  # inner steps from a sum's start to its merge
         self.local_flag = local_flag
-        self.anchor = self._flat().clone()                     # the outer steps so far: the same on every rank
-        self.start = self.anchor.clone()                       # where this rank's round began
+        self.anchor = self._flat().clone()  # the outer steps so far: the same on every rank
+        self.start = self.anchor.clone()  # where this rank's round began
         self.momentum = torch.zeros_like(self.anchor) if outer == "nesterov" else None
-        self.inner = 0                                          # inner steps taken this round
+        self.inner = 0  # inner steps taken this round
         self.flag_sum = 0.0
         self.busy_seconds = self.waited_seconds = 0.0
-        self.pending = None                                     # (thread, result) of the sum in flight
-        self.arrived = None                                     # its mean change, once waited for
-        self.failed = None                                      # a lost peer, seen at a merge
+        self.pending = None  # (thread, result) of the sum in flight
+        self.arrived = None  # its mean change, once waited for
+        self.failed = None  # a lost peer, seen at a merge
 
     # -- the training loop's calls ---------------------------------------------------------------
     def weigh(self, weight):
-        pass   # each rank's inner step is on its own share: no weighting across ranks
+        pass  # each rank's inner step is on its own share: no weighting across ranks
 
     def after_backward(self):
-        self._raise_failure()   # nothing is summed per step
+        self._raise_failure()  # nothing is summed per step
 
     def _raise_failure(self):
         if self.failed is not None:
@@ -84,7 +97,7 @@ class PeriodicSync:
                 self._merge()
             if self.inner == self.every:
                 self._round_end()
-        except PeerError as e:   # this step is done (its optimizer step is taken): the next one fails
+        except PeerError as e:  # this step is done (its optimizer step is taken): the next one fails
             self.failed = e
 
     def stop_count(self):
@@ -100,7 +113,7 @@ class PeriodicSync:
         """The end of training: every round's change applied, the same parameters on every rank."""
         self._raise_failure()
         self._merge()
-        if self.inner:   # a round cut short: its change too (none after a round's end, nor a step of momentum)
+        if self.inner:  # a round cut short: its change too (none after a round's end, nor a step of momentum)
             self._start(self.start - self._flat())
             self._collect()
             self._apply(self.arrived)
@@ -115,7 +128,7 @@ class PeriodicSync:
         """Start summing this round's change; meanwhile the rank goes on from where it is (its own
         change stands in for the mean until that is merged)."""
         working = self._flat()
-        self._start(self.start - working)   # (the last round's mean is merged by now: merge_after <= every)
+        self._start(self.start - working)  # (the last round's mean is merged by now: merge_after <= every)
         self.start = working
         self.inner = 0
 
@@ -123,7 +136,7 @@ class PeriodicSync:
         """The last round's mean change replaces this rank's own: the anchor takes its outer step, and
         the working parameters keep the steps taken since the round's start on top of it."""
         self._collect()
-        if self.arrived is None:             # (the first round: nothing was summed yet)
+        if self.arrived is None:  # (the first round: nothing was summed yet)
             return
         progress = self.start - self._flat()
         self._apply(self.arrived)
@@ -143,9 +156,10 @@ class PeriodicSync:
                 with timeline.span("outer-sum"):
                     # the mean change, float32 adds; the flag (one extra value) is summed, not divided
                     result["mean"] = self.compressor.average_(buffer, 0, self.allreduce, extras=1)
-            except Exception as e:   # a lost peer: the training thread hears of it at the next wait
+            except Exception as e:  # a lost peer: the training thread hears of it at the next wait
                 result["error"] = e
             self.busy_seconds += time.perf_counter() - started
+
         thread = threading.Thread(target=run, name="outer-sum", daemon=True)
         thread.start()
         self.pending = (thread, result)
@@ -184,22 +198,33 @@ class PeriodicSync:
 
     # -- the rest of the interface ----------------------------------------------------------------
     def stats(self):
-        return dict(busy_seconds=self.busy_seconds, waited_seconds=self.waited_seconds,
-                    bytes_sent=self.allreduce.bytes_sent, bytes_summed=self.allreduce.bytes_summed)
+        return dict(
+            busy_seconds=self.busy_seconds,
+            waited_seconds=self.waited_seconds,
+            bytes_sent=self.allreduce.bytes_sent,
+            bytes_summed=self.allreduce.bytes_summed,
+        )
 
     def state_dict(self):
         """This rank's own state, mid-round too (after finish(): nothing in flight): so that a resume
         on as many ranks goes on bit for bit. On another number every rank takes rank 0's."""
-        return {"optimizer": self.optimizer.state_dict(), "momentum": self.momentum, "anchor": self.anchor,
-                "start": self.start, "working": self._flat(), "inner": self.inner, "arrived": self.arrived,
-                "compressor": self.compressor.state_dict()}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "momentum": self.momentum,
+            "anchor": self.anchor,
+            "start": self.start,
+            "working": self._flat(),
+            "inner": self.inner,
+            "arrived": self.arrived,
+            "compressor": self.compressor.state_dict(),
+        }
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.momentum is not None:
             self.momentum.copy_(state["momentum"])
         self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
-        self.inner, self.arrived = state["inner"], state["arrived"]   # (flag_sum stays 0: no signal yet)
+        self.inner, self.arrived = state["inner"], state["arrived"]  # (flag_sum stays 0: no signal yet)
         self.compressor.load_state_dict(state["compressor"])
         self._set(state["working"])
 

@@ -1,7 +1,7 @@
-"""Compressed gradient sums: fewer bytes through the rings of utils/ring.py on slow links.
+"""Compressed gradient sums: fewer bytes through the rings of utils/comm/ring.py on slow links.
 
 A compressor averages one bucket's flat gradient over all ranks; it moves whatever it sends
-through `sum_`, an all-reduce object of utils/allreduce.py, so every --allreduce works:
+through `sum_`, an all-reduce object of utils/comm/allreduce.py, so every --allreduce works:
 
     compressor.average_(flat, bucket, sum_, extras=0)    # in place; bucket: which one (its own state)
 
@@ -26,6 +26,7 @@ state_dict() is what a checkpoint needs to continue bit for bit; PowerSGD's erro
 this rank's own, so the trainer saves every rank's; state_for() says what a rank continues from
 when the job resumes on another number of ranks.
 """
+
 import math
 
 import torch
@@ -33,13 +34,13 @@ import torch
 from utils.config import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: F401 (read here)
 
 FP16_MAX = 65504.0
-FP16_HEADROOM = 16      # the last sum's largest value lands this far below FP16_MAX / N
-MIN_COMPRESSION = 2     # PowerSGD compresses a matrix only if that saves at least half of it
+FP16_HEADROOM = 16  # the last sum's largest value lands this far below FP16_MAX / N
+MIN_COMPRESSION = 2  # PowerSGD compresses a matrix only if that saves at least half of it
 
 
 def gradients_of(flat, extras):
     """The gradients in `flat`: all but its last `extras` values."""
-    return flat[:flat.numel() - extras]
+    return flat[: flat.numel() - extras]
 
 
 class NoCompression:
@@ -59,7 +60,7 @@ class Bfloat16(NoCompression):
     """bfloat16 has float32's range: no scale needed."""
 
     def average_(self, flat, bucket, sum_, extras=0):
-        sum_(flat, torch.bfloat16)        # whole numbers up to 256 are exact in bfloat16
+        sum_(flat, torch.bfloat16)  # whole numbers up to 256 are exact in bfloat16
         gradients_of(flat, extras).div_(sum_.world_size)
         return flat
 
@@ -75,17 +76,17 @@ class Float16(NoCompression):
     """
 
     def __init__(self):
-        self.scales = {}   # bucket -> scale for its next sum
+        self.scales = {}  # bucket -> scale for its next sum
 
     def average_(self, flat, bucket, sum_, extras=0):
         n, scale = sum_.world_size, self.scales.get(bucket)
-        values = gradients_of(flat, extras)   # the extras travel unscaled: whole numbers, exact in float16
+        values = gradients_of(flat, extras)  # the extras travel unscaled: whole numbers, exact in float16
         original = flat.clone() if scale is not None else None
         if scale is None:
             scale = self._safe_scale(values, sum_)
         values.mul_(scale)
         sum_(flat, torch.float16)
-        if original is not None and not torch.isfinite(values).all():   # the scale was too bold
+        if original is not None and not torch.isfinite(values).all():  # the scale was too bold
             flat.copy_(original)
             scale = self._safe_scale(values, sum_)
             values.mul_(scale)
@@ -99,7 +100,7 @@ class Float16(NoCompression):
     @staticmethod
     def _safe_scale(flat, sum_):
         bound = torch.tensor([flat.abs().max().item() if flat.numel() else 0.0])
-        sum_(bound)            # float32: the sum of every rank's largest value
+        sum_(bound)  # float32: the sum of every rank's largest value
         bound = bound.item()
         return power_of_two_below(FP16_MAX / bound / 2) if bound > 0 and math.isfinite(bound) else 1.0
 
@@ -129,9 +130,9 @@ class PowerSGD(NoCompression):
     def __init__(self, buckets, rank, warmup, seed=0):
         self.rank, self.warmup, self.seed = rank, warmup, seed
         self.layouts = [self.layout([tuple(p.shape) for p in bucket]) for bucket in buckets]
-        self.steps = [0] * len(buckets)             # sums done, per bucket
-        self.errors = [None] * len(buckets)         # flat error buffer per bucket, once compressing
-        self.qs = [None] * len(buckets)             # per bucket: list of Q (cols x R) per matrix
+        self.steps = [0] * len(buckets)  # sums done, per bucket
+        self.errors = [None] * len(buckets)  # flat error buffer per bucket, once compressing
+        self.qs = [None] * len(buckets)  # per bucket: list of Q (cols x R) per matrix
 
     def layout(self, shapes):
         """([(offset, rows, cols)] of the tensors worth compressing, [(offset, numel)] of the rest),
@@ -156,38 +157,41 @@ class PowerSGD(NoCompression):
             return flat
         matrices, plain = self.layouts[bucket]
         if self.errors[bucket] is None:
-            self.errors[bucket] = torch.zeros_like(values)   # stays 0 where nothing is compressed
+            self.errors[bucket] = torch.zeros_like(values)  # stays 0 where nothing is compressed
             self.qs[bucket] = self._initial_qs(bucket, matrices)
         error = self.errors[bucket]
-        values.add_(error)                          # M = gradient + what earlier steps left out
-        ms = [flat[o:o + r * c].view(r, c) for o, r, c in matrices]
+        values.add_(error)  # M = gradient + what earlier steps left out
+        ms = [flat[o : o + r * c].view(r, c) for o, r, c in matrices]
         # Phase 1: the uncompressed tensors, the extras and the P's, in one sum.
-        counts = flat[values.numel():]
-        first = torch.cat([flat[o:o + k] for o, k in plain] + [counts] +
-                          [(q.t() @ m.t()).t().reshape(-1) for m, q in zip(ms, self.qs[bucket])])
+        counts = flat[values.numel() :]
+        first = torch.cat(
+            [flat[o : o + k] for o, k in plain]
+            + [counts]
+            + [(q.t() @ m.t()).t().reshape(-1) for m, q in zip(ms, self.qs[bucket])]
+        )
         sum_(first)
         at = 0
         for o, k in plain:
-            flat[o:o + k] = first[at:at + k].div_(n)
+            flat[o : o + k] = first[at : at + k].div_(n)
             at += k
-        counts.copy_(first[at:at + extras])
+        counts.copy_(first[at : at + extras])
         at += extras
         ps = []
         for m in ms:
-            ps.append(orthonormalize(first[at:at + m.shape[0] * self.rank].view(m.shape[0], self.rank)))
+            ps.append(orthonormalize(first[at : at + m.shape[0] * self.rank].view(m.shape[0], self.rank)))
             at += m.shape[0] * self.rank
         # Phase 2: the Q's, each as Qᵀ = Pᵀ·M (R x cols, row after row).
         second = torch.cat([(p.t() @ m).reshape(-1) for m, p in zip(ms, ps)]) if ms else torch.empty(0)
         sum_(second).div_(n)
         at, qs = 0, []
         for (offset, rows, cols), m, p in zip(matrices, ms, ps):
-            q = second[at:at + cols * self.rank].view(self.rank, cols).clone().t()
+            q = second[at : at + cols * self.rank].view(self.rank, cols).clone().t()
             at += cols * self.rank
             approximation = p @ q.t()
-            torch.sub(m, approximation, out=error[offset:offset + rows * cols].view(rows, cols))
+            torch.sub(m, approximation, out=error[offset : offset + rows * cols].view(rows, cols))
             m.copy_(approximation)
             qs.append(q)
-        self.qs[bucket] = qs                        # the next step starts from these
+        self.qs[bucket] = qs  # the next step starts from these
         return flat
 
     def _initial_qs(self, bucket, matrices):
@@ -216,8 +220,10 @@ def state_for(states, rank, world_size):
         return states[rank]
     state = dict(states[0])
     if "errors" in state:
-        state["errors"] = [None if old is None else sum(s["errors"][b] for s in states) / len(states)
-                           for b, old in enumerate(state["errors"])]
+        state["errors"] = [
+            None if old is None else sum(s["errors"][b] for s in states) / len(states)
+            for b, old in enumerate(state["errors"])
+        ]
     return state
 
 
@@ -232,8 +238,9 @@ def orthonormalize(p):
     return p
 
 
-def make_compressor(name, buckets, powersgd_rank=DEFAULT_POWERSGD_RANK, powersgd_warmup=DEFAULT_POWERSGD_WARMUP,
-                    seed=0):
+def make_compressor(
+    name, buckets, powersgd_rank=DEFAULT_POWERSGD_RANK, powersgd_warmup=DEFAULT_POWERSGD_WARMUP, seed=0
+):
     """The compressor for --compress `name`; buckets: the parameters of each bucket, in order."""
     if name == "none":
         return NoCompression()

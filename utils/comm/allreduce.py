@@ -2,23 +2,25 @@
 
     allreduce = make_allreduce("ring")        # a collective when it makes process groups
     allreduce.sum_(flat)                      # in place: the element-wise sum over all ranks
-    allreduce.sum_(flat, torch.bfloat16)      # 16-bit messages, float32 adds (utils/ring.py)
+    allreduce.sum_(flat, torch.bfloat16)      # 16-bit messages, float32 adds (utils/comm/ring.py)
     work = allreduce.sum_async(flat); work.wait()
     allreduce.bytes_sent, allreduce.bytes_summed, allreduce.world_size, allreduce.rank
 
 An object owns the process group(s) it sums over, so a caller never needs to know which kind
-of group an algorithm takes (the hierarchical sum takes several, a utils.hierarchical.Hierarchy).
+of group an algorithm takes (the hierarchical sum takes several, a utils.comm.hierarchical.Hierarchy).
 Every class counts the bytes this rank sends and draws the sum's timeline span in one place,
-AllReduce.sum_; the kernels themselves are the plain functions of utils/ring.py and
-utils/hierarchical.py. Algorithm names are compared only in make_allreduce.
+AllReduce.sum_; the kernels themselves are the plain functions of utils/comm/ring.py and
+utils/comm/hierarchical.py. Algorithm names are compared only in make_allreduce.
 """
+
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from utils import hierarchical, ring, timeline
+from utils import timeline
+from utils.comm import hierarchical, ring
 from utils.config import ALGORITHMS
 
 
@@ -44,25 +46,30 @@ class AllReduce:
     """Sums one flat tensor over all ranks of `group` (None: the default group), in place."""
 
     name = None
-    native_async = False   # True: sum_async needs no thread of ours (gloo's own threads run it)
+    native_async = False  # True: sum_async needs no thread of ours (gloo's own threads run it)
 
     def __init__(self, group=None):
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.bytes_sent = 0      # by this rank, over all calls
-        self.bytes_summed = 0    # the buffers' sizes on the wire, over all calls (for busbw)
+        self.bytes_sent = 0  # by this rank, over all calls
+        self.bytes_summed = 0  # the buffers' sizes on the wire, over all calls (for busbw)
 
     def sum_(self, flat, wire_dtype=None):
         """Replace `flat` by its sum over all ranks; every rank ends with the same bits."""
         wire_size = element_size(wire_dtype or flat.dtype)
         sent = self.bytes_for(flat.numel(), flat.element_size(), wire_size)
-        with timeline.span("all-reduce", algorithm=self.name, bytes_sent=sent, bytes=flat.numel() * wire_size,
-                           chunks=self.trace_chunks(flat.numel(), wire_dtype) if timeline.recording() else None):
+        with timeline.span(
+            "all-reduce",
+            algorithm=self.name,
+            bytes_sent=sent,
+            bytes=flat.numel() * wire_size,
+            chunks=self.trace_chunks(flat.numel(), wire_dtype) if timeline.recording() else None,
+        ):
             self._sum(flat, wire_dtype)
         self.count(flat.numel(), sent, wire_size)
         return flat
 
-    __call__ = sum_          # the compressors call `sum_(buffer, wire_dtype)`
+    __call__ = sum_  # the compressors call `sum_(buffer, wire_dtype)`
 
     def sum_async(self, flat, wire_dtype=None):
         """Start sum_ on a thread of its own; returns a Work."""
@@ -72,8 +79,9 @@ class AllReduce:
             try:
                 self.sum_(flat, wire_dtype)
                 work._finish()
-            except Exception as e:   # a lost peer: the waiter gets it
+            except Exception as e:  # a lost peer: the waiter gets it
                 work._finish(e)
+
         threading.Thread(target=run, name=f"{self.name}-sum", daemon=True).start()
         return work
 
@@ -137,8 +145,9 @@ class Gloo(AllReduce):
         """gloo's asynchronous all_reduce, on gloo's threads (as DDP does); float32 only."""
         assert wire_dtype is None or wire_dtype == flat.dtype, "gloo's async sum carries the buffer's own type"
         work = Work()
-        self.count(flat.numel(), self.bytes_for(flat.numel(), flat.element_size(), flat.element_size()),
-                   flat.element_size())
+        self.count(
+            flat.numel(), self.bytes_for(flat.numel(), flat.element_size(), flat.element_size()), flat.element_size()
+        )
         if self.world_size == 1:
             work._finish()
             return work
@@ -148,12 +157,12 @@ class Gloo(AllReduce):
             work._finish(e)
             return work
         gloo_work.get_future().add_done_callback(lambda _: work._finish())
-        work.wait = lambda: (gloo_work.wait(), None)[1]   # gloo's wait raises a lost peer's error
+        work.wait = lambda: (gloo_work.wait(), None)[1]  # gloo's wait raises a lost peer's error
         return work
 
 
 class Hierarchical(AllReduce):
-    """Loopback within each host, a ring per shard across hosts (utils/hierarchical.py).
+    """Loopback within each host, a ring per shard across hosts (utils/comm/hierarchical.py).
     Spans the default group; owns one Hierarchy (its subgroups)."""
 
     name = "hierarchical"
@@ -165,7 +174,7 @@ class Hierarchical(AllReduce):
     def _sum(self, flat, wire_dtype):
         self.hierarchy.sum_(flat, wire_dtype)
 
-    def bytes_for(self, numel, element_size, wire_size):   # loopback legs in the buffer's type
+    def bytes_for(self, numel, element_size, wire_size):  # loopback legs in the buffer's type
         return self.hierarchy.bytes_sent(numel, element_size, wire_size)
 
     def note(self):
@@ -180,7 +189,7 @@ def make_allreduce(name, chunks="auto", timeout=None, own_group=False, hosts=Non
     """The all-reduce for --allreduce `name` (chunks: the two-pass ring's pieces).
 
     own_group: sum over a new process group of all ranks with connections of its own (a bucket
-    of utils/gradsync.py must not queue behind another on one socket); else the default group.
+    of utils/sync/buckets.py must not queue behind another on one socket); else the default group.
     The hierarchical sum always makes its subgroups (over `hosts`, default: discover()).
     Both are collectives: every rank makes the same all-reduces in the same order.
     timeout: the new groups' (None: the default group's).

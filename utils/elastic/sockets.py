@@ -1,8 +1,9 @@
 """This process's network: the address of a card, and cutting every connection at once.
 
-utils/membership.py ends a generation with cut_connections; utils/distributed.py finds the
+utils/elastic/membership.py ends a generation with cut_connections; utils/distributed.py finds the
 address of gloo's card for the control sockets with card_address.
 """
+
 import fcntl
 import os
 import socket
@@ -15,12 +16,12 @@ def card_address(ifname, toward="127.0.0.1"):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
                 packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.split(",")[0][:15].encode()))
-                return socket.inet_ntoa(packed[20:24])   # SIOCGIFADDR
+                return socket.inet_ntoa(packed[20:24])  # SIOCGIFADDR
             except OSError:
                 pass
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            s.connect((toward, 9))   # no packet is sent: this only picks the route
+            s.connect((toward, 9))  # no packet is sent: this only picks the route
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
@@ -39,7 +40,7 @@ def cut_connections():
             continue
         try:
             if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                s.getpeername()           # raises unless connected
+                s.getpeername()  # raises unless connected
                 s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass

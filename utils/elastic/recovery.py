@@ -1,4 +1,4 @@
-"""Going on without a lost rank: the trainer's side of utils/membership.py.
+"""Going on without a lost rank: the trainer's side of utils/elastic/membership.py.
 
     recovery = Recovery(membership, config, model, optimizer, scheduler, state, make_sync, make_stats)
     sync, (epoch, step, stats) = recovery.go_on(error, old_sync, (epoch, step, stats))
@@ -22,19 +22,22 @@ flight and hands over here, with the last step this rank completed. Then:
 PowerSGD's error buffers are each rank's own: a dead rank's is lost. The survivors go on from the
 mean of the error buffers of those at the furthest step, as a resume on another number of ranks does.
 """
+
 import os
 import sys
 import time
 
 import torch.distributed as dist
 
-from utils import checkpoint, faults, hierarchical, outputs, timeline
-from utils.compress import state_for
+from utils import checkpoint, outputs, timeline
+from utils.comm import hierarchical
+from utils.comm.compress import state_for
+from utils.elastic import faults
+from utils.elastic.membership import Fenced, NoQuorum
 from utils.errors import PeerError, UsageError, first_line
 from utils.files import check_writable
-from utils.membership import Fenced, NoQuorum
 
-MAX_ATTEMPTS = 3   # new groups that did not form before the survivors give up
+MAX_ATTEMPTS = 3  # new groups that did not form before the survivors give up
 _membership = None
 
 
@@ -49,10 +52,10 @@ class Recovery:
         _membership = membership
         self.membership, self.config = membership, config
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.state = state            # state(epoch, step, stats, compression) -> the checkpoint dict
-        self.make_sync = make_sync    # () -> a gradient sync over the default group (utils/gradsync.py)
+        self.state = state  # state(epoch, step, stats, compression) -> the checkpoint dict
+        self.make_sync = make_sync  # () -> a gradient sync over the default group (utils/sync/buckets.py)
         self.make_stats = make_stats  # (**epoch_stats) -> utils.run.EpochStats
-        self.writes = membership.me == 0   # this process holds the output locks (rank 0 took them)
+        self.writes = membership.me == 0  # this process holds the output locks (rank 0 took them)
 
     def go_on(self, error, old_sync, position):
         """After `error` (a PeerError): the new gradient sync and the position to go on from."""
@@ -70,27 +73,32 @@ class Recovery:
                 raise PeerError(f"{first_line(error)}; {e}{self.save_last_step(position, e.alive, old_sync)}") from None
             if not self.config.job.recover:
                 survivors = decision["members"]
-                raise PeerError(f"{first_line(error)} (--no-recover)"
-                                f"{self.save_last_step(position, survivors, old_sync)}") from None
+                raise PeerError(
+                    f"{first_line(error)} (--no-recover){self.save_last_step(position, survivors, old_sync)}"
+                ) from None
             try:
                 membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
                 break
-            except (RuntimeError, ValueError) as e:   # a member did not come: agree again without it
+            except (RuntimeError, ValueError) as e:  # a member did not come: agree again without it
                 tried.append(decision["name"])
                 if len(tried) >= MAX_ATTEMPTS:
-                    raise PeerError(f"{first_line(error)}; the survivors could not form a new group {len(tried)} times "
-                                    f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}") from None
+                    raise PeerError(
+                        f"{first_line(error)}; the survivors could not form a new group {len(tried)} times "
+                        f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}"
+                    ) from None
                 say(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again")
         lost = [m for m in before if m not in membership.members]
         try:
             sync, (epoch_now, step_now, stats) = self.form(decision, old_sync, position)
-        except PeerError as e:   # another rank lost while the state went round: again, from where this rank is
+        except PeerError as e:  # another rank lost while the state went round: again, from where this rank is
             return self.go_on(e, old_sync, e.position or position)
         seconds = time.monotonic() - started
-        say(f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} at epoch {epoch}, "
-            f"step {step + 1} ({reason}); continuing on {plural(dist.get_world_size(), 'rank')} from step {step_now} "
-            f"(members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
-            f"{'; the lost ranks’ PowerSGD error feedback is dropped' if self.config.sync.compress == 'powersgd' else ''})")
+        say(
+            f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+            f"at epoch {epoch}, step {step + 1} ({reason}); continuing on {plural(dist.get_world_size(), 'rank')} "
+            f"from step {step_now} (members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
+            f"{'; the lost ranks’ PowerSGD error feedback is dropped' if self.config.sync.compress == 'powersgd' else ''})"
+        )
         self.mark("lost", lost)
         return sync, (epoch_now, step_now, stats)
 
@@ -103,7 +111,7 @@ class Recovery:
             decision = membership.grow(list(position[:2]), timeout=membership.heartbeat + 5)
             faults.point("join")
             membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
-        except (RuntimeError, ValueError) as e:   # (a joiner that died meanwhile asks no more: forget it)
+        except (RuntimeError, ValueError) as e:  # (a joiner that died meanwhile asks no more: forget it)
             membership.forget_joiners(decision)
             return self.go_on(PeerError(f"a server failed to join: {first_line(e)}"), old_sync, position)
         old_sync.close()
@@ -112,9 +120,11 @@ class Recovery:
         except PeerError as e:
             return self.go_on(e, old_sync, e.position or position)
         joined = [m for m in membership.members if m not in before]
-        say(f"rank {membership.me}: rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined after "
+        say(
+            f"rank {membership.me}: rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined after "
             f"epoch {position[0]}, step {position[1]}; continuing on {plural(dist.get_world_size(), 'rank')} "
-            f"(members {', '.join(map(str, membership.members))}, {time.monotonic() - started:.2f} s)")
+            f"(members {', '.join(map(str, membership.members))}, {time.monotonic() - started:.2f} s)"
+        )
         self.mark("joined", joined)
         return sync, position
 
@@ -132,10 +142,10 @@ class Recovery:
         state = shared[0]
         if dist.get_rank() != source:
             self.model.load_state_dict(state["model"])
-        for p in self.model.parameters():   # an abandoned step's gradients must not add to the next one's
+        for p in self.model.parameters():  # an abandoned step's gradients must not add to the next one's
             p.grad = None
-        checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)   # (no compression state in it)
-        at = (state["epoch"], state["step"], self.make_stats(**state["epoch_stats"]))   # where this rank is now
+        checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)  # (no compression state in it)
+        at = (state["epoch"], state["step"], self.make_stats(**state["epoch_stats"]))  # where this rank is now
         try:
             return self._new_sync(state, at, old_sync, position, source, furthest)
         except RuntimeError as e:
@@ -144,9 +154,9 @@ class Recovery:
             raise error from None
 
     def _new_sync(self, state, at, old_sync, position, source, furthest):
-        hierarchical.forget()   # its hosts were the old group's ranks
+        hierarchical.forget()  # its hosts were the old group's ranks
         sync = self.make_sync()
-        if self.config.sync.compress != "none":   # the error buffers of those at the furthest step, the source's first
+        if self.config.sync.compress != "none":  # the error buffers of those at the furthest step, the source's first
             everyone = [None] * dist.get_world_size()
             mine = old_sync.state_dict() if old_sync is not None else None
             dist.all_gather_object(everyone, (position is not None and tuple(position[:2]) == furthest, mine))
@@ -164,7 +174,7 @@ class Recovery:
     def save_last_step(self, position, survivors, old_sync):
         """The lowest survivor writes its last completed step; the text that says where."""
         epoch, step, stats = position
-        writer = next(m for m in self.membership.members if m in survivors)   # the lowest rank
+        writer = next(m for m in self.membership.members if m in survivors)  # the lowest rank
         where = f"epoch {epoch}, step {step}" if step else f"the start of epoch {epoch}"
         if writer != self.membership.me:
             return f"; rank {writer} saves the checkpoint of {where}"
@@ -173,7 +183,7 @@ class Recovery:
             return f"; {path} is further along already (kept)"
         try:
             self.take_outputs()
-        except Exception as e:   # another job holds it
+        except Exception as e:  # another job holds it
             return f"; could not write the checkpoint ({first_line(e)})"
         # compressed: only this rank's own compression state; a resume treats it as a resize does
         everyone = [old_sync.state_dict()] if self.config.sync.compress != "none" else None
@@ -185,7 +195,7 @@ class Recovery:
         if self.writes:
             return
         ours = {f"pid {entry['pid']} on {entry['host']}" for entry in self.membership.book.values()}
-        for option, path in self.config.outputs.files():   # on this server they may not exist yet
+        for option, path in self.config.outputs.files():  # on this server they may not exist yet
             check_writable(path, option)
         outputs.lock_outputs(self.config.outputs, hold=True, take_from=ours)
         self.writes = True
@@ -196,7 +206,7 @@ def further_along(path, position):
     try:
         saved = checkpoint.safe_load(path, "checkpoint")
         return (saved["epoch"], saved["step"]) > tuple(position[:2])
-    except (UsageError, KeyError, TypeError):   # none, or not one of ours: nothing to keep
+    except (UsageError, KeyError, TypeError):  # none, or not one of ours: nothing to keep
         return False
 
 
@@ -212,8 +222,12 @@ def say(line):
 
 def short_reason(error):
     text = str(error).lower()
-    for words, reason in (("reset", "connection reset"), ("closed", "connection closed"),
-                          ("refused", "connection refused"), ("timed out", "timed out")):
+    for words, reason in (
+        ("reset", "connection reset"),
+        ("closed", "connection closed"),
+        ("refused", "connection refused"),
+        ("timed out", "timed out"),
+    ):
         if words in text:
             return reason
     return first_line(error)

@@ -3,8 +3,8 @@
 Every function here takes ONE flat, contiguous tensor, the same size on every rank, and
 replaces it in place with the element-wise sum over all ranks. Every rank ends with
 bit-identical values: each element is added up in one place, in one order, and then only
-copied. utils/allreduce.py wraps each in an object (--allreduce picks one), which counts the
-bytes and draws the timeline; utils/hierarchical.py builds its sum from ring_steps.
+copied. utils/comm/allreduce.py wraps each in an object (--allreduce picks one), which counts the
+bytes and draws the timeline; utils/comm/hierarchical.py builds its sum from ring_steps.
 
     two_pass_ring_sum  the original protocol (default): a chain, then the total forwarded.
     ring_sum           bandwidth-optimal reduce-scatter + all-gather.
@@ -18,13 +18,14 @@ not compound along the ring. The finished sum is rounded once, and every rank ke
 value, so all ranks still end with the same bits. (gloo_sum cannot: gloo adds in the wire type.)
 
 group: every function also takes a process group of ALL ranks, in the same order, that has its
-own connections (utils/gradsync.py gives each gradient bucket one, so a small bucket need not
+own connections (utils/sync/buckets.py gives each gradient bucket one, so a small bucket need not
 queue behind a big one on the same socket). Peer ranks are the same numbers as in the default
 group. None means the default group.
 
 Timeouts: gloo applies the process group's timeout (init_process_group(timeout=...)) to every
 send and receive, so a silent peer turns into an exception instead of a hang.
 """
+
 import math
 
 import torch
@@ -59,8 +60,8 @@ def ring_bytes_sent(numel, element_size, rank, n):
     if n == 1:
         return 0
     sizes = [len(s) for s in torch.tensor_split(torch.empty(numel, dtype=torch.uint8), n)]
-    sent = sum(sizes[(rank - step) % n] for step in range(n - 1))                    # reduce-scatter
-    sent += sum(sizes[(rank + 1 - step) % n] for step in range(n - 1))               # all-gather
+    sent = sum(sizes[(rank - step) % n] for step in range(n - 1))  # reduce-scatter
+    sent += sum(sizes[(rank + 1 - step) % n] for step in range(n - 1))  # all-gather
     return sent * element_size
 
 
@@ -89,21 +90,20 @@ def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
     exact = wire == flat.dtype
     k = max(1, min(chunks, flat.numel()))
     own = torch.tensor_split(flat, k)
-    partial = torch.empty_like(flat, dtype=wire)   # pass-1 sums arriving from rank-1
-    total = torch.empty_like(flat, dtype=wire)     # the finished total
-    rounded = partial if exact else torch.empty_like(partial)   # pass-1 sums as sent on: rounded once
+    partial = torch.empty_like(flat, dtype=wire)  # pass-1 sums arriving from rank-1
+    total = torch.empty_like(flat, dtype=wire)  # the finished total
+    rounded = partial if exact else torch.empty_like(partial)  # pass-1 sums as sent on: rounded once
     outgoing = torch.tensor_split(rounded, k)
     partials, totals = torch.tensor_split(partial, k), torch.tensor_split(total, k)
     last = n - 1
-    pending = []                       # sends still in flight
+    pending = []  # sends still in flight
 
     if rank == 0:
         receives = [dist.irecv(totals[c], last, group=group, tag=k + c) for c in range(k)]
-        pending += [dist.isend(own[c] if exact else outgoing[c].copy_(own[c]), 1, group=group, tag=c)
-                    for c in range(k)]
+        pending += [dist.isend(own[c] if exact else outgoing[c].copy_(own[c]), 1, group=group, tag=c) for c in range(k)]
         for c in range(k):
             receives[c].wait()
-            if n > 2:                  # pass 2 starts here
+            if n > 2:  # pass 2 starts here
                 pending.append(dist.isend(totals[c], 1, group=group, tag=k + c))
     else:
         receives = [dist.irecv(partials[c], rank - 1, group=group, tag=c) for c in range(k)]
@@ -111,16 +111,16 @@ def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
             receives[c].wait()
             if exact:
                 partials[c].add_(own[c])
-            else:                      # add in float32, round once
+            else:  # add in float32, round once
                 outgoing[c].copy_(own[c].add_(partials[c]))
             pending.append(dist.isend(outgoing[c], (rank + 1) % n, group=group, tag=c if rank < last else k + c))
         if rank == last:
-            total = rounded            # pass 1 ended here with the total
+            total = rounded  # pass 1 ended here with the total
         else:
             receives = [dist.irecv(totals[c], rank - 1, group=group, tag=k + c) for c in range(k)]
             for c in range(k):
                 receives[c].wait()
-                if rank < n - 2:       # pass 2 stops at rank N-2
+                if rank < n - 2:  # pass 2 stops at rank N-2
                     pending.append(dist.isend(totals[c], rank + 1, group=group, tag=k + c))
     for work in pending:
         work.wait()
@@ -159,7 +159,7 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
     neighbour and receives segments[(r-s-1) % N] from the left (a partial sum lands in scratch
     and is added; a finished segment is copied). The segments may differ in size (even be
     empty: both ends know and skip the message). Peers are ranks of `group` (group_dst/src),
-    so `group` may be a subgroup (utils/hierarchical.py runs the two halves on a host's ranks).
+    so `group` may be a subgroup (utils/comm/hierarchical.py runs the two halves on a host's ranks).
 
     With a wire_dtype, partial sums are rounded once per hop (added in the buffer's type), and
     the all-gather starts by rounding this rank's finished segment, which it keeps as well: a
@@ -179,7 +179,7 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
     # The all-gather passes finished (rounded) segments; afterwards every rank copies them back.
     outgoing = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
     gathered = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
-    scratch = [torch.empty(max(sizes), dtype=wire) for _ in range(2)]   # reduce-scatter steps alternate
+    scratch = [torch.empty(max(sizes), dtype=wire) for _ in range(2)]  # reduce-scatter steps alternate
     right, left = (rank + 1) % n, (rank - 1) % n
 
     def landing(step):
@@ -192,7 +192,9 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
     # Segments may be empty (a buffer smaller than N); both ends know, both skip.
     def receive(step):
         buffer = landing(step)[1] if step < last else None
-        return dist.irecv(buffer, group=group, group_src=left, tag=step) if buffer is not None and buffer.numel() else None
+        return (
+            dist.irecv(buffer, group=group, group_src=left, tag=step) if buffer is not None and buffer.numel() else None
+        )
 
     sends = []
 
@@ -200,7 +202,7 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
         """Send segment `index` in `step`: a partial sum, a finished one (both rounded), or a gathered one."""
         if step < n - 1:
             segment = outgoing[index] if exact else outgoing[index].copy_(segments[index])
-        elif step == n - 1:   # this rank's finished segment; it keeps the rounded value too
+        elif step == n - 1:  # this rank's finished segment; it keeps the rounded value too
             segment = gathered[index] if exact else gathered[index].copy_(segments[index])
         else:
             segment = gathered[index]
@@ -210,18 +212,18 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
     incoming = receive(first)
     send(first, (rank - first) % n)
     for step in range(first, last):
-        upcoming = receive(step + 1)                              # one step ahead
+        upcoming = receive(step + 1)  # one step ahead
         index, buffer = landing(step)
         if incoming is not None:
             incoming.wait()
         if step < n - 1:
-            segments[index].add_(buffer)                          # own + partial from the left (in float32)
+            segments[index].add_(buffer)  # own + partial from the left (in float32)
         if step + 1 < last:
-            send(step + 1, index)                                 # pass it on
+            send(step + 1, index)  # pass it on
         incoming = upcoming
     for work in sends:
         work.wait()
-    if not exact and last > n - 1:                                # the all-gather ran: keep the rounded sums
+    if not exact and last > n - 1:  # the all-gather ran: keep the rounded sums
         for segment, finished in zip(segments, gathered):
             segment.copy_(finished)
 

@@ -7,8 +7,8 @@
     sync.stats()        communication time and bytes since the start
     sync.state_dict()   this rank's compression state, for the checkpoint
 
-The parameters are summed in buckets, each with an all-reduce of its own (utils/allreduce.py)
-and compressed by one compressor (utils/compress.py). Three ways, one class each:
+The parameters are summed in buckets, each with an all-reduce of its own (utils/comm/allreduce.py)
+and compressed by one compressor (utils/comm/compress.py). Three ways, one class each:
 
     PlainSync       (--no-overlap) one bucket, in the model's order, summed after backward.
     OverlappedSync  (--overlap) buckets in backward's order; as soon as a bucket's gradients
@@ -25,11 +25,12 @@ and compressed by one compressor (utils/compress.py). Three ways, one class each
                     conv bucket, ready last, does not queue behind the big one on one socket.
     LazySync        (--lazy-update) an OverlappedSync that does not wait after backward: each
                     bucket's update is applied just before the next forward first uses it
-                    (utils/lazy.py), so the sums also overlap the next forward.
+                    (utils/sync/lazy.py), so the sums also overlap the next forward.
 
 The stop flag (utils/stop.py) rides in the last bucket (the first layer's: summed last, needed
 first by the next forward), as one more value summed exactly.
 """
+
 import datetime
 import threading
 import time
@@ -37,10 +38,10 @@ import time
 import torch
 
 from utils import timeline
-from utils.allreduce import make_allreduce
-from utils.compress import NoCompression, make_compressor
+from utils.comm.allreduce import make_allreduce
+from utils.comm.compress import NoCompression, make_compressor
 from utils.errors import PeerError, first_line
-from utils.lazy import LazyUpdate
+from utils.sync.lazy import LazyUpdate
 
 
 def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None):
@@ -100,12 +101,12 @@ class GradientSync:
     def __init__(self, buckets, allreduces, compressor, optimizer, scheduler, local_flag=lambda: 0.0):
         self.buckets, self.allreduces, self.compressor = buckets, allreduces, compressor
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.local_flag = local_flag            # this rank's stop flag, read as the flag's bucket starts
+        self.local_flag = local_flag  # this rank's stop flag, read as the flag's bucket starts
         self.flag_bucket = len(buckets) - 1
-        self.flag_sum = 0.0                     # the flag summed over ranks, as of the last sum of it
-        self.weight = 1.0                       # this step's gradient weight (see flat_buffer)
-        self.busy_seconds = 0.0                 # communication ran this long, over all buckets
-        self.waited_seconds = 0.0               # the training thread waited this long for it
+        self.flag_sum = 0.0  # the flag summed over ranks, as of the last sum of it
+        self.weight = 1.0  # this step's gradient weight (see flat_buffer)
+        self.busy_seconds = 0.0  # communication ran this long, over all buckets
+        self.waited_seconds = 0.0  # the training thread waited this long for it
 
     def weigh(self, weight):
         """This step's weight of this rank's gradient: its share of the step's images times N."""
@@ -128,14 +129,18 @@ class GradientSync:
         pass
 
     def flush(self):
-        """The end of training: nothing left to apply (utils/periodic.py has more to do)."""
+        """The end of training: nothing left to apply (utils/sync/periodic.py has more to do)."""
         self.finish()
 
     def stats(self):
         """{busy_seconds, waited_seconds, bytes_sent, bytes_summed} since the start."""
-        unique = list({id(a): a for a in self.allreduces}.values())   # gloo's buckets share one
-        return dict(busy_seconds=self.busy_seconds, waited_seconds=self.waited_seconds,
-                    bytes_sent=sum(a.bytes_sent for a in unique), bytes_summed=sum(a.bytes_summed for a in unique))
+        unique = list({id(a): a for a in self.allreduces}.values())  # gloo's buckets share one
+        return dict(
+            busy_seconds=self.busy_seconds,
+            waited_seconds=self.waited_seconds,
+            bytes_sent=sum(a.bytes_sent for a in unique),
+            bytes_summed=sum(a.bytes_summed for a in unique),
+        )
 
     def state_dict(self):
         """This rank's compression state (PowerSGD's error buffers differ between ranks)."""
@@ -178,10 +183,10 @@ class OverlappedSync(GradientSync):
 
     def __init__(self, model, *parts, **named):
         super().__init__(*parts, **named)
-        self.weights = [1.0] * len(self.buckets)       # the weight each bucket was started with
+        self.weights = [1.0] * len(self.buckets)  # the weight each bucket was started with
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]  # gradients still to come, this step
-        self.started = 0                               # buckets 0..started-1 are being summed
+        self.started = 0  # buckets 0..started-1 are being summed
         self.error, self.closed = None, False
         self.lock = threading.Lock()
         # gloo sums asynchronously on its own threads when nothing is compressed
@@ -189,8 +194,8 @@ class OverlappedSync(GradientSync):
         if self.native:
             self.pending = [None] * len(self.buckets)  # (flat buffer, numel, work, started_ns, step)
         else:
-            self.ready = [threading.Event() for _ in self.buckets]    # gradients there: sum it
-            self.summed = [threading.Event() for _ in self.buckets]   # averaged (or failed)
+            self.ready = [threading.Event() for _ in self.buckets]  # gradients there: sum it
+            self.summed = [threading.Event() for _ in self.buckets]  # averaged (or failed)
             for i in range(len(self.buckets)):
                 threading.Thread(target=self._communicate, args=(i,), name=f"gradient-sum-{i}", daemon=True).start()
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.bucket_of]
@@ -208,8 +213,8 @@ class OverlappedSync(GradientSync):
             self.started += 1
 
     def _start(self, i):
-        self.weights[i] = self.weight   # a lazy step's bucket thread may run after the next weight is set
-        if timeline.recording():        # handed over, inside backward (its thread may start a moment later)
+        self.weights[i] = self.weight  # a lazy step's bucket thread may run after the next weight is set
+        if timeline.recording():  # handed over, inside backward (its thread may start a moment later)
             now = timeline.now_ns()
             timeline.add("ready", now, now, bucket=i)
         if not self.native:
@@ -217,8 +222,8 @@ class OverlappedSync(GradientSync):
             return
         flag = self.local_flag() if i == self.flag_bucket else None
         flat, numel = flat_buffer(self.buckets[i], self.weight, flag)
-        started_ns = timeline.now_ns()   # where the span starts, as its length is counted: from the sum's start
-        work = self.allreduces[i].sum_async(flat)   # an error raised here, inside backward: wait_bucket reports it
+        started_ns = timeline.now_ns()  # where the span starts, as its length is counted: from the sum's start
+        work = self.allreduces[i].sum_async(flat)  # an error raised here, inside backward: wait_bucket reports it
         self.pending[i] = (flat, numel, work, started_ns, timeline.current_step())
 
     def _communicate(self, i):
@@ -268,9 +273,17 @@ class OverlappedSync(GradientSync):
                 raise PeerError(first_line(e)) from None
         seconds = (work.finished or time.perf_counter()) - work.started
         self.busy_seconds += seconds
-        if step is not None:      # gloo's threads ran it: drawn on a row of its own
-            timeline.add("sum", started_ns, started_ns + int(seconds * 1e9), f"gloo-sum-{i}",
-                         bucket=i, step=step, algorithm="gloo", bytes=flat.numel() * flat.element_size())
+        if step is not None:  # gloo's threads ran it: drawn on a row of its own
+            timeline.add(
+                "sum",
+                started_ns,
+                started_ns + int(seconds * 1e9),
+                f"gloo-sum-{i}",
+                bucket=i,
+                step=step,
+                algorithm="gloo",
+                bytes=flat.numel() * flat.element_size(),
+            )
         if i == self.flag_bucket:
             self.flag_sum = flat[numel].item()
         set_gradients(self.buckets[i], flat[:numel].div_(self.allreduces[i].world_size))
@@ -285,13 +298,13 @@ class OverlappedSync(GradientSync):
     def close(self):
         for hook in self.hooks:
             hook.remove()
-        self.closed = True   # (a sync replaced after a lost peer: its bucket threads end)
+        self.closed = True  # (a sync replaced after a lost peer: its bucket threads end)
         for event in getattr(self, "ready", []):
             event.set()
 
 
 class LazySync(OverlappedSync):
-    """Does not wait after backward; the next forward applies each bucket's update (utils/lazy.py)."""
+    """Does not wait after backward; the next forward applies each bucket's update (utils/sync/lazy.py)."""
 
     def __init__(self, model, *parts, **named):
         super().__init__(model, *parts, **named)
@@ -303,7 +316,7 @@ class LazySync(OverlappedSync):
     def step(self):
         self.lazy.step()
 
-    def stop_count(self):   # the flag's bucket: the next forward would wait for it first anyway
+    def stop_count(self):  # the flag's bucket: the next forward would wait for it first anyway
         self.lazy.apply(self.flag_bucket)
         return self.flag_sum
 
@@ -327,22 +340,35 @@ def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=lam
     at the same point, since it makes the buckets' process groups)."""
     params = list(model.parameters())
     timeout = datetime.timedelta(seconds=sync.timeout)
-    if sync.sync_every > 1:   # H local steps, then the parameters' change (utils/periodic.py)
-        from utils.periodic import PeriodicSync
+    if sync.sync_every > 1:  # H local steps, then the parameters' change (utils/sync/periodic.py)
+        from utils.sync.periodic import PeriodicSync
+
         try:
             allreduce = make_allreduce(sync.allreduce, sync.chunks, timeout, own_group=True)
         except RuntimeError as e:
             raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
-        return PeriodicSync(model, allreduce, make_compressor(sync.compress, [params]), optimizer, scheduler,
-                            sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, local_flag,
-                            sync.merge_after)
+        return PeriodicSync(
+            model,
+            allreduce,
+            make_compressor(sync.compress, [params]),
+            optimizer,
+            scheduler,
+            sync.sync_every,
+            sync.outer,
+            sync.outer_lr,
+            sync.outer_momentum,
+            local_flag,
+            sync.merge_after,
+        )
     buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
     try:
         first = make_allreduce(sync.allreduce, sync.chunks, timeout, own_group=sync.overlap)
-        shared = first.native_async and type(compressor) is NoCompression   # see OverlappedSync
-        allreduces = [first] + [first if shared else make_allreduce(sync.allreduce, sync.chunks, timeout,
-                                                                    own_group=True) for _ in buckets[1:]]
+        shared = first.native_async and type(compressor) is NoCompression  # see OverlappedSync
+        allreduces = [first] + [
+            first if shared else make_allreduce(sync.allreduce, sync.chunks, timeout, own_group=True)
+            for _ in buckets[1:]
+        ]
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     parts = (buckets, allreduces, compressor, optimizer, scheduler, local_flag)
