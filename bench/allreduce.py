@@ -86,9 +86,7 @@ from harness import (
     world_port,
     write_results,
 )
-from harness import (
-    results_stem as stem_of,
-)
+from harness import results_stem as stem_of
 
 DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")  # hierarchical: with --ranks-per-host
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"

@@ -88,9 +88,7 @@ from harness import (
     world_port,
     write_results,
 )
-from harness import (
-    results_stem as stem_of,
-)
+from harness import results_stem as stem_of
 from peers import DDP_HOOKS
 from peers import parse_ours as parse_sync
 from targets import bound

@@ -90,9 +90,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (
-    MODEL_NUMEL as TRAINER_NUMEL,
-)
+from harness import MODEL_NUMEL as TRAINER_NUMEL
 from harness import (
     add_world_options,
     bench_parser,
@@ -111,9 +109,7 @@ from harness import (
     world_port,
     write_results,
 )
-from harness import (
-    results_stem as stem_of,
-)
+from harness import results_stem as stem_of
 from peers import ALGORITHMS, DDP_HOOKS, parse_ours
 from train_step_report import (  # noqa:F401  (the tests reach the summary through this module)
     compression_targets,
