@@ -51,8 +51,8 @@ every input and the float64 reference sum. Every result (warm-up ones too) must 
 of N-1 additions in any order), and must be bit-identical on all ranks (blake2b digests).
 Any failure: a message naming N, size, algorithm and repetition, and a non-zero exit.
 
-Layout: this file is the driver and the ranks' worker; its summary (table, targets from
-bench/targets.py, plot) is bench/allreduce_report.py, the rest is bench/harness.py.
+Layout: this file is the driver; its ranks run bench/allreduce_worker.py, its summary (table, targets
+from bench/targets.py, plot) is bench/allreduce_report.py, the rest is bench/harness.py.
 
 Output: a markdown table on stdout, then the issue targets with PASS/MISS, and
 bench/results/allreduce-<mode>[-<rate>].{json,png,md} (mode: loopback or cluster), written atomically.
@@ -67,62 +67,31 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 from allreduce_report import ALGORITHMS, MB, evaluate_targets, human, load_lines, plot, table, target_lines
 from allreduce_worker import ELEMENT, worker
-from harness import (
-    MODEL_NUMEL,
-    LaunchError,
-    add_world_options,
-    bench_parser,
-    cluster,
-    command_line,
-    emulated_cluster,
-    host_info,
-    launch_world,
-    number_list,
-    parse_rate,
-    run_driver,
-    started_at,
-    world_port,
-    write_results,
-)
-from harness import results_stem as stem_of
 
 DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")  # hierarchical: with --ranks-per-host
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
+UNITS = {
+    "": 1,
+    "B": 1,
+    **{u: 1 << s for s, us in ((10, "K KB KIB"), (20, "M MB MIB"), (30, "G GB GIB")) for u in us.split()},
+}
 
 
-# --------------------------------------------------------------------------- helpers
 def parse_size(text: str, model_numel: int) -> tuple[str, int]:
     """'4K' / '16M' / '1048576' / 'model' -> (label, bytes); K/M/G are binary (KiB, MiB, GiB)."""
     t = text.strip()
     if t.lower() == "model":
         return "model", model_numel * ELEMENT
-    units = {
-        "": 1,
-        "B": 1,
-        "K": 1 << 10,
-        "KB": 1 << 10,
-        "KIB": 1 << 10,
-        "M": 1 << 20,
-        "MB": 1 << 20,
-        "MIB": 1 << 20,
-        "G": 1 << 30,
-        "GB": 1 << 30,
-        "GIB": 1 << 30,
-    }
     num = t.rstrip("BbKkMmGgIi")
-    unit = t[len(num) :].upper()
-    if not num.isdigit() or unit not in units:
+    if not num.isdigit() or t[len(num) :].upper() not in UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4K, 1M, 16M, 65536 or 'model'")
-    nbytes = int(num) * units[unit]
+    nbytes = int(num) * UNITS[t[len(num) :].upper()]
     if nbytes < ELEMENT or nbytes % ELEMENT:
         raise argparse.ArgumentTypeError(f"size {text!r} is not a positive multiple of {ELEMENT} bytes")
     return human(nbytes), nbytes
-
-
-def pretty_bytes(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
 
 
 def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: int) -> float:
@@ -135,128 +104,56 @@ def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: i
     return 2 * s + (2 * n - 2) * s / chunks  # busiest link carries 2S; plus pipeline fill
 
 
-# --------------------------------------------------------------------------- driver
-def launch(n: int, args, sizes: list[dict], cl, tmp: Path, port: int, op_timeout: float, timeout: float) -> dict:
-    """Run one world of n hosts x --ranks-per-host ranks; return rank 0's raw results (with the
-    hosts and the load). Exit code 3 is a rank that found a wrong sum: its results are written."""
-    host0 = cl.addr(0) if cl else "127.0.0.1"
-    k = args.ranks_per_host
-    cfg = {
-        "world_size": n * k,
-        "hosts": n,
-        "ranks_per_host": k,
-        "init_method": f"tcp://{host0}:{port}",
-        "op_timeout": op_timeout,
-        "seed": args.seed,
-        "chunks": args.chunks,
-        "fault": args.self_test_fault,
-        "ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None,
-        "algorithms": args.algorithms,
-        "candidates": [str(Path(f).resolve()) for f in args.candidate],
-        "sizes": sizes,
-    }
-    raw = launch_world(
-        str(Path(__file__).resolve()),
-        n * k,
-        cfg,
-        cl,
-        tmp,
-        f"n{n}",
-        timeout,
-        f"N={n}",
-        ok_codes=(0, 3),
-        ranks_per_host=k,
-    )
-    raw["hosts"], raw["ranks_per_host"] = n, k
-    return raw
-
-
 def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
     """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
-    records = []
-    n = raw["world_size"]
+    records, n = [], raw["world_size"]
     hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)  # the limit counts hosts: their cards
     for size in raw["sizes"]:
-        gloo_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "gloo"), None)
-        ring_t = next((statistics.median(r["times_s"]) for r in size["rows"] if r["algorithm"] == "ring"), None)
+        median = {r["algorithm"]: statistics.median(r["times_s"]) for r in size["rows"]}
+        limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
         for row in size["rows"]:
-            t = statistics.median(row["times_s"])
-            algbw = size["bytes"] / t
-            limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
-            records.append(
-                {
-                    "world_size": n,
-                    "hosts": hosts,
-                    "ranks_per_host": k,
-                    "size": size["label"],
-                    "bytes": size["bytes"],
-                    "numel": size["numel"],
-                    "algorithm": row["algorithm"],
-                    "chunks": row["chunks"],
-                    "iters": len(row["times_s"]),
-                    "warmup": size["warmup"],
-                    "times_ms": [x * 1e3 for x in row["times_s"]],
-                    "median_ms": t * 1e3,
-                    "min_ms": min(row["times_s"]) * 1e3,
-                    "max_ms": max(row["times_s"]) * 1e3,
-                    "rank_median_ms": [x * 1e3 for x in row["rank_median_s"]],
-                    "algbw_MBps": algbw / MB,
-                    "busbw_MBps": algbw * 2 * (hosts - 1) / hosts / MB,
-                    "limit_ms": limit * 1e3 if limit else None,
-                    "ratio_limit": t / limit if limit else None,
-                    "ratio_gloo": t / gloo_t if gloo_t else None,
-                    "ratio_ring": t / ring_t if ring_t and row["algorithm"] != "ring" else None,
-                    "correct": row["correct"],
-                    "bit_identical": row["bit_identical"],
-                    "max_error_over_bound": row["max_error_over_bound"],
-                    "problems": row["problems"],
-                }
+            t, times, alg = median[row["algorithm"]], row["times_s"], row["algorithm"]
+            rec = dict(world_size=n, hosts=hosts, ranks_per_host=k, size=size["label"], bytes=size["bytes"])
+            rec.update(
+                numel=size["numel"], algorithm=alg, chunks=row["chunks"], iters=len(times), warmup=size["warmup"]
             )
+            rec.update(times_ms=[x * 1e3 for x in times], median_ms=t * 1e3, min_ms=min(times) * 1e3)
+            rec.update(max_ms=max(times) * 1e3, rank_median_ms=[x * 1e3 for x in row["rank_median_s"]])
+            rec.update(algbw_MBps=size["bytes"] / t / MB, busbw_MBps=size["bytes"] / t * 2 * (hosts - 1) / hosts / MB)
+            rec.update(limit_ms=limit * 1e3 if limit else None, ratio_limit=t / limit if limit else None)
+            rec.update(ratio_gloo=t / median["gloo"] if median.get("gloo") else None)
+            rec.update(ratio_ring=t / median["ring"] if median.get("ring") and alg != "ring" else None)
+            records.append(dict(rec, **pick_row(row)))
     return records
 
 
+def pick_row(row: dict) -> dict:
+    return {key: row[key] for key in ("correct", "bit_identical", "max_error_over_bound", "problems")}
+
+
 def driver(args) -> int:
-    mode = "cluster" if args.cluster else "loopback"
-    if (args.rate or args.tcp_cc) and not args.cluster:
-        print("allreduce.py: --rate and --tcp-cc only apply with --cluster", file=sys.stderr)
-        return 2
-    rate_bits = parse_rate(args.rate) if args.cluster and args.rate else None
-    k = args.ranks_per_host
-    rate_bytes = rate_bits / 8 if rate_bits else None
-    worlds = args.world_sizes
+    mode, k = "cluster" if args.cluster else "loopback", args.ranks_per_host
+    rate_bits = harness.parse_rate(args.rate) if args.cluster and args.rate else None
+    rate_bytes, worlds = rate_bits / 8 if rate_bits else None, args.world_sizes
     sizes = {}
     for label, nbytes in args.sizes:  # one row per byte count; "model" keeps its name
         sizes[nbytes] = label if label == "model" else sizes.get(nbytes, label)
-    sizes = sorted(sizes.items())
     plan = []
-    for nbytes, label in sizes:
+    for nbytes, label in sorted(sizes.items()):
         big = nbytes >= args.big_from
-        plan.append(
-            {
-                "label": label,
-                "bytes": nbytes,
-                "iters": args.big_iters if big else args.iters,
-                "warmup": args.big_warmup if big else args.warmup,
-            }
-        )
+        iters, warmup = (args.big_iters, args.big_warmup) if big else (args.iters, args.warmup)
+        plan.append({"label": label, "bytes": nbytes, "iters": iters, "warmup": warmup})
 
     # Time budget per world (the hard timeout) and per-operation timeout of the process group.
     from utils.comm.ring import auto_chunks
 
-    est = {
-        n: sum(
-            (p["iters"] + p["warmup"])
-            * expected_seconds(  # N·K ranks: a flat ring's time
-                a, n * k, p["bytes"], rate_bytes or 50e6, args.chunks or auto_chunks(p["bytes"] // ELEMENT)
-            )
-            for p in plan
-            for a in args.algorithms + ["ring"] * len(args.candidate)
-        )
-        for n in worlds
-    }
-    op_timeout = max(
-        60.0, 20 * max(expected_seconds("two-pass", n * k, plan[-1]["bytes"], rate_bytes or 50e6, 1) for n in worlds)
-    )
+    def seconds(alg, n, p, chunks=None):  # N·K ranks: a flat ring's time
+        chunks = chunks or args.chunks or auto_chunks(p["bytes"] // ELEMENT)
+        return expected_seconds(alg, n * k, p["bytes"], rate_bytes or 50e6, chunks)
+
+    algs = args.algorithms + ["ring"] * len(args.candidate)
+    est = {n: sum((p["iters"] + p["warmup"]) * seconds(a, n, p) for p in plan for a in algs) for n in worlds}
+    op_timeout = max(60.0, 20 * max(seconds("two-pass", n, plan[-1], 1) for n in worlds))
     print(
         f"# all-reduce benchmark: mode={mode}"
         + (f", egress cap {args.rate} per host" if rate_bits else "")
@@ -275,25 +172,27 @@ def driver(args) -> int:
             f"(fewer, to keep the run short)"
         )
     print(f"# {iters_note}; time = max over ranks, median over repetitions")
-    print(
-        "# bandwidth-bound estimate: "
-        + ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
-        + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)")
-    )
+    estimate = ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
+    print(f"# bandwidth-bound estimate: {estimate}" + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
     sys.stdout.flush()
 
     records, started, load, wire = [], time.time(), {}, None
+    cfg = harness.pick(args, "seed chunks algorithms ranks_per_host") | {"fault": args.self_test_fault}
+    cfg |= {"ring_file": str(Path(args.ring_file).resolve()) if args.ring_file else None, "sizes": plan}
+    cfg["candidates"] = [str(Path(f).resolve()) for f in args.candidate]
     with (
         tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmpdir,
-        emulated_cluster(args.rate if args.cluster else None, max(worlds), k) as cl,
+        harness.emulated_cluster(args.rate if args.cluster else None, max(worlds), k) as cl,
     ):
-        tmp = Path(tmpdir)
-        if cl:
-            wire = set_up_wire(cl, args.tcp_cc, rate_bits)
+        wire = set_up_wire(cl, args.tcp_cc, rate_bits) if cl else None
         for i, n in enumerate(worlds):
-            timeout = args.timeout or (120 + 3 * est[n])
-            t = time.time()
-            raw = launch(n, args, plan, cl, tmp, world_port(cl, 29500, i), op_timeout, timeout)
+            timeout, t = args.timeout or (120 + 3 * est[n]), time.time()
+            world = harness.world_config(cl, 29500, i, n * k) | {"op_timeout": op_timeout}
+            # exit code 3 is a rank that found a wrong sum: its results are written
+            raw = harness.launch_world(
+                WORKER, {**cfg, **world, "hosts": n}, cl, Path(tmpdir), f"n{n}", timeout, f"N={n}", (0, 3), k
+            )
+            raw["hosts"], raw["ranks_per_host"] = n, k
             print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
             records += summarize(raw, rate_bytes)
             load[n] = raw["load"]
@@ -308,57 +207,28 @@ def driver(args) -> int:
             if r["limit_ms"]:
                 r["floor_ratio"] = max(0.0, wire["factor"] - wire["burst_bytes"] / rate_bytes / (r["limit_ms"] / 1e3))
     targets = evaluate_targets(records, mode, k)
-    host = host_info()
-    title = (
-        f"all-reduce, {mode}"
-        + (f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)")
-        + f"; {host['node']}, torch {host['torch']}"
+    host = harness.host_info()
+    where = f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)"
+    title = f"all-reduce, {mode}{where}; {host['node']}, torch {host['torch']}"
+    heading = f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "")
+    heading += f", {k} ranks per host (N counts hosts)" if k > 1 else ""
+    md = f"{heading}\n\n`{harness.command_line('allreduce.py')}`  \n{iters_note}.\n\n{table(records)}\n\n```\n"
+    md += f"{target_lines(targets)}\n{load_lines(load)}\n```\n"
+    command = [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:]
+    result = dict(mode=mode, rate=args.rate if rate_bits else None, rate_bits_per_s=rate_bits, command=command)
+    result |= dict(world_sizes=worlds, ranks_per_host=k, sizes=plan, algorithms=args.algorithms)
+    result |= dict(chunks_override=args.chunks, model_numel=args.model_numel, seed=args.seed)
+    result |= dict(ring_file=args.ring_file or "utils/comm/ring.py", candidates=args.candidate)
+    result["timing"] = (
+        "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
+        "median over timed repetitions; algorithms interleaved per repetition, order rotated"
     )
-    md = (
-        f"### All-reduce benchmark, {mode}"
-        + (f" ({args.rate} per host)" if rate_bits else "")
-        + (f", {k} ranks per host (N counts hosts)" if k > 1 else "")
-        + "\n\n"
-        f"`{command_line('allreduce.py')}`  \n{iters_note}.\n\n"
-        + table(records)
-        + "\n\n```\n"
-        + target_lines(targets)
-        + "\n"
-        + load_lines(load)
-        + "\n```\n"
-    )
-    result = {
-        "mode": mode,
-        "rate": args.rate if rate_bits else None,
-        "rate_bits_per_s": rate_bits,
-        "command": [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:],
-        "world_sizes": worlds,
-        "ranks_per_host": k,
-        "sizes": plan,
-        "algorithms": args.algorithms,
-        "chunks_override": args.chunks,
-        "model_numel": args.model_numel,
-        "seed": args.seed,
-        "ring_file": args.ring_file or "utils/comm/ring.py",
-        "candidates": args.candidate,
-        "timing": "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
-        "median over timed repetitions; algorithms interleaved per repetition, order rotated",
-        "host": host,
-        "started": started_at(started),
-        "seconds": round(time.time() - started, 1),
-        "other_load": {str(n): v for n, v in load.items()},
-        "wire": wire,
-        "correct": not failures,
-        "failures": failures,
-        "targets": targets,
-        "results": records,
-    }
+    result |= harness.run_info(host, started) | {"other_load": {str(n): v for n, v in load.items()}, "wire": wire}
+    result |= dict(correct=not failures, failures=failures, targets=targets, results=records)
     out = Path(args.results_dir) / results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc, k)
-    write_results(out, result, md, plot(records, title, rate_bytes, wire["burst_bytes"] if wire else 0))
+    harness.write_results(out, result, md, plot(records, title, rate_bytes, wire["burst_bytes"] if wire else 0))
 
-    print()
-    print(table(records))
-    print()
+    print(f"\n{table(records)}\n")
     print("Targets" + ("" if mode == "cluster" else " (only evaluated with --cluster --rate)") + ":")
     print(target_lines(targets))
     print(load_lines(load))
@@ -369,6 +239,10 @@ def driver(args) -> int:
     return 0
 
 
+def pretty_bytes(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
+
+
 def set_up_wire(cl, tcp_cc: str | None, rate_bits: int | None) -> dict:
     """The emulated hosts' TCP congestion control (--tcp-cc), and what their wire lets through: the
     MTU's header overhead and tbf's burst, for the wire floor under the targets."""
@@ -377,129 +251,76 @@ def set_up_wire(cl, tcp_cc: str | None, rate_bits: int | None) -> dict:
             done = cl.run_on(r, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={tcp_cc}"], timeout=10)
             if done.returncode:
                 allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
-                raise LaunchError(
+                raise harness.LaunchError(
                     f"--tcp-cc {tcp_cc}: {done.stderr.decode().strip()} (a network namespace may "
                     f"only pick from net.ipv4.tcp_allowed_congestion_control = {allowed!r})"
                 )
     mtu = int(cl.run_on(0, ["cat", f"/sys/class/net/{cl.nic(0)}/mtu"], timeout=10, check=True).stdout)
     cc = cl.run_on(0, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"], timeout=10).stdout.strip()
-    wire = {
-        "mtu": mtu,
-        "factor": (mtu + 14) / (mtu - 52),
-        "tcp_cc": cc.decode() or "?",
-        "burst_bytes": cluster.tbf_burst(rate_bits) if rate_bits else 0,
-    }
-    print(
-        f"# cluster wire: MTU {mtu}, TCP {wire['tcp_cc']}"
-        + (
-            f"; tbf rate {rate_bits} bit/s, burst {wire['burst_bytes']} B, latency {cluster.TBF_LATENCY}"
-            if rate_bits
-            else ""
-        ),
-        flush=True,
-    )
+    burst = harness.netns.tbf_burst(rate_bits) if rate_bits else 0
+    wire = {"mtu": mtu, "factor": (mtu + 14) / (mtu - 52), "tcp_cc": cc.decode() or "?", "burst_bytes": burst}
+    tbf = f"; tbf rate {rate_bits} bit/s, burst {burst} B, latency {harness.netns.TBF_LATENCY}" if rate_bits else ""
+    print(f"# cluster wire: MTU {mtu}, TCP {wire['tcp_cc']}{tbf}", flush=True)
     return wire
 
 
-def results_stem(
-    mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None, ranks_per_host: int = 1
-) -> str:
+def results_stem(mode: str, rate: str | None, ring_file: str | None, tcp_cc: str | None, per_host: int = 1) -> str:
     """The results files' name: each capped rate, ring file, TCP setting and number of ranks per
     host gets its own, so that no run overwrites another's (allreduce-cluster-200mbit-reno.*,
     allreduce-loopback.*, allreduce-cluster-200mbit-reno-2-per-host.*)."""
-    parts = [
-        f"allreduce-{mode}",
-        rate,
-        Path(ring_file).stem if ring_file else None,
-        tcp_cc,
-        f"{ranks_per_host}-per-host" if ranks_per_host > 1 else None,
-    ]
-    return stem_of(*parts)
+    ring, hosts = Path(ring_file).stem if ring_file else None, f"{per_host}-per-host" if per_host > 1 else None
+    return harness.results_stem(f"allreduce-{mode}", rate, ring, tcp_cc, hosts)
 
 
 def main(argv=None) -> int:
-    ap = bench_parser(__doc__)
+    ap = harness.bench_parser(__doc__)
     ap.add_argument("--cluster", action="store_true", help="run each rank on its own emulated host (root)")
     ap.add_argument("--rate", help="per-host egress cap in --cluster mode, tc syntax, e.g. 200mbit")
-    ap.add_argument(
-        "--world-sizes", default="2,3,4", type=number_list(int), help="comma list of N, one launch each (default 2,3,4)"
-    )
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (K/M binary, 'model'); default {DEFAULT_SIZES}")
-    ap.add_argument(
-        "--model-numel",
-        type=int,
-        default=MODEL_NUMEL,
-        help="float32 parameters of the trainer's model: the 'model' row",
-    )
-    ap.add_argument(
-        "--algorithms",
-        type=lambda s: s.split(","),
-        help=f"comma list from {','.join(ALGORITHMS)} (default: all but hierarchical; with "
-        f"--ranks-per-host: gloo,ring,hierarchical)",
-    )
-    ap.add_argument(
-        "--ranks-per-host",
-        type=int,
-        default=1,
-        metavar="K",
-        help="K ranks on each host, sharing its card; --world-sizes then counts hosts (default 1)",
-    )
+    ap.add_argument("--model-numel", type=int, default=harness.MODEL_NUMEL, help="float32 values of the 'model' row")
     ap.add_argument("--chunks", type=int, default=0, help="pieces for two-pass-pipelined (default: auto_chunks)")
-    ap.add_argument("--iters", type=int, default=7, help="timed repetitions")
-    ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions first")
     ap.add_argument("--big-from", default="8M", help="sizes from here use --big-iters/--big-warmup")
     ap.add_argument("--big-iters", type=int, default=5)
     ap.add_argument("--big-warmup", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ring-file", help="benchmark this copy of utils/comm/ring.py instead (e.g. a proposed patch)")
-    ap.add_argument(
-        "--tcp-cc",
-        metavar="ALGO",
-        help="TCP congestion control inside the emulated hosts (e.g. reno; "
-        "default: the namespaces' default, usually the host's). Results go to allreduce-cluster-<RATE>-<ALGO>.*",
-    )
+    ap.add_argument("--tcp-cc", metavar="ALGO", help="TCP congestion control inside the emulated hosts (e.g. reno)")
     ap.add_argument(
         "--candidate",
         action="append",
         default=[],
         metavar="RING_PY",
-        help="also measure this file's ring_sum, interleaved with the others, as 'ring:<file stem>' "
-        "(e.g. a proposed patch of utils/comm/ring.py); repeatable",
+        help="also measure this file's ring_sum, interleaved, as 'ring:<file stem>'; repeatable",
     )
     ap.add_argument("--self-test-fault", choices=("wrong", "diverge"), help=argparse.SUPPRESS)  # tests only
-    add_world_options(ap, "world size")
+    harness.add_options(ap, world_sizes="2,3,4", warmup=2, iters=7, algorithms=(ALGORITHMS, None), seed=1234)
+    harness.add_world_options(ap, "world size")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
 
+    harness.check_options(ap, args)
     try:
         args.sizes = [parse_size(s, args.model_numel) for s in args.sizes.split(",") if s.strip()]
         args.big_from = parse_size(args.big_from, args.model_numel)[1]
         if args.rate:
-            parse_rate(args.rate)
+            harness.parse_rate(args.rate)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     if args.algorithms is None:
         args.algorithms = list(DEFAULT_ALGORITHMS if args.ranks_per_host == 1 else ("gloo", "ring", "hierarchical"))
-    bad = [a for a in args.algorithms if a not in ALGORITHMS]
-    if bad or not args.algorithms:
-        ap.error(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)}")
-    if not 1 <= args.ranks_per_host <= cluster.MAX_RANKS_PER_HOST:
-        ap.error(f"--ranks-per-host must be 1..{cluster.MAX_RANKS_PER_HOST}, got {args.ranks_per_host}")
-    if any(n < 2 for n in args.world_sizes) and args.ranks_per_host == 1:
-        ap.error("world sizes must be >= 2")
-    if any(n < 1 for n in args.world_sizes):
-        ap.error("world sizes (hosts) must be >= 1")
-    if min(args.iters, args.big_iters) < 1 or min(args.warmup, args.big_warmup) < 0 or args.chunks < 0:
+    if args.big_iters < 1 or args.big_warmup < 0 or args.chunks < 0:
         ap.error("--iters/--big-iters must be >= 1, --warmup/--big-warmup and --chunks >= 0")
     if args.cluster and not args.rate:
         ap.error("--cluster needs --rate, e.g. --rate 200mbit: the limit and the targets are for capped links")
+    if (args.rate or args.tcp_cc) and not args.cluster:
+        ap.error("--rate and --tcp-cc only apply with --cluster")
     for option, path in [("--ring-file", args.ring_file)] + [("--candidate", f) for f in args.candidate]:
         if path and not Path(path).is_file():
             ap.error(f"{option} {path}: no such file")
+    return harness.run_driver(driver, args, "allreduce.py")
 
-    return run_driver(driver, args, "allreduce.py")
 
+WORKER = str(Path(__file__).resolve())
 
 if __name__ == "__main__":
     sys.exit(main())

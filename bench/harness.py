@@ -1,11 +1,13 @@
 """What every benchmark shares; each script (allreduce.py, train_step.py, time_to_accuracy.py) is a
 plugin that brings only its worker, its configurations and its summary.
 
-    command line   OneLineParser, number_list, positive, parse_rate
-    worlds         emulated_cluster, world_port, launch_world (run_world + the load check), run_driver
-    workers        start_worker, digest, rotated
+    command line   bench_parser, add_options (the shared option groups), check_options, number_list,
+                   name_list, at_least, positive
+    worlds         emulated_cluster, world_config, worlds_dir, launch_world (the ranks, supervised, and the load check),
+                   run_driver
+    workers        start_worker, digest, rotated, pick
     statistics     sign_test_p, p_text, paired_ratios, compare, ratios_to_gloo, quantile, median_or_none
-    results        results_stem, command_line, host_info, write_results, png_of
+    results        results_stem, command_line, host_info, run_info, md_row, write_results, png_of
     MODEL_NUMEL    the trainer's parameter count, counted from utils/model.Net itself
 
 A benchmark's driver starts N real rank processes of its own file (`--worker --rank R --config
@@ -26,15 +28,17 @@ import os
 import platform
 import resource
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # utils/ (ranks), scripts/cluster.py (driver)
-import cluster  # noqa: E402
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # utils/ (ranks), scripts/netns.py (driver)
+import netns  # noqa: E402
 
 from utils.errors import UsageError  # noqa: E402
 from utils.files import write_file  # noqa: E402
@@ -45,6 +49,7 @@ GRACE = 5.0  # seconds the other ranks get to notice a failed one before they ar
 POLL = 0.1  # seconds between looks at a running world
 QUIET_FOREIGN_CORES = 0.1  # more than this used by other processes: the timings may be inflated
 QUIET_EXTRA_BUSY_CORES = 0.6  # nor this much CPU busy beyond our ranks (kernel networking included)
+OP_TIMEOUT = 120.0  # s for any single send/recv/collective of gloo, as train.py's default
 
 
 def numel(model) -> int:
@@ -75,6 +80,130 @@ def bench_parser(doc: str) -> OneLineParser:
     )
 
 
+def argument_type(parse):
+    """An argparse type from parse(text), which raises ValueError with the message to show."""
+
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def number_list(kind):
+    """argparse type: "2,3,4" -> [2, 3, 4], with a clear error for anything else."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            whole = "whole " if kind is int else ""
+            raise ValueError(f"expected comma-separated {whole}numbers, got {text!r}") from None
+
+    return argument_type(parse)
+
+
+def name_list(choices, what: str = "algorithm(s)"):
+    """argparse type: "a,b" -> ["a", "b"], each one of `choices`."""
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        bad = [x for x in names if x not in choices]
+        if bad or not names:
+            raise ValueError(f"unknown {what} {bad}; choose from {', '.join(choices)}")
+        return names
+
+    return argument_type(parse)
+
+
+def positive(kind):
+    """argparse type: a finite number > 0 of `kind`."""
+
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"must be > 0, got {text}")
+        return v
+
+    return argument_type(parse)
+
+
+def at_least(low: int, why: str = ""):
+    """argparse type: a whole number >= low."""
+
+    def parse(text):
+        if int(text) < low:
+            raise ValueError(f"must be >= {low}{why}, got {text}")
+        return int(text)
+
+    return argument_type(parse)
+
+
+def rate_list(text: str) -> list[str]:
+    """tc-style rates ('200mbit,1gbit'; '10mbps' = megaBYTES/s), each checked (scripts/netns.py)."""
+    rates = [x for x in text.split(",") if x]
+    if not rates:
+        raise argparse.ArgumentTypeError("--rates needs at least one rate")
+    return [checked_rate(rate) for rate in rates]
+
+
+def checked_rate(rate: str) -> str:
+    parse_rate(rate)
+    return rate
+
+
+def parse_rate(rate: str) -> int:
+    """tc-style rate -> bits per second (for argparse)."""
+    try:
+        return netns.parse_rate(rate)
+    except netns.ClusterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_options(ap, world_sizes="2,4", warmup=None, iters=None, algorithms=None, powersgd=False, seed=1):
+    """The options several benchmarks share: --world-sizes, --seed; with warmup/iters their defaults
+    (rounds, or repetitions, to discard and to time); with algorithms (choices, default) --algorithms
+    and --ranks-per-host; with powersgd PowerSGD's rank and warm-up (ours and DDP's hook's)."""
+    from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
+
+    ap.add_argument("--world-sizes", default=world_sizes, type=number_list(int), help=f"default {world_sizes}")
+    if warmup is not None:
+        ap.add_argument("--warmup", type=at_least(0), default=warmup, help=f"discarded first (default {warmup})")
+        ap.add_argument("--iters", type=positive(int), default=iters, help=f"timed (default {iters})")
+    if algorithms is not None:
+        choices, default = algorithms
+        ap.add_argument("--algorithms", default=default, type=name_list(choices), help=f"from {','.join(choices)}")
+        ap.add_argument(
+            "--ranks-per-host", type=int, default=1, metavar="K", help="K ranks per host, sharing its card (default 1)"
+        )
+    if powersgd:
+        ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULT_POWERSGD_RANK, help="ours and DDP's")
+        ap.add_argument(
+            "--powersgd-warmup",
+            type=at_least(2, " (DDP's PowerSGD hook needs 2 plain steps first)"),
+            default=DEFAULT_POWERSGD_WARMUP,
+            help=f"plain steps before PowerSGD, ours and DDP's (default {DEFAULT_POWERSGD_WARMUP}; >= 2)",
+        )
+    ap.add_argument("--seed", type=int, default=seed)
+
+
+def add_link_options(ap, default: str, one_rate: bool = False):
+    """--loopback, or the emulated cluster's per-host egress caps: --rates A,B (alias --rate), or with
+    one_rate --rate R (the default) or --rates A,B, not both."""
+    ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
+    caps = "per-host egress caps, tc syntax; the whole plan once per rate"
+    if not one_rate:
+        return ap.add_argument("--rates", "--rate", default=default, type=rate_list, help=f"{caps} (default {default})")
+    link = ap.add_mutually_exclusive_group()
+    link.add_argument("--rate", default=default, type=checked_rate, help=f"per-host egress cap (default {default})")
+    link.add_argument("--rates", type=rate_list, help=caps)
+
+
 def add_world_options(ap, per: str = "world") -> None:
     """The options every benchmark ends with: the hard timeout per world, where its results go, and
     the hidden ones its driver starts its own ranks with (--worker --rank R --config FILE)."""
@@ -85,112 +214,83 @@ def add_world_options(ap, per: str = "world") -> None:
     ap.add_argument("--config", help=argparse.SUPPRESS)
 
 
-def number_list(kind):
-    """argparse type: "2,3,4" -> [2, 3, 4], with a clear error for anything else."""
-
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated {'whole ' if kind is int else ''}numbers, got {text!r}"
-            ) from None
-
-    return parse
-
-
-def positive(kind):
-    """argparse type: a finite number > 0 of `kind`."""
-
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (v > 0 and math.isfinite(v)):
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-
-    return parse
-
-
-def parse_rate(rate: str) -> int:
-    """tc-style rate ('200mbit', '1gbit', '10mbps' = megaBYTES/s) -> bits per second (for argparse)."""
-    try:
-        return cluster.parse_rate(rate)
-    except cluster.ClusterError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def check_options(ap, args) -> None:
+    """What add_options' and add_link_options' values must agree on, checked once for every benchmark."""
+    per_host = getattr(args, "ranks_per_host", 1)
+    if not 1 <= per_host <= netns.MAX_RANKS_PER_HOST:
+        ap.error(f"--ranks-per-host must be 1..{netns.MAX_RANKS_PER_HOST}, got {per_host}")
+    if any(n < 1 or n * per_host < 2 for n in args.world_sizes):
+        ap.error("world sizes must be >= 2" if per_host == 1 else "world sizes (hosts) must be >= 1")
+    if "rates" in vars(args):
+        args.rates = args.rates or [args.rate]  # (time_to_accuracy.py: --rate R, or --rates)
+        if len(set(args.rates)) != len(args.rates):
+            ap.error("--rates: a rate named twice")
 
 
 # --------------------------------------------------------------------------- worlds
 @contextlib.contextmanager
 def emulated_cluster(rate: str | None, hosts: int, ranks_per_host: int = 1):
-    """An emulated cluster of `hosts` hosts capped at `rate` (scripts/cluster.py), or None for
+    """An emulated cluster of `hosts` hosts capped at `rate` (scripts/netns.py), or None for
     loopback (rate None). Leaving it tears every namespace down, also on errors."""
     if not rate:
         yield None
         return
-    with cluster.Cluster(hosts=hosts, rate=rate, ranks_per_host=ranks_per_host) as cl:
-        print(
-            f"# cluster {rate}: {cl.hosts} hosts {', '.join(f'{cl.addr(r)}/{cl.nic(r)}' for r in range(cl.hosts))}",
-            flush=True,
-        )
+    with netns.Cluster(hosts=hosts, rate=rate, ranks_per_host=ranks_per_host) as cl:
+        nics = ", ".join(f"{cl.addr(r)}/{cl.nic(r)}" for r in range(cl.hosts))
+        print(f"# cluster {rate}: {cl.hosts} hosts {nics}", flush=True)
         yield cl
 
 
-def world_port(cl, base: int, i: int) -> int:
-    """Rank 0's rendezvous port for the i-th world: a fixed one inside the emulated cluster (its
-    namespaces are ours alone), a free one on loopback."""
-    return base + 10 * i + os.getpid() % 7 if cl else free_port()
+@contextlib.contextmanager
+def worlds_dir(prefix: str):
+    """A temporary folder for the worlds' configurations, results and logs (readable in the namespaces)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        os.chmod(tmp, 0o755)
+        yield Path(tmp)
 
 
-def run_world(
-    script: str,
-    n: int,
-    config: Path,
-    cl,
-    log_name: str,
-    timeout: float,
-    what: str,
-    ok_codes=(0,),
-    env: dict | None = None,
-    while_running=None,
-    ranks_per_host: int = 1,
-) -> list[subprocess.Popen]:
-    """Run ranks 0..n-1 of `script --worker --rank R --config CONFIG` until all have exited.
+def world_config(cl, base: int, i: int, world_size: int) -> dict:
+    """What every world's ranks start with: the size, rank 0's rendezvous address and the operations'
+    timeout. The port: a fixed one inside the emulated cluster (its namespaces are ours alone), a free
+    one on loopback."""
+    port = base + 10 * i + os.getpid() % 7 if cl else free_port()
+    host0 = cl.addr(0) if cl else "127.0.0.1"
+    return {"world_size": world_size, "init_method": f"tcp://{host0}:{port}", "op_timeout": OP_TIMEOUT}
 
-    With a cluster `cl` (scripts/cluster.py) rank r runs on emulated host r // ranks_per_host with
-    GLOO_SOCKET_IFNAME set to its NIC; without, on loopback, where ranks_per_host > 1 fakes the
-    hosts for utils/comm/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's
-    stderr (and the other ranks' stdout) goes to config's folder / log_name.format(rank=r).
-    utils.launch.supervise waits: if a rank exits with a code not in ok_codes, the others get GRACE
-    seconds, then are killed, and every rank is killed on every way out. `while_running(procs)` is
-    called about every POLL s. Returns the processes; raises LaunchError (naming `what`) on a
-    timeout or a failed rank, with each rank's stderr tail.
+
+def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str, ok_codes=(0,), per_host=1):
+    """One world: write `cfg` (plus "out", where rank 0 writes its results) to tmp, run ranks
+    0..cfg["world_size"]-1 of `script --worker --rank R --config CONFIG` until all have exited, and
+    return rank 0's results with "load": what else used the machine meanwhile (a warning is printed
+    when it was not quiet).
+
+    With a cluster `cl` (scripts/netns.py) rank r runs on emulated host r // per_host with
+    GLOO_SOCKET_IFNAME set to its NIC; without, on loopback, where per_host > 1 fakes the hosts for
+    utils/comm/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's stderr (and
+    the other ranks' stdout) goes to tmp/rank<R>-<tag>.log. utils.launch.supervise waits: if a rank
+    exits with a code not in ok_codes, the others get GRACE seconds, then are killed, and every rank
+    is killed on every way out. Raises LaunchError (naming `what`) on a timeout or a failed rank,
+    with each rank's stderr tail.
     """
-    procs, logs = [], []
-    log_paths = [config.parent / log_name.format(rank=r) for r in range(n)]
+    config, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
+    config.write_text(json.dumps({**cfg, "out": str(out_path)}))
+    watch, procs, logs = LoadWatch(), [], []
+    log_paths = [tmp / f"rank{r}-{tag}.log" for r in range(cfg["world_size"])]
     try:
-        for r in range(n):
+        for r, path in enumerate(log_paths):
             argv = [sys.executable, "-u", script, "--worker", "--rank", str(r), "--config", str(config)]
-            host = r // ranks_per_host
-            rank_env = {
-                "GLOO_SOCKET_IFNAME": cl.nic(host) if cl else "lo",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                **({} if cl or ranks_per_host == 1 else {"RING_HOST_ID": str(host)}),
-                **(env or {}),
-            }
-            log = open(log_paths[r], "wb")
-            logs.append(log)
-            kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else log, stderr=log, cwd=REPO)
+            host = r // per_host
+            env = {"GLOO_SOCKET_IFNAME": cl.nic(host) if cl else "lo", "OMP_NUM_THREADS": "1"}
+            env.update(PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
+            if not cl and per_host > 1:
+                env["RING_HOST_ID"] = str(host)
+            logs.append(open(path, "wb"))
+            kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else logs[-1], stderr=logs[-1], cwd=REPO)
             if cl:
-                procs.append(cl.popen(host, argv, env=rank_env, **kw))
+                procs.append(cl.popen(host, argv, env=env, **kw))
             else:
-                procs.append(subprocess.Popen(argv, env={**os.environ, **rank_env}, start_new_session=True, **kw))
-        outcome = supervise(
-            procs, timeout=timeout, grace=GRACE, poll=POLL, ok_codes=ok_codes, while_running=while_running
-        )
+                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **kw))
+        outcome = supervise(procs, timeout=timeout, grace=GRACE, poll=POLL, ok_codes=ok_codes, while_running=watch.note)
     finally:
         for p in procs:  # a rank that failed to start, or Ctrl-C while they start
             kill(p)
@@ -201,43 +301,9 @@ def run_world(
     if any(c not in ok_codes for c in outcome.codes):
         tails = []
         for r, path in enumerate(log_paths):
-            text = path.read_text(errors="replace").strip().splitlines()
-            tails.append(f"--- rank {r} (exit {outcome.codes[r]}), last lines of its stderr:\n" + "\n".join(text[-15:]))
+            text = "\n".join(path.read_text(errors="replace").strip().splitlines()[-15:])
+            tails.append(f"--- rank {r} (exit {outcome.codes[r]}), last lines of its stderr:\n{text}")
         raise LaunchError(f"{what}: ranks exited with {outcome.codes}\n" + "\n".join(tails))
-    return procs
-
-
-def launch_world(
-    script: str,
-    n: int,
-    cfg: dict,
-    cl,
-    tmp: Path,
-    tag: str,
-    timeout: float,
-    what: str,
-    ok_codes=(0,),
-    ranks_per_host: int = 1,
-) -> dict:
-    """One world: write `cfg` (plus "out", where rank 0 writes its results) to tmp, run its n ranks
-    (run_world), and return rank 0's results with "load": what else used the machine meanwhile
-    (a warning is printed when it was not quiet)."""
-    cfg_path, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
-    cfg_path.write_text(json.dumps({**cfg, "out": str(out_path)}))
-    watch = LoadWatch()
-    procs = run_world(
-        script,
-        n,
-        cfg_path,
-        cl,
-        f"rank{{rank}}-{tag}.log",
-        timeout,
-        what,
-        ok_codes=ok_codes,
-        env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
-        while_running=watch.note,
-        ranks_per_host=ranks_per_host,
-    )
     if not out_path.exists():
         raise LaunchError(f"{what}: the ranks exited without writing {out_path}")
     raw = json.loads(out_path.read_text())
@@ -269,14 +335,9 @@ def run_driver(driver, args, prog: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; killed all ranks", file=sys.stderr)
         return 130
-    except LaunchError as e:
-        print(f"{prog}: FAILED: {e}", file=sys.stderr)
-        return 2
-    except cluster.ClusterError as e:
-        print(f"{prog}: cluster: {e}", file=sys.stderr)
-        return 2
-    except UsageError as e:  # a results file that could not be written (a full disk)
-        print(f"{prog}: error: {e}", file=sys.stderr)
+    except (LaunchError, netns.ClusterError, UsageError) as e:  # UsageError: a results file not written
+        kind = "FAILED" if isinstance(e, LaunchError) else "error" if isinstance(e, UsageError) else "cluster"
+        print(f"{prog}: {kind}: {e}", file=sys.stderr)
         return 2
 
 
@@ -292,12 +353,9 @@ def start_worker(cfg: dict, rank: int, deterministic: bool = True):
         from utils.model import use_deterministic_algorithms
 
         use_deterministic_algorithms()
+    timeout = datetime.timedelta(seconds=cfg["op_timeout"])
     dist.init_process_group(
-        "gloo",
-        init_method=cfg["init_method"],
-        rank=rank,
-        world_size=cfg["world_size"],
-        timeout=datetime.timedelta(seconds=cfg["op_timeout"]),
+        "gloo", init_method=cfg["init_method"], rank=rank, world_size=cfg["world_size"], timeout=timeout
     )
     return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
@@ -319,18 +377,23 @@ def rotated(items: list, rnd: int) -> list:
     return items[k:] + items[:k]
 
 
+def pick(obj, names: str) -> dict:
+    """{name: obj.name (or obj[name], of a dict)} for the space-separated names: the options a
+    world's ranks are given, and what they take of them."""
+    return {name: obj[name] if isinstance(obj, dict) else getattr(obj, name) for name in names.split()}
+
+
 # --------------------------------------------------------------------------- other processes' load
 def proc_table() -> dict[int, tuple[int, int, str]]:
     """{pid: (parent pid, utime + stime clock ticks, command name)} of every process now."""
     out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
-                fields = tail.split()
-                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
-            except (OSError, IndexError, ValueError):
-                pass
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
+            fields = tail.split()
+            out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]), head.split("(", 1)[1])
+        except (OSError, IndexError, ValueError):
+            pass
     return out
 
 
@@ -356,14 +419,8 @@ def cpu_snapshot() -> dict:
     """Every process's CPU ticks, /proc/stat's busy and total ticks, our reaped children's CPU seconds."""
     cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {
-        "procs": proc_table(),
-        "busy": sum(cpu) - cpu[3] - cpu[4],
-        "total": sum(cpu),
-        "children": ru.ru_utime + ru.ru_stime,
-        "t": time.monotonic(),
-        "loadavg": loadavg(),
-    }
+    busy, children = sum(cpu) - cpu[3] - cpu[4], ru.ru_utime + ru.ru_stime
+    return dict(procs=proc_table(), busy=busy, total=sum(cpu), children=children, t=time.monotonic(), loadavg=loadavg())
 
 
 class LoadWatch:
@@ -383,23 +440,17 @@ class LoadWatch:
         """foreign_cpu_cores: other processes alive at the end (ones that came and went are missed);
         busy_cores: all CPUs, kernel networking included; ours_cores: our ranks."""
         before, after = self.before, cpu_snapshot()
-        ours = self.ours | {p.pid for p in procs}
+        ours = self.ours | {p.pid for p in procs} | {os.getpid()}
         hz, wall = os.sysconf("SC_CLK_TCK"), max(after["t"] - before["t"], 1e-9)
-        used = sorted(
-            (
-                (t - before["procs"].get(pid, (0, 0, ""))[1], name, pid)
-                for pid, (_, t, name) in after["procs"].items()
-                if pid not in ours and pid != os.getpid()
-            ),
-            reverse=True,
-        )
-        used = [u for u in used if u[0] > 0]
+        used = [
+            (t - before["procs"].get(pid, (0, 0, ""))[1], name, pid) for pid, (_, t, name) in after["procs"].items()
+        ]
+        used = sorted((u for u in used if u[2] not in ours and u[0] > 0), reverse=True)
+        busy = (after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1) * (os.cpu_count() or 1)
         return {
             "foreign_cpu_cores": round(sum(u[0] for u in used) / hz / wall, 2),
             "foreign_top": [f"{name}[{pid}] {d / hz / wall:.2f}" for d, name, pid in used[:4]],
-            "busy_cores": round(
-                (after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1) * (os.cpu_count() or 1), 2
-            ),
+            "busy_cores": round(busy, 2),
             "ours_cores": round((after["children"] - before["children"]) / wall, 2),
             "loadavg_before": before["loadavg"],
             "loadavg_after": after["loadavg"],
@@ -409,10 +460,8 @@ class LoadWatch:
 
 def quiet(load: dict) -> bool:
     """True if nothing but our ranks used the machine's CPUs to speak of."""
-    return (
-        load["foreign_cpu_cores"] <= QUIET_FOREIGN_CORES
-        and load["busy_cores"] - load["ours_cores"] <= QUIET_EXTRA_BUSY_CORES
-    )
+    foreign, extra = load["foreign_cpu_cores"], load["busy_cores"] - load["ours_cores"]
+    return foreign <= QUIET_FOREIGN_CORES and extra <= QUIET_EXTRA_BUSY_CORES
 
 
 # --------------------------------------------------------------------------- statistics
@@ -443,20 +492,12 @@ def compare(a: list[float], b: list[float], bound: float) -> dict:
     """a's times against b's (paired, same rounds): the medians' ratio, the paired median, the rounds
     a was faster in and the sign test. PASS only if both ratios are within `bound`: on a shared
     machine the two can differ by 5-10%, and either alone can flatter."""
-    import statistics
-
     paired = paired_ratios(a, b)
     ratio, pm = statistics.median(a) / statistics.median(b), statistics.median(paired)
     faster = sum(x < 1 for x in paired)
-    return {
-        "status": "PASS" if max(ratio, pm) <= bound else "MISS",
-        "ratio": ratio,
-        "paired_median_ratio": pm,
-        "bound": bound,
-        "rounds_faster": faster,
-        "rounds": len(paired),
-        "sign_test_p": sign_test_p(faster, len(paired)),
-    }
+    status = "PASS" if max(ratio, pm) <= bound else "MISS"
+    out = dict(status=status, ratio=ratio, paired_median_ratio=pm, bound=bound, rounds_faster=faster)
+    return dict(out, rounds=len(paired), sign_test_p=sign_test_p(faster, len(paired)))
 
 
 def ratios_to_gloo(results: list[dict], reference: str = "gloo") -> dict:
@@ -481,8 +522,6 @@ def quantile(xs: list[float], f: float) -> float:
 
 def median_or_none(xs, scale=1.0) -> float | None:
     """The median of the known values of xs, times scale; None if none is known."""
-    import statistics
-
     xs = [x for x in (xs or []) if x is not None]
     return statistics.median(xs) * scale if xs else None
 
@@ -507,17 +546,21 @@ def command_line(script: str) -> str:
 def host_info() -> dict:
     import torch
 
-    return {
-        "node": platform.node(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "kernel": platform.release(),
-    }
+    node, release = platform.node(), platform.release()
+    return dict(
+        node=node, cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__, kernel=release
+    )
 
 
-def started_at(started: float) -> str:
-    return datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds")
+def run_info(host: dict, started: float) -> dict:
+    """The results' host, start (ISO time) and seconds so far."""
+    at = datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds")
+    return {"host": host, "started": at, "seconds": round(time.time() - started, 1)}
+
+
+def md_row(*cells) -> str:
+    """A markdown table's row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def png_of(fig, dpi: int = 100) -> bytes:

@@ -9,6 +9,8 @@ flush, stats, close), so compute only, DDP, local SGD and ours differ in nothing
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import harness  # noqa: F401  # puts the repository on sys.path
@@ -84,7 +86,13 @@ def our_sync(
 class LocalStep:
     """A gradient sync that sums nothing: the optimizer step alone, as utils.sync.buckets does it.
     Compute only uses it, DDP, which has summed during backward already, and local SGD (whose
-    optimizer averages the parameters). at_end: what flush() does at the end of training."""
+    optimizer averages the parameters). at_end: what flush() does at the end of training.
+
+    The gradient-sync methods utils.run.train_model calls, in one place: weigh, after_backward,
+    step, stop_count, finish, flush, stats, close. Nothing it does counts as communication, and
+    counts_bytes says so (bytes_sent)."""
+
+    counts_bytes = False
 
     def __init__(self, optimizer, scheduler, at_end=lambda: None):
         self.optimizer, self.scheduler, self.at_end = optimizer, scheduler, at_end
@@ -100,6 +108,9 @@ class LocalStep:
         self.scheduler.step()
         self.optimizer.zero_grad()
 
+    def stop_count(self):
+        return 0.0
+
     def finish(self):
         pass
 
@@ -107,10 +118,44 @@ class LocalStep:
         self.at_end()
 
     def stats(self):
-        return None
+        return dict.fromkeys(("busy_seconds", "waited_seconds", "bytes_sent", "bytes_summed"), 0)
 
     def close(self):
         pass
+
+
+def make_sync(model, sync, optimizer, scheduler, seed):
+    """Ours: the trainer's gradient sync of a utils.config.Sync (our_sync), the one place the bench makes it."""
+    from utils.sync.buckets import make_gradient_sync
+
+    return make_gradient_sync(model, sync, optimizer, scheduler, seed)
+
+
+def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):
+    """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.run.batches_of_epoch's
+    (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
+    utils.timeline.Recorder, or None: off) records its spans. Its progress lines (rank 0) are kept off
+    the driver's stdout. Returns its EpochStats (the loss summed over the steps)."""
+    from utils import timeline
+    from utils.run import EpochStats, train_model
+
+    stats = EpochStats()
+    timeline.recorder = recorder
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train_model(
+                model=model,
+                gradient_sync=sync,
+                images=images,
+                labels=labels,
+                batches=batches,
+                epoch=epoch,
+                first_step=first_step,
+                stats=stats,
+            )
+    finally:
+        timeline.recorder = None
+    return stats
 
 
 def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_warmup: int = 2, seed: int = 0):
@@ -202,8 +247,7 @@ def average_parameters(model) -> None:
 def bytes_sent(gradient_sync) -> int | None:
     """Bytes this rank has sent for gradient sums so far (utils.sync.buckets's stats()), or None where
     nothing counts them (LocalStep: compute only, DDP, local SGD)."""
-    stats = gradient_sync.stats()
-    return None if stats is None else stats["bytes_sent"]
+    return gradient_sync.stats()["bytes_sent"] if getattr(gradient_sync, "counts_bytes", True) else None
 
 
 def nic_tx_bytes(nic: str | None) -> int | None:

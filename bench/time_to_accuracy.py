@@ -67,46 +67,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from harness import (
-    MODEL_NUMEL,
-    add_world_options,
-    bench_parser,
-    command_line,
-    emulated_cluster,
-    fmt,
-    host_info,
-    launch_world,
-    number_list,
-    parse_rate,
-    positive,
-    run_driver,
-    started_at,
-    world_port,
-    write_results,
-)
-from harness import results_stem as stem_of
+import harness
+import time_to_accuracy_report as report
+from harness import run_driver
 from peers import DDP_HOOKS
 from peers import parse_ours as parse_sync
 from targets import bound
-from time_to_accuracy_report import (  # noqa:F401  (the tests reach the summary through this module)
-    accuracy_after_epoch,
-    free_network,
-    h_by_link,
-    label,
-    markdown,
-    medians,
-    plan_notes,
-    plot,
-    summarize,
-    table,
-    tables,
-    time_to_target,
-)
-from time_to_accuracy_worker import eval_steps, worker  # noqa:F401
+from time_to_accuracy_worker import worker
 
 from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS, momentum_value
@@ -130,7 +100,7 @@ DEFAULTS = {
     "outer_momentum": DEFAULT_OUTER_MOMENTUM,
     "localsgd_warmup": 50,
 }  # the issue's baseline: 50 synchronous steps before local SGD
-OP_TIMEOUT = 120.0  # s for any single send/recv/collective of gloo, as train.py's default
+MODEL_NUMEL = harness.MODEL_NUMEL
 KINDS = ("ours", "ddp", "localsgd")
 PERIODIC_COMPRESS = ("bf16", "fp16")  # what ours@H may send the change as (besides float32)
 
@@ -216,7 +186,7 @@ def results_stem(args, mode: str) -> str:
         parts.append("subset")
     if args.repeats != DEFAULTS["repeats"]:
         parts.append(f"x{args.repeats}")
-    return stem_of(*parts)
+    return harness.results_stem(*parts)
 
 
 def outer_settings(args) -> tuple:
@@ -242,110 +212,55 @@ def estimate_seconds(n: int, rate_bits: float | None, steps: int, evals: int) ->
 def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda records: None) -> list[dict]:
     """Every configuration in every world size at one link rate, one world at a time (one emulated
     cluster for all); done(records so far) after each world."""
-    records = []
-    outer_lr, outer_momentum = outer_settings(args)
-    with tempfile.TemporaryDirectory(prefix="time-to-accuracy-") as tmpdir:
-        tmp = Path(tmpdir)
-        os.chmod(tmp, 0o755)
-        with emulated_cluster(rate, max(args.world_sizes)) as cl:
-            worlds = [
-                (n, run, spec) for n in args.world_sizes for run in range(1, args.repeats + 1) for spec in specs
-            ]  # round-robin: run r of every configuration, then r+1
-            for k, (n, run, spec) in enumerate(worlds, 1):
-                host0 = cl.addr(0) if cl else "127.0.0.1"
-                cfg = {
-                    "world_size": n,
-                    "init_method": f"tcp://{host0}:{world_port(cl, 29700, k)}",
-                    "op_timeout": OP_TIMEOUT,
-                    "spec": spec,
-                    "ours": parse_ours(args.ours),
-                    "seed": args.seed,
-                    "epochs": args.epochs,
-                    "lr": args.lr,
-                    "global_batch": args.global_batch,
-                    "train_subset": args.train_subset,
-                    "test_subset": args.test_subset,
-                    "evals_per_epoch": args.evals_per_epoch,
-                    "compute_steps": args.compute_steps,
-                    "powersgd_rank": args.powersgd_rank,
-                    "powersgd_warmup": args.powersgd_warmup,
-                    "outer": args.outer,
-                    "outer_lr": outer_lr,
-                    "outer_momentum": outer_momentum,
-                    "localsgd_warmup": args.localsgd_warmup,
-                    "label": rate or "loopback",
-                    "eval_cache": args.eval_cache,
-                }
-                timeout, t = args.timeout or (120 + 2 * est[n]), time.time()
-                what = f"{rate or 'loopback'} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else "")
-                raw = launch_world(
-                    str(Path(__file__).resolve()),
-                    n,
-                    cfg,
-                    cl,
-                    tmp,
-                    f"n{n}-{spec['name'].replace('+', '-')}-{run}",
-                    timeout,
-                    what,
-                )
-                rec = summarize(raw, spec, n, args.target, args.epochs)
-                rec["rate"] = rate
-                if spec["kind"] == "ours" and spec["sync_every"] > 1:
-                    rec["outer"] = args.outer
-                if args.repeats > 1:
-                    rec["run"] = run
-                rec["load"] = raw["load"]
-                records.append(rec)
-                done(records)
-                print(
-                    f"  {rate or 'loopback'} N={n} {label(rec, args.ours)}: "
-                    f"{fmt(rec['time_to_target_s'], '{:.1f} s', 'not reached')} to {args.target:.1%}, {rec['train_seconds']:.0f} s training, final "
-                    f"{rec['final_accuracy']:.2%} ({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
-                    flush=True,
-                )
+    records, link = [], rate or "loopback"
+    cfg = harness.pick(args, "seed epochs lr global_batch train_subset test_subset evals_per_epoch compute_steps")
+    cfg |= harness.pick(args, "powersgd_rank powersgd_warmup outer localsgd_warmup eval_cache")
+    cfg |= dict(zip(("outer_lr", "outer_momentum"), outer_settings(args)), ours=parse_ours(args.ours), label=link)
+    with harness.worlds_dir("time-to-accuracy-") as tmp, harness.emulated_cluster(rate, max(args.world_sizes)) as cl:
+        worlds = [(n, run, spec) for n in args.world_sizes for run in range(1, args.repeats + 1) for spec in specs]
+        for k, (n, run, spec) in enumerate(worlds, 1):  # round-robin: run r of every configuration, then r+1
+            timeout, t = args.timeout or (120 + 2 * est[n]), time.time()
+            what = f"{link} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else "")
+            tag = f"n{n}-{spec['name'].replace('+', '-')}-{run}"
+            raw = harness.launch_world(
+                WORKER, cfg | harness.world_config(cl, 29700, k, n) | {"spec": spec}, cl, tmp, tag, timeout, what
+            )
+            rec = report.summarize(raw, spec, n, args.target, args.epochs) | {"rate": rate}
+            if spec["kind"] == "ours" and spec["sync_every"] > 1:
+                rec["outer"] = args.outer
+            if args.repeats > 1:
+                rec["run"] = run
+            records.append(rec | {"load": raw["load"]})
+            done(records)
+            reached = harness.fmt(rec["time_to_target_s"], "{:.1f} s", "not reached")
+            print(
+                f"  {link} N={n} {report.label(rec, args.ours)}: {reached} to {args.target:.1%}, "
+                f"{rec['train_seconds']:.0f} s training, final {rec['final_accuracy']:.2%} "
+                f"({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
+                flush=True,
+            )
     return records
 
 
 def write_results_so_far(args, records, mode, rates, command, notes, started, complete=True):
     """The JSON, markdown and PNG of `records`; a run still going (complete=False) says so in both."""
-    host = host_info()
-    md, tbl, title = markdown(records, args, rates, host, command, notes, complete)
+    host = harness.host_info()
+    md, tbl, title = report.markdown(records, args, rates, host, command, notes, complete)
     outer_lr, outer_momentum = outer_settings(args)
-    result = {
-        "mode": mode,
-        "rate": rates[0] if len(rates) == 1 else None,
-        "rates": rates,
-        "world_sizes": args.world_sizes,
-        "command": command,
-        "notes": notes,
-        "complete": complete,
-        "epochs": args.epochs,
-        "evals_per_epoch": args.evals_per_epoch,
-        "target": args.target,
-        "global_batch": args.global_batch,
-        "train_subset": args.train_subset,
-        "test_subset": args.test_subset,
-        "lr": args.lr,
-        "seed": args.seed,
-        "ours": args.ours,
-        "powersgd_rank": args.powersgd_rank,
-        "powersgd_warmup": args.powersgd_warmup,
-        "outer": args.outer,
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
-        "localsgd_warmup": args.localsgd_warmup,
-        "compute_steps": args.compute_steps,
-        "configs": args.configs,
-        "repeats": args.repeats,
-        "host": host,
-        "started": started_at(started),
-        "seconds": round(time.time() - started, 1),
-        # compute only sends nothing: the worlds of every link rate time the same thing
-        "free_network": {str(n): free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes},
-        "results": records,
+    result = dict(mode=mode, rate=rates[0] if len(rates) == 1 else None, rates=rates, world_sizes=args.world_sizes)
+    result |= dict(command=command, notes=notes, complete=complete)
+    result |= harness.pick(args, "epochs evals_per_epoch target global_batch train_subset test_subset lr seed ours")
+    result |= harness.pick(args, "powersgd_rank powersgd_warmup outer") | dict(
+        outer_lr=outer_lr, outer_momentum=outer_momentum
+    )
+    result |= harness.pick(args, "localsgd_warmup compute_steps configs repeats") | harness.run_info(host, started)
+    # compute only sends nothing: the worlds of every link rate time the same thing
+    result["free_network"] = {
+        str(n): report.free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes
     }
+    result["results"] = records
     out = Path(args.results_dir) / results_stem(args, mode)
-    write_results(out, result, md, plot(records, title, args.world_sizes, args.ours, args.target, rates))
+    harness.write_results(out, result, md, report.plot(records, title, args.world_sizes, args.ours, args.target, rates))
     return out, tbl
 
 
@@ -357,13 +272,15 @@ def driver(args) -> int:
     steps = {n: args.epochs * ((subset // n) // max(1, args.global_batch // n)) for n in args.world_sizes}
     est = {
         rate: {
-            n: estimate_seconds(n, parse_rate(rate) if rate else None, steps[n], args.epochs * args.evals_per_epoch + 1)
+            n: estimate_seconds(
+                n, harness.parse_rate(rate) if rate else None, steps[n], args.epochs * args.evals_per_epoch + 1
+            )
             for n in args.world_sizes
         }
         for rate in rates
     }
-    command = command_line("time_to_accuracy.py")
-    notes = plan_notes(args, specs, *outer_settings(args))
+    command = harness.command_line("time_to_accuracy.py")
+    notes = report.plan_notes(args, specs, *outer_settings(args))
     print(
         f"# time-to-accuracy benchmark: mode={mode}, "
         + (f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap")
@@ -402,113 +319,49 @@ def driver(args) -> int:
 
 def main(argv=None) -> int:
     def fraction(text):
-        v = positive(float)(text)
+        v = harness.positive(float)(text)
         if v > 1:
             raise argparse.ArgumentTypeError(f"--target is a fraction of the test set (e.g. 0.99), got {text}")
         return v
 
-    ap = bench_parser(__doc__)
-    ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
-    link = ap.add_mutually_exclusive_group()
-    link.add_argument(
-        "--rate", default=DEFAULTS["rate"], help=f"per-host egress cap, tc syntax (default {DEFAULTS['rate']})"
-    )
-    link.add_argument(
-        "--rates",
-        type=lambda s: s.split(","),
-        help="several caps, e.g. 20mbit,200mbit,1gbit: the whole plan once per rate, one after the "
-        "other (--loopback ignores both)",
-    )
-    ap.add_argument("--world-sizes", default=",".join(map(str, DEFAULTS["world_sizes"])), type=number_list(int))
+    d, positive = DEFAULTS, harness.positive
+    ap = harness.bench_parser(__doc__)
+    harness.add_link_options(ap, d["rate"], one_rate=True)
+    harness.add_options(ap, powersgd=True)
     ap.add_argument(
         "--configs",
-        default=",".join(DEFAULTS["configs"]),
+        default=",".join(d["configs"]),
         type=lambda s: s.split(","),
-        help=f"which (default {','.join(DEFAULTS['configs'])}); ours[+C][@H], ddp[+C], localsgd@H; "
-        "C fp16, bf16 or powersgd (with @H: fp16 or bf16)",
+        help="ours[+C][@H], ddp[+C], localsgd@H; C fp16, bf16 or powersgd (with @H: fp16 or bf16)",
     )
-    ap.add_argument(
-        "--ours",
-        default=DEFAULTS["ours"],
-        help=f"our configuration, <algorithm>[+overlap[+lazy]] (default {DEFAULTS['ours']})",
-    )
-    ap.add_argument("--epochs", type=positive(int), default=DEFAULTS["epochs"])
-    ap.add_argument(
-        "--evals-per-epoch",
-        type=positive(int),
-        default=DEFAULTS["evals_per_epoch"],
-        help=f"evaluation points per epoch (default {DEFAULTS['evals_per_epoch']}: 4 cannot resolve a 10%% gain)",
-    )
-    ap.add_argument(
-        "--target",
-        type=fraction,
-        default=DEFAULTS["target"],
-        help=f"test accuracy (default {DEFAULTS['target']:g}, bench/targets.py)",
-    )
+    ap.add_argument("--ours", default=d["ours"], help="our configuration, <algorithm>[+overlap[+lazy]]")
+    ap.add_argument("--epochs", type=positive(int), default=d["epochs"])
+    ap.add_argument("--evals-per-epoch", type=positive(int), default=d["evals_per_epoch"], help="evaluation points")
+    ap.add_argument("--target", type=fraction, default=d["target"], help="test accuracy (bench/targets.py)")
     ap.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
+    ap.add_argument("--test-subset", type=positive(int), help="evaluate on only the first N test images")
+    ap.add_argument("--global-batch", type=positive(int), default=d["global_batch"], help="images per step, all ranks")
+    ap.add_argument("--lr", type=positive(float), default=d["lr"])
+    ap.add_argument("--outer", choices=OUTERS, default=d["outer"], help="ours@H's outer step (nesterov: DiLoCo's)")
+    ap.add_argument("--outer-lr", type=positive(float), help=f"with --outer nesterov (default {d['outer_lr']:g})")
     ap.add_argument(
-        "--test-subset",
-        type=positive(int),
-        help="evaluate on only the first N test images (quick checks; default all 10,000)",
+        "--outer-momentum", type=momentum_value, help=f"with --outer nesterov (default {d['outer_momentum']:g})"
+    )
+    at_least = harness.at_least(0)
+    ap.add_argument(
+        "--localsgd-warmup", type=at_least, default=d["localsgd_warmup"], help="localsgd@H: DDP steps first"
     )
     ap.add_argument(
-        "--global-batch",
-        type=positive(int),
-        default=DEFAULTS["global_batch"],
-        help="images per step over all ranks (default 64, train.py's)",
+        "--repeats", type=positive(int), default=d["repeats"], help="train each this many times, round-robin"
     )
-    ap.add_argument("--lr", type=positive(float), default=DEFAULTS["lr"])
-    ap.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULTS["powersgd_rank"])
-    ap.add_argument(
-        "--powersgd-warmup",
-        type=int,
-        default=DEFAULTS["powersgd_warmup"],
-        help=f"plain steps before PowerSGD starts, ours and DDP's (default {DEFAULTS['powersgd_warmup']}; >= 2)",
-    )
-    ap.add_argument(
-        "--outer",
-        choices=OUTERS,
-        default=DEFAULTS["outer"],
-        help=f"ours@H's outer step (default {DEFAULTS['outer']}; nesterov: DiLoCo's)",
-    )
-    ap.add_argument(
-        "--outer-lr",
-        type=positive(float),
-        help=f"with --outer nesterov: its rate (default {DEFAULTS['outer_lr']:g}, train.py's)",
-    )
-    ap.add_argument(
-        "--outer-momentum",
-        type=momentum_value,
-        help=f"with --outer nesterov: its momentum (default {DEFAULTS['outer_momentum']:g}, train.py's)",
-    )
-    ap.add_argument(
-        "--localsgd-warmup",
-        type=int,
-        default=DEFAULTS["localsgd_warmup"],
-        help="localsgd@H: synchronous DDP steps before torch's local SGD starts "
-        f"(default {DEFAULTS['localsgd_warmup']}, the issue's baseline)",
-    )
-    ap.add_argument(
-        "--repeats",
-        type=positive(int),
-        default=DEFAULTS["repeats"],
-        help="train every configuration this many times, round-robin, and report medians (default 1)",
-    )
-    ap.add_argument(
-        "--compute-steps", type=positive(int), default=40, help="compute-only steps timed per world (default 40)"
-    )
-    ap.add_argument(
-        "--eval-cache",
-        metavar="PATH",
-        help="keep test accuracies by model sha256 in this JSON file, "
-        "across worlds and runs: the same bits are evaluated once (default: none kept)",
-    )
-    add_world_options(ap)
+    ap.add_argument("--compute-steps", type=positive(int), default=40, help="compute-only steps timed per world")
+    ap.add_argument("--eval-cache", metavar="PATH", help="keep test accuracies by model sha256 in this JSON file")
+    harness.add_world_options(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
 
+    harness.check_options(ap, args)
     try:
         specs = [parse_config(c) for c in args.configs]
         parse_ours(args.ours)
@@ -518,17 +371,8 @@ def main(argv=None) -> int:
         ap.error("--configs: a configuration named twice")
     if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
         ap.error("--outer-lr and --outer-momentum are for --outer nesterov")
-    if args.outer != DEFAULTS["outer"] and not any(s["kind"] == "ours" and s["sync_every"] > 1 for s in specs):
+    if args.outer != d["outer"] and not any(s["kind"] == "ours" and s["sync_every"] > 1 for s in specs):
         ap.error(f"--outer {args.outer} is for ours@H configurations, and --configs has none")
-    if args.localsgd_warmup < 0:
-        ap.error(f"--localsgd-warmup must be >= 0, got {args.localsgd_warmup}")
-    args.rates = args.rates or [args.rate]
-    if len(set(args.rates)) != len(args.rates):
-        ap.error("--rates: a rate named twice")
-    if any(n < 2 for n in args.world_sizes):
-        ap.error("world sizes must be >= 2")
-    if args.powersgd_warmup < 2:
-        ap.error("--powersgd-warmup must be >= 2 (DDP's PowerSGD hook needs 2 plain steps first)")
     if any(args.global_batch // n < 1 for n in args.world_sizes):
         ap.error(f"--global-batch {args.global_batch} leaves no image per rank at N={max(args.world_sizes)}")
     if args.train_subset and any(args.train_subset // n < args.global_batch // n for n in args.world_sizes):
@@ -537,14 +381,10 @@ def main(argv=None) -> int:
         ap.error("--train-subset: MNIST has 60000 training images")
     if args.test_subset and args.test_subset > 10000:
         ap.error("--test-subset: MNIST has 10000 test images")
-    if not args.loopback:
-        try:
-            for rate in args.rates:
-                parse_rate(rate)
-        except argparse.ArgumentTypeError as e:
-            ap.error(str(e))
     return run_driver(driver, args, "time_to_accuracy.py")
 
+
+WORKER = str(Path(__file__).resolve())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,15 +1,16 @@
 """bench/time_to_accuracy.py's ranks: one configuration trained from scratch, the clock paused at
 every evaluation.
 
-Ours, DDP and local SGD run the trainer's own step, utils.run.train_step, with the trainer's recipe
-(utils.config.Recipe, make_optimizer, batches_of_epoch): ours with utils.sync.buckets's sync of the
---ours configuration (ours@H: utils/sync/periodic.py), DDP, torch's local SGD (peers.make_localsgd) and
-the compute-only timing with peers.LocalStep.
+Ours, DDP and local SGD run the trainer's own loop, utils.run.train_model (peers.train_steps), one
+segment between evaluation points at a time, with the trainer's recipe (utils.config.Recipe,
+make_optimizer, batches_of_epoch): ours with utils.sync.buckets's sync of the --ours configuration
+(ours@H: utils/sync/periodic.py), DDP, torch's local SGD (peers.make_localsgd) and the compute-only
+timing with peers.LocalStep.
 
-The last evaluation point is the end of training: there the sync's flush() makes every rank's
-parameters the same (ours@H: the rounds still in flight applied; local SGD: one more average), as
-train.py's end does, on the clock. The other points only finish() the step: with @H, rank 0's
-model is evaluated as it stands between syncs.
+train_model ends every segment with the sync's finish(). The last evaluation point is the end of
+training: there the sync's flush() also makes every rank's parameters the same (ours@H: the rounds
+still in flight applied; local SGD: one more average), as train.py's end does, on the clock. At the
+other points, with @H, rank 0's model is evaluated as it stands between syncs.
 """
 
 from __future__ import annotations
@@ -19,10 +20,21 @@ import os
 import time
 from pathlib import Path
 
-from harness import REPO, digest, start_worker
-from peers import LocalStep, average_parameters, bytes_sent, make_ddp, make_localsgd, nic_tx_bytes, our_sync
+from harness import REPO, digest, pick, start_worker
+from peers import (
+    LocalStep,
+    average_parameters,
+    bytes_sent,
+    make_ddp,
+    make_localsgd,
+    make_sync,
+    nic_tx_bytes,
+    our_sync,
+    train_steps,
+)
 
 from utils.files import write_file
+from utils.model import Net
 
 
 def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> list[int]:
@@ -55,178 +67,145 @@ def worker(args) -> int:
 
     from utils.config import Recipe
     from utils.data import load_mnist
-    from utils.model import Net
-    from utils.run import batches_of_epoch, make_optimizer, test_model, train_step
-    from utils.sync.buckets import make_gradient_sync
+    from utils.run import batches_of_epoch
 
     say = start_worker(cfg, rank)
     prefix = f"  [{cfg['label']} N={n} {spec['name']}]"
     train_images, train_labels, test_images, test_labels = load_mnist(str(REPO / "data"))
-    if cfg["train_subset"]:
-        train_images, train_labels = train_images[: cfg["train_subset"]], train_labels[: cfg["train_subset"]]
-    if cfg["test_subset"]:
-        test_images, test_labels = test_images[: cfg["test_subset"]], test_labels[: cfg["test_subset"]]
+    train, test = slice(cfg["train_subset"]), slice(cfg["test_subset"])  # (None: all)
+    data = (train_images[train], train_labels[train], test_images[test], test_labels[test])
     recipe = Recipe(
-        batch_size=max(1, cfg["global_batch"] // n),
-        global_batch=cfg["global_batch"],
-        lr=cfg["lr"],
-        seed=cfg["seed"],
-        epochs=cfg["epochs"],
-        train_subset=cfg["train_subset"],
-        test_subset=cfg["test_subset"],
+        batch_size=max(1, cfg["global_batch"] // n), **pick(cfg, "global_batch lr seed epochs train_subset test_subset")
     )
-    steps_per_epoch = len(batches_of_epoch(len(train_labels), 1, recipe))
-    slowest = torch.zeros(1)
-
-    def max_over_ranks(seconds: float) -> float:
-        slowest[0] = seconds
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return float(slowest[0])
-
-    # compute only: a scratch copy of the model, every rank at once, no communication
+    steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
+    compute_s = max_over_ranks(time_compute(cfg, recipe, data, steps_per_epoch))
     torch.manual_seed(cfg["seed"])
-    scratch = Net()
-    local = LocalStep(*make_optimizer(scratch, recipe, steps_per_epoch))
-    batches = batches_of_epoch(len(train_labels), 1, recipe)
-    warm = min(5, cfg["compute_steps"])
-    for s in range(warm + cfg["compute_steps"]):
-        if s == warm:
-            dist.barrier()
-            t0 = time.perf_counter()
-        batch, weight, _ = batches[s % len(batches)]
-        train_step(scratch, local, train_images[batch], train_labels[batch], weight).item()
-    compute_s = max_over_ranks((time.perf_counter() - t0) / cfg["compute_steps"])
-    del scratch, local
-
-    # the run
-    torch.manual_seed(cfg["seed"])
-    model = forward = Net()
-    optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
-    if spec["kind"] == "ours":
-        sync = make_gradient_sync(
-            model,
-            our_sync(
-                **cfg["ours"],
-                compress=spec["compress"],
-                powersgd_rank=cfg["powersgd_rank"],
-                powersgd_warmup=cfg["powersgd_warmup"],
-                timeout=cfg["op_timeout"],
-                sync_every=spec["sync_every"],
-                outer=cfg["outer"],
-                outer_lr=cfg["outer_lr"],
-                outer_momentum=cfg["outer_momentum"],
-                merge_after=spec.get("merge_after"),
-            ),
-            optimizer,
-            scheduler,
-            cfg["seed"],
-        )
-    elif spec["kind"] == "localsgd":
-        forward, wrapped = make_localsgd(model, optimizer, spec["sync_every"], cfg["localsgd_warmup"])
-        sync = LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(model))
-    else:
-        forward, _ = make_ddp(
-            model,
-            None if spec["compress"] == "none" else spec["compress"],
-            cfg["powersgd_rank"],
-            cfg["powersgd_warmup"],
-            cfg["seed"],
-        )
-        sync = LocalStep(optimizer, scheduler)
+    model = Net()
+    forward, sync = make_run_sync(cfg, model, recipe, steps_per_epoch)
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "-")
     say(
         f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, "
-        f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '-')})"
+        f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={ifname})"
     )
-
-    nic = os.environ.get("GLOO_SOCKET_IFNAME")
-    points, train_s, loss_sum, loss_steps = [], 0.0, 0.0, 0
-    tx_start, sent_start = nic_tx_bytes(nic), bytes_sent(sync)
-    wall_start = time.time()
-
-    cache = eval_cache(cfg.get("eval_cache"))
-
-    def evaluate(step: int):
-        """Clock stopped: rank 0 evaluates (or finds these very bits evaluated before), the others
-        wait at the barrier."""
-        nonlocal loss_sum, loss_steps
-        if rank == 0:
-            key = f"{digest(model)}/{len(test_labels)}"
-            if key not in cache:
-                torch.set_num_threads(os.cpu_count() or 1)  # the other ranks only wait meanwhile
-                with torch.no_grad():
-                    cache[key] = test_model(model, test_images, test_labels)
-                torch.set_num_threads(1)
-            accuracy = cache[key]
-            model.train()
-            points.append(
-                {
-                    "epoch": round(step / steps_per_epoch, 4),
-                    "step": step,
-                    "seconds": train_s,
-                    "accuracy": accuracy,
-                    "train_loss": loss_sum / loss_steps if loss_steps else None,
-                }
-            )
-            say(
-                f"{prefix} step {step} (epoch {step / steps_per_epoch:.2f}): test accuracy {accuracy:.2%}, "
-                f"{train_s:.1f} s of training"
-            )
-        loss_sum, loss_steps = 0.0, 0
-        dist.barrier()
-
-    model.train()
-    evaluate(0)
-    at = set(eval_steps(steps_per_epoch, cfg["evals_per_epoch"]))
-    global_step = 0
+    run = Run(model, data[2:], steps_per_epoch, cfg.get("eval_cache"), say if rank == 0 else None, prefix)
+    counts = [nic_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME")), bytes_sent(sync)]
+    run.evaluate(0)
+    at = eval_steps(steps_per_epoch, cfg["evals_per_epoch"])
     for epoch in range(1, cfg["epochs"] + 1):
-        batches = batches_of_epoch(len(train_labels), epoch, recipe)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for step, (batch, weight, _) in enumerate(batches, 1):
-            loss_sum += train_step(forward, sync, train_images[batch], train_labels[batch], weight).item()
-            loss_steps += 1
-            global_step += 1
-            if step in at:  # the step's (lazy) update is training time, and so is the end's flush
-                if epoch == cfg["epochs"] and step == len(batches):
-                    sync.flush()
-                else:
-                    sync.finish()
-                train_s += max_over_ranks(time.perf_counter() - t0)
-                evaluate(global_step)
-                dist.barrier()
-                t0 = time.perf_counter()
-    tx_end, sent_end = nic_tx_bytes(nic), bytes_sent(sync)
-    digests = [None] * n
-    dist.all_gather_object(digests, digest(model))
-    tx = [None] * n
-    dist.all_gather_object(
-        tx,
-        [
-            None if tx_start is None or tx_end is None else tx_end - tx_start,
-            None if sent_start is None or sent_end is None else sent_end - sent_start,
-        ],
-    )
+        batches = batches_of_epoch(len(data[1]), epoch, recipe)
+        for first, last in zip([0, *at], at):  # the clock: the segment's steps and (lazy) update, the end's flush
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = train_steps(forward, sync, data[0], data[1], batches[:last], epoch=epoch, first_step=first)
+            if epoch == cfg["epochs"] and last == len(batches):
+                sync.flush()
+            run.seconds += max_over_ranks(time.perf_counter() - t0)
+            run.loss_sum, run.loss_steps = stats.loss_sum, stats.steps
+            run.evaluate((epoch - 1) * steps_per_epoch + last)
+    counts = [[a, b] for a, b in zip(counts, (nic_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME")), bytes_sent(sync)))]
+    everyone = [None] * n
+    dist.all_gather_object(everyone, (digest(model), [None if None in c else c[1] - c[0] for c in counts]))
     if rank == 0:
-        cache.save()
-        write_file(
-            Path(cfg["out"]),
-            json.dumps(
-                {
-                    "world_size": n,
-                    "steps_per_epoch": steps_per_epoch,
-                    "steps": global_step,
-                    "batch_size": recipe.batch_size,
-                    "compute_step_s": compute_s,
-                    "points": points,
-                    "train_seconds": train_s,
-                    "wall_seconds": time.time() - wall_start,
-                    "params_identical": len(set(digests)) == 1,
-                    "wire_bytes": [t[0] for t in tx],
-                    "sent_bytes": [t[1] for t in tx],
-                }
-            ).encode(),
-        )
+        run.cache.save()
+        out = {"world_size": n, "steps_per_epoch": steps_per_epoch, "steps": cfg["epochs"] * steps_per_epoch}
+        out |= {"batch_size": recipe.batch_size, "compute_step_s": compute_s, "points": run.points}
+        out |= {"train_seconds": run.seconds, "wall_seconds": time.time() - run.wall_start}
+        out |= {"params_identical": len({d for d, _ in everyone}) == 1}
+        out |= {"wire_bytes": [c[0] for _, c in everyone], "sent_bytes": [c[1] for _, c in everyone]}
+        write_file(Path(cfg["out"]), json.dumps(out).encode())
     sync.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def max_over_ranks(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    slowest = torch.tensor([seconds])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest[0])
+
+
+def time_compute(cfg: dict, recipe, data, steps_per_epoch: int) -> float:
+    """Compute only: this rank's seconds per step of a scratch copy of the model, every rank at once,
+    no communication (after a few steps' warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    from utils.run import batches_of_epoch, make_optimizer
+
+    torch.manual_seed(cfg["seed"])
+    scratch = Net()
+    local = LocalStep(*make_optimizer(scratch, recipe, steps_per_epoch))
+    batches = batches_of_epoch(len(data[1]), 1, recipe)
+    warm, steps = min(5, cfg["compute_steps"]), cfg["compute_steps"]
+    cycle = [batches[s % len(batches)] for s in range(warm + steps)]
+    train_steps(scratch, local, data[0], data[1], cycle[:warm])
+    dist.barrier()
+    t0 = time.perf_counter()
+    train_steps(scratch, local, data[0], data[1], cycle[warm:])
+    return (time.perf_counter() - t0) / steps
+
+
+def make_run_sync(cfg: dict, model, recipe, steps_per_epoch: int):
+    """(what the steps call forward, the gradient sync) of the configuration: ours, DDP or local SGD."""
+    from utils.run import make_optimizer
+
+    spec = cfg["spec"]
+    optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
+    if spec["kind"] == "ours":
+        outer = pick(cfg, "outer outer_lr outer_momentum")
+        psgd = {"powersgd_rank": cfg["powersgd_rank"], "powersgd_warmup": cfg["powersgd_warmup"]}
+        ours = our_sync(
+            **cfg["ours"],
+            compress=spec["compress"],
+            **psgd,
+            timeout=cfg["op_timeout"],
+            sync_every=spec["sync_every"],
+            merge_after=spec.get("merge_after"),
+            **outer,
+        )
+        return model, make_sync(model, ours, optimizer, scheduler, cfg["seed"])
+    if spec["kind"] == "localsgd":
+        forward, wrapped = make_localsgd(model, optimizer, spec["sync_every"], cfg["localsgd_warmup"])
+        return forward, LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(model))
+    hook = None if spec["compress"] == "none" else spec["compress"]
+    forward, _ = make_ddp(model, hook, cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"])
+    return forward, LocalStep(optimizer, scheduler)
+
+
+class Run:
+    """The evaluation points of one training run: the clock (training seconds so far, max over ranks),
+    the train loss since the last point, and rank 0's test accuracy (say: rank 0's print, else None)."""
+
+    def __init__(self, model, test, steps_per_epoch, cache_path, say, prefix):
+        self.model, self.test, self.steps_per_epoch, self.say, self.prefix = model, test, steps_per_epoch, say, prefix
+        self.cache, self.points, self.seconds, self.wall_start = eval_cache(cache_path), [], 0.0, time.time()
+        self.loss_sum, self.loss_steps = 0.0, 0
+
+    def evaluate(self, step: int):
+        """Clock stopped: rank 0 evaluates (or finds these very bits evaluated before), the others
+        wait at the barrier."""
+        import torch
+        import torch.distributed as dist
+
+        from utils.run import test_model
+
+        if self.say is not None:
+            key = f"{digest(self.model)}/{len(self.test[1])}"
+            if key not in self.cache:
+                torch.set_num_threads(os.cpu_count() or 1)  # the other ranks only wait meanwhile
+                self.cache[key] = test_model(self.model, *self.test)
+                torch.set_num_threads(1)
+            accuracy, epoch = self.cache[key], step / self.steps_per_epoch
+            loss = self.loss_sum / self.loss_steps if self.loss_steps else None
+            point = {"epoch": round(epoch, 4), "step": step, "seconds": self.seconds, "accuracy": accuracy}
+            self.points.append(point | {"train_loss": loss})
+            self.say(
+                f"{self.prefix} step {step} (epoch {epoch:.2f}): test accuracy {accuracy:.2%}, "
+                f"{self.seconds:.1f} s of training"
+            )
+        self.loss_sum, self.loss_steps = 0.0, 0
+        dist.barrier()

@@ -86,60 +86,25 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from harness import MODEL_NUMEL as TRAINER_NUMEL
-from harness import (
-    add_world_options,
-    bench_parser,
-    cluster,
-    command_line,
-    emulated_cluster,
-    host_info,
-    launch_world,
-    loadavg,
-    number_list,
-    numel,
-    parse_rate,
-    positive,
-    run_driver,
-    started_at,
-    world_port,
-    write_results,
-)
-from harness import results_stem as stem_of
+import harness
+import train_step_report as report
+from harness import run_driver
 from peers import ALGORITHMS, DDP_HOOKS, parse_ours
-from train_step_report import (  # noqa:F401  (the tests reach the summary through this module)
-    compression_targets,
-    evaluate_targets,
-    plot,
-    summarize,
-    table,
-    target_lines,
-    timeline_targets,
-)
 from train_step_worker import make_model, worker
 
 from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 
 # The default plan; results_stem() names the files after whatever a run changed from it.
-DEFAULTS = {
-    "rates": ["1gbit", "200mbit"],
-    "world_sizes": [2, 4],
-    "model": "trainer",
-    "batch_size": 32,
-    "algorithms": ["two-pass", "ring", "gloo"],
-    "compression": False,
-    # --compression (issue #13): which compressions, on which of our configurations, PowerSGD's settings
-    "compress": list(DDP_HOOKS),
-    "compress_with": ["ring+overlap+lazy"],
-    "powersgd_rank": DEFAULT_POWERSGD_RANK,
-    "powersgd_warmup": DEFAULT_POWERSGD_WARMUP,
-}
-MODEL_NUMEL = {"trainer": TRAINER_NUMEL, "reference": numel(make_model("reference"))}  # counted, not written down
-OP_TIMEOUT = 120.0  # s for any single send/recv/collective of gloo, as train.py's default
+DEFAULTS = {"rates": ["1gbit", "200mbit"], "world_sizes": [2, 4], "model": "trainer", "batch_size": 32}
+DEFAULTS["algorithms"], DEFAULTS["compression"] = ["two-pass", "ring", "gloo"], False
+# --compression (issue #13): which compressions, on which of our configurations, PowerSGD's settings
+DEFAULTS |= {"compress": list(DDP_HOOKS), "compress_with": ["ring+overlap+lazy"]}
+DEFAULTS |= {"powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
+MODEL_NUMEL = {"trainer": harness.MODEL_NUMEL, "reference": harness.numel(make_model("reference"))}  # counted
+FLOORS = ("compute-alone", "compute", "compute+sync", "compute+wire")
 
 
 # --------------------------------------------------------------------------- configurations
@@ -156,45 +121,23 @@ def make_configs(args) -> list[dict]:
         plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL[args.model]), "auto"  # what "auto" comes to, plain
     else:
         plain_chunks = bucket_chunks = int(args.chunks)
-    configs = [
-        {"name": "compute-alone", "kind": "compute", "alone": True},
-        {"name": "compute", "kind": "compute", "alone": False},
-        {"name": "compute+sync", "kind": "sync", "alone": False},
-        {"name": "compute+wire", "kind": "wire", "alone": False},
-    ]
+    kinds = ("compute", "compute", "sync", "wire")
+    configs = [{"name": name, "kind": kind, "alone": name == "compute-alone"} for name, kind in zip(FLOORS, kinds)]
     for alg in args.algorithms:
         two_pass = alg == "two-pass"
-        configs.append(
-            {
-                "name": alg,
-                "kind": "sum",
-                "allreduce": alg,
-                "overlap": False,
-                "chunks": plain_chunks if two_pass else None,
-                "bucket_mb": None,
-            }
-        )
+        plain = {"name": alg, "kind": "sum", "allreduce": alg, "overlap": False}
+        configs.append(dict(plain, chunks=plain_chunks if two_pass else None, bucket_mb=None))
         for mb in args.bucket_mb:
-            suffix = "" if len(args.bucket_mb) == 1 else f"@{mb:g}MB"
             for lazy in (False, True):
-                configs.append(
-                    {
-                        "name": f"{alg}+overlap{'+lazy' if lazy else ''}{suffix}",
-                        "kind": "sum",
-                        "allreduce": alg,
-                        "overlap": True,
-                        "lazy": lazy,
-                        "chunks": bucket_chunks if two_pass else None,
-                        "bucket_mb": mb,
-                    }
-                )
+                name = f"{alg}+overlap{'+lazy' if lazy else ''}" + ("" if len(args.bucket_mb) == 1 else f"@{mb:g}MB")
+                overlap = {"name": name, "kind": "sum", "allreduce": alg, "overlap": True, "lazy": lazy}
+                configs.append(dict(overlap, chunks=bucket_chunks if two_pass else None, bucket_mb=mb))
     configs.append({"name": "ddp", "kind": "ddp"})
-    compressed = compression_configs(args, plain_chunks, bucket_chunks) if getattr(args, "compression", False) else []
     if args.only:
-        keep = set(args.only) | {"compute", "compute-alone", "compute+wire", "compute+sync", "ddp"}
-        configs = [c for c in configs if c["name"] in keep]
-    configs += compressed
-    if getattr(args, "timeline", False):  # issue #15: each of ours again, recording a timeline
+        configs = [c for c in configs if c["name"] in {*args.only, *FLOORS, "ddp"}]
+    if args.compression:  # always kept by --only
+        configs += compression_configs(args, plain_chunks, bucket_chunks)
+    if args.timeline:  # issue #15: each of ours again, recording a timeline
         configs += [dict(c, name=f"{c['name']}+timeline", timeline=True) for c in configs if c["kind"] == "sum"]
     return configs
 
@@ -207,100 +150,66 @@ def parse_sum_config(name: str) -> dict:
 
 
 def compression_configs(args, plain_chunks, bucket_chunks) -> list[dict]:
-    """Issue #13's rows (--compression; always kept by --only): each --compress on each of our
-    --compress-with configurations (our Sync with compress=...), then DDP with torch's
-    matching comm hook."""
+    """Issue #13's rows (--compression): each --compress on each of our --compress-with configurations
+    (our Sync with compress=...), then DDP with torch's matching comm hook."""
     out = []
     for base in args.compress_with:
         spec = parse_sum_config(base)
-        two_pass, mb = spec["allreduce"] == "two-pass", args.bucket_mb[0]
-        for c in args.compress:
-            out.append(
-                {
-                    "name": f"{base}+{c}",
-                    "kind": "sum",
-                    **spec,
-                    "compress": c,
-                    "chunks": (bucket_chunks if spec["overlap"] else plain_chunks) if two_pass else None,
-                    "bucket_mb": mb if spec["overlap"] else None,
-                }
-            )
-    for c in args.compress:
-        out.append({"name": f"ddp+{c}", "kind": "ddp", "hook": c})
-    return out
+        chunks = (bucket_chunks if spec["overlap"] else plain_chunks) if spec["allreduce"] == "two-pass" else None
+        mb = args.bucket_mb[0] if spec["overlap"] else None
+        out += [
+            dict(name=f"{base}+{c}", kind="sum", **spec, compress=c, chunks=chunks, bucket_mb=mb) for c in args.compress
+        ]
+    return out + [{"name": f"ddp+{c}", "kind": "ddp", "hook": c} for c in args.compress]
 
 
 # --------------------------------------------------------------------------- driver
-def estimate_seconds(
-    n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int, model: str = "trainer"
-) -> float:
+def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int, model: str) -> float:
     """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
     timeout."""
-    cores = os.cpu_count() or 1
     heavier = MODEL_NUMEL[model] / MODEL_NUMEL["trainer"]  # the reference model: ~3x of both
-    compute = 0.03 * batch / 32 * max(1.0, n / cores) * heavier  # ~16-20 ms/step alone, measured
+    compute = 0.03 * batch / 32 * max(1.0, n / (os.cpu_count() or 1)) * heavier  # ~16-20 ms/step alone, measured
     comm = 2 * (2 * MODEL_NUMEL[model] * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)  # ~2x the slowest
-    per_step = sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
-    return 30 + steps * per_step
+    return 30 + steps * sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
 
 
-def run_worlds(args, configs: list[dict], rates: list[str | None], rate_bits: dict, est: dict) -> tuple[list, dict]:
+def run_worlds(args, configs: list[dict], rates: list, rate_bits: dict, est: dict) -> tuple[list, dict]:
     """Every world size at every rate (one emulated cluster per rate): (records, load per world)."""
-    records, load = [], {}
-    with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmpdir:
-        tmp = Path(tmpdir)
-        os.chmod(tmp, 0o755)
+    records, load, k = [], {}, args.ranks_per_host
+    cfg = harness.pick(args, "seed model warmup iters steps_per_sample powersgd_rank powersgd_warmup")
+    with harness.worlds_dir("train-step-bench-") as tmp:
         for rate in rates:
             label = rate or "loopback"
-            with emulated_cluster(rate, max(args.world_sizes), args.ranks_per_host) as cl:
+            with harness.emulated_cluster(rate, max(args.world_sizes), k) as cl:
                 for i, n in enumerate(args.world_sizes):
-                    timeout = args.timeout or (120 + 2 * est[(rate, n)])
-                    t = time.time()
-                    raw = launch(n, args, configs, cl, label, tmp, world_port(cl, 29600, i), timeout)
+                    timeout, t, ranks = args.timeout or (120 + 2 * est[(rate, n)]), time.time(), n * k
+                    world = harness.world_config(cl, 29600, i, ranks)  # --ranks-per-host K: N hosts, N·K ranks
+                    world["addrs"] = [cl.addr(cl.host_of(r)) if cl else "127.0.0.1" for r in range(ranks)]
+                    world |= {"batch_size": batch_for(args, ranks), "configs": configs, "label": label}
+                    tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', label)}-n{ranks}"
+                    raw = harness.launch_world(
+                        WORKER, cfg | world, cl, tmp, tag, timeout, f"{label} N={ranks}", per_host=k
+                    )
                     print(f"  {label} N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
-                    records += summarize(raw, rate, rate_bits.get(rate), batch_for(args, n * args.ranks_per_host))
+                    records += report.summarize(raw, rate, rate_bits.get(rate), batch_for(args, ranks))
                     load[f"{label} N={n}"] = raw["load"]
     return records, load
 
 
-def launch(n: int, args, configs: list[dict], cl, label: str, tmp: Path, port: int, timeout: float) -> dict:
-    """Run one world of n hosts x --ranks-per-host ranks; return rank 0's raw results (with the load)."""
-    k = args.ranks_per_host
-    ranks = n * k  # --ranks-per-host K: N hosts, N·K ranks
-    host0 = cl.addr(0) if cl else "127.0.0.1"
-    cfg = {
-        "world_size": ranks,
-        "init_method": f"tcp://{host0}:{port}",
-        "op_timeout": OP_TIMEOUT,
-        "addrs": [cl.addr(cl.host_of(r)) if cl else "127.0.0.1" for r in range(ranks)],
-        "seed": args.seed,
-        "model": args.model,
-        "batch_size": batch_for(args, ranks),
-        "warmup": args.warmup,
-        "iters": args.iters,
-        "steps_per_sample": args.steps_per_sample,
-        "configs": configs,
-        "label": label,
-        "powersgd_rank": args.powersgd_rank,
-        "powersgd_warmup": args.powersgd_warmup,
-    }
-    tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', label)}-n{ranks}"
-    return launch_world(
-        str(Path(__file__).resolve()), ranks, cfg, cl, tmp, tag, timeout, f"{label} N={ranks}", ranks_per_host=k
-    )
-
-
 def driver(args) -> int:
-    mode = "loopback" if args.loopback else "cluster"
+    mode, k, worlds, cores = (
+        "loopback" if args.loopback else "cluster",
+        args.ranks_per_host,
+        args.world_sizes,
+        os.cpu_count(),
+    )
     rates: list[str | None] = [None] if args.loopback else args.rates
-    worlds, cores = args.world_sizes, os.cpu_count()
     configs = make_configs(args)
-    k = args.ranks_per_host
     per_world = ", ".join(f"{batch_for(args, n * k)}/rank at N={n * k}" for n in worlds)
     batch_note = (
         f"global batch {args.global_batch} = {per_world}" if args.global_batch else f"batch {args.batch_size} per rank"
     )
-    rate_bits = {r: parse_rate(r) for r in rates if r}
+    rate_bits = {r: harness.parse_rate(r) for r in rates if r}
     steps = (args.warmup + args.iters) * args.steps_per_sample
     est = {
         (r, n): estimate_seconds(n * k, rate_bits.get(r), configs, steps, batch_for(args, n * k), args.model)
@@ -317,18 +226,16 @@ def driver(args) -> int:
         f"x compute = ms/step / compute's. fwd+bwd, sum/wait, opt: medians of the step's parts (max over ranks); "
         f"cpu/rank: CPU ms per step of a rank (all threads; kernel part in brackets)."
     )
+    link = f"egress cap per host {', '.join(rates)}" if not args.loopback else "127.0.0.1, no cap"
+    sizes = ",".join(map(str, worlds))
     print(
-        f"# training-step benchmark: mode={mode}, "
-        + (f"egress cap per host {', '.join(rates)}" if not args.loopback else "127.0.0.1, no cap")
-        + f", N={','.join(map(str, worlds))}, 1 torch thread per rank, {cores} CPU cores on this machine"
+        f"# training-step benchmark: mode={mode}, {link}, N={sizes}, 1 torch thread per rank, {cores} CPU cores", end=""
     )
+    print(" on this machine")
     print(f"# configurations: {', '.join(c['name'] for c in configs)} (order rotated per round)")
     print(f"# {notes}")
-    print(
-        f"# load average now {loadavg():.2f}; estimate "
-        + ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items()),
-        flush=True,
-    )
+    estimate = ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items())
+    print(f"# load average now {harness.loadavg():.2f}; estimate {estimate}", flush=True)
 
     started = time.time()
     records, load = run_worlds(args, configs, rates, rate_bits, est)
@@ -337,65 +244,45 @@ def driver(args) -> int:
         for r in records
         if r["params_identical"] is False
     ]
-    targets = evaluate_targets(records, mode, rates, worlds)
-    host = host_info()
+    targets, host = report.evaluate_targets(records, mode, rates, worlds), harness.host_info()
     model_note = "" if args.model == "trainer" else f"{args.model} model, "
     title = (
         f"training step, {mode}; {model_note}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
         f"{host['node']}, torch {host['torch']}"
     )
-    command = command_line("train_step.py")
+    command = harness.command_line("train_step.py")
     load_line = "; ".join(
-        f"{k}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
+        f"{w}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
         f"{v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}"
-        for k, v in load.items()
+        for w, v in load.items()
     )
-    md = (
-        f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
-        + table(records, mode)
-        + "\n\n```\n"
-        + target_lines(targets)
-        + "\n```\n"
+    md = f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
+    md += f"{report.table(records, mode)}\n\n```\n{report.target_lines(targets)}\n```\n"
+    result = {"mode": mode, "rates": rates, "world_sizes": worlds, "command": command}
+    result["batch_size"] = {str(n * k): batch_for(args, n * k) for n in worlds}
+    result |= {"global_batch": args.global_batch, "ranks_per_host": k} | harness.pick(
+        args, "warmup iters steps_per_sample seed model"
     )
-    result = {
-        "mode": mode,
-        "rates": rates,
-        "world_sizes": worlds,
-        "command": command,
-        "batch_size": {str(n * k): batch_for(args, n * k) for n in worlds},
-        "global_batch": args.global_batch,
-        "ranks_per_host": k,
-        "warmup": args.warmup,
-        "iters": args.iters,
-        "steps_per_sample": args.steps_per_sample,
-        "seed": args.seed,
-        "model": args.model,
-        "model_parameters": MODEL_NUMEL[args.model],
-        "threads_per_rank": 1,
-        "chunks": args.chunks,
-        "bucket_mb": args.bucket_mb,
-        "configs": configs,
-        "timing": "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
-        "rank; step time = max over ranks; median over timed rounds",
-        "compute_baselines": "compute = all N ranks compute at once, no communication (fair on a shared machine); "
-        "compute-alone = rank 0 alone, the other ranks idle",
-        "host": host,
-        "started": started_at(started),
-        "seconds": round(time.time() - started, 1),
-        "load": load,
-        "params_identical": not not_identical,
-        "not_identical": not_identical,
-        "targets": targets,
-        "results": records,
-    }
+    result |= {"model_parameters": MODEL_NUMEL[args.model], "threads_per_rank": 1, "chunks": args.chunks}
+    result |= {"bucket_mb": args.bucket_mb, "configs": configs}
+    result["timing"] = (
+        "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
+        "rank; step time = max over ranks; median over timed rounds"
+    )
+    result["compute_baselines"] = (
+        "compute = all N ranks compute at once, no communication (fair on a shared machine); "
+        "compute-alone = rank 0 alone, the other ranks idle"
+    )
+    result |= harness.run_info(host, started) | {"load": load, "params_identical": not not_identical}
+    result |= {"not_identical": not_identical, "targets": targets, "results": records}
     out = Path(args.results_dir) / results_stem(args, mode)
-    write_results(out, result, md, plot(records, title, rates, worlds))
+    harness.write_results(out, result, md, report.plot(records, title, rates, worlds))
 
-    print(f"\n{table(records, mode)}\n\nLoad during the runs: {load_line}\n")
+    print(f"\n{report.table(records, mode)}\n\nLoad during the runs: {load_line}\n")
     print(
         "Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)") + ":"
     )
-    print(target_lines(targets))
+    print(report.target_lines(targets))
     print(f"\nwrote {out}.json, .md, .png  ({time.time() - started:.0f}s)")
     if not_identical:
         print("\ntrain_step.py: ranks ended with DIFFERENT parameters in: " + ", ".join(not_identical), file=sys.stderr)
@@ -407,37 +294,32 @@ def results_stem(args, mode: str) -> str:
     """The results files' name: train_step-<mode>, plus whatever this run did differently from the
     default plan (rates, world sizes, model, batch, a subset of configurations), so that a partial
     or different run never overwrites the full one (train_step-cluster-1gbit-n2-b64.*)."""
-    parts = [f"train_step-{mode}"]
-    if mode == "cluster" and args.rates != DEFAULTS["rates"]:
-        parts.append("+".join(args.rates))
-    if args.world_sizes != DEFAULTS["world_sizes"]:
-        parts.append("n" + "+".join(map(str, args.world_sizes)))
-    if args.model != DEFAULTS["model"]:
-        parts.append(args.model)
-    if args.global_batch:
-        parts.append(f"gb{args.global_batch}")
-    elif args.batch_size != DEFAULTS["batch_size"]:
-        parts.append(f"b{args.batch_size}")
-    if args.only or args.algorithms != DEFAULTS["algorithms"]:
-        parts.append("subset")
-    if args.ranks_per_host > 1:
-        parts.append(f"{args.ranks_per_host}-per-host")
-    if getattr(args, "timeline", False):
-        parts.append("timeline")
-    if getattr(args, "compression", False):
-        parts.append("compression")
-        if args.compress != DEFAULTS["compress"]:
-            parts.append("+".join(args.compress))
-        if args.compress_with != DEFAULTS["compress_with"]:
-            parts.append(
-                "with-" + "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy") for c in args.compress_with)
-            )
-        if "powersgd" in args.compress and (args.powersgd_rank, args.powersgd_warmup) != (
-            DEFAULTS["powersgd_rank"],
-            DEFAULTS["powersgd_warmup"],
-        ):
-            parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
-    return stem_of(*parts)
+    d, psgd = DEFAULTS, (args.powersgd_rank, args.powersgd_warmup)
+    parts = [f"train_step-{mode}", "+".join(args.rates) if mode == "cluster" and args.rates != d["rates"] else None]
+    parts += ["n" + "+".join(map(str, args.world_sizes)) if args.world_sizes != d["world_sizes"] else None]
+    parts += [args.model if args.model != d["model"] else None]
+    parts += [
+        f"gb{args.global_batch}"
+        if args.global_batch
+        else f"b{args.batch_size}"
+        if args.batch_size != d["batch_size"]
+        else None
+    ]
+    parts += ["subset" if args.only or args.algorithms != d["algorithms"] else None]
+    parts += [
+        f"{args.ranks_per_host}-per-host" if args.ranks_per_host > 1 else None,
+        "timeline" if args.timeline else None,
+    ]
+    if args.compression:
+        with_ = "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy") for c in args.compress_with)
+        parts += ["compression", "+".join(args.compress) if args.compress != d["compress"] else None]
+        parts += ["with-" + with_ if args.compress_with != d["compress_with"] else None]
+        parts += [
+            f"r{psgd[0]}w{psgd[1]}"
+            if "powersgd" in args.compress and psgd != (d["powersgd_rank"], d["powersgd_warmup"])
+            else None
+        ]
+    return harness.results_stem(*parts)
 
 
 def main(argv=None) -> int:
@@ -446,154 +328,60 @@ def main(argv=None) -> int:
             raise argparse.ArgumentTypeError(f"--chunks: 'auto' or a whole number >= 1, got {text!r}")
         return text
 
-    ap = bench_parser(__doc__)
-    ap.add_argument("--loopback", action="store_true", help="all ranks on 127.0.0.1 (default: emulated cluster)")
-    ap.add_argument(
-        "--rates",
-        "--rate",
-        default=",".join(DEFAULTS["rates"]),
-        type=lambda s: [x for x in s.split(",") if x],
-        help="per-host egress caps of the cluster, tc syntax (default 1gbit,200mbit)",
-    )
-    ap.add_argument("--world-sizes", default=",".join(map(str, DEFAULTS["world_sizes"])), type=number_list(int))
-    ap.add_argument(
-        "--batch-size",
-        type=positive(int),
-        default=DEFAULTS["batch_size"],
-        help=f"images per step per rank (default {DEFAULTS['batch_size']})",
+    ap = harness.bench_parser(__doc__)
+    harness.add_link_options(ap, ",".join(DEFAULTS["rates"]))
+    harness.add_options(
+        ap, warmup=3, iters=15, algorithms=(ALGORITHMS, ",".join(DEFAULTS["algorithms"])), powersgd=True
     )
     ap.add_argument(
-        "--global-batch",
-        type=positive(int),
-        help="images per step over all ranks instead: batch per rank = this // N (train.py's default is 64)",
+        "--batch-size", type=harness.positive(int), default=DEFAULTS["batch_size"], help="images per step per rank"
     )
-    ap.add_argument("--warmup", type=int, default=3, help="discarded rounds first (default 3)")
-    ap.add_argument("--iters", type=positive(int), default=15, help="timed rounds (default 15)")
+    ap.add_argument(
+        "--global-batch", type=harness.positive(int), help="images per step over all ranks instead (// N a rank)"
+    )
     ap.add_argument(
         "--steps-per-sample",
-        type=positive(int),
+        type=harness.positive(int),
         default=6,
         help="consecutive training steps per configuration and round, timed together (default 6; "
         "each sample starts after a barrier, which drains what a lazy update would carry over)",
     )
-    ap.add_argument(
-        "--algorithms",
-        default=",".join(DEFAULTS["algorithms"]),
-        type=lambda s: s.split(","),
-        help=f"from {','.join(ALGORITHMS)} (default {','.join(DEFAULTS['algorithms'])})",
-    )
-    ap.add_argument(
-        "--ranks-per-host",
-        type=int,
-        default=1,
-        metavar="K",
-        help="K ranks on each emulated host, sharing its card; --world-sizes then counts hosts "
-        "(on loopback the hosts are faked for --algorithms hierarchical; default 1)",
-    )
-    ap.add_argument(
-        "--chunks",
-        type=chunks,
-        default="auto",
-        help="two-pass pieces (default auto: auto_chunks(#params) plain, per bucket with overlap)",
-    )
-    ap.add_argument(
-        "--bucket-mb",
-        default="1",
-        type=number_list(float),
-        help="overlap bucket size(s) in MB; several give one overlap configuration each (default 1)",
-    )
-    ap.add_argument(
-        "--only",
-        type=lambda s: s.split(","),
-        help="only these configurations (compute, compute-alone, the two floors and ddp are always kept)",
-    )
-    ap.add_argument(
-        "--timeline",
-        action="store_true",
-        help="also run each of our configurations recording a timeline (issue #15: its cost)",
-    )
-    ap.add_argument(
-        "--compression",
-        action="store_true",
-        help="issue #13: add compressed rows, each --compress on each --compress-with configuration of "
-        "ours and DDP with torch's matching comm hook (results files: ...-compression)",
-    )
-    ap.add_argument(
-        "--compress",
-        default=",".join(DEFAULTS["compress"]),
-        type=lambda s: s.split(","),
-        help=f"with --compression: which (default {','.join(DEFAULTS['compress'])})",
-    )
+    ap.add_argument("--chunks", type=chunks, default="auto", help="two-pass pieces (default auto: auto_chunks)")
+    ap.add_argument("--bucket-mb", default="1", type=harness.number_list(float), help="overlap bucket size(s) in MB")
+    ap.add_argument("--only", type=lambda s: s.split(","), help="only these configurations (and the floors and ddp)")
+    ap.add_argument("--timeline", action="store_true", help="also run each of ours recording a timeline (issue #15)")
+    ap.add_argument("--compression", action="store_true", help="issue #13: add compressed rows, ours and DDP's hooks")
+    hooks = harness.name_list(DDP_HOOKS, "compression(s)")
+    ap.add_argument("--compress", default=",".join(DEFAULTS["compress"]), type=hooks, help="with --compression: which")
     ap.add_argument(
         "--compress-with",
         default=",".join(DEFAULTS["compress_with"]),
         type=lambda s: s.split(","),
-        help="with --compression: our configuration(s) that compress, <algorithm>[+overlap[+lazy]] "
-        f"(default {','.join(DEFAULTS['compress_with'])})",
+        help="with --compression: our configuration(s) that compress, <algorithm>[+overlap[+lazy]]",
     )
-    ap.add_argument(
-        "--powersgd-rank",
-        type=positive(int),
-        default=DEFAULTS["powersgd_rank"],
-        help=f"PowerSGD's rank, ours and DDP's (default {DEFAULTS['powersgd_rank']})",
-    )
-    ap.add_argument(
-        "--powersgd-warmup",
-        type=int,
-        default=DEFAULTS["powersgd_warmup"],
-        help=f"uncompressed steps before PowerSGD starts, ours and DDP's (default "
-        f"{DEFAULTS['powersgd_warmup']}; DDP's hook needs >= 2)",
-    )
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument(
-        "--model",
-        choices=sorted(MODEL_NUMEL),
-        default=DEFAULTS["model"],
-        help="trainer: utils/model.Net (default); reference: the PyTorch MNIST example's CNN, "
-        "1.2M parameters, that issue #6's baseline was measured with",
-    )
-    add_world_options(ap)
+    ap.add_argument("--model", choices=sorted(MODEL_NUMEL), default=DEFAULTS["model"], help="reference: issue #6's CNN")
+    harness.add_world_options(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
 
-    bad = [a for a in args.algorithms if a not in ALGORITHMS]
-    if bad or not args.algorithms:
-        ap.error(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)}")
-    if not 1 <= args.ranks_per_host <= cluster.MAX_RANKS_PER_HOST:
-        ap.error(f"--ranks-per-host must be 1..{cluster.MAX_RANKS_PER_HOST}, got {args.ranks_per_host}")
-    if any(n * args.ranks_per_host < 2 for n in args.world_sizes):
-        ap.error("world sizes must be >= 2")
-    if args.warmup < 0 or any(not (mb > 0 and math.isfinite(mb)) for mb in args.bucket_mb):
-        ap.error("--warmup must be >= 0 and --bucket-mb positive")
-    bad = [c for c in args.compress if c not in DDP_HOOKS]
-    if bad or not args.compress:
-        ap.error(f"--compress: unknown {bad}; choose from {', '.join(DDP_HOOKS)}")
+    harness.check_options(ap, args)
+    if any(not (mb > 0 and math.isfinite(mb)) for mb in args.bucket_mb):
+        ap.error("--bucket-mb must be positive")
     for name in args.compress_with:
         try:
             parse_sum_config(name)
         except ValueError as e:
             ap.error(f"--compress-with: {e}")
-    if args.powersgd_warmup < 2:
-        ap.error("--powersgd-warmup must be >= 2 (DDP's PowerSGD hook needs 2 plain steps first)")
-    if args.only:
-        known = {c["name"] for c in make_configs(argparse.Namespace(**{**vars(args), "only": None}))}
-        if set(args.only) - known:
-            ap.error(
-                f"--only: unknown configuration(s) {sorted(set(args.only) - known)}; "
-                f"choose from {', '.join(sorted(known))}"
-            )
-    if not args.loopback:
-        if not args.rates:
-            ap.error("--rates needs at least one rate")
-        for r in args.rates:
-            try:
-                parse_rate(r)
-            except argparse.ArgumentTypeError as e:
-                ap.error(str(e))
-
+    known = {c["name"] for c in make_configs(argparse.Namespace(**{**vars(args), "only": None}))}
+    if args.only and set(args.only) - known:
+        ap.error(
+            f"--only: unknown configuration(s) {sorted(set(args.only) - known)}; choose from {', '.join(sorted(known))}"
+        )
     return run_driver(driver, args, "train_step.py")
 
+
+WORKER = str(Path(__file__).resolve())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,53 +5,31 @@ from __future__ import annotations
 
 import statistics
 
-from harness import compare, fmt, median_or_none, p_text, paired_ratios, png_of, quantile
+from harness import compare, fmt, md_row, median_or_none, p_text, paired_ratios, png_of, quantile
 from targets import bound
 
 
 def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) -> list[dict]:
     """Raw per-world results -> one record per configuration, with derived columns."""
-    n = raw["world_size"]
-    recs = []
+    n, recs = raw["world_size"], []
     for c in raw["configs"]:
         ms = [x * 1e3 for x in c["step_s"]]
         med = statistics.median(ms)
-        recs.append(
-            {
-                "rate": rate,
-                "rate_bits_per_s": rate_bits,
-                "world_size": n,
-                "config": c["name"],
-                "kind": c["kind"],
-                "allreduce": c.get("allreduce"),
-                "overlap": c.get("overlap", False),
-                "lazy": c.get("lazy", False),
-                "chunks": c.get("chunks"),
-                "bucket_mb": c.get("bucket_mb"),
-                "iters": len(ms),
-                "step_ms": ms,
-                "median_ms": med,
-                "p25_ms": quantile(ms, 0.25),
-                "p75_ms": quantile(ms, 0.75),
-                "min_ms": min(ms),
-                "max_ms": max(ms),
-                "fwd_bwd_ms": statistics.median(x * 1e3 for x in c["fb_s"]),
-                "sum_wait_ms": statistics.median(x * 1e3 for x in c["sum_s"]),
-                "opt_ms": statistics.median(x * 1e3 for x in c["opt_s"]),
-                "cpu_ms": statistics.median(x * 1e3 for x in c["cpu_s"]),
-                "cpu_sys_ms": statistics.median(x * 1e3 for x in c["sys_s"]),
-                "rank_median_ms": [x * 1e3 for x in c["rank_median_s"]],
-                "images_per_s_per_rank": batch / (med / 1e3),
-                "images_per_s_total": batch / (med / 1e3) * (1 if c.get("alone") else n),
-                "params_identical": c["params_identical"] if c["kind"] not in ("compute", "wire", "sync") else None,
-                "same_bits_as_plain": c.get("same_bits_as_plain"),
-                "batch_size": batch,
-                "compress": c.get("compress") or c.get("hook"),
-                "hook": c.get("hook"),
-                "wire_kb_per_step": median_or_none(c.get("tx_bytes"), 1e-3),
-                "sent_kb_per_step": median_or_none(c.get("sent_bytes"), 1e-3),
-            }
-        )
+        r = dict(rate=rate, rate_bits_per_s=rate_bits, world_size=n, config=c["name"], kind=c["kind"])
+        r |= dict(allreduce=c.get("allreduce"), overlap=c.get("overlap", False), lazy=c.get("lazy", False))
+        r |= dict(chunks=c.get("chunks"), bucket_mb=c.get("bucket_mb"), iters=len(ms), step_ms=ms, median_ms=med)
+        r |= dict(p25_ms=quantile(ms, 0.25), p75_ms=quantile(ms, 0.75), min_ms=min(ms), max_ms=max(ms))
+        for key, part in (("fwd_bwd", "fb"), ("sum_wait", "sum"), ("opt", "opt"), ("cpu", "cpu"), ("cpu_sys", "sys")):
+            r[f"{key}_ms"] = statistics.median(x * 1e3 for x in c[f"{part}_s"])
+        r["rank_median_ms"] = [x * 1e3 for x in c["rank_median_s"]]
+        r["images_per_s_per_rank"] = batch / (med / 1e3)
+        r["images_per_s_total"] = batch / (med / 1e3) * (1 if c.get("alone") else n)
+        r["params_identical"] = c["params_identical"] if c["kind"] not in ("compute", "wire", "sync") else None
+        r |= dict(same_bits_as_plain=c.get("same_bits_as_plain"), batch_size=batch)
+        r |= dict(compress=c.get("compress") or c.get("hook"), hook=c.get("hook"))
+        r["wire_kb_per_step"] = median_or_none(c.get("tx_bytes"), 1e-3)
+        r["sent_kb_per_step"] = median_or_none(c.get("sent_bytes"), 1e-3)
+        recs.append(r)
     base = {r["config"]: r["median_ms"] for r in recs}
     for r in recs:
         for key, ref in (("x_compute", "compute"), ("x_compute_alone", "compute-alone"), ("x_ddp", "ddp")):
@@ -66,34 +44,14 @@ def table(records: list[dict], mode: str) -> str:
     )
     lines = [head, "|:--|--:|--:|:--|" + "--:|" * 12 + ":-:|"]
     for r in records:
-        identical = {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]] + (
-            ", = plain" if r["same_bits_as_plain"] else ""
-        )
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["rate"] or mode,
-                    str(r["world_size"]),
-                    str(r["batch_size"]),
-                    r["config"],
-                    fmt(r["chunks"], "{}"),
-                    fmt(r["bucket_mb"], "{:g}"),
-                    f"{r['median_ms']:.1f}",
-                    f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
-                    f"{r['fwd_bwd_ms']:.1f}",
-                    f"{r['sum_wait_ms']:.1f}",
-                    f"{r['opt_ms']:.1f}",
-                    f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})",
-                    f"{r['images_per_s_per_rank']:.0f}",
-                    fmt(r["x_compute"]),
-                    fmt(r["x_ddp"]),
-                    fmt(r.get("wire_kb_per_step"), "{:.0f}"),
-                    identical,
-                ]
-            )
-            + " |"
-        )
+        identical = {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
+        identical += ", = plain" if r["same_bits_as_plain"] else ""
+        cells = [r["rate"] or mode, r["world_size"], r["batch_size"], r["config"], fmt(r["chunks"], "{}")]
+        cells += [fmt(r["bucket_mb"], "{:g}"), f"{r['median_ms']:.1f}", f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}"]
+        cells += [f"{r[key]:.1f}" for key in ("fwd_bwd_ms", "sum_wait_ms", "opt_ms")]
+        cells += [f"{r['cpu_ms']:.1f} ({r['cpu_sys_ms']:.1f})", f"{r['images_per_s_per_rank']:.0f}"]
+        cells += [fmt(r["x_compute"]), fmt(r["x_ddp"]), fmt(r.get("wire_kb_per_step"), "{:.0f}"), identical]
+        lines.append(md_row(*cells))
     return "\n".join(lines)
 
 

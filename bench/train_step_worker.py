@@ -1,8 +1,9 @@
 """bench/train_step.py's ranks: every configuration's steps, interleaved round by round, timed.
 
-Every configuration runs the trainer's own step, utils.run.train_step, with a gradient sync in
-the place it takes: ours (utils.sync.buckets.make_gradient_sync), or peers.LocalStep (compute only,
-DDP), or Lockstep (the floors). PhaseClock, wrapped around it, times the step's parts.
+Every configuration runs the trainer's own loop, utils.run.train_model (peers.train_steps), for a
+sample of consecutive steps, with a gradient sync in the place it takes: ours (peers.make_sync), or
+peers.LocalStep (compute only, DDP), or Lockstep (the floors). PhaseClock, wrapped around it, times
+the step's parts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from harness import REPO, digest, numel, rotated, start_worker
-from peers import LocalStep, bytes_sent, make_ddp, nic_tx_bytes, our_sync
+from peers import LocalStep, bytes_sent, make_ddp, make_sync, nic_tx_bytes, our_sync, train_steps
 
 from utils.files import write_file
 
@@ -61,13 +62,17 @@ class Lockstep(LocalStep):
 
 
 class PhaseClock:
-    """A gradient sync, timed: when backward ended and when the sum (or wait) after it did, so that a
-    step splits into forward+backward, sum/wait and optimizer."""
+    """A gradient sync, timed: a step's forward+backward (from weigh() to after_backward()), the sum or
+    wait after it, and the optimizer, summed over the steps in `parts`. Anything else is the sync's."""
 
     def __init__(self, sync):
-        self.sync, self.backward_end, self.sum_end = sync, 0.0, 0.0
+        self.sync, self.parts = sync, [0.0, 0.0, 0.0]
+
+    def __getattr__(self, name):
+        return getattr(self.sync, name)
 
     def weigh(self, weight):
+        self.start = time.perf_counter()
         self.sync.weigh(weight)
 
     def after_backward(self):
@@ -77,6 +82,67 @@ class PhaseClock:
 
     def step(self):
         self.sync.step()
+        times = (self.start, self.backward_end, self.sum_end, time.perf_counter())
+        self.parts = [total + b - a for total, a, b in zip(self.parts, times, times[1:])]
+
+
+class Runner:
+    """One configuration: its own model (same seed), optimizer, schedule and gradient sync."""
+
+    def __init__(self, spec: dict, cfg: dict, rank: int, wire):
+        import torch
+
+        from utils import timeline
+        from utils.config import Recipe
+        from utils.run import make_optimizer
+
+        self.skip = spec.get("alone") and rank != 0
+        torch.manual_seed(cfg["seed"])
+        self.model = self.forward = make_model(cfg["model"])
+        steps = (cfg["warmup"] + cfg["iters"]) * cfg["steps_per_sample"] + 1
+        optimizer, scheduler = make_optimizer(self.model, Recipe(epochs=1), steps)
+        if spec["kind"] == "sum":
+            sync = our_sync(
+                spec["allreduce"],
+                spec["overlap"],
+                spec.get("lazy", False),
+                spec.get("compress", "none"),
+                cfg["powersgd_rank"],
+                cfg["powersgd_warmup"],
+                cfg["op_timeout"],
+                spec["chunks"] or "auto",
+                spec["bucket_mb"] or 1.0,
+            )
+            self.sync = make_sync(self.model, sync, optimizer, scheduler, cfg["seed"])
+        elif spec["kind"] in ("sync", "wire"):
+            self.sync = Lockstep(optimizer, scheduler, wire if spec["kind"] == "wire" else None)
+            if spec["kind"] == "wire":  # the bytes start with backward, where a sum's would
+                self.model.register_forward_hook(lambda *_: wire.start())
+        else:
+            if spec["kind"] == "ddp":
+                hook = spec.get("hook")
+                self.forward, _ = make_ddp(self.model, hook, cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"])
+            self.sync = LocalStep(optimizer, scheduler)
+        # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
+        self.recorder = timeline.Recorder(os.devnull, 1, 10**9, 10**9) if spec.get("timeline") else None
+
+    def sample(self, batches: list, images, labels) -> tuple:
+        """The steps of `batches` (after a barrier), ending with every lazy update applied (train_model's end).
+
+        Per step: (total, fwd+bwd, sum, opt, CPU user, CPU sys) seconds, then bytes this rank's NIC sent
+        (None on loopback) and bytes our gradient sync counts as sent (None for the others)."""
+        if self.skip:
+            return (0.0,) * 6 + (None, None)
+        nic, clock, k = os.environ.get("GLOO_SOCKET_IFNAME"), PhaseClock(self.sync), len(batches)
+        tx0, sent0 = nic_tx_bytes(nic), bytes_sent(self.sync)
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()  # all threads of this rank
+        train_steps(self.forward, clock, images, labels, batches, recorder=self.recorder)
+        total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        if self.recorder is not None:
+            self.recorder.spans.clear()
+        seconds = (total, *clock.parts, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime)
+        counts = ((tx0, nic_tx_bytes(nic)), (sent0, bytes_sent(self.sync)))
+        return tuple(x / k for x in seconds) + tuple(None if b is None else (b - a) / k for a, b in counts)
 
 
 def worker(args) -> int:
@@ -86,114 +152,28 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from utils import timeline
     from utils.config import Recipe
-    from utils.data import epoch_indices, load_mnist
-    from utils.run import make_optimizer, train_step
-    from utils.sync.buckets import make_gradient_sync
+    from utils.data import load_mnist
+    from utils.run import batches_of_epoch
 
     say = start_worker(cfg, rank)
     prefix = f"  [{cfg['label']} N={n}]"
-    say(
-        f"{prefix} {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME="
-        f"{os.environ.get('GLOO_SOCKET_IFNAME', '-')}, torch {torch.__version__})"
-    )
-
-    train_images, train_labels, _, _ = load_mnist(str(REPO / "data"))
-    batches = torch.split(epoch_indices(len(train_labels), 1, rank, n, cfg["seed"]), cfg["batch_size"])
-    k_steps = cfg["steps_per_sample"]
-    rounds = cfg["warmup"] + cfg["iters"]
-    nic = os.environ.get("GLOO_SOCKET_IFNAME")
-
-    class Runner:
-        """One configuration: its own model (same seed), optimizer, schedule and gradient sync."""
-
-        def __init__(self, spec):
-            self.skip = spec.get("alone") and rank != 0
-            torch.manual_seed(cfg["seed"])
-            self.model = self.forward = make_model(cfg["model"])
-            optimizer, scheduler = make_optimizer(self.model, Recipe(epochs=1), rounds * k_steps + 1)
-            if spec["kind"] == "sum":
-                self.sync = make_gradient_sync(
-                    self.model,
-                    our_sync(
-                        spec["allreduce"],
-                        spec["overlap"],
-                        spec.get("lazy", False),
-                        spec.get("compress", "none"),
-                        cfg["powersgd_rank"],
-                        cfg["powersgd_warmup"],
-                        cfg["op_timeout"],
-                        spec["chunks"] or "auto",
-                        spec["bucket_mb"] or 1.0,
-                    ),
-                    optimizer,
-                    scheduler,
-                    cfg["seed"],
-                )
-            elif spec["kind"] in ("sync", "wire"):
-                self.sync = Lockstep(optimizer, scheduler, wire if spec["kind"] == "wire" else None)
-                if spec["kind"] == "wire":  # the bytes start with backward, where a sum's would
-                    self.model.register_forward_hook(lambda *_: wire.start())
-            else:
-                if spec["kind"] == "ddp":
-                    self.forward, _ = make_ddp(
-                        self.model, spec.get("hook"), cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"]
-                    )
-                self.sync = LocalStep(optimizer, scheduler)
-            self.clock = PhaseClock(self.sync)
-            # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
-            self.recorder = timeline.Recorder(os.devnull, 1, 10**9, 10**9) if spec.get("timeline") else None
-
-        def sample(self, first_batch):
-            """k_steps consecutive training steps (after a barrier), ending with every lazy update applied.
-
-            Per step: (total, fwd+bwd, sum, opt, CPU user, CPU sys) seconds, then bytes this rank's NIC sent
-            (None on loopback) and bytes our gradient sync counts as sent (None for the others)."""
-            if self.skip:
-                return (0.0,) * 6 + (None, None)
-            tx0, sent0 = nic_tx_bytes(nic), bytes_sent(self.sync)
-            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()  # all threads of this rank
-            fb = sm = op = 0.0
-            timeline.recorder = self.recorder  # None: off, as without --timeline
-            for s in range(k_steps):
-                batch = batches[(first_batch + s) % len(batches)]
-                timeline.at_step(first_batch + s + 1)
-                start = time.perf_counter()
-                train_step(self.forward, self.clock, train_images[batch], train_labels[batch]).item()
-                end, clock = time.perf_counter(), self.clock
-                fb, sm, op = (
-                    fb + clock.backward_end - start,
-                    sm + clock.sum_end - clock.backward_end,
-                    op + end - clock.sum_end,
-                )
-            self.sync.finish()  # lazy: the last step's update is part of this sample
-            if self.recorder is not None:
-                self.recorder.spans.clear()
-            timeline.recorder = None
-            total, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-            tx1, sent1 = nic_tx_bytes(nic), bytes_sent(self.sync)
-            return tuple(
-                x / k_steps for x in (total, fb, sm, op, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime)
-            ) + tuple(None if b is None else (b - a) / k_steps for a, b in ((tx0, tx1), (sent0, sent1)))
-
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "-")
+    say(f"{prefix} {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME={ifname}, torch {torch.__version__})")
+    images, labels, _, _ = load_mnist(str(REPO / "data"))
+    batches = batches_of_epoch(len(labels), 1, Recipe(global_batch=cfg["batch_size"] * n, seed=cfg["seed"]))
     wire = None
     if n > 1 and any(spec["kind"] == "wire" for spec in cfg["configs"]):
-        wire = RawWire(
-            rank,
-            n,
-            cfg["addrs"],
-            2 * (n - 1) * numel(make_model(cfg["model"])) * 4 // n,
-            cfg["op_timeout"],
-            dist.all_gather_object,
-        )
-    runners = [Runner(spec) for spec in cfg["configs"]]
-    times = [[] for _ in runners]  # this rank: per timed round, (total, fb, sum, opt, usr, sys)
-    t_start = time.time()
-    for rnd in range(rounds):
+        nbytes = 2 * (n - 1) * numel(make_model(cfg["model"])) * 4 // n
+        wire = RawWire(rank, n, cfg["addrs"], nbytes, cfg["op_timeout"], dist.all_gather_object)
+    runners = [Runner(spec, cfg, rank, wire) for spec in cfg["configs"]]
+    times = [[] for _ in runners]  # this rank: per timed round, (total, fb, sum, opt, usr, sys, tx, sent)
+    t_start, k = time.time(), cfg["steps_per_sample"]
+    for rnd in range(cfg["warmup"] + cfg["iters"]):
+        sample = [batches[(rnd * k + s) % len(batches)] for s in range(k)]  # every configuration: the same batches
         for i in rotated(list(range(len(runners))), rnd):
             dist.barrier()
-            t = runners[i].sample(rnd * k_steps)  # every configuration sees the same batches
+            t = runners[i].sample(sample, images, labels)
             if rnd >= cfg["warmup"]:
                 times[i].append(t)
         if rnd + 1 == cfg["warmup"]:
@@ -238,11 +218,10 @@ class RawWire:
             sock.settimeout(timeout)  # a dead peer raises instead of hanging
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.outgoing, self.incoming = bytearray(nbytes), bytearray(nbytes)
-        self.go = [threading.Semaphore(0), threading.Semaphore(0)]
-        self.done = threading.Semaphore(0)
+        self.go, self.done = [threading.Semaphore(0), threading.Semaphore(0)], threading.Semaphore(0)
         self.error = None
-        for i, job in enumerate((self._send, self._receive)):
-            threading.Thread(target=self._loop, args=(self.go[i], job), daemon=True).start()
+        for go, job in zip(self.go, (self._send, self._receive)):
+            threading.Thread(target=self._loop, args=(go, job), daemon=True).start()
 
     def _send(self):
         self.to_right.sendall(self.outgoing)
@@ -282,37 +261,25 @@ class RawWire:
 def merge_ranks(cfg: dict, everyone: list[dict]) -> dict:
     """Every rank's per-round times and parameter digests -> per configuration and timed round: the
     step and its parts as the max over ranks, CPU as the mean over the ranks that ran."""
-    iters, digests = cfg["iters"], everyone[0]["digests"]
-    plain = {
-        s["allreduce"]: i
-        for i, s in enumerate(cfg["configs"])
-        if s["kind"] == "sum" and not s["overlap"] and s.get("compress", "none") == "none"
-    }
+    iters, digests = range(cfg["iters"]), everyone[0]["digests"]
+    uncompressed = [s["kind"] == "sum" and s.get("compress", "none") == "none" for s in cfg["configs"]]
+    plain = {s["allreduce"]: i for i, s in enumerate(cfg["configs"]) if uncompressed[i] and not s["overlap"]}
     out = {"world_size": cfg["world_size"], "configs": []}
     for i, spec in enumerate(cfg["configs"]):
         per_rank = [e["times"][i] for e in everyone]  # [rank][round] -> tuple
-        rows = [[max(x) for x in zip(*(pr[j][:6] for pr in per_rank))] for j in range(iters)]
-        step_s, fb_s, sum_s, opt_s = [list(col) for col in zip(*rows)][:4]
+        step_s, fb_s, sum_s, opt_s = ([max(pr[j][c] for pr in per_rank) for j in iters] for c in range(4))
         ran = [pr for pr in per_rank if not (spec.get("alone") and pr[0][0] == 0)]
         same = None
-        if spec.get("overlap") and spec["allreduce"] in plain and spec.get("compress", "none") == "none":
+        if spec.get("overlap") and spec["allreduce"] in plain and uncompressed[i]:
             same = digests[i] == digests[plain[spec["allreduce"]]]
-        out["configs"].append(
-            {
-                **spec,
-                "step_s": step_s,
-                "fb_s": fb_s,
-                "sum_s": sum_s,
-                "opt_s": opt_s,
-                "cpu_s": [statistics.mean(pr[j][4] + pr[j][5] for pr in ran) for j in range(iters)],
-                "sys_s": [statistics.mean(pr[j][5] for pr in ran) for j in range(iters)],
-                "rank_median_s": [statistics.median(t[0] for t in pr) for pr in per_rank],
-                "tx_bytes": [mean_or_none(pr[j][6] for pr in ran) for j in range(iters)],
-                "sent_bytes": [mean_or_none(pr[j][7] for pr in ran) for j in range(iters)],
-                "params_identical": len({e["digests"][i] for e in everyone}) == 1,
-                "same_bits_as_plain": same,
-            }
-        )
+        c = dict(spec, step_s=step_s, fb_s=fb_s, sum_s=sum_s, opt_s=opt_s)
+        c["cpu_s"] = [statistics.mean(pr[j][4] + pr[j][5] for pr in ran) for j in iters]
+        c["sys_s"] = [statistics.mean(pr[j][5] for pr in ran) for j in iters]
+        c["rank_median_s"] = [statistics.median(t[0] for t in pr) for pr in per_rank]
+        c["tx_bytes"] = [mean_or_none(pr[j][6] for pr in ran) for j in iters]
+        c["sent_bytes"] = [mean_or_none(pr[j][7] for pr in ran) for j in iters]
+        c["params_identical"] = len({e["digests"][i] for e in everyone}) == 1
+        out["configs"].append(dict(c, same_bits_as_plain=same))
     return out
 
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import time_to_accuracy as tta
+import time_to_accuracy_report as report
+from time_to_accuracy_worker import eval_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "time_to_accuracy.py")
@@ -68,10 +70,10 @@ def test_configurations_parse_and_nothing_else_does():
 
 def test_evaluation_points_are_evenly_spaced_and_end_each_epoch():
     assert tta.DEFAULTS["evals_per_epoch"] == 16  # issue #24: 4 a epoch cannot resolve a 10% target
-    assert tta.eval_steps(937, 16) == [59, 117, 176, 234, 293, 351, 410, 468, 527, 586, 644, 703, 761, 820, 878, 937]
-    assert tta.eval_steps(937, 4) == [234, 468, 703, 937]
-    assert tta.eval_steps(10, 1) == [10]
-    assert tta.eval_steps(3, 8) == [1, 2, 3]  # never more points than steps, never twice
+    assert eval_steps(937, 16) == [59, 117, 176, 234, 293, 351, 410, 468, 527, 586, 644, 703, 761, 820, 878, 937]
+    assert eval_steps(937, 4) == [234, 468, 703, 937]
+    assert eval_steps(10, 1) == [10]
+    assert eval_steps(3, 8) == [1, 2, 3]  # never more points than steps, never twice
 
 
 def points(*accuracies, spe=4):
@@ -80,12 +82,12 @@ def points(*accuracies, spe=4):
 
 def test_time_to_target_is_the_first_point_at_or_above_it():
     ps = points(0.1, 0.98, 0.99, 0.985, 0.995)
-    assert tta.time_to_target(ps, 0.99)["seconds"] == 20.0  # reached exactly counts, later dips don't matter
-    assert tta.time_to_target(ps, 0.9999) is None
-    assert tta.time_to_target([], 0.99) is None
-    assert tta.accuracy_after_epoch(points(0.1, 0.5, 0.9, 0.95, 0.97, 0.98, 0.99, 0.991, 0.992), 1, 4) == 0.97
-    assert tta.accuracy_after_epoch(points(0.1, 0.5, 0.9, 0.95, 0.97, 0.98, 0.99, 0.991, 0.992), 2, 4) == 0.992
-    assert tta.accuracy_after_epoch(points(0.1, 0.5), 1, 4) is None
+    assert report.time_to_target(ps, 0.99)["seconds"] == 20.0  # reached exactly counts, later dips don't matter
+    assert report.time_to_target(ps, 0.9999) is None
+    assert report.time_to_target([], 0.99) is None
+    assert report.accuracy_after_epoch(points(0.1, 0.5, 0.9, 0.95, 0.97, 0.98, 0.99, 0.991, 0.992), 1, 4) == 0.97
+    assert report.accuracy_after_epoch(points(0.1, 0.5, 0.9, 0.95, 0.97, 0.98, 0.99, 0.991, 0.992), 2, 4) == 0.992
+    assert report.accuracy_after_epoch(points(0.1, 0.5), 1, 4) is None
 
 
 def test_summary_and_free_network():
@@ -102,13 +104,13 @@ def test_summary_and_free_network():
         "counts_bytes": True,
         "params_identical": True,
     }
-    r = tta.summarize(raw, {"name": "ours", "kind": "ours", "compress": "none"}, 2, 0.99, 2)
+    r = report.summarize(raw, {"name": "ours", "kind": "ours", "compress": "none"}, 2, 0.99, 2)
     assert r["time_to_target_s"] == 20.0 and r["steps_to_target"] == 2 and r["epochs_to_target"] == 1.0
     assert r["compute_x_steps_to_target_s"] == 1.0 and r["compute_x_steps_s"] == 2.0
     assert r["accuracy_by_epoch"] == {"1": 0.99, "2": 0.992} and r["ms_per_step"] == 10000.0
     assert r["wire_kb_per_step"] == 1.25 and r["sent_kb_per_step"] == 0.75
     ddp = dict(r, config="ddp", kind="ddp", compute_ms_per_step=700.0)
-    free = tta.free_network(
+    free = report.free_network(
         [
             dict(r, compute_ms_per_step=500.0),
             ddp,
@@ -116,7 +118,7 @@ def test_summary_and_free_network():
         ]
     )
     assert free["of"] == "ours" and free["ms_per_step"] == 600.0 and free["to_target_s"] == pytest.approx(1.2)
-    assert "| 2 | ours ring+overlap+lazy | 20.0 | 2 (1.00) | 1.0 | 20.00x | 99.00% | 99.20% |" in tta.table(
+    assert "| 2 | ours ring+overlap+lazy | 20.0 | 2 (1.00) | 1.0 | 20.00x | 99.00% | 99.20% |" in report.table(
         [r], "ring+overlap+lazy", 0.99, 2
     )
 
@@ -204,14 +206,14 @@ def test_repeats_give_medians_and_each_run_against_our_best():
         record("ours+bf16", "ours", 2, 50.0, 41.0),
         record("ours+bf16", "ours", 3, 51.0, 42.0),
     ]
-    lines = tta.medians(records, "two-pass", 0.99).splitlines()
+    lines = report.medians(records, "two-pass", 0.99).splitlines()
     assert lines[2] == "| 2 | ours two-pass+powersgd | 3 | 31.0 | 30.0, 36.0, 31.0 | 26.0 | 1.55x |  |"
     assert lines[3] == (
         "| 2 | ddp+powersgd | 3 | 33.0 | 33.0, 30.0, 40.0 | 27.0 | 1.65x | "
         "ours two-pass+powersgd: 0.909x, 1.200x, 0.775x |"
     )
     assert lines[4] == "| 2 | ours two-pass+bf16 | 3 | not reached | -, 50.0, 51.0 | 41.0 | - |  |"
-    assert tta.label(records[2], "two-pass") == "ours two-pass+powersgd (run 2)"
+    assert report.label(records[2], "two-pass") == "ours two-pass+powersgd (run 2)"
 
 
 def run_record(config, rate, run, seconds, steps=None, acc=(0.98, 0.99), wire=None, n=2):
@@ -249,7 +251,7 @@ def test_h_by_link_table_has_a_column_group_per_rate_and_medians_in_it():
         run_record("localsgd@16", "20mbit", 3, 95.0, 1044, (0.989, 0.993), 62.0),
         run_record("ours+bf16@16", "1gbit", 1, 20.0, 1000, (0.985, 0.992), 14.5),
     ]
-    lines = tta.h_by_link(records, ["20mbit", "1gbit"], "ring+overlap+lazy", 0.99, 2).splitlines()
+    lines = report.h_by_link(records, ["20mbit", "1gbit"], "ring+overlap+lazy", 0.99, 2).splitlines()
     assert lines[0] == (
         "| N | configuration | 20mbit: time to 99.0% (s) | 20mbit: steps to it | 20mbit: acc after 1 ep "
         "| 20mbit: acc after 2 ep | 20mbit: wire KB/step/rank | 1gbit: time to 99.0% (s) "
@@ -263,13 +265,13 @@ def test_h_by_link_table_has_a_column_group_per_rate_and_medians_in_it():
     # a run that never reached the target: no median time; no run at a rate: dashes
     assert lines[3] == "| 2 | localsgd@16 | not reached | - | 98.80% | 99.25% | 61 | - | - | - | - | - |"
     assert len(lines) == 4
-    assert tta.h_by_link(records, ["20mbit"], "two-pass", 0.99, 1).splitlines()[0].count("acc after") == 1
+    assert report.h_by_link(records, ["20mbit"], "two-pass", 0.99, 1).splitlines()[0].count("acc after") == 1
 
-    md = tta.tables(records, ["20mbit", "1gbit"], "ring+overlap+lazy", 0.99, 2, 3)
+    md = report.tables(records, ["20mbit", "1gbit"], "ring+overlap+lazy", 0.99, 2, 3)
     assert "#### 20mbit" in md and "#### 1gbit" in md and "H x link (medians over 3 run(s) each)" in md
     assert md.count("Medians over 3 runs") == 2
     plain = [dict(r, config="ours", sync_every=1, rate="200mbit") for r in records[:3]]
-    md = tta.tables(plain, ["200mbit"], "ring", 0.99, 2, 1)  # one rate, no @H: today's table alone
+    md = report.tables(plain, ["200mbit"], "ring", 0.99, 2, 1)  # one rate, no @H: today's table alone
     assert "H x link" not in md and "####" not in md and "Medians" not in md and md.startswith("| N |")
 
 
@@ -285,7 +287,7 @@ def test_medians_set_our_best_against_local_sgd_and_give_the_headline_ratios():
             run_record("ddp+powersgd", "20mbit", run, ddp),
             run_record("ours+powersgd", "20mbit", run, psgd),
         ]
-    lines = tta.medians(records, "two-pass", 0.99).splitlines()
+    lines = report.medians(records, "two-pass", 0.99).splitlines()
     assert lines[2] == "| 2 | ours two-pass+bf16@16 | 3 | 21.0 | 20.0, 21.0, 22.0 | 20.0 | 2.10x |  |"
     # our best by median is ours@16 (21.0 s, against @64's 22.0): every run of it against local SGD's, run by run
     assert lines[4] == (
@@ -307,12 +309,12 @@ def test_medians_set_our_best_against_local_sgd_and_give_the_headline_ratios():
     )
     assert len(lines) == 10
     unreached = [dict(r, time_to_target_s=None) if r["kind"] == "localsgd" else r for r in records]
-    assert tta.medians(unreached, "two-pass", 0.99).splitlines()[8] == (
+    assert report.medians(unreached, "two-pass", 0.99).splitlines()[8] == (
         "20mbit N=2: best localsgd@H / best ours@H, median time to 99.0%: - "
         "(localsgd@16: not reached; ours two-pass+bf16@16 21.0 s)  "
     )
     only_per_step = [r for r in records if r["config"] in ("ours+powersgd", "localsgd@16")]
-    assert "best localsgd@H" not in tta.medians(only_per_step, "two-pass", 0.99)  # no ours@H to set against it
+    assert "best localsgd@H" not in report.medians(only_per_step, "two-pass", 0.99)  # no ours@H to set against it
 
 
 def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():

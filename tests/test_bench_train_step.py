@@ -199,7 +199,7 @@ def test_compression_rows_and_their_file_names(monkeypatch):
 def test_compression_targets():
     """200 Mbit/s: ours powersgd <= 1.02x DDP+PowerSGD (and <= 1.30x compute at N=2), ours bf16 <= 1.02x
     the better DDP hook; both the medians' ratio and the paired one must be within the bound."""
-    import train_step
+    import train_step_report as report
 
     def row(config, kind, ms, compress=None, n=2, rate_bits=200 * 10**6):
         return {
@@ -223,7 +223,7 @@ def test_compression_targets():
         row("ddp+fp16", "ddp", [60, 60, 60], "fp16"),
         row("ddp+bf16", "ddp", [40, 55, 56], "bf16"),
     ]
-    t = {x["target"]: x for x in train_step.compression_targets(rows)}
+    t = {x["target"]: x for x in report.compression_targets(rows)}
     psgd = t["powersgd <= 1.02x DDP+PowerSGD"]
     assert psgd["best"] == "ring+overlap+lazy+powersgd" and psgd["status"] == "PASS"  # 25/25 and paired 1.0
     assert (
@@ -233,13 +233,13 @@ def test_compression_targets():
     assert bf16["peer"] == "ddp+bf16" and bf16["ratio"] == pytest.approx(50 / 55)
     # the medians pass (50/55) but the paired median (50/55, 50/56, 50/40 -> 0.909) too; make the paired one miss
     rows[-1] = row("ddp+bf16", "ddp", [45, 55, 45.5], "bf16")  # median 45.5: 50/45.5 = 1.10 -> MISS
-    assert {x["target"]: x for x in train_step.compression_targets(rows)}["bf16 <= 1.02x DDP+fp16/bf16 hook"][
+    assert {x["target"]: x for x in report.compression_targets(rows)}["bf16 <= 1.02x DDP+fp16/bf16 hook"][
         "status"
     ] == "MISS"
-    assert train_step.compression_targets([dict(r, rate_bits_per_s=10**9) for r in rows]) == []  # 200 Mbit/s only
-    n4 = train_step.compression_targets([dict(r, world_size=4) for r in rows])
+    assert report.compression_targets([dict(r, rate_bits_per_s=10**9) for r in rows]) == []  # 200 Mbit/s only
+    n4 = report.compression_targets([dict(r, world_size=4) for r in rows])
     assert "powersgd N=2 <= 1.30x compute" not in {x["target"] for x in n4} and len(n4) == 2
-    lines = train_step.target_lines(train_step.compression_targets(rows))
+    lines = report.target_lines(report.compression_targets(rows))
     assert "PASS  powersgd <= 1.02x DDP+PowerSGD" in lines and "floor: compute+sync" in lines
 
 
@@ -247,6 +247,7 @@ def test_timeline_rows_and_their_overhead_target(monkeypatch):
     """--timeline (issue #15) runs each of our configurations again recording a timeline; the target:
     on <= 1.02x off, both the medians' ratio and the paired one."""
     import train_step
+    import train_step_report as report
 
     parsed = []
     monkeypatch.setattr(train_step, "run_driver", lambda driver, args, name: parsed.append(args) or 0)
@@ -266,8 +267,8 @@ def test_timeline_rows_and_their_overhead_target(monkeypatch):
         return {"config": config, "step_ms": ms, "median_ms": sorted(ms)[1], "rate": None, "world_size": 2}
 
     on = [row("ring+overlap+lazy", [40, 40, 40]), row("ring+overlap+lazy+timeline", [40.4, 40.6, 40.2])]
-    (t,) = train_step.timeline_targets(on)
+    (t,) = report.timeline_targets(on)
     assert t["status"] == "PASS" and t["ratio"] == pytest.approx(40.4 / 40)
-    (t,) = train_step.timeline_targets([on[0], row("ring+overlap+lazy+timeline", [41, 41, 41])])
+    (t,) = report.timeline_targets([on[0], row("ring+overlap+lazy+timeline", [41, 41, 41])])
     assert t["status"] == "MISS"  # 1.025x
-    assert "timeline on <= 1.02x off" in train_step.target_lines([t])
+    assert "timeline on <= 1.02x off" in report.target_lines([t])
