@@ -18,213 +18,29 @@ rank here (utils/launch.py), or joins the process group (utils/distributed.py) a
 utils/run.py, which trains. Exceptions become one line and an exit code (utils/errors.py).
 """
 
-import argparse
 import dataclasses
 import datetime
 import os
 import shlex
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-os.environ.setdefault(
-    "TORCH_CPP_LOG_LEVEL", "FATAL"
-)  # c10d logs socket errors with stack traces; we report them in one line
-
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
-from utils import stop  # noqa: E402
-from utils.config import (
-    ALGORITHMS,
-    COMPRESSIONS,
-    DEFAULT_POWERSGD_RANK,
-    DEFAULT_POWERSGD_WARMUP,  # noqa: E402
-    DEFAULT_TIMELINE_STEPS,
-    GLOBAL_BATCH,
-    MAX_HEARTBEAT,
-    MAX_LR,
-    MAX_NPROC,
-    MAX_POWERSGD_RANK,
-    MAX_SYNC_EVERY,
-    MAX_TIMEOUT,
-    OUTERS,
-    OneLineParser,
-    check_share,
-    chunk_count,
-    from_args,
-    momentum_value,
-    non_negative_int,
-    positive,
-    seed_value,
-    timeline_steps,
-)
-from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line  # noqa: E402
-from utils.files import check_writable, remove_stale_temps, set_aside  # noqa: E402
-from utils.launch import launch_local  # noqa: E402
-from utils.mnist import ensure_mnist  # noqa: E402
-from utils.outputs import lock_outputs, release  # noqa: E402
+from utils import cli, stop
+from utils.config import check_share, from_args
+from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
+from utils.files import check_writable, remove_stale_temps, set_aside
+from utils.launch import launch_local
+from utils.mnist import ensure_mnist
+from utils.outputs import lock_outputs, release
+
+# c10d logs socket errors with stack traces; we report them in one line (set before torch loads)
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 PROG = "train.py"
 
 
 def parse_args(argv):
-    p = OneLineParser(prog=PROG, description="Data-parallel MNIST over a hand-written gloo ring.")
-    p.add_argument("--rank", type=int, help="this server's rank, 0..world size-1 (omit to run every rank here)")
-    p.add_argument("--world-size", "--world_size", dest="world_size", type=int, help="number of ranks (servers)")
-    p.add_argument(
-        "--init-method",
-        "--init_method",
-        dest="init_method",
-        help="rendezvous address of rank 0, e.g. tcp://192.168.0.1:23456",
-    )
-    p.add_argument(
-        "--gloo_socket_ifname",
-        "--gloo-socket-ifname",
-        dest="ifname",
-        help="network card gloo uses on this server, e.g. eth0",
-    )
-    p.add_argument("--epoch", "--epochs", dest="epochs", type=positive(int), default=2, help="epochs (default 2)")
-    p.add_argument("--model_path", "--model-path", dest="model_path", help="state dict to start from (rank 0 reads it)")
-    p.add_argument(
-        "--save-path",
-        default=os.path.join("runs", "model_state_dict.pth"),
-        help="where rank 0 writes the state dict after every epoch (default runs/model_state_dict.pth)",
-    )
-    p.add_argument(
-        "--checkpoint",
-        default=os.path.join("runs", "checkpoint.pt"),
-        help="rank 0's full training checkpoint, written every epoch (default runs/checkpoint.pt)",
-    )
-    p.add_argument(
-        "--save-every",
-        type=non_negative_int,
-        default=0,
-        help="also write the checkpoint every K steps within an epoch (default 0: per epoch only)",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from --checkpoint if it exists (mid-epoch included), else start afresh",
-    )
-    p.add_argument(
-        "--metrics",
-        default=os.path.join("runs", "metrics.jsonl"),
-        help="rank 0 appends one JSON line per epoch here ('' to turn off)",
-    )
-    p.add_argument("--lr", type=positive(float, MAX_LR), default=4e-3, help="peak learning rate (default 0.004)")
-    p.add_argument(
-        "--global-batch",
-        type=positive(int),
-        help=f"images per step in all, shared by the ranks "
-        f"(default {GLOBAL_BATCH}); what a resume on another number of ranks keeps",
-    )
-    p.add_argument(
-        "--batch-size",
-        "--batch_size",
-        dest="batch_size",
-        type=positive(int),
-        help="images per step on each rank instead (the global batch is this times the world size)",
-    )
-    p.add_argument("--seed", type=seed_value, default=1, help="seed for the model and the data order (default 1)")
-    p.add_argument(
-        "--timeout",
-        type=positive(float, MAX_TIMEOUT),
-        default=120.0,
-        help="seconds to wait for rendezvous and for any send/recv (default 120)",
-    )
-    p.add_argument(
-        "--recover",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="when a rank is lost, the others go on without it, from the last step (default on, "
-        "off under torchrun, which restarts every rank); --no-recover: they save that step and exit 1",
-    )
-    p.add_argument(
-        "--heartbeat",
-        type=positive(float, MAX_HEARTBEAT),
-        default=5.0,
-        help="seconds of silence after which a rank is taken for lost (default 5)",
-    )
-    p.add_argument(
-        "--join",
-        nargs="?",
-        const="",
-        metavar="HOST:PORT",
-        help="join the running job at its next step: through --init-method, or HOST:PORT of any member",
-    )
-    p.add_argument("--allreduce", choices=ALGORITHMS, default="two-pass", help="gradient sum (default two-pass)")
-    p.add_argument("--chunks", type=chunk_count, default="auto", help="pieces the two-pass ring streams (default auto)")
-    p.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="sum gradient buckets during backward (default on; --no-overlap: backward, then sum)",
-    )
-    p.add_argument(
-        "--lazy-update",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="with --overlap: "
-        "apply each bucket's update as the next forward needs it, so communication overlaps that too",
-    )
-    p.add_argument("--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size in MB (default 1)")
-    p.add_argument(
-        "--compress",
-        choices=COMPRESSIONS,
-        default="none",
-        help="what the gradient sums carry: none "
-        "(float32, default), bf16 or fp16 (16 bits a value), powersgd (low-rank; see --powersgd-rank)",
-    )
-    p.add_argument(
-        "--powersgd-rank",
-        type=positive(int, MAX_POWERSGD_RANK),
-        help=f"with --compress powersgd: rank of each matrix's approximation (default {DEFAULT_POWERSGD_RANK})",
-    )
-    p.add_argument(
-        "--powersgd-warmup",
-        type=non_negative_int,
-        help=f"with --compress powersgd: uncompressed steps first (default {DEFAULT_POWERSGD_WARMUP})",
-    )
-    p.add_argument(
-        "--sync-every",
-        type=positive(int, MAX_SYNC_EVERY),
-        default=1,
-        metavar="H",
-        help="1: sum the "
-        "gradients every step (default); H: H steps per rank, then average the change behind the next H",
-    )
-    p.add_argument("--outer", choices=OUTERS, help="with --sync-every H > 1: the outer step (default average)")
-    p.add_argument(
-        "--merge-after",
-        type=positive(int, MAX_SYNC_EVERY),
-        metavar="T",
-        help="with --sync-every H: merge a round's average T steps into the next round (1..H; default H/2)",
-    )
-    p.add_argument("--outer-lr", type=positive(float, MAX_LR), help="--outer nesterov's rate (default 0.7)")
-    p.add_argument("--outer-momentum", type=momentum_value, help="--outer nesterov's momentum (default 0.9)")
-    p.add_argument(
-        "--timeline",
-        metavar="PATH",
-        help="rank 0 writes a Chrome trace of every rank's steps here (open it in ui.perfetto.dev)",
-    )
-    p.add_argument(
-        "--timeline-steps",
-        metavar="A:B",
-        type=timeline_steps,
-        help="with --timeline: the steps to "
-        f"record, counted over the whole run (default {DEFAULT_TIMELINE_STEPS[0]}:{DEFAULT_TIMELINE_STEPS[1]})",
-    )
-    p.add_argument(
-        "--nproc", type=positive(int, MAX_NPROC), default=2, help="ranks to start when running on this machine alone"
-    )
-    p.add_argument("--train-subset", type=positive(int), help="train on only the first N training images")
-    p.add_argument(
-        "--test-subset",
-        type=positive(int),
-        help="evaluate on only the first N of the 10,000 test images (quick runs; default all)",
-    )
-    p.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="where MNIST lives (default ./data)")
-    p.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
-    return p.parse_args(argv)
+    return cli.parse_args(argv, PROG)
 
 
 def preflight(config, world_size, train_images):
@@ -270,15 +86,8 @@ def train(config, data):
 
     from utils import checkpoint, slurm
     from utils.comm import hierarchical
-    from utils.distributed import (
-        agree,
-        broadcast_parameters,
-        init_distributed,
-        join_running_job,
-        model_name,
-        start_membership,
-        torchrun_attempt_store,
-    )
+    from utils.distributed import agree, broadcast_parameters, init_distributed, model_name, torchrun_attempt_store
+    from utils.elastic.join import join_running_job, start_membership
     from utils.model import Net
     from utils.run import run
 
@@ -321,9 +130,7 @@ def train(config, data):
         if resume_from is not None:
             model.load_state_dict(resume_from["model"])
         broadcast_parameters(model)
-        if job.slurm:  # Slurm knows which of its tasks share a node
-            os.environ.setdefault("RING_HOST_ID", f"slurm job {job.slurm.job_id} node {job.slurm.node_id}")
-        hosts = hierarchical.discover()  # which ranks share a server: for the log, and the hierarchical sum
+        hosts = hierarchical.discover(job.host_id)  # which ranks share a server: for the log and the hierarchical sum
         membership = (
             start_membership(job, {"model": model_name(model), **config.must_agree()}) if job.world_size > 1 else None
         )
@@ -334,30 +141,9 @@ def train(config, data):
             print(f"starting afresh; the earlier checkpoint is kept as {config.outputs.checkpoint}.prev", flush=True)
         if job.slurm:
             print(slurm.describe(job.slurm), flush=True)
-        print(
-            start_line(config, sum(p.numel() for p in model.parameters()), data, hierarchical.describe(hosts)),
-            flush=True,
-        )
     stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
-    run(model, data, config, resume_from=resume_from, membership=membership)
+    run(model, data, config, hosts, resume_from=resume_from, membership=membership)
     dist.destroy_process_group()
-
-
-def start_line(config, parameters, data, hosts):
-    """Rank 0's line before the first step: what is trained, and how the sum is done."""
-    n, batch, sync = config.job.world_size, config.recipe.global_batch, config.sync
-    share = batch // n
-    per_rank = f"{share}" if batch % n == 0 else f"{share}-{share + 1}"
-    test_note = f" ({len(data[3]):,} test images)" if config.recipe.test_subset else ""
-    compress = f", compress {sync.compress}" if sync.compress != "none" else ""
-    if sync.compress == "powersgd":
-        compress = f", compress powersgd (rank {sync.powersgd_rank}, {sync.powersgd_warmup} warm-up steps)"
-    return (
-        f"rank 0 of {n}: {parameters:,} parameters, "
-        f"{len(data[1]):,} training images{test_note}, batch {batch} ({per_rank} per rank), "
-        f"all-reduce {sync.allreduce} (chunks {sync.chunks}, overlap {'on' if sync.overlap else 'off'}"
-        f"{', lazy update' if sync.lazy_update else ''}){compress}, {hosts}"
-    )
 
 
 def resume_command(argv):

@@ -126,6 +126,12 @@ class Job:
     join: str | None = None  # join a running job: "" (through --init-method) or "HOST:PORT"
     slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
 
+    @property
+    def host_id(self):
+        """What names this rank's server for the hierarchical sum (utils.comm.hierarchical.discover):
+        Slurm's node, which Slurm knows; None: the sum finds out by itself."""
+        return f"slurm job {self.slurm.job_id} node {self.slurm.node_id}" if self.slurm else None
+
 
 @dataclass(frozen=True)
 class Config:

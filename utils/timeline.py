@@ -16,8 +16,9 @@ with the shortest round trip wins; half of it bounds the error) and shifts its s
 0's clock, so a straggler shows up as a straggler and not as clock skew. The trace's metadata
 holds every rank's offset and error.
 
-Off (no --timeline), `span` returns one shared do-nothing context: a global read and a test.
-Recording costs a few microseconds a span; there are about ten spans a step.
+The run makes one Recorder and hands it to whoever draws on it (the gradient sync, its all-reduces,
+recovery). Without --timeline they are handed `OFF`, whose `span` returns one shared do-nothing
+context. Recording costs a few microseconds a span; there are about ten spans a step.
 """
 
 import contextlib
@@ -34,89 +35,89 @@ from utils.errors import UsageError
 from utils.files import write_file
 
 ROUND_TRIPS = 8  # per rank, to estimate its clock's offset to rank 0's
-_OFF = contextlib.nullcontext()
-# For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number of
-# seconds, as another server's clock would be; the clock alignment must take it out.
-_skew_ns = 0
-
-recorder = None  # the Recorder of this process while --timeline is on
+_NO_SPAN = contextlib.nullcontext()
 
 
-def now_ns():
-    return time.perf_counter_ns() + _skew_ns
+class Off:
+    """The timeline without --timeline: every call does nothing (a span is one shared do-nothing
+    context). Whoever draws on the timeline is handed one of these or a Recorder."""
+
+    recording = False  # True while the steps of the window run: callers skip work done only for the trace
+
+    def span(self, name, **args):
+        """`with timeline.span("forward"):` records the block on this thread's row, while recording.
+        `with timeline.span(...) as args:` gives the span's args to add to (None when not recording)."""
+        return _NO_SPAN
+
+    def add(self, name, start_ns, end_ns, row=None, **args):
+        """Record a span timed elsewhere (gloo's asynchronous sums), on `row` or this thread's."""
+
+    def now_ns(self):
+        return time.perf_counter_ns()
+
+    def at_step(self, step):
+        """Step `step` (counted over the whole run) begins."""
+
+    def window_ends(self):
+        """True after the window's last step: time to write(), once the step's sums are done."""
+        return False
+
+    def write(self):
+        """Write the trace now if it is not yet written (a collective: every rank calls it alike)."""
+
+    def current_step(self):
+        """The step under way (None without --timeline): spans done later for it (a lazy update,
+        gloo's sum, timed once waited for) name it in step=..."""
+        return None
 
 
-def recording():
-    """True while the steps of the window run: callers skip work done only for the trace."""
-    return recorder is not None and recorder.recording
+OFF = Off()
 
 
-def span(name, **args):
-    """`with span("forward"):` records the block on this thread's row, while recording.
-    `with span(...) as args:` gives the span's args to add to (None when not recording)."""
-    if not recording():
-        return _OFF
-    return recorder.span(name, args)
-
-
-def add(name, start_ns, end_ns, row=None, **args):
-    """Record a span timed elsewhere (gloo's asynchronous sums), on `row` or this thread's."""
-    if recording():
-        recorder.add(name, start_ns, end_ns, row, args)
-
-
-def at_step(step):
-    """Step `step` (counted over the whole run) begins."""
-    if recorder is not None:
-        recorder.at_step(step)
-
-
-def window_ends():
-    """True after the window's last step: time to write(), once the step's sums are done."""
-    return recording() and recorder.step == recorder.last
-
-
-def write():
-    """Write the trace now if it is not yet written (a collective: every rank calls it alike)."""
-    if recorder is not None:
-        recorder.write()
-
-
-def current_step():
-    """The step under way (None without --timeline): spans done later for it (a lazy update,
-    gloo's sum, timed once waited for) name it in step=..."""
-    return recorder.step if recorder is not None else None
-
-
-class Recorder:
+class Recorder(Off):
     """This rank's spans for steps first..last (counted from the run's first step, over epochs)."""
 
     def __init__(self, path, first, last, total_steps):
         self.path, self.first, self.last, self.total_steps = path, first, last, total_steps
         self.step, self.recording, self.written = 0, False, False
         self.spans = []  # (name, row, start_ns on rank 0's clock, end_ns, args)
-        skews = os.environ.get("TIMELINE_TEST_CLOCK_SKEW_S")
-        if skews:
-            global _skew_ns
-            skews = skews.split(",")
-            _skew_ns = int(float(skews[dist.get_rank() % len(skews)]) * 1e9)
-        self.offset_ns, self.error_ns = align_clock()
+        # For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number
+        # of seconds, as another server's clock would be; the clock alignment must take it out.
+        skews = os.environ.get("TIMELINE_TEST_CLOCK_SKEW_S", "0").split(",")
+        self.skew_ns = int(float(skews[dist.get_rank() % len(skews)]) * 1e9)
+        self.offset_ns, self.error_ns = align_clock(self.now_ns)
+
+    def now_ns(self):
+        return time.perf_counter_ns() + self.skew_ns
 
     def at_step(self, step):
         self.step = step
         self.recording = self.first <= step <= self.last and not self.written
 
+    def window_ends(self):
+        return self.recording and self.step == self.last
+
+    def current_step(self):
+        return self.step
+
+    def span(self, name, **args):
+        return self._span(name, args) if self.recording else _NO_SPAN
+
     @contextlib.contextmanager
-    def span(self, name, args):
+    def _span(self, name, args):
         """Yields `args`, which the block may add to (what it learns on the way: bytes sent)."""
         args.setdefault("step", self.step)  # the step it began in, though it may end in the next
-        start = now_ns()
+        start = self.now_ns()
         try:
             yield args
         finally:
-            self.add(name, start, now_ns(), None, args)
+            self._add(name, start, self.now_ns(), None, args)
 
-    def add(self, name, start_ns, end_ns, row, args):
+    def add(self, name, start_ns, end_ns, row=None, **args):
+        if self.recording:
+            self._add(name, start_ns, end_ns, row, args)
+
+    def _add(self, name, start_ns, end_ns, row, args):
         args.setdefault("step", self.step)
         row = row or threading.current_thread().name
         self.spans.append((name, row, start_ns + self.offset_ns, end_ns + self.offset_ns, args))
@@ -148,7 +149,7 @@ class Recorder:
         self.spans = []
 
 
-def align_clock():
+def align_clock(now_ns):
     """(offset, error) in ns that put this rank's now_ns() on rank 0's clock (a collective).
 
     Rank 0 answers each other rank in turn: the rank sends, rank 0 replies with its clock t0; the

@@ -12,25 +12,38 @@ MOST_LINES = 450
 
 
 def sources(*folders):
+    """The .py files under `folders`, sub-packages included, as paths relative to the repository."""
     for folder in folders:
-        for name in sorted(os.listdir(os.path.join(REPO, folder))):
-            if name.endswith(".py"):
-                yield os.path.join(folder, name)
+        for root, dirs, names in os.walk(os.path.join(REPO, folder)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    yield os.path.relpath(os.path.join(root, name), REPO)
 
 
-def utils_imports(path):
+def module_of(path):
+    """utils/comm/ring.py -> utils.comm.ring; utils/comm/__init__.py -> utils.comm."""
+    parts = path[: -len(".py")].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def utils_imports(path, modules):
     """The utils modules that `path` imports, at any depth of the file (a function's import too)."""
     found = set()
     for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("utils"):
-            found |= {node.module.split(".")[1]} if "." in node.module else {a.name for a in node.names}
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "utils":
+            for alias in node.names:  # `from utils.comm import ring` imports a module; `import Flags`, a name
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in modules else node.module)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("utils.")}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "utils"}
     return found
 
 
 def test_no_import_cycle_in_utils():
-    graph = {os.path.basename(p)[:-3]: utils_imports(p) for p in sources("utils")}
+    modules = {module_of(p): p for p in sources("utils")}
+    graph = {m: utils_imports(p, modules) for m, p in modules.items()}
+    assert {"utils.comm.ring", "utils.sync.interface", "utils.elastic.membership", "utils.run"} <= set(graph)
     done, path = set(), []
 
     def visit(module):
@@ -85,3 +98,58 @@ def test_a_bad_command_line_and_the_launcher_need_no_torch():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["2", "False"], (result.stdout, result.stderr)
     assert "--lr" in result.stderr
+
+
+def test_every_sync_kind_implements_the_one_interface():
+    from utils.sync.buckets import OverlappedSync, PlainSync
+    from utils.sync.interface import GradientSync
+    from utils.sync.lazy import LazySync
+    from utils.sync.periodic import PeriodicSync
+
+    for kind in (PlainSync, OverlappedSync, LazySync, PeriodicSync):
+        assert issubclass(kind, GradientSync) and not kind.__abstractmethods__, kind
+
+
+def test_the_flags_travel_as_one_exact_number():
+    from utils.sync.interface import Flags
+
+    for flags in (Flags(), Flags(signalled=1), Flags(signalled=3, joining=True), Flags(joining=True)):
+        assert Flags.from_sum(flags.value()) == flags
+    assert Flags.from_sum(Flags(signalled=1).value() + Flags(signalled=1, joining=True).value()) == Flags(2, True)
+    assert not Flags().stopping and Flags(signalled=2).stopping
+
+
+def test_the_config_names_are_read_only_in_the_factories():
+    """What depends on the kind of sum is asked of the object (has_rank_state, compressor.describe())."""
+    factories = {"utils/config.py", "utils/cli.py", "utils/sync/factory.py", "utils/comm/compress.py"}
+    for path in [*sources("utils"), "train.py"]:
+        if path in factories:
+            continue
+        text = open(os.path.join(REPO, path)).read()
+        assert not re.search(r"\.compress *[!=]=|== *[\"'](none|bf16|fp16|powersgd)[\"']", text), path
+        assert not re.search(r"sync_every *[<>]", text), path
+        assert "is NoCompression" not in text, path
+
+
+def test_no_hidden_state_between_modules():
+    """Mutable module state only where it is this process's own: the signal handler's (stop.py), the
+    faults a test injects from the environment (faults.py) and the lock files held (outputs.py).
+    The timeline, the membership and the host identity are handed to those who use them."""
+    per_process = {"utils/stop.py", "utils/elastic/faults.py"}
+    for path in sources("utils"):
+        tree = ast.parse(open(os.path.join(REPO, path)).read())
+        uses_global = any(isinstance(node, ast.Global) for node in ast.walk(tree))
+        assert not uses_global or path in per_process, path
+        text = open(os.path.join(REPO, path)).read()
+        writes = re.findall(r"os\.environ\[([^\]]+)\] *=|os\.environ\.setdefault\(([^,]+)", text)
+        assert {a or b for a, b in writes} <= {'"GLOO_SOCKET_IFNAME"'}, (path, writes)  # gloo reads it
+        assert "timeline.recorder" not in text and "recovery._membership" not in text, path
+
+
+def test_no_sys_path_edits_outside_the_scripts_run_directly():
+    """pyproject.toml gives pytest its pythonpath; tests/conftest.py gives it to the processes tests start."""
+    allowed = {"bench/harness.py", "scripts/cluster.py", "scripts/plot_metrics.py"}
+    for path in sources("utils", "tests", "bench", "scripts"):
+        if path not in allowed and path != "tests/unit/test_structure.py":
+            assert "sys.path" not in open(os.path.join(REPO, path)).read(), path
+    assert "sys.path" not in open(os.path.join(REPO, "train.py")).read()

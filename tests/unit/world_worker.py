@@ -11,7 +11,7 @@ from utils.comm.compress import make_compressor
 from utils.config import Recipe, Sync
 from utils.model import Net
 from utils.run import make_optimizer, train_step
-from utils.sync.buckets import make_gradient_sync
+from utils.sync.factory import make_gradient_sync
 from utils.sync.periodic import PeriodicSync
 
 

@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils import timeline
 from utils.comm import hierarchical, ring
 from utils.config import ALGORITHMS
+from utils.timeline import OFF
 
 
 class Work:
@@ -47,6 +47,7 @@ class AllReduce:
 
     name = None
     native_async = False  # True: sum_async needs no thread of ours (gloo's own threads run it)
+    timeline = OFF  # where sum_ draws its span (make_allreduce hands over the run's)
 
     def __init__(self, group=None):
         self.group = group
@@ -58,12 +59,12 @@ class AllReduce:
         """Replace `flat` by its sum over all ranks; every rank ends with the same bits."""
         wire_size = element_size(wire_dtype or flat.dtype)
         sent = self.bytes_for(flat.numel(), flat.element_size(), wire_size)
-        with timeline.span(
+        with self.timeline.span(
             "all-reduce",
             algorithm=self.name,
             bytes_sent=sent,
             bytes=flat.numel() * wire_size,
-            chunks=self.trace_chunks(flat.numel(), wire_dtype) if timeline.recording() else None,
+            chunks=self.trace_chunks(flat.numel(), wire_dtype) if self.timeline.recording else None,
         ):
             self._sum(flat, wire_dtype)
         self.count(flat.numel(), sent, wire_size)
@@ -185,15 +186,21 @@ def element_size(dtype):
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def make_allreduce(name, chunks="auto", timeout=None, own_group=False, hosts=None):
+def make_allreduce(name, chunks="auto", timeout=None, own_group=False, hosts=None, timeline=OFF):
     """The all-reduce for --allreduce `name` (chunks: the two-pass ring's pieces).
 
     own_group: sum over a new process group of all ranks with connections of its own (a bucket
     of utils/sync/buckets.py must not queue behind another on one socket); else the default group.
     The hierarchical sum always makes its subgroups (over `hosts`, default: discover()).
     Both are collectives: every rank makes the same all-reduces in the same order.
-    timeout: the new groups' (None: the default group's).
+    timeout: the new groups' (None: the default group's). timeline: where each sum draws its span.
     """
+    allreduce = _make(name, chunks, timeout, own_group, hosts)
+    allreduce.timeline = timeline
+    return allreduce
+
+
+def _make(name, chunks, timeout, own_group, hosts):
     if name not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     timeout = timeout or default_timeout()

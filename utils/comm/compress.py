@@ -44,6 +44,15 @@ def gradients_of(flat, extras):
 
 
 class NoCompression:
+    """float32 on the wire: the plain average."""
+
+    compresses = False  # True: each rank keeps a state of its own (fp16's scales, PowerSGD's error buffers)
+    lost_rank_note = None  # what a job that loses a rank also loses, if anything
+
+    def describe(self):
+        """The start line's words for it ('' when nothing is compressed)."""
+        return ""
+
     def average_(self, flat, bucket, sum_, extras=0):
         sum_(flat)
         gradients_of(flat, extras).div_(sum_.world_size)
@@ -58,6 +67,11 @@ class NoCompression:
 
 class Bfloat16(NoCompression):
     """bfloat16 has float32's range: no scale needed."""
+
+    compresses = True
+
+    def describe(self):
+        return "compress bf16"
 
     def average_(self, flat, bucket, sum_, extras=0):
         sum_(flat, torch.bfloat16)  # whole numbers up to 256 are exact in bfloat16
@@ -75,8 +89,13 @@ class Float16(NoCompression):
     summed again.
     """
 
+    compresses = True
+
     def __init__(self):
         self.scales = {}  # bucket -> scale for its next sum
+
+    def describe(self):
+        return "compress fp16"
 
     def average_(self, flat, bucket, sum_, extras=0):
         n, scale = sum_.world_size, self.scales.get(bucket)
@@ -127,12 +146,18 @@ class PowerSGD(NoCompression):
     warmup: steps summed uncompressed (and without error feedback) before compression starts.
     """
 
+    compresses = True
+    lost_rank_note = "the lost ranks’ PowerSGD error feedback is dropped"
+
     def __init__(self, buckets, rank, warmup, seed=0):
         self.rank, self.warmup, self.seed = rank, warmup, seed
         self.layouts = [self.layout([tuple(p.shape) for p in bucket]) for bucket in buckets]
         self.steps = [0] * len(buckets)  # sums done, per bucket
         self.errors = [None] * len(buckets)  # flat error buffer per bucket, once compressing
         self.qs = [None] * len(buckets)  # per bucket: list of Q (cols x R) per matrix
+
+    def describe(self):
+        return f"compress powersgd (rank {self.rank}, {self.warmup} warm-up steps)"
 
     def layout(self, shapes):
         """([(offset, rows, cols)] of the tensors worth compressing, [(offset, numel)] of the rest),

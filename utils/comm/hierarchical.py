@@ -59,10 +59,13 @@ PIECE_BYTES = 512 * 1024  # pipelining: about this much of the buffer per piece
 MAX_PIECES = 32
 
 
-def host_key():
-    """What makes this rank's host: RING_HOST_ID if set, else hostname, boot id, netns, gloo card."""
+def host_key(host_id=None):
+    """What makes this rank's host: RING_HOST_ID if set, else `host_id` if given (Slurm's node),
+    else hostname, boot id, netns, gloo card."""
     if os.environ.get("RING_HOST_ID"):
         return "RING_HOST_ID=" + os.environ["RING_HOST_ID"]
+    if host_id:
+        return "RING_HOST_ID=" + host_id
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -88,24 +91,13 @@ def ipv4_address(card):
             return "-"
 
 
-_topology = None
-
-
-def discover():
+def discover(host_id=None):
     """The hosts of the default group: lists of global ranks, each sorted, hosts ordered by their
-    first rank. A collective (all_gather_object) on the first call; cached after it."""
-    global _topology
-    if _topology is None:
-        keys = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, host_key())
-        _topology = hosts_of(keys)
-    return _topology
-
-
-def forget():
-    """The default group changed (a rank lost or joined, utils/elastic/recovery.py): discover() asks again."""
-    global _topology
-    _topology = None
+    first rank (host_id: see host_key). A collective (all_gather_object): the run asks once per
+    group and hands the answer to make_allreduce."""
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, host_key(host_id))
+    return hosts_of(keys)
 
 
 def hosts_of(keys):

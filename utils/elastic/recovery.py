@@ -1,6 +1,6 @@
 """Going on without a lost rank: the trainer's side of utils/elastic/membership.py.
 
-    recovery = Recovery(membership, config, model, optimizer, scheduler, state, make_sync, make_stats)
+    recovery = Recovery(membership, config, model, optimizer, scheduler, state, make_sync, make_stats, timeline)
     sync, (epoch, step, stats) = recovery.go_on(error, old_sync, (epoch, step, stats))
 
 When a step fails (a peer died, fell silent or was cut off), utils/run.py abandons the step in
@@ -29,7 +29,7 @@ import time
 
 import torch.distributed as dist
 
-from utils import checkpoint, outputs, timeline
+from utils import checkpoint, outputs
 from utils.comm import hierarchical
 from utils.comm.compress import state_for
 from utils.elastic import faults
@@ -38,22 +38,14 @@ from utils.errors import PeerError, UsageError, first_line
 from utils.files import check_writable
 
 MAX_ATTEMPTS = 3  # new groups that did not form before the survivors give up
-_membership = None
-
-
-def members():
-    """The ids (first-generation ranks) of the job's members now; None without a membership."""
-    return list(_membership.members) if _membership is not None else None
 
 
 class Recovery:
-    def __init__(self, membership, config, model, optimizer, scheduler, state, make_sync, make_stats):
-        global _membership
-        _membership = membership
-        self.membership, self.config = membership, config
+    def __init__(self, membership, config, model, optimizer, scheduler, state, make_sync, make_stats, timeline):
+        self.membership, self.config, self.timeline = membership, config, timeline
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state = state  # state(epoch, step, stats, compression) -> the checkpoint dict
-        self.make_sync = make_sync  # () -> a gradient sync over the default group (utils/sync/buckets.py)
+        self.make_sync = make_sync  # (hosts) -> a gradient sync over the default group (utils/sync/)
         self.make_stats = make_stats  # (**epoch_stats) -> utils.run.EpochStats
         self.writes = membership.me == 0  # this process holds the output locks (rank 0 took them)
 
@@ -97,7 +89,7 @@ class Recovery:
             f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
             f"at epoch {epoch}, step {step + 1} ({reason}); continuing on {plural(dist.get_world_size(), 'rank')} "
             f"from step {step_now} (members {', '.join(map(str, membership.members))}, {seconds:.2f} s"
-            f"{'; the lost ranks’ PowerSGD error feedback is dropped' if self.config.sync.compress == 'powersgd' else ''})"
+            f"{'; ' + sync.compressor.lost_rank_note if sync.compressor.lost_rank_note else ''})"
         )
         self.mark("lost", lost)
         return sync, (epoch_now, step_now, stats)
@@ -154,9 +146,8 @@ class Recovery:
             raise error from None
 
     def _new_sync(self, state, at, old_sync, position, source, furthest):
-        hierarchical.forget()  # its hosts were the old group's ranks
-        sync = self.make_sync()
-        if self.config.sync.compress != "none":  # the error buffers of those at the furthest step, the source's first
+        sync = self.make_sync(hierarchical.discover(self.config.job.host_id))  # the new group's servers
+        if sync.compressor.compresses:  # the error buffers of those at the furthest step, the source's first
             everyone = [None] * dist.get_world_size()
             mine = old_sync.state_dict() if old_sync is not None else None
             dist.all_gather_object(everyone, (position is not None and tuple(position[:2]) == furthest, mine))
@@ -167,9 +158,8 @@ class Recovery:
         return sync, at
 
     def mark(self, what, ranks):
-        if timeline.recording():
-            now = timeline.now_ns()
-            timeline.add("membership", now, now, **{what: ranks, "members": list(self.membership.members)})
+        now = self.timeline.now_ns()
+        self.timeline.add("membership", now, now, **{what: ranks, "members": list(self.membership.members)})
 
     def save_last_step(self, position, survivors, old_sync):
         """The lowest survivor writes its last completed step; the text that says where."""
@@ -186,7 +176,7 @@ class Recovery:
         except Exception as e:  # another job holds it
             return f"; could not write the checkpoint ({first_line(e)})"
         # compressed: only this rank's own compression state; a resume treats it as a resize does
-        everyone = [old_sync.state_dict()] if self.config.sync.compress != "none" else None
+        everyone = [old_sync.state_dict()] if old_sync.compressor.compresses else None
         checkpoint.save(self.state(epoch, step, stats, everyone, len(self.membership.members)), path)
         return f"; saved the checkpoint of {where} to {path}"
 

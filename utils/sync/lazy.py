@@ -1,4 +1,5 @@
-"""Lazy update (--lazy-update): each bucket's optimizer update applied as the next forward needs it.
+"""Lazy update (--lazy-update): LazySync, an OverlappedSync whose buckets' optimizer updates are
+each applied as the next forward needs it.
 
 After backward the trainer does not wait at all. Each bucket's update is applied just before the
 next forward first uses its parameters. The next step's forward starts with conv1, whose small
@@ -14,7 +15,39 @@ by bucket, with the step's learning rate, gives exactly the parameters of one op
 
 import time
 
-from utils import timeline
+from utils.sync.buckets import OverlappedSync
+
+
+class LazySync(OverlappedSync):
+    """Does not wait after backward; the next forward applies each bucket's update (LazyUpdate)."""
+
+    def __init__(self, model, *parts, **named):
+        super().__init__(model, *parts, **named)
+        self.lazy = LazyUpdate(model, self.optimizer, self.scheduler, self)
+
+    def after_backward(self):
+        self.backward_done()
+
+    def step(self):
+        self.lazy.step()
+
+    def flags(self):  # the flag's bucket: the next forward would wait for it first anyway
+        self.lazy.apply(self.flag_bucket)
+        return super().flags()
+
+    def finish(self):
+        self.lazy.finish()
+
+    def stats(self):
+        return dict(super().stats(), waited_seconds=self.waited_seconds + self.lazy.waited_seconds)
+
+    def close(self):
+        self.lazy.close()
+        super().close()
+
+    def abandon(self):
+        self.close()
+        return self.lazy.undo()
 
 
 class LazyUpdate:
@@ -43,7 +76,7 @@ class LazyUpdate:
 
     def step(self):
         self.due = list(range(len(self.overlapped.buckets)))
-        self.due_step = timeline.current_step()  # the step these updates belong to, for the timeline
+        self.due_step = self.overlapped.timeline.current_step()  # the step these updates belong to, for the timeline
 
     def apply(self, bucket):
         """Wait for `bucket`'s sum and apply its update now rather than in the next forward."""
@@ -61,7 +94,7 @@ class LazyUpdate:
                         (p, p.detach().clone(), keep_state(self.optimizer.state.get(p, {})))
                         for p in self.overlapped.buckets[i]
                     ]
-                with timeline.span("optimizer", bucket=i, step=self.due_step):
+                with self.overlapped.timeline.span("optimizer", bucket=i, step=self.due_step):
                     step_only(self.optimizer, self.overlapped.buckets[i])
                 for p in self.overlapped.buckets[i]:
                     p.grad = None

@@ -35,12 +35,15 @@ import time
 
 import torch
 
-from utils import timeline
+from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
+from utils.sync.interface import Flags, GradientSync
+from utils.timeline import OFF
 
 
-class PeriodicSync:
-    """The gradient-sync interface (utils/sync/buckets.py) for --sync-every H > 1."""
+class PeriodicSync(GradientSync):
+    """The gradient sync (utils/sync/interface.py) for --sync-every H > 1: `every` is H, `outer`
+    the outer step, `merge_after` T (None: H)."""
 
     def __init__(
         self,
@@ -51,30 +54,28 @@ class PeriodicSync:
         scheduler,
         every,
         outer="average",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        local_flag=lambda: 0.0,
+        outer_lr=DEFAULT_OUTER_LR,
+        outer_momentum=DEFAULT_OUTER_MOMENTUM,
         merge_after=None,
+        local_flag=Flags,
+        timeline=OFF,
     ):
+        super().__init__(optimizer, scheduler, compressor, local_flag, timeline)
         self.params = [p for p in model.parameters()]
-        self.allreduce = allreduce
-        self.compressor = compressor  # --compress none, bf16 or fp16 (utils/comm/compress.py): how the change travels
-        self.allreduces = [allreduce]
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.allreduce = allreduce  # compressor (--compress none, bf16 or fp16): how the change travels
         self.every, self.outer, self.outer_lr, self.outer_momentum = every, outer, outer_lr, outer_momentum
         self.merge_after = merge_after or every  # inner steps from a sum's start to its merge
-        self.local_flag = local_flag
         self.anchor = self._flat().clone()  # the outer steps so far: the same on every rank
         self.start = self.anchor.clone()  # where this rank's round began
         self.momentum = torch.zeros_like(self.anchor) if outer == "nesterov" else None
         self.inner = 0  # inner steps taken this round
-        self.flag_sum = 0.0
-        self.busy_seconds = self.waited_seconds = 0.0
         self.pending = None  # (thread, result) of the sum in flight
         self.arrived = None  # its mean change, once waited for
         self.failed = None  # a lost peer, seen at a merge
 
     # -- the training loop's calls ---------------------------------------------------------------
+    has_rank_state = True  # each rank's own optimizer and working parameters, mid-round
+
     def weigh(self, weight):
         pass  # each rank's inner step is on its own share: no weighting across ranks
 
@@ -87,10 +88,7 @@ class PeriodicSync:
             raise failed
 
     def step(self):
-        with timeline.span("optimizer"):
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad()
+        super().step()
         self.inner += 1
         try:
             if self.inner == self.merge_after:
@@ -99,9 +97,6 @@ class PeriodicSync:
                 self._round_end()
         except PeerError as e:  # this step is done (its optimizer step is taken): the next one fails
             self.failed = e
-
-    def stop_count(self):
-        return self.flag_sum
 
     def finish(self):
         """Before evaluating or saving: wait for the sum in flight, and keep its result for the step
@@ -147,13 +142,13 @@ class PeriodicSync:
     def _start(self, change):
         buffer = torch.empty(change.numel() + 1)
         buffer[:-1] = change
-        buffer[-1] = self.local_flag()
+        buffer[-1] = self.local_flag().value()
         result = {}
 
         def run():
             started = time.perf_counter()
             try:
-                with timeline.span("outer-sum"):
+                with self.timeline.span("outer-sum"):
                     # the mean change, float32 adds; the flag (one extra value) is summed, not divided
                     result["mean"] = self.compressor.average_(buffer, 0, self.allreduce, extras=1)
             except Exception as e:  # a lost peer: the training thread hears of it at the next wait
@@ -170,7 +165,7 @@ class PeriodicSync:
             return
         thread, result = self.pending
         started = time.perf_counter()
-        with timeline.span("wait", bucket=0):
+        with self.timeline.span("wait", bucket=0):
             thread.join()
         self.waited_seconds += time.perf_counter() - started
         self.pending = None
@@ -227,6 +222,9 @@ class PeriodicSync:
         self.inner, self.arrived = state["inner"], state["arrived"]  # (flag_sum stays 0: no signal yet)
         self.compressor.load_state_dict(state["compressor"])
         self._set(state["working"])
+
+    def note(self):
+        return self.allreduce.note()
 
     def close(self):
         if self.pending is not None:

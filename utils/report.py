@@ -1,0 +1,143 @@
+"""What the run tells its user: rank 0's start line, progress and epoch lines, metrics.jsonl, and
+the lines every rank says after a join or a stop.
+
+    start_line()       before the first step: what is trained, and how the sum is done
+    Progress           tqdm on a terminal; under nohup a plain line every tenth of an epoch
+    report_epoch()     after an epoch: the log line, the state dict, the metrics line
+    stopped_line()     after a stop: who got which signal, where the checkpoint is (a collective)
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from utils import checkpoint, stop
+from utils.errors import PeerError, first_line
+
+
+def start_line(config, model, data, hosts, gradient_sync):
+    """Rank 0's line before the first step. hosts: utils.comm.hierarchical.describe's words."""
+    n, batch, sync = config.job.world_size, config.recipe.global_batch, config.sync
+    share = batch // n
+    per_rank = f"{share}" if batch % n == 0 else f"{share}-{share + 1}"
+    parameters = sum(p.numel() for p in model.parameters())
+    test_note = f" ({len(data[3]):,} test images)" if config.recipe.test_subset else ""
+    compress = gradient_sync.compressor.describe()
+    return (
+        f"rank 0 of {n}: {parameters:,} parameters, "
+        f"{len(data[1]):,} training images{test_note}, batch {batch} ({per_rank} per rank), "
+        f"all-reduce {sync.allreduce} (chunks {sync.chunks}, overlap {'on' if sync.overlap else 'off'}"
+        f"{', lazy update' if sync.lazy_update else ''}){', ' + compress if compress else ''}, {hosts}"
+    )
+
+
+class Progress:
+    """tqdm on a terminal; under nohup (not a terminal), a plain line every tenth of the epoch."""
+
+    def __init__(self, epoch, first_step, total, enabled):
+        self.epoch, self.total, self.enabled = epoch, total, enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            self.bar = tqdm(total=total, initial=first_step, desc=f"epoch {epoch}", leave=False)
+        self.start, self.next_report = time.time(), first_step + max(1, total // 10)
+
+    def update(self, step, mean_loss):
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
+        elif self.enabled and step >= self.next_report and step < self.total:
+            print(
+                f"  epoch {self.epoch}: {step}/{self.total} steps, mean loss {mean_loss:.4f}, "
+                f"{time.time() - self.start:.0f} s",
+                flush=True,
+            )
+            self.next_report += max(1, self.total // 10)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_size, members):
+    """Rank 0, after an epoch: the log line, the state dict, the metrics line (members: the ids
+    of the ranks in the job now)."""
+    loss = stats.loss_sum / max(1, stats.steps)
+    comm_share = stats.comm_seconds / stats.step_seconds if stats.step_seconds else 0.0
+    busbw = (
+        stats.bytes_summed * 2 * (world_size - 1) / world_size / stats.busy_seconds / 1e9 if stats.busy_seconds else 0.0
+    )  # nccl-tests' bus bandwidth, GB/s, of what went on the wire
+    print(
+        f"epoch {epoch}/{config.recipe.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
+        f"time {seconds:.1f} s  comm {comm_share:.0%} of step time  busbw {busbw:.2f} GB/s  "
+        f"sent {max(sent) / 1e6:.3g} MB/step",
+        flush=True,
+    )
+    checkpoint.save(model.state_dict(), config.outputs.save_path)
+    if config.outputs.metrics:
+        append_metrics(
+            config.outputs.metrics,
+            dict(
+                epoch=epoch,
+                train_loss=loss,
+                test_accuracy=accuracy,
+                seconds=seconds,
+                comm_share=comm_share,
+                busbw_gbps=busbw,
+                world_size=world_size,
+                allreduce=config.sync.allreduce,
+                overlap=config.sync.overlap,
+                compress=config.sync.compress,
+                bytes_sent_per_step=max(sent),
+                bytes_sent_per_step_by_rank=sent,
+                images=stats.images,
+                members=members,
+            ),
+        )
+
+
+def append_metrics(path, row):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def say_joined(membership, epoch, step):
+    print(
+        f"rank {membership.me}: joined the job after epoch {epoch}, step {step}, as rank {dist.get_rank()} of "
+        f"{dist.get_world_size()} (members {', '.join(map(str, membership.members))})",
+        flush=True,
+    )
+
+
+def stopped_line(epoch, step, steps, checkpoint):
+    """After a stop: who got which signal, where the job stopped, and where rank 0 saved it (a
+    collective; rank 0 joins it once its save is done, so every rank may say it is saved)."""
+    everyone = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(everyone, (stop.signalled(), checkpoint))
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer while stopping after epoch {epoch}, step {step}: {first_line(e)}") from None
+    by_signal = {}
+    for rank, (signal_name, _) in enumerate(everyone):
+        if signal_name:
+            by_signal.setdefault(signal_name, []).append(str(rank))
+    who = ", ".join(
+        f"{name} to rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}" for name, ranks in by_signal.items()
+    )
+    return f"stopped after epoch {epoch}, step {step}/{steps} ({who}); checkpoint saved to {everyone[0][1]}"
+
+
+def bytes_sent_per_step(stats):
+    """Every rank's mean bytes sent per step this epoch (a collective: every rank calls it)."""
+    mine = torch.tensor([stats.bytes_sent / max(1, stats.steps)], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(everyone, mine)
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer at the end of an epoch: {first_line(e)}") from None
+    return [round(t.item()) for t in everyone]

@@ -1,0 +1,47 @@
+"""make_gradient_sync: the one place that turns the config's --allreduce, --overlap, --lazy-update,
+--compress and --sync-every into a gradient sync (utils/sync/interface.py)."""
+
+import datetime
+
+from utils.comm.allreduce import make_allreduce
+from utils.comm.compress import make_compressor
+from utils.errors import PeerError, first_line
+from utils.sync.buckets import OverlappedSync, PlainSync, make_buckets
+from utils.sync.interface import Flags
+from utils.sync.lazy import LazySync
+from utils.sync.periodic import PeriodicSync
+from utils.timeline import OFF
+
+
+def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=Flags, hosts=None, timeline=OFF):
+    """The gradient sync of a utils.config.Sync for `model` (a collective: every rank makes it
+    at the same point, since it makes the buckets' process groups).
+
+    local_flag: () -> this rank's Flags; hosts: the servers' ranks, for the hierarchical sum
+    (utils.comm.hierarchical.discover; None: it asks); timeline: where the sync draws its spans."""
+    params = list(model.parameters())
+    timeout = datetime.timedelta(seconds=sync.timeout)
+
+    def allreduce(own_group):
+        return make_allreduce(sync.allreduce, sync.chunks, timeout, own_group, hosts, timeline)
+
+    if sync.sync_every > 1:  # H local steps, then the parameters' change (utils/sync/periodic.py)
+        try:
+            outer_sum = allreduce(own_group=True)
+        except RuntimeError as e:
+            raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
+        outer = (sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, sync.merge_after)
+        compressor = make_compressor(sync.compress, [params])
+        return PeriodicSync(model, outer_sum, compressor, optimizer, scheduler, *outer, local_flag, timeline)
+    buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
+    compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
+    try:
+        first = allreduce(own_group=sync.overlap)
+        shared = first.native_async and not compressor.compresses  # see OverlappedSync
+        allreduces = [first] + [first if shared else allreduce(own_group=True) for _ in buckets[1:]]
+    except RuntimeError as e:
+        raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
+    parts = (buckets, allreduces, compressor, optimizer, scheduler, local_flag, timeline)
+    if not sync.overlap:
+        return PlainSync(*parts)
+    return (LazySync if sync.lazy_update else OverlappedSync)(model, *parts)

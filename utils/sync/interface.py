@@ -1,0 +1,116 @@
+"""The one interface of every gradient sync, and the flags that ride along with its sums.
+
+The training loop (utils/run.py) holds a GradientSync and calls, for every step:
+
+    sync.weigh(w)            this rank's share of the step's images, times N
+    loss.backward()
+    sync.after_backward()    the sum over all ranks (overlapped kinds: already running)
+    sync.step()              optimizer.step() and the learning-rate schedule
+    sync.flags()             what the ranks raised with this step's sum (the same Flags everywhere)
+
+and, now and then, finish() (before evaluating or saving), flush() (the end of training),
+stats(), state_dict() / load_state_dict() (the checkpoint), close() and abandon() (after a lost
+peer). What differs between the kinds is asked of the object: has_rank_state, note(), and its
+compressor (describe(), compresses).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+JOIN_WEIGHT = 64.0  # the flag's value while a server waits to join; below it, the ranks that got a signal
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What the ranks raise with a step's sum, summed over all of them: so every rank learns of a
+    stop signal, or of a server waiting to join, after the same step. It travels as one float in
+    the sum (value()), exact for fewer than 64 ranks."""
+
+    signalled: int = 0  # ranks that got a stop signal (SIGTERM, SIGINT, SIGUSR1)
+    joining: bool = False  # the leader has a server waiting to join (utils/elastic/membership.py)
+
+    @property
+    def stopping(self) -> bool:
+        return self.signalled > 0
+
+    def value(self) -> float:
+        return float(self.signalled) + (JOIN_WEIGHT if self.joining else 0.0)
+
+    @classmethod
+    def from_sum(cls, total: float) -> Flags:
+        return cls(signalled=int(total % JOIN_WEIGHT), joining=total >= JOIN_WEIGHT)
+
+
+class GradientSync(abc.ABC):
+    """What the training loop calls between loss.backward() and the next forward.
+
+    optimizer, scheduler: the step's; compressor: what the sums carry (utils/comm/compress.py);
+    local_flag: () -> this rank's Flags, read as the sum that carries them starts; timeline: where
+    the sync draws its spans (utils/timeline.py)."""
+
+    def __init__(self, optimizer, scheduler, compressor, local_flag, timeline):
+        self.optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
+        self.local_flag, self.timeline = local_flag, timeline
+        self.flag_sum = 0.0  # the flags summed over ranks, as of the last sum that carried them
+        self.busy_seconds = 0.0  # communication ran this long
+        self.waited_seconds = 0.0  # the training thread waited this long for it
+
+    @property
+    @abc.abstractmethod
+    def has_rank_state(self) -> bool:
+        """Whether each rank's state_dict() differs (compression error feedback, --sync-every's
+        own optimizer): then a checkpoint holds every rank's."""
+
+    def weigh(self, weight: float) -> None:
+        """This step's weight of this rank's gradient: its share of the step's images times N."""
+        return None
+
+    @abc.abstractmethod
+    def after_backward(self) -> None:
+        """After loss.backward(): the gradients become their average over all ranks (or, for the
+        kinds that overlap, will be by the time they are used)."""
+
+    def step(self) -> None:
+        """optimizer.step() and the learning-rate schedule."""
+        with self.timeline.span("optimizer"):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+
+    def flags(self) -> Flags:
+        """The flags summed with the last sum that carried them: the same on every rank."""
+        return Flags.from_sum(self.flag_sum)
+
+    def finish(self) -> None:
+        """Apply any update still due (before evaluating or saving)."""
+        return None
+
+    def flush(self) -> None:
+        """The end of training: nothing left to apply, the same parameters on every rank."""
+        self.finish()
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """{busy_seconds, waited_seconds, bytes_sent, bytes_summed} since the start."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """This rank's own state, for the checkpoint."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def note(self) -> str | None:
+        """What rank 0 says about this sum at start-up, if anything."""
+        return None
+
+    def close(self) -> None:
+        """Stop its threads and hooks (the sync is being replaced, or training is over)."""
+        return None
+
+    @abc.abstractmethod
+    def abandon(self) -> bool:
+        """After a lost peer: close, and say whether the last step train_step returned from was
+        left undone (its update was still being applied; what of it was applied is taken back)."""
