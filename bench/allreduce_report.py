@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import fmt, p_text, png_of, quiet, ratios_to_gloo, sign_test_p
+from harness import fmt, md_row, p_text, png_of, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
@@ -14,44 +14,28 @@ MB = 1e6  # bandwidth unit, as in nccl-tests (GB/s = 1e9 B/s)
 MIB = 1 << 20
 
 # (name, algorithm, world sizes (hosts), min bytes, metric, bound); the bounds are bench/targets.py's
+RING, TWO_PASS = (2, 3, 4), f"two-pass-pipelined <= {bound('two_pass_limit'):.1f}x limit, >= 4 MiB"
 TARGETS = (
-    (f"ring <= {bound('ring_limit'):.2f}x limit, >= 1 MiB", "ring", (2, 3, 4), MIB, "ratio_limit", bound("ring_limit")),
-    ("ring no slower than gloo, >= 1 MiB", "ring", (2, 3, 4), MIB, "ratio_gloo", bound("ring_gloo")),
-    (
-        f"two-pass-pipelined <= {bound('two_pass_limit'):.1f}x limit, >= 4 MiB",
-        "two-pass-pipelined",
-        (4,),
-        4 * MIB,
-        "ratio_limit",
-        bound("two_pass_limit"),
-    ),
+    (f"ring <= {bound('ring_limit'):.2f}x limit, >= 1 MiB", "ring", RING, MIB, "ratio_limit", bound("ring_limit")),
+    ("ring no slower than gloo, >= 1 MiB", "ring", RING, MIB, "ratio_gloo", bound("ring_gloo")),
+    (TWO_PASS, "two-pass-pipelined", (4,), 4 * MIB, "ratio_limit", bound("two_pass_limit")),
 )
 # With several ranks per host (--ranks-per-host K > 1; world sizes count hosts): issue #18.
 HIERARCHICAL_TARGETS = (
-    (
-        f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB",
-        "hierarchical",
-        (2, 3),
-        MIB,
-        "ratio_limit",
-        bound("hierarchical_limit"),
-    ),
+    (f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB", "ratio_limit", bound("hierarchical_limit")),
     (
         f"hierarchical >= {1 / bound('hierarchical_gloo'):.1f}x faster than gloo, >= 1 MiB",
-        "hierarchical",
-        (2, 3),
-        MIB,
         "ratio_gloo",
         bound("hierarchical_gloo"),
     ),
     (
         f"hierarchical >= {1 / bound('hierarchical_ring'):.1f}x faster than ring, >= 1 MiB",
-        "hierarchical",
-        (2, 3),
-        MIB,
         "ratio_ring",
         bound("hierarchical_ring"),
     ),
+)
+HIERARCHICAL_TARGETS = tuple(
+    (name, "hierarchical", (2, 3), MIB, metric, limit) for name, metric, limit in HIERARCHICAL_TARGETS
 )
 
 
@@ -67,32 +51,14 @@ def table(records: list[dict]) -> str:
         "| N | size | bytes | algorithm | chunks | iters | time ms | spread | algbw MB/s | busbw MB/s "
         "| limit ms | x limit | x gloo | ok |"
     )
-    align = ["--:", ":--", "--:", ":--", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", ":-:"]
-    lines = [head, "|" + "|".join(align) + "|"]
+    lines = [head, "|--:|:--|--:|:--|" + "--:|" * 9 + ":-:|"]
     for r in records:
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    world_label(r),
-                    r["size"],
-                    str(r["bytes"]),
-                    r["algorithm"],
-                    fmt(r["chunks"], "{}"),
-                    str(r["iters"]),
-                    fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}"),
-                    f"{spread:.0f}%",
-                    fmt(r["algbw_MBps"]),
-                    fmt(r["busbw_MBps"]),
-                    fmt(r["limit_ms"], "{:.2f}"),
-                    fmt(r["ratio_limit"], "{:.3f}"),
-                    fmt(r["ratio_gloo"], "{:.2f}"),
-                    "yes" if r["correct"] else "**NO**",
-                ]
-            )
-            + " |"
-        )
+        time_ms = fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}")
+        cells = [world_label(r), r["size"], r["bytes"], r["algorithm"], fmt(r["chunks"], "{}"), r["iters"], time_ms]
+        cells += [f"{spread:.0f}%", fmt(r["algbw_MBps"]), fmt(r["busbw_MBps"]), fmt(r["limit_ms"], "{:.2f}")]
+        cells += [fmt(r["ratio_limit"], "{:.3f}"), fmt(r["ratio_gloo"], "{:.2f}"), "yes" if r["correct"] else "**NO**"]
+        lines.append(md_row(*cells))
     return "\n".join(lines)
 
 
@@ -176,26 +142,23 @@ def paired_vs_gloo(records: list[dict], rows: list[dict], reference: str = "gloo
 def target_lines(targets: list[dict]) -> str:
     lines = []
     for t in targets:
+        label = t.get("label", t["world_size"])
         if t["status"] == "N/A":
-            lines.append(f"N/A   {t['target']:<50} N={t.get('label', t['world_size'])}  ({t['why']})")
+            lines.append(f"N/A   {t['target']:<50} N={label}  ({t['why']})")
             continue
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
         lines.append(
-            f"{t['status']:<5} {t['target']:<50} N={t.get('label', t['world_size'])}  worst {t['worst_ratio']:.3f}x "
+            f"{t['status']:<5} {t['target']:<50} N={label}  worst {t['worst_ratio']:.3f}x "
             f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]"
         )
         if t.get("wire_floor") and not t["target"].startswith("two-pass"):
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
-            lines.append(
-                f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={t.get('label', t['world_size'])}  [{floors}]"
-            )
+            lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={label}  [{floors}]")
         if t.get("paired"):
             paired = "  ".join(
                 f"{k} {m:.3f} ({faster}/{total}, {p_text(p)})" for k, (m, faster, total, p) in t["paired"].items()
             )
-            lines.append(
-                f"{'':<5} {'  paired per repetition (faster in k/n, p)':<50} N={t.get('label', t['world_size'])}  [{paired}]"
-            )
+            lines.append(f"{'':<5} {'  paired per repetition (faster in k/n, p)':<50} N={label}  [{paired}]")
     return "\n".join(lines)
 
 

@@ -5,9 +5,9 @@
     python bench/digests.py --only two-pass  # the combinations whose name contains this
 
 A combination is --allreduce x (--no-overlap | --overlap | --overlap --lazy-update) x --compress,
-on 2 ranks (and a few on 3, where the global batch does not divide), and a few of --sync-every 8; 30 steps: long enough for
-PowerSGD's 10 warm-up steps to end. Each run is `python train.py` (the local launcher), 1 thread
-per rank, with a timeout. Exit code 1 when any digest differs from the table.
+on 2 ranks (and a few on 3, where the global batch does not divide), and a few of --sync-every 8;
+30 steps: long enough for PowerSGD's 10 warm-up steps to end. Each run is `python train.py` (the
+local launcher), 1 thread per rank, with a timeout. Exit code 1 when any digest differs from the table.
 
 The bits depend on the CPU's kernels too (torch picks convolution and matrix kernels by the
 CPU's vector units): the table records the machine it was made on, and a run on another CPU
@@ -34,57 +34,35 @@ TIMEOUT = 120
 def combinations():
     """{name: extra train.py flags}."""
     found = {}
+    modes = {"no-overlap": ["--no-overlap"], "overlap": ["--overlap"], "lazy": ["--lazy-update"]}
     for allreduce, mode, compress in itertools.product(
-        ("two-pass", "ring", "gloo", "hierarchical"),
-        ("no-overlap", "overlap", "lazy"),
-        ("none", "bf16", "fp16", "powersgd"),
+        ("two-pass", "ring", "gloo", "hierarchical"), modes, ("none", "bf16", "fp16", "powersgd")
     ):
-        flags = [
+        found[f"{allreduce}/{mode}/{compress}"] = [
+            "--nproc",
+            "2",
             "--allreduce",
             allreduce,
             "--compress",
             compress,
-            *{"no-overlap": ["--no-overlap"], "overlap": ["--overlap"], "lazy": ["--lazy-update"]}[mode],
+            *modes[mode],
         ]
-        found[f"{allreduce}/{mode}/{compress}"] = ["--nproc", "2", *flags]
     for allreduce in ("two-pass", "ring", "hierarchical"):
-        found[f"{allreduce}/overlap/powersgd/3-ranks"] = [
-            "--nproc",
-            "3",
-            "--allreduce",
-            allreduce,
-            "--compress",
-            "powersgd",
-        ]
+        found[f"{allreduce}/overlap/powersgd/3-ranks"] = (
+            f"--nproc 3 --allreduce {allreduce} --compress powersgd".split()
+        )
     for compress in ("none", "bf16", "fp16"):  # --sync-every: 3 rounds of 8 steps and one cut short
-        found[f"two-pass/sync-every-8/{compress}"] = ["--nproc", "2", "--sync-every", "8", "--compress", compress]
-    found["ring/sync-every-8/nesterov"] = [
-        "--nproc",
-        "2",
-        "--allreduce",
-        "ring",
-        "--sync-every",
-        "8",
-        "--outer",
-        "nesterov",
-    ]
-    found["two-pass/sync-every-8/none/3-ranks"] = ["--nproc", "3", "--sync-every", "8"]
+        found[f"two-pass/sync-every-8/{compress}"] = f"--nproc 2 --sync-every 8 --compress {compress}".split()
+    found["ring/sync-every-8/nesterov"] = "--nproc 2 --allreduce ring --sync-every 8 --outer nesterov".split()
+    found["two-pass/sync-every-8/none/3-ranks"] = "--nproc 3 --sync-every 8".split()
     return found
 
 
 def digest_of(flags):
     with tempfile.TemporaryDirectory(prefix="digests-") as folder:
+        files = ["--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt"]
         out = subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "train.py"),
-                *SHORT_RUN,
-                *flags,
-                "--save-path",
-                f"{folder}/m.pth",
-                "--checkpoint",
-                f"{folder}/c.pt",
-            ],
+            [sys.executable, str(REPO / "train.py"), *SHORT_RUN, *flags, *files],
             cwd=folder,
             capture_output=True,
             text=True,

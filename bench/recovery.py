@@ -67,25 +67,21 @@ def events(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
 
 
+def start(argv, cwd, env, stdout=subprocess.DEVNULL, train=TRAIN):
+    """`python train.py argv` in a session of its own; its stderr kept."""
+    argv = [sys.executable, train, *argv]
+    return subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
 def fault_trial(kind, world_size, rng, tmp):
     """One run with one fault; (seconds from the fault to the last survivor's next step, steps lost)."""
     rank, step = rng.randrange(world_size), rng.randrange(STEPS // 10 + 2, STEPS - STEPS // 10)
     cwd = Path(tempfile.mkdtemp(dir=tmp))
-    env = dict(
-        os.environ,
-        RING_FAULT=f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}",
-        RING_EVENTS=str(cwd / "events.jsonl"),
-        OMP_NUM_THREADS="1",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, TRAIN, *RUN, "--nproc", str(world_size), "--heartbeat", str(HEARTBEAT)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    fault = f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}"
+    env = dict(os.environ, RING_FAULT=fault, RING_EVENTS=str(cwd / "events.jsonl"), OMP_NUM_THREADS="1")
+    proc = start([*RUN, "--nproc", str(world_size), "--heartbeat", str(HEARTBEAT)], cwd, env, subprocess.PIPE)
     outcome = supervise([proc], timeout=240)
     if outcome.codes != [0]:
         raise RuntimeError(
@@ -107,32 +103,10 @@ def join_trial(world_size, rng, tmp):
     rank, step = rng.randrange(1, world_size), rng.randrange(STEPS // 10 + 2, STEPS // 3)
     cwd, port = Path(tempfile.mkdtemp(dir=tmp)), free_port()
     log = cwd / "events.jsonl"
-    common = [
-        "--world-size",
-        str(world_size),
-        "--init-method",
-        f"tcp://127.0.0.1:{port}",
-        "--gloo_socket_ifname",
-        "lo",
-        *RUN,
-        "--epochs",
-        "60",
-        "--heartbeat",
-        str(JOIN_HEARTBEAT),
-    ]
+    common = f"--world-size {world_size} --init-method tcp://127.0.0.1:{port} --gloo_socket_ifname lo".split()
+    common += [*RUN, "--epochs", "60", "--heartbeat", str(JOIN_HEARTBEAT)]
     env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, TRAIN, "--rank", str(r), *common],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for r in range(world_size)
-    ]
+    ranks = [start(["--rank", str(r), *common], cwd, env) for r in range(world_size)]
     joiner, stopped = None, []
 
     def joined(procs):  # supervise's while_running: stop the job once the server is in (one signal each)
@@ -145,15 +119,7 @@ def join_trial(world_size, rng, tmp):
         deadline = time.monotonic() + 120
         while ranks[rank].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        joiner = subprocess.Popen(
-            [sys.executable, TRAIN, "--rank", str(rank), *common, "--join"],
-            cwd=cwd,
-            env=dict(env, RING_FAULT=""),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        joiner = start(["--rank", str(rank), *common, "--join"], cwd, dict(env, RING_FAULT=""))
         outcome = supervise(
             [*[r for i, r in enumerate(ranks) if i != rank], joiner],
             timeout=240,
@@ -181,15 +147,9 @@ def epoch_seconds(recover, world_size, tmp, cl=None, port=None, train=TRAIN):
     cwd = Path(tempfile.mkdtemp(dir=tmp))
     flag = {True: "--recover", False: "--no-recover", None: "--metrics=m.jsonl"}[recover]
     if cl is None:
-        proc = subprocess.Popen(
-            [sys.executable, train, *RUN, "--nproc", str(world_size), flag],
-            cwd=cwd,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        procs = [proc]
+        procs = [
+            start([*RUN, "--nproc", str(world_size), flag], cwd, dict(os.environ, OMP_NUM_THREADS="1"), train=train)
+        ]
     else:
         homes = [cwd / f"host{r}" for r in range(cl.world_size)]
         for home in homes:

@@ -112,15 +112,8 @@ class Soak:
         self.home, self.ranks, self.rng = home, ranks, rng
         self.port = free_port()
         self.events = home / "events.jsonl"
-        self.common = [
-            "--world-size",
-            str(ranks),
-            "--init-method",
-            f"tcp://127.0.0.1:{self.port}",
-            "--gloo_socket_ifname",
-            "lo",
-            *run,
-        ]
+        self.common = f"--world-size {ranks} --init-method tcp://127.0.0.1:{self.port} --gloo_socket_ifname lo".split()
+        self.common += run
         self.procs, self.joins = {}, 0
         self.stayed, self.hung = [], []  # woken ranks whose side went on; ranks that did not end when they should
         for r in range(ranks):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import fmt, median_or_none, png_of
+from harness import fmt, md_row, median_or_none, png_of
 
 
 def time_to_target(points: list[dict], target: float) -> dict | None:
@@ -88,47 +88,22 @@ def table(records: list[dict], ours: str, target: float, epochs: int) -> str:
     for n in sorted({r["world_size"] for r in records}):
         rows = [r for r in records if r["world_size"] == n]
         for r in rows:
-            ttt = r["time_to_target_s"]
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        str(n),
-                        label(r, ours),
-                        fmt(ttt, "{:.1f}", "not reached"),
-                        f"{r['steps_to_target']} ({r['epochs_to_target']:.2f})" if ttt is not None else "-",
-                        fmt(r["compute_x_steps_to_target_s"], "{:.1f}"),
-                        fmt(ttt / r["compute_x_steps_to_target_s"] if ttt is not None else None, "{:.2f}x"),
-                        *(fmt(r["accuracy_by_epoch"].get(str(e)), "{:.2%}") for e in acc_cols),
-                        f"{r['train_seconds']:.1f}",
-                        fmt(r["ms_per_step"], "{:.1f}"),
-                        fmt(r["wire_kb_per_step"], "{:.0f}"),
-                        "yes" if r["params_identical"] else "**NO**",
-                    ]
-                )
-                + " |"
-            )
+            ttt, free_s = r["time_to_target_s"], r["compute_x_steps_to_target_s"]
+            at = f"{r['steps_to_target']} ({r['epochs_to_target']:.2f})" if ttt is not None else "-"
+            cells = [n, label(r, ours), fmt(ttt, "{:.1f}", "not reached"), at, fmt(free_s, "{:.1f}")]
+            cells += [fmt(ttt / free_s if ttt is not None else None, "{:.2f}x")]
+            cells += [fmt(r["accuracy_by_epoch"].get(str(e)), "{:.2%}") for e in acc_cols]
+            cells += [
+                f"{r['train_seconds']:.1f}",
+                fmt(r["ms_per_step"], "{:.1f}"),
+                fmt(r["wire_kb_per_step"], "{:.0f}"),
+            ]
+            lines.append(md_row(*cells, "yes" if r["params_identical"] else "**NO**"))
         free = free_network(rows)
         if free:
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        str(n),
-                        f"compute only (free network; {free['of']}'s steps)",
-                        f"{free['to_target_s']:.1f}" if free["to_target_s"] is not None else "-",
-                        "-",
-                        "-",
-                        "1.00x",
-                        *("-" for _ in acc_cols),
-                        f"{free['all_steps_s']:.1f}",
-                        f"{free['ms_per_step']:.1f}",
-                        "0",
-                        "-",
-                    ]
-                )
-                + " |"
-            )
+            cells = [n, f"compute only (free network; {free['of']}'s steps)", fmt(free["to_target_s"], "{:.1f}")]
+            cells += ["-", "-", "1.00x", *("-" for _ in acc_cols), f"{free['all_steps_s']:.1f}"]
+            lines.append(md_row(*cells, f"{free['ms_per_step']:.1f}", "0", "-"))
     return "\n".join(lines)
 
 
@@ -178,27 +153,11 @@ def medians(records: list[dict], ours: str, target: float) -> str:
                 ours_by_run = {r["run"]: r["time_to_target_s"] for r in by_config[best]}
                 ratios = [ours_by_run[r["run"]] / r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
                 paired = f"{label(best, ours)}: " + ", ".join(f"{x:.3f}x" for x in ratios)
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        str(n),
-                        label(config, ours),
-                        str(len(runs)),
-                        fmt(median_time(runs), "{:.1f}", "not reached"),
-                        ", ".join(fmt(t, "{:.1f}", "-") for t in times),
-                        fmt(statistics.median(r["ms_per_step"] for r in runs), "{:.1f}"),
-                        fmt(
-                            statistics.median(t / r["compute_x_steps_to_target_s"] for t, r in zip(times, runs))
-                            if None not in times
-                            else None,
-                            "{:.2f}x",
-                        ),
-                        paired,
-                    ]
-                )
-                + " |"
-            )
+            ratio = [t / r["compute_x_steps_to_target_s"] for t, r in zip(times, runs)] if None not in times else None
+            cells = [n, label(config, ours), len(runs), fmt(median_time(runs), "{:.1f}", "not reached")]
+            cells += [", ".join(fmt(t, "{:.1f}", "-") for t in times)]
+            cells += [fmt(statistics.median(r["ms_per_step"] for r in runs), "{:.1f}")]
+            lines.append(md_row(*cells, fmt(ratio and statistics.median(ratio), "{:.2f}x"), paired))
         footer += headline(n, by_config, ours, target)
     return "\n".join(lines + ([""] + footer if footer else []))
 
@@ -321,10 +280,13 @@ def plan_notes(args, specs: list[dict], outer_lr, outer_momentum) -> str:
     periodic = sorted({s["sync_every"] for s in specs if s["kind"] == "ours" and s["sync_every"] > 1})
     local = sorted({s["sync_every"] for s in specs if s["kind"] == "localsgd"})
     outer = args.outer + (f" (lr {outer_lr:g}, momentum {outer_momentum:g})" if args.outer == "nesterov" else "")
+    per_rank = ", ".join(f"{args.global_batch // n}/rank at N={n}" for n in args.world_sizes)
+    test = f" (test: the first {args.test_subset})" if args.test_subset else ""
+    between = " (with @H: rank 0 as it stands between syncs)" if periodic or local else ""
     return (
-        f"global batch {args.global_batch} ({', '.join(f'{args.global_batch // n}/rank at N={n}' for n in args.world_sizes)}), "
+        f"global batch {args.global_batch} ({per_rank}), "
         f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
-        f"training images{f' (test: the first {args.test_subset})' if args.test_subset else ''}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
+        f"training images{test}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
         f"ours = utils.sync.buckets {args.ours}; PowerSGD rank {args.powersgd_rank}, "
         f"{args.powersgd_warmup} plain steps first (ours and DDP's); "
         + (
@@ -342,7 +304,7 @@ def plan_notes(args, specs: list[dict], outer_lr, outer_momentum) -> str:
             else ""
         )
         + f"evaluated on the {args.test_subset or 10000:,} test images "
-        f"{args.evals_per_epoch}x per epoch, clock paused{' (with @H: rank 0 as it stands between syncs)' if periodic or local else ''}; "
+        f"{args.evals_per_epoch}x per epoch, clock paused{between}; "
         f"compute only = {args.compute_steps} steps of all N ranks at once without communication, per world; "
         f"{os.cpu_count()} CPU cores"
     )
