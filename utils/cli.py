@@ -58,7 +58,12 @@ def parse_args(argv, prog="train.py"):
 
     training = p.add_argument_group("training")
     training.add_argument(
-        "--epoch", "--epochs", dest="epochs", type=positive(int), default=2, help="(default %(default)s)"
+        "--epoch",
+        "--epochs",
+        dest="epochs",
+        type=positive(int),
+        default=2,
+        help="epochs to train (default %(default)s)",
     )
     training.add_argument(
         "--lr", type=positive(float, MAX_LR), default=4e-3, help="peak learning rate (default %(default)s)"

@@ -153,3 +153,15 @@ def test_no_sys_path_edits_outside_the_scripts_run_directly():
         if path not in allowed and path != "tests/unit/test_structure.py":
             assert "sys.path" not in open(os.path.join(REPO, path)).read(), path
     assert "sys.path" not in open(os.path.join(REPO, "train.py")).read()
+
+
+def test_the_tree_passes_the_formatter_and_the_linter():
+    """ruff, with pyproject.toml's settings (CI runs it through this test)."""
+    import subprocess
+    import sys
+
+    for check in (["format", "--check", "."], ["check", "."]):
+        result = subprocess.run(
+            [sys.executable, "-m", "ruff", *check], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, f"ruff {' '.join(check)}:\n{result.stdout}{result.stderr}"

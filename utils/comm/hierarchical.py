@@ -35,11 +35,12 @@ network namespaces of one machine that share the hostname, and containers often 
 ("localhost"). Ranks in one network namespace of one kernel reach each other over loopback,
 whatever they are called. RING_HOST_ID, when set, replaces the key: ranks with the same value
 share a host. It is a knob for tests (fake hosts over loopback) and for setups the key gets
-wrong; a wrong grouping costs speed, never correctness.
+wrong; a wrong grouping costs speed, never correctness. Under srun, train.py hands discover()
+Slurm's node (Job.host_id), which Slurm knows better than any key.
 
 Process groups: a Hierarchy holds the subgroups of one sum: one per host with more than one
 rank, one per cross-host ring. dist.new_group is a collective of all ranks, so every rank
-creates every Hierarchy at the same point, in the same order (utils/sync/buckets.py makes one per
+creates every Hierarchy at the same point, in the same order (utils/sync/factory.py makes one per
 gradient bucket, so buckets never share connections; utils/allreduce.Hierarchical owns it).
 """
 

@@ -1,6 +1,6 @@
 """Who is in the job: heartbeats beside gloo, and the survivors' agreement when a rank is lost.
 
-    membership = Membership(me, heartbeat, address)       every rank (utils/distributed.start_membership)
+    membership = Membership(me, heartbeat, address)       every rank (utils/elastic/join.py)
     membership.start(book, token)                         the ranks' control addresses, exchanged once
     decision = membership.agree(report)                   after a lost peer: who goes on, from where
     membership.join(decision, timeout)                    the survivors' new default process group
@@ -84,7 +84,7 @@ class Membership(Growth):
     def __init__(self, me, heartbeat, address, port=0):
         self.me, self.heartbeat = me, heartbeat
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:  # the job's port + this rank: where a joining server looks (utils/distributed.py)
+        try:  # the job's port + this rank: where a joining server looks (utils/elastic/join.py)
             self.sock.bind((address, port))
         except OSError:
             self.sock.bind((address, 0))

@@ -1,6 +1,6 @@
 """This process's network: the address of a card, and cutting every connection at once.
 
-utils/elastic/membership.py ends a generation with cut_connections; utils/distributed.py finds the
+utils/elastic/membership.py ends a generation with cut_connections; utils/elastic/join.py finds the
 address of gloo's card for the control sockets with card_address.
 """
 
