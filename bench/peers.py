@@ -2,9 +2,9 @@
 DDP with its compression hooks, torch's post-local SGD, and a step that sums nothing (compute
 only); and the NIC's byte counter they both read.
 
-Every one of them runs through utils.run.train_step, the trainer's own step, in the place of a
-utils.sync.buckets object: LocalStep has the same methods (weigh, after_backward, step, finish,
-flush, stats, close), so compute only, DDP, local SGD and ours differ in nothing but the sum.
+Every one of them runs through utils.run.train_model, the trainer's own loop, in the place of our
+gradient sync: LocalStep is a utils.sync.interface.GradientSync too, so compute only, DDP, local
+SGD and ours differ in nothing but the sum.
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import contextlib
 import io
 from pathlib import Path
 
-import harness  # noqa: F401  # puts the repository on sys.path
+import harness  # noqa: F401  # the repository on the path (the benchmarks are run directly)
 
 from utils.comm.allreduce import ALGORITHMS
+from utils.comm.compress import NoCompression
+from utils.sync.factory import make_gradient_sync
+from utils.sync.interface import Flags, GradientSync
+from utils.timeline import OFF
 
 DDP_HOOKS = ("fp16", "bf16", "powersgd")  # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook
 
@@ -83,35 +87,20 @@ def our_sync(
     )
 
 
-class LocalStep:
-    """A gradient sync that sums nothing: the optimizer step alone, as utils.sync.buckets does it.
+class LocalStep(GradientSync):
+    """A gradient sync that sums nothing: the optimizer step alone, as the trainer's syncs take it.
     Compute only uses it, DDP, which has summed during backward already, and local SGD (whose
-    optimizer averages the parameters). at_end: what flush() does at the end of training.
-
-    The gradient-sync methods utils.run.train_model calls, in one place: weigh, after_backward,
-    step, stop_count, finish, flush, stats, close. Nothing it does counts as communication, and
-    counts_bytes says so (bytes_sent)."""
+    optimizer averages the parameters). at_end: what flush() does at the end of training. Nothing
+    it does counts as communication, and counts_bytes says so (bytes_sent)."""
 
     counts_bytes = False
+    has_rank_state = False
 
     def __init__(self, optimizer, scheduler, at_end=lambda: None):
-        self.optimizer, self.scheduler, self.at_end = optimizer, scheduler, at_end
-
-    def weigh(self, weight):
-        pass
+        super().__init__(optimizer, scheduler, NoCompression(), Flags, OFF)
+        self.at_end = at_end
 
     def after_backward(self):
-        pass
-
-    def step(self):
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad()
-
-    def stop_count(self):
-        return 0.0
-
-    def finish(self):
         pass
 
     def flush(self):
@@ -120,15 +109,20 @@ class LocalStep:
     def stats(self):
         return dict.fromkeys(("busy_seconds", "waited_seconds", "bytes_sent", "bytes_summed"), 0)
 
-    def close(self):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
         pass
 
+    def abandon(self):
+        return False
 
-def make_sync(model, sync, optimizer, scheduler, seed):
-    """Ours: the trainer's gradient sync of a utils.config.Sync (our_sync), the one place the bench makes it."""
-    from utils.sync.buckets import make_gradient_sync
 
-    return make_gradient_sync(model, sync, optimizer, scheduler, seed)
+def make_sync(model, sync, optimizer, scheduler, seed, timeline=OFF):
+    """Ours: the trainer's gradient sync of a utils.config.Sync (our_sync), the one place the bench
+    makes it; timeline: a utils.timeline.Recorder to draw on (OFF: none)."""
+    return make_gradient_sync(model, sync, optimizer, scheduler, seed, timeline=timeline)
 
 
 def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):
@@ -136,25 +130,21 @@ def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, rec
     (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
     utils.timeline.Recorder, or None: off) records its spans. Its progress lines (rank 0) are kept off
     the driver's stdout. Returns its EpochStats (the loss summed over the steps)."""
-    from utils import timeline
     from utils.run import EpochStats, train_model
 
     stats = EpochStats()
-    timeline.recorder = recorder
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            train_model(
-                model=model,
-                gradient_sync=sync,
-                images=images,
-                labels=labels,
-                batches=batches,
-                epoch=epoch,
-                first_step=first_step,
-                stats=stats,
-            )
-    finally:
-        timeline.recorder = None
+    with contextlib.redirect_stdout(io.StringIO()):
+        train_model(
+            model=model,
+            gradient_sync=sync,
+            images=images,
+            labels=labels,
+            batches=batches,
+            epoch=epoch,
+            first_step=first_step,
+            stats=stats,
+            timeline=recorder or OFF,
+        )
     return stats
 
 

@@ -95,12 +95,15 @@ class Runner:
         from utils import timeline
         from utils.config import Recipe
         from utils.run import make_optimizer
+        from utils.timeline import OFF
 
         self.skip = spec.get("alone") and rank != 0
         torch.manual_seed(cfg["seed"])
         self.model = self.forward = make_model(cfg["model"])
         steps = (cfg["warmup"] + cfg["iters"]) * cfg["steps_per_sample"] + 1
         optimizer, scheduler = make_optimizer(self.model, Recipe(epochs=1), steps)
+        # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
+        self.recorder = timeline.Recorder(os.devnull, 1, 10**9, 10**9) if spec.get("timeline") else None
         if spec["kind"] == "sum":
             sync = our_sync(
                 spec["allreduce"],
@@ -113,7 +116,7 @@ class Runner:
                 spec["chunks"] or "auto",
                 spec["bucket_mb"] or 1.0,
             )
-            self.sync = make_sync(self.model, sync, optimizer, scheduler, cfg["seed"])
+            self.sync = make_sync(self.model, sync, optimizer, scheduler, cfg["seed"], self.recorder or OFF)
         elif spec["kind"] in ("sync", "wire"):
             self.sync = Lockstep(optimizer, scheduler, wire if spec["kind"] == "wire" else None)
             if spec["kind"] == "wire":  # the bytes start with backward, where a sum's would
@@ -123,8 +126,6 @@ class Runner:
                 hook = spec.get("hook")
                 self.forward, _ = make_ddp(self.model, hook, cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"])
             self.sync = LocalStep(optimizer, scheduler)
-        # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
-        self.recorder = timeline.Recorder(os.devnull, 1, 10**9, 10**9) if spec.get("timeline") else None
 
     def sample(self, batches: list, images, labels) -> tuple:
         """The steps of `batches` (after a barrier), ending with every lazy update applied (train_model's end).
