@@ -360,9 +360,9 @@ def test_defaults_follow_the_trainer():
         DEFAULT_POWERSGD_RANK,
         DEFAULT_POWERSGD_WARMUP,
     )
-    import train
+    from utils.config import GLOBAL_BATCH
 
-    assert tta.DEFAULTS["global_batch"] == train.GLOBAL_BATCH
+    assert tta.DEFAULTS["global_batch"] == GLOBAL_BATCH
     from utils.model import Net
 
     assert sum(p.numel() for p in Net().parameters()) == tta.MODEL_NUMEL
