@@ -24,7 +24,9 @@ from utils.comm import hierarchical
 from utils.data import step_batches
 from utils.distributed import check_identical_parameters, model_name
 from utils.elastic import faults
+from utils.elastic.recovery import Recovery
 from utils.errors import PeerError, Stopped, first_line
+from utils.model import Net
 from utils.report import Progress, bytes_sent_per_step, report_epoch, say_joined, start_line, stopped_line
 from utils.sync.factory import make_gradient_sync
 from utils.sync.interface import Flags
@@ -199,8 +201,6 @@ def test_model(model, images, labels, batch_size=1000):
 
 def evaluate(config, data):
     """train.py --eval: the test accuracy of --model_path."""
-    from utils.model import Net
-
     model = Net()
     checkpoint.load_model_state(model, config.job.model_path)
     accuracy = test_model(model, data[2], data[3])
@@ -268,8 +268,6 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
 
     recovery = None
     if membership is not None:
-        from utils.elastic.recovery import Recovery
-
         recovery = Recovery(membership, config, model, optimizer, scheduler, state, new_sync, EpochStats, timeline)
     if joining is not None:
         gradient_sync, (epoch, first_step, stats) = recovery.form(joining, None, None)

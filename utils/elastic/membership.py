@@ -40,6 +40,8 @@ import torch.distributed as dist
 from utils.elastic import faults
 from utils.elastic.growth import Growth
 from utils.elastic.sockets import cut_connections
+from utils.errors import EXIT_LOST_PEER
+from utils.outputs import release
 
 SETTLE_SECONDS = 1.0  # every live member answers within this; a silent one is gone after it
 RECOVERY_BEAT = 0.05  # seconds between messages while recovering
@@ -172,9 +174,6 @@ class Membership(Growth):
     def _exit_fenced(self):
         """The last resort of a fenced rank whose main thread stays in a wait that no cut ended: it
         holds nothing the job needs (it writes nothing), so it leaves as train.py would have."""
-        from utils.errors import EXIT_LOST_PEER
-        from utils.outputs import release
-
         os.write(2, f"train.py: rank {self.me}: {Fenced(self.fenced_at)}\n".encode())
         release()
         os._exit(EXIT_LOST_PEER)
