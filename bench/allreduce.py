@@ -1,61 +1,15 @@
 #!/usr/bin/env python3
 """All-reduce benchmark for utils/comm/ring.py, in the style of nccl-tests.
 
-Measures, side by side in one run, the all-reduce (sum) of one flat float32 buffer with
-
-    gloo                 dist.all_reduce (the reference)
-    two-pass             the original chain, chunks=1 (the textbook, unpipelined version)
-    two-pass-pipelined   the same chain streamed in auto_chunks(numel) pieces (or --chunks K)
-    ring                 reduce-scatter + all-gather
-    hierarchical         loopback within hosts, a ring per shard across them (utils/comm/hierarchical.py)
-
-for world sizes N (default 2,3,4) and buffer sizes from 4 KiB to 16 MiB, including the
-trainer's gradient ("model", --model-numel float32 values).
-
-Several ranks per host (--ranks-per-host K): N counts hosts, each runs K ranks (N·K in all)
-that share its one card (in --cluster mode; on loopback the hosts are faked with RING_HOST_ID).
-The limit and busbw then count hosts (2(N-1)/N: what each host's card must carry), and the
-targets are the hierarchical ring's: within 1.10x the limit and 1.3x faster than gloo and ring.
-
-Two ways to run it (the driver starts N real rank processes of this same file, --worker):
+Times gloo, two-pass, two-pass-pipelined, ring and hierarchical side by side (interleaved, the
+order rotating) for world sizes N and buffer sizes from 4 KiB to 16 MiB plus the trainer's
+gradient ("model"); every result is checked against a float64 sum and across ranks.
 
     python3 bench/allreduce.py                          # loopback, 127.0.0.1
-    python3 bench/allreduce.py --cluster --rate 200mbit # emulated hosts (scripts/cluster.py),
-                                                        # one rank per host, egress capped
+    python3 bench/allreduce.py --cluster --rate 200mbit # emulated hosts (scripts/netns.py), egress capped
 
-Timing. Per size, every repetition runs every algorithm once (the order rotates from one
-repetition to the next), so drift hits all of them alike. One repetition of one algorithm is
-    restore the input; dist.barrier(); t0; all-reduce; t1
-on every rank; its time is the MAX over ranks of t1 - t0 (an all-reduce is done when its
-slowest rank is). After --warmup discarded repetitions, --iters are timed (fewer for the
-biggest sizes, see --big-iters); the table shows the MEDIAN.
-
-Columns (nccl-tests conventions; S = buffer bytes, t = median time, MB = 1e6 bytes):
-    algbw = S / t        busbw = algbw * 2(N-1)/N
-    limit = 2(N-1)/N * S / B  when a per-host egress rate B is known (--cluster --rate):
-            the least time ANY all-reduce can take, as every host must send 2(N-1)/N * S
-            (payload bytes only; TCP/IP/Ethernet headers cost ~4.6% more on the wire at
-            MTU 1500, while tbf's initial burst can give ~10 ms free). At the limit, busbw = B.
-    xlimit = t / limit   xgloo = t / t(gloo)
-    In cluster mode the target lines also show the wire floor: limit * (MTU+14)/(MTU-52) minus
-    the tbf bucket's free start (1.046x at MTU 1500, less for small buffers), what tbf really
-    lets through; no algorithm can beat it.
-
-Trying a change to utils/comm/ring.py: --candidate FILE measures FILE's ring_sum as "ring:<stem>",
-interleaved with the rest (same checks, same targets, marked [candidate]); --ring-file FILE
-swaps the whole module (results go to allreduce-<mode>-<stem>.*, never over the real ones).
-
-Correctness. Rank r's input is float32 N(0,1) from seed (--seed, r), so every rank can build
-every input and the float64 reference sum. Every result (warm-up ones too) must be within
-(N-1) * 2^-24 * sum_r |x_r| of the reference, element-wise (the worst-case float32 rounding
-of N-1 additions in any order), and must be bit-identical on all ranks (blake2b digests).
-Any failure: a message naming N, size, algorithm and repetition, and a non-zero exit.
-
-Layout: this file is the driver; its ranks run bench/allreduce_worker.py, its summary (table, targets
-from bench/targets.py, plot) is bench/allreduce_report.py, the rest is bench/harness.py.
-
-Output: a markdown table on stdout, then the issue targets with PASS/MISS, and
-bench/results/allreduce-<mode>[-<rate>].{json,png,md} (mode: loopback or cluster), written atomically.
+Columns, correctness bounds, --candidate and --ring-file: bench/README.md ("All-reduce", "Command-line
+details"). Results: bench/results/allreduce-<mode>[-<what differs>].{json,md,png}.
 """
 
 from __future__ import annotations

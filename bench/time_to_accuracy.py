@@ -2,64 +2,14 @@
 """Time-to-accuracy benchmark (issues #13, #24): training wall seconds to 99% test accuracy, ours vs
 DDP and torch's local SGD, over one or several link rates.
 
-Every configuration trains the full recipe from scratch, in a world of its own, one after the
-other: utils/model.Net (same seed), Adam + one-cycle (utils.run.make_optimizer) over --epochs,
-a global batch of --global-batch images split over the N ranks as train.py does (64 // N per
-rank), each epoch's data order from utils.run.batches_of_epoch, torch.set_num_threads(1) and
-deterministic algorithms per rank. Configurations (--configs):
-
-    ours[+C]      utils.sync.buckets's sync of the --ours configuration (default ring+overlap+lazy:
-                  the ring, summed during backward, updates applied lazily in the next forward),
-                  compress=C (none, bf16, fp16, powersgd), as `train.py --compress C` runs it
-    ours[+C]@H    `train.py --sync-every H`: H local steps, then the parameters' change averaged
-                  through the --ours algorithm behind the next H steps (utils/sync/periodic.py), the
-                  outer step --outer average|nesterov (--outer-lr, --outer-momentum: nesterov's,
-                  train.py's defaults); C none, bf16 or fp16 (the change's wire dtype); H >= 2
-    ddp[+C]       torch DistributedDataParallel (gloo); +fp16 / +bf16: default_hooks'
-                  fp16_compress_hook / bf16_compress_hook; +powersgd: powerSGD_hook with the same
-                  rank and warm-up as ours (one DDP bucket: over gloo, two abort)
-    localsgd@H    torch's post-local SGD (bench/peers.make_localsgd): DDP + post_localSGD_hook for
-                  --localsgd-warmup synchronous steps, then PostLocalSGDOptimizer's
-                  PeriodicModelAverager averages the parameters (float32, blocking) every H steps
-
-At the end of training (the last evaluation point) every rank's parameters are made the same, on
-the clock: ours@H flushes its rounds, localsgd averages once more.
-
-Clock. Training time only: at every evaluation point (--evals-per-epoch per epoch, default 16,
-and once before the first step) each rank applies any pending (lazy) update, stops its clock,
-and the segment's time is the MAX over ranks (a synchronous step is done when its slowest rank
-is). Rank 0 then evaluates on the 10,000 test images (with @H: its own model between syncs)
-while the others wait at a barrier; after a barrier the clock runs again. "time to 99.0%" is the
-training seconds at the first evaluation point at or above --target (so it is accurate to one
-evaluation interval).
-
-"compute only x steps" is what a free network would give: before training, every world times
---compute-steps steps of forward+backward+Adam on a scratch copy of the model, all N ranks at
-once and without communication (the fair baseline when N ranks share this machine's cores);
-that step time (max over ranks) times the configuration's step count.
-
-Configurations run one after the other, so a slower spell of the machine lands on one of them.
---repeats K trains each K times, round-robin (run 1 of every configuration, then run 2, ...), and
-adds a table of medians with each DDP and local SGD configuration's time against our best's, run
-by run, and the ratios best localsgd@H / best ours@H and ddp+powersgd / best ours. --rates A,B,..
-runs the whole plan once per rate (--rate: one); with several, or any @H, an H x link table
-follows (medians of the time and steps to target, accuracy after epochs 1 and 2, wire KB/step).
+Every configuration (--configs: ours[+C], ours[+C]@H, ddp[+C], localsgd@H) trains the full recipe
+from scratch in a world of its own; the clock counts training only, stopped at each evaluation point.
 
     sudo python3 bench/time_to_accuracy.py                   # 200mbit, N = 2 and 4, 2 epochs
     python3 bench/time_to_accuracy.py --loopback --world-sizes 2 --epochs 1 --train-subset 6400
-    sudo python3 bench/time_to_accuracy.py --world-sizes 2 --configs ours+powersgd,ddp+powersgd --repeats 3
-    sudo python3 bench/time_to_accuracy.py --rates 20mbit --world-sizes 2,4 --repeats 3 \\
-        --configs ours+bf16@16,ours+bf16@64,localsgd@16,ddp+powersgd          # the issue's 20 Mbit/s comparison
 
-Layout: this file is the driver (configurations, worlds, results files); its ranks run
-bench/time_to_accuracy_worker.py, its summary is bench/time_to_accuracy_report.py, the rest is
-bench/harness.py (and bench/peers.py: DDP, local SGD, compute only).
-
-Output: markdown tables (with the exact command), a PNG of test accuracy vs training seconds
-(one line per configuration, a panel per link rate and N) and the JSON, written atomically as
-bench/results/time_to_accuracy-<mode>[-<what differs from the default plan>].{json,md,png}.
-Every world has a hard timeout; on any error or Ctrl-C all ranks are killed and the emulated
-cluster is torn down.
+The configurations, the clock, --repeats and --rates: bench/README.md ("Time to accuracy",
+"Command-line details"). Results: bench/results/time_to_accuracy-<mode>[-<what differs>].{json,md,png}.
 """
 
 from __future__ import annotations

@@ -1,82 +1,15 @@
 #!/usr/bin/env python3
 """Training-step benchmark: how close the trainer's gradient sums get to compute-only, and to DDP.
 
-One training step is exactly the trainer's, utils.run.train_step: forward, cross-entropy, backward,
-the gradient sync's after_backward() and step() (Adam, one-cycle schedule), on real MNIST batches of
---batch-size images per rank, torch.set_num_threads(1) and deterministic algorithms per rank
-(as train.py). Configurations, all measured in the same run, interleaved:
+Times utils.run.train_step (forward, backward, the gradient sync, Adam) under the floors
+(compute-alone, compute, compute+sync, compute+wire), each of our algorithms plain, +overlap and
++overlap+lazy, and DDP, interleaved round by round; --compression adds compressed rows beside DDP's hooks.
 
-    compute-alone     forward+backward+step on rank 0 only; the other ranks idle (wait)
-    compute           forward+backward+step on every rank AT ONCE, no communication: the
-                      fair baseline when N ranks share the machine's cores (this machine
-                      has few cores, so N=4 ranks on 2 cores compute ~2x slower than one)
-    compute+sync      compute, plus an all-reduce of ONE number after backward: the lockstep
-                      every synchronous data-parallel step has (each step waits for the
-                      slowest rank), without the gradient's bytes
-    compute+wire      compute+sync, while the bytes one ring all-reduce must move (2(N-1)/N of
-                      the gradient, each way) stream over plain TCP sockets to the neighbours
-                      from the start of backward: no gloo, no additions, no waiting on partial
-                      sums. The floor of any synchronous gradient sum on this machine: the
-                      bytes' wire time and kernel CPU, plus the lockstep (the floors' waits
-                      show under sum/wait)
-    <alg>             backward, then the whole sum, then step: utils.sync.buckets's PlainSync
-                      (Sync(overlap=False)), for alg in two-pass, ring, gloo (utils/comm/allreduce.py);
-                      "auto" chunks come to ring.auto_chunks(#parameters), as in train.py
-    <alg>+overlap     Sync(overlap=True): buckets of --bucket-mb MB are summed during backward
-                      (utils.sync.buckets.OverlappedSync); chunks as given ("auto": per bucket)
-    <alg>+overlap+lazy  the same, with lazy_update: after_backward() does not wait; each bucket's
-                      Adam update is applied in the next forward, just before its layer runs
-                      (utils/sync/lazy.py); a sample ends with finish(), so it holds all of its
-                      steps' work
-    ddp               torch.nn.parallel.DistributedDataParallel (gloo), defaults: the reference
-
-With --compression (issue #13), also:
-    <config>+<c>      our <config> with compress=c (bf16, fp16, powersgd: utils/comm/compress.py), for each
-                      of our --compress-with configurations (default ring+overlap+lazy)
-    ddp+fp16, ddp+bf16  DDP with torch's default_hooks.fp16_compress_hook / bf16_compress_hook
-    ddp+powersgd      DDP with powerSGD_hook, the same rank and warm-up as ours (--powersgd-rank,
-                      --powersgd-warmup); its gradient in ONE bucket: over gloo, two buckets abort
-                      ("Received data size doesn't match expected size")
-and the column "wire KB/step": bytes this rank's NIC sent per step (the emulated host's counter:
-headers, ACKs and barriers included; "-" on loopback, where all ranks share one counter).
-
-Timing. Every round runs every configuration once (the order rotates from one round to the
-next, so drift hits all alike), each for --steps-per-sample consecutive steps:
-    dist.barrier(); t0; K training steps; t1          ms/step of the round = (t1 - t0) / K
-on every rank, taking the MAX over ranks (a synchronous step is done when its slowest rank
-is). After --warmup discarded rounds, --iters are timed; tables show the MEDIAN over rounds.
-images/s per rank = batch / step time. fwd+bwd, sum/wait and opt are the parts of the step
-(forward+backward, the sum or wait after backward, optimizer+scheduler), likewise per step;
-cpu/rank is the CPU time of a rank's process per step (all its threads, user+sys, from
-getrusage; in brackets the kernel part, mostly TCP over the emulated links), mean over ranks.
-Each configuration trains its own copy of the model (same seed); at the end every comm
-configuration must hold bit-identical parameters on all ranks (checked with sha256), else the
-run fails.
-
-Modes (the driver starts N real rank processes of this same file, --worker):
-
-    python3 bench/train_step.py                          # emulated cluster (scripts/cluster.py),
-                                                         # --rates 1gbit,200mbit, N = 2 and 4
+    python3 bench/train_step.py                          # emulated cluster, --rates 1gbit,200mbit, N = 2 and 4
     python3 bench/train_step.py --loopback               # 127.0.0.1, no cap
-    python3 bench/train_step.py --model reference ...    # the issue's baseline CNN (1.2M parameters)
-                                                         # instead of the trainer's
-    python3 bench/train_step.py --compression ...        # issue #13: compressed rows beside DDP's hooks
 
-Targets (bench/targets.py: issue #6's against DDP and compute only, #13's with --compression at
-200 Mbit/s, #15's with --timeline). "Ours" is the fastest of our rows (with that compression). A
-ratio PASSes only if both the ratio of the medians and the median of the per-round ratios (same
-round, same load: the paired one) are within the bound (bench/harness.compare); the lines also
-give the sign test's p for "faster in k of n rounds": above 0.05, the rounds cannot tell the two
-apart.
-
-Layout: this file is the driver (configurations, worlds, results files); its ranks run
-bench/train_step_worker.py, its summary is bench/train_step_report.py, the rest is bench/harness.py.
-
-Output: a markdown table, the issue targets with PASS/MISS and their ratios, and
-bench/results/train_step-<mode>[-<what differs from the default plan>].{json,md,png} (mode: cluster or
-loopback; e.g. train_step-cluster-1gbit-n2-b64.json), written atomically.
-Every rank has a hard timeout; on any error or Ctrl-C all ranks are killed and the cluster is
-torn down.
+The configurations, the clock, the columns and the targets: bench/README.md ("Training step",
+"Command-line details"). Results: bench/results/train_step-<mode>[-<what differs>].{json,md,png}.
 """
 
 from __future__ import annotations
