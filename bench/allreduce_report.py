@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import fmt, md_row, p_text, png_of, quiet, ratios_to_gloo, sign_test_p
+from harness import figure, fmt, md_row, p_text, png_of, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
@@ -173,55 +173,41 @@ def load_lines(load: dict) -> str:
     return "\n".join(lines)
 
 
+STYLE = {  # an algorithm's line: colour, marker, line style
+    "gloo": ("k", "o", "-"),
+    "two-pass": ("tab:red", "s", "--"),
+    "two-pass-pipelined": ("tab:orange", "^", "-"),
+    "ring": ("tab:blue", "D", "-"),
+    "hierarchical": ("tab:green", "P", "-"),
+}
+EXTRA_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive")  # candidates (--candidate)
+
+
 def plot(records: list[dict], title: str, rate_bytes: float | None, burst_bytes: int = 0) -> bytes:
     """Time and busbw against buffer size, an algorithm per line, a column per N; as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     worlds = sorted({r["world_size"] for r in records})
-    fig, axes = plt.subplots(2, len(worlds), figsize=(5.2 * len(worlds), 8.2), squeeze=False, sharex=True)
-    style = {
-        "gloo": ("k", "o", "-"),
-        "two-pass": ("tab:red", "s", "--"),
-        "two-pass-pipelined": ("tab:orange", "^", "-"),
-        "ring": ("tab:blue", "D", "-"),
-        "hierarchical": ("tab:green", "P", "-"),
-    }
+    extra = sorted({r["algorithm"] for r in records} - set(ALGORITHMS))
+    fig, axes = figure(2, len(worlds), (5.2 * len(worlds), 8.2), sharex=True)
     for col, n in enumerate(worlds):
         first = next(r for r in records if r["world_size"] == n)
         hosts = first.get("hosts", n)  # the limit counts hosts (their cards)
         top, bottom = axes[0][col], axes[1][col]
-        extra = sorted({r["algorithm"] for r in records} - set(ALGORITHMS))
         for alg in [*ALGORITHMS, *extra]:
-            rows = sorted(
-                (r for r in records if r["world_size"] == n and r["algorithm"] == alg), key=lambda r: r["bytes"]
-            )
+            rows = [r for r in records if r["world_size"] == n and r["algorithm"] == alg]
+            rows.sort(key=lambda r: r["bytes"])
             if not rows:
                 continue
-            c, m, ls = style.get(alg) or (
-                ("tab:purple", "tab:brown", "tab:pink", "tab:olive")[extra.index(alg) % 4],
-                "v",
-                "-.",
-            )
+            c, m, ls = STYLE.get(alg) or (EXTRA_COLORS[extra.index(alg) % 4], "v", "-.")
             x = [r["bytes"] for r in rows]
             top.plot(x, [r["median_ms"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
             top.fill_between(x, [r["min_ms"] for r in rows], [r["max_ms"] for r in rows], color=c, alpha=0.12)
             bottom.plot(x, [r["busbw_MBps"] for r in rows], color=c, marker=m, ls=ls, ms=4, label=alg)
         xs = sorted({r["bytes"] for r in records if r["world_size"] == n})
         if rate_bytes:
-            top.plot(
-                xs,
-                [2 * (hosts - 1) / hosts * s / rate_bytes * 1e3 for s in xs],
-                color="0.5",
-                ls=":",
-                lw=2,
-                label="bandwidth limit 2(N-1)/N·S/B",
-            )
-            bottom.axhline(
-                rate_bytes / MB, color="0.5", ls=":", lw=2, label=f"busbw at the limit = B = {rate_bytes / MB:g} MB/s"
-            )
+            limits = [2 * (hosts - 1) / hosts * s / rate_bytes * 1e3 for s in xs]
+            top.plot(xs, limits, color="0.5", ls=":", lw=2, label="bandwidth limit 2(N-1)/N·S/B")
+            at_limit = f"busbw at the limit = B = {rate_bytes / MB:g} MB/s"
+            bottom.axhline(rate_bytes / MB, color="0.5", ls=":", lw=2, label=at_limit)
             # Small buffers ride on tbf's bucket (sent at veth speed): busbw there says nothing about
             # the rate, so shade them and clip the axis to keep the bandwidth-bound sizes readable.
             fits = [x for x in xs if 2 * (hosts - 1) / hosts * x <= burst_bytes]
@@ -230,21 +216,12 @@ def plot(records: list[dict], title: str, rate_bytes: float | None, burst_bytes:
                     ax.axvspan(xs[0] / 1.2, fits[-1] * 1.2, color="0.92", zorder=0)
                 bottom.text(fits[0], rate_bytes / MB * 1.55, "fits in the tbf burst", fontsize=8, va="top", color="0.4")
             bottom.set_ylim(0, rate_bytes / MB * 1.6)
-        for r in records:
-            if r["size"] == "model" and r["world_size"] == n:
-                for ax in (top, bottom):
-                    ax.axvline(r["bytes"], color="tab:green", lw=0.8, alpha=0.6)
-                top.annotate(
-                    "model",
-                    (r["bytes"], 0.02),
-                    xycoords=("data", "axes fraction"),
-                    color="tab:green",
-                    fontsize=8,
-                    rotation=90,
-                    ha="right",
-                    va="bottom",
-                )
-                break
+        model = next((r for r in records if r["size"] == "model" and r["world_size"] == n), None)
+        if model:
+            for ax in (top, bottom):
+                ax.axvline(model["bytes"], color="tab:green", lw=0.8, alpha=0.6)
+            where = dict(xycoords=("data", "axes fraction"), rotation=90, ha="right", va="bottom")
+            top.annotate("model", (model["bytes"], 0.02), color="tab:green", fontsize=8, **where)
         top.set_xscale("log", base=2)
         top.set_yscale("log")
         top.set_title(f"N = {n} ranks" if hosts == n else f"{hosts} hosts × {n // hosts} ranks")
@@ -259,12 +236,12 @@ def plot(records: list[dict], title: str, rate_bytes: float | None, burst_bytes:
         for ax in (top, bottom):
             ax.grid(True, which="major", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    extra_h, extra_l = axes[1][0].get_legend_handles_labels()
-    handles += [h for h, label in zip(extra_h, extra_l) if label.startswith("busbw at")]
-    labels += [label for label in extra_l if label.startswith("busbw at")]
+    for handle, label in zip(*axes[1][0].get_legend_handles_labels()):
+        if label.startswith("busbw at"):  # the one line only the bottom row has
+            handles.append(handle)
+            labels.append(label)
     fig.suptitle(title, fontsize=11)
-    fig.legend(
-        handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.965)
-    )
+    legend = dict(loc="upper center", ncol=len(labels), fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.965))
+    fig.legend(handles, labels, **legend)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return png_of(fig, dpi=110)

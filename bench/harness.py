@@ -7,7 +7,7 @@ plugin that brings only its worker, its configurations and its summary.
                    run_driver
     workers        start_worker, digest, rotated, pick
     statistics     sign_test_p, p_text, paired_ratios, compare, ratios_to_gloo, quantile, median_or_none
-    results        results_stem, command_line, host_info, run_info, md_row, write_results, png_of
+    results        results_stem, command_line, host_info, run_info, md_row, write_results, figure, png_of
     MODEL_NUMEL    the trainer's parameter count, counted from utils/model.Net itself
 
 A benchmark's driver starts N real rank processes of its own file (`--worker --rank R --config
@@ -561,6 +561,16 @@ def run_info(host: dict, started: float) -> dict:
 def md_row(*cells) -> str:
     """A markdown table's row."""
     return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def figure(rows: int, cols: int, figsize: tuple, **kw):
+    """A matplotlib figure of rows x cols panels (axes[i][j], even for one), drawn off-screen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, cols, figsize=figsize, squeeze=False, **kw)
 
 
 def png_of(fig, dpi: int = 100) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import fmt, md_row, median_or_none, png_of
+from harness import figure, fmt, md_row, median_or_none, png_of
 
 
 def time_to_target(points: list[dict], target: float) -> dict | None:
@@ -326,14 +326,9 @@ def color_of(r: dict, periods: list[int]):
 def plot(records: list[dict], title: str, worlds: list[int], ours: str, target: float, rates=(None,)) -> bytes:
     """Test accuracy vs training seconds, a line per configuration, a panel per (link rate, N), as PNG.
     Line style: the compression; marker: o per step, s ours@H, ^ local SGD."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     style = {"none": "-", "bf16": "--", "fp16": "-.", "powersgd": ":"}
     periods = sorted({r["sync_every"] for r in records if r["kind"] == "ours" and r.get("sync_every", 1) > 1})
-    fig, axes = plt.subplots(len(rates), len(worlds), figsize=(6.6 * len(worlds), 4.8 * len(rates)), squeeze=False)
+    fig, axes = figure(len(rates), len(worlds), (6.6 * len(worlds), 4.8 * len(rates)))
     for row, rate in zip(axes, rates):
         for ax, n in zip(row, worlds):
             rows = [r for r in records if r["world_size"] == n and r.get("rate") == rate]
@@ -342,33 +337,16 @@ def plot(records: list[dict], title: str, worlds: list[int], ours: str, target: 
                 ys = [p["accuracy"] * 100 for p in r["points"]]
                 color = color_of(r, periods)
                 marker = "^" if r["kind"] == "localsgd" else "s" if r.get("sync_every", 1) > 1 else "o"
-                ax.plot(
-                    xs,
-                    ys,
-                    style.get(r["compress"], "-"),
-                    marker=marker,
-                    ms=3,
-                    lw=1.6,
-                    color=color,
-                    label=label(r, ours),
-                )
+                line = dict(marker=marker, ms=3, lw=1.6, color=color, label=label(r, ours))
+                ax.plot(xs, ys, style.get(r["compress"], "-"), **line)
                 if r["time_to_target_s"] is not None:
-                    ax.plot(
-                        [r["time_to_target_s"]],
-                        [r["points"][[p["step"] for p in r["points"]].index(r["steps_to_target"])]["accuracy"] * 100],
-                        marker="*",
-                        ms=11,
-                        color=color,
-                    )
+                    at = [p["step"] for p in r["points"]].index(r["steps_to_target"])
+                    reached = r["points"][at]["accuracy"] * 100
+                    ax.plot([r["time_to_target_s"]], [reached], marker="*", ms=11, color=color)
             free = free_network(rows)
             if free and free["to_target_s"]:
-                ax.axvline(
-                    free["to_target_s"],
-                    color="tab:red",
-                    lw=1,
-                    ls=":",
-                    label=f"compute only x {free['of']}'s steps to {target:.1%}",
-                )
+                free_label = f"compute only x {free['of']}'s steps to {target:.1%}"
+                ax.axvline(free["to_target_s"], color="tab:red", lw=1, ls=":", label=free_label)
             ax.axhline(target * 100, color="tab:red", lw=0.8, alpha=0.6)
             top = max((p["accuracy"] * 100 for r in rows for p in r["points"]), default=100)
             low = max(90.0, target * 100 - 3)  # zoomed in on the target, unless the runs never got near

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from harness import compare, fmt, md_row, median_or_none, p_text, paired_ratios, png_of, quantile
+from harness import compare, figure, fmt, md_row, median_or_none, p_text, paired_ratios, png_of, quantile
 from targets import bound
 
 
@@ -193,36 +193,30 @@ def target_lines(targets: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# a bar's colour: its kind (compute, floors, DDP), else its algorithm; compressed rows purple (DDP's grey)
+COLORS = {"compute": "0.75", "wire": "0.55", "sync": "0.45", "ddp": "black"}
+COLORS |= {"two-pass": "tab:orange", "ring": "tab:blue", "gloo": "tab:green"}
+VALUE_LABEL = dict(ha="center", va="bottom", fontsize=7, xytext=(0, 1), textcoords="offset points")
+
+
+def bar_color(r: dict) -> str:
+    if r.get("compress"):
+        return "0.3" if r["kind"] == "ddp" else "tab:purple"
+    return COLORS.get(r["kind"] if r["kind"] != "sum" else r["allreduce"], "tab:purple")
+
+
 def plot(records: list[dict], title: str, rates: list[str | None], worlds: list[int]) -> bytes:
     """One panel per (rate, N): a bar per configuration (median ms/step, whiskers p25..p75), as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {
-        "compute": "0.75",
-        "wire": "0.55",
-        "sync": "0.45",
-        "ddp": "black",
-        "two-pass": "tab:orange",
-        "ring": "tab:blue",
-        "gloo": "tab:green",
-    }
+    factor = bound("compute")
     references = [
         ("compute", 1, dict(color="tab:red", lw=1.2, label="compute-only, all N ranks at once (the baseline)")),
-        (
-            "compute",
-            bound("compute"),
-            dict(color="tab:red", lw=1, ls="--", label=f"{bound('compute'):.2f}x compute-only"),
-        ),
+        ("compute", factor, dict(color="tab:red", lw=1, ls="--", label=f"{factor:.2f}x compute-only")),
         ("compute-alone", 1, dict(color="tab:red", lw=1, ls=":", label="compute-only, one rank alone")),
         ("ddp", 1, dict(color="black", lw=0.8, ls="-.", alpha=0.7, label="DDP")),
     ]
-    fig, axes = plt.subplots(
-        len(rates), len(worlds), figsize=(6.4 * len(worlds), 4.6 * len(rates) + 0.6), squeeze=False
-    )
+    fig, axes = figure(len(rates), len(worlds), (6.4 * len(worlds), 4.6 * len(rates) + 0.6))
     legend = []
     for i, rate in enumerate(rates):
         for j, n in enumerate(worlds):
@@ -231,54 +225,28 @@ def plot(records: list[dict], title: str, rates: list[str | None], worlds: list[
             if not rows:
                 ax.set_visible(False)
                 continue
-            col = [
-                ("0.3" if r["kind"] == "ddp" else "tab:purple")
-                if r.get("compress")
-                else colors.get(r["kind"] if r["kind"] != "sum" else r["allreduce"], "tab:purple")
-                for r in rows
-            ]
+            medians = [r["median_ms"] for r in rows]
             err = [[r["median_ms"] - r["p25_ms"] for r in rows], [r["p75_ms"] - r["median_ms"] for r in rows]]
-            bars = ax.bar(
-                range(len(rows)),
-                [r["median_ms"] for r in rows],
-                color=col,
-                yerr=err,
-                capsize=2,
-                ecolor="0.3",
-                edgecolor="white",
-            )
+            colors = [bar_color(r) for r in rows]
+            bars = ax.bar(range(len(rows)), medians, color=colors, yerr=err, capsize=2, ecolor="0.3", edgecolor="white")
             for b, r in zip(bars, rows):
+                middle = b.get_x() + b.get_width() / 2
                 if r["overlap"]:
                     b.set_hatch("//")
                 # the part of the step spent in sum()/wait() after backward (exposed communication)
                 if r["kind"] == "sum" and r["sum_wait_ms"] > 0:
-                    ax.bar(
-                        b.get_x() + b.get_width() / 2,
-                        min(r["sum_wait_ms"], r["median_ms"]),
-                        bottom=max(0.0, r["median_ms"] - r["sum_wait_ms"]),
-                        width=b.get_width() * 0.35,
-                        color="white",
-                        alpha=0.55,
-                    )
-                ax.annotate(
-                    f"{r['median_ms']:.0f}",
-                    (b.get_x() + b.get_width() / 2, r["p75_ms"]),
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                    xytext=(0, 1),
-                    textcoords="offset points",
-                )
+                    waited, bottom = min(r["sum_wait_ms"], r["median_ms"]), max(0.0, r["median_ms"] - r["sum_wait_ms"])
+                    ax.bar(middle, waited, bottom=bottom, width=b.get_width() * 0.35, color="white", alpha=0.55)
+                ax.annotate(f"{r['median_ms']:.0f}", (middle, r["p75_ms"]), **VALUE_LABEL)
             by = {r["config"]: r["median_ms"] for r in rows}
-            for name, factor, style in references:
+            for name, times, style in references:
                 if name in by:
-                    ax.axhline(factor * by[name], **style)
+                    ax.axhline(times * by[name], **style)
             ax.set_xticks(range(len(rows)))
             ax.set_xticklabels([r["config"] for r in rows], rotation=35, ha="right", fontsize=8)
             ax.set_ylabel("ms per step (median; whiskers p25..p75)")
-            ax.set_title(
-                f"{rate + ' per host' if rate else 'loopback'}, N = {n} ranks, batch {rows[0]['batch_size']}/rank"
-            )
+            link = f"{rate} per host" if rate else "loopback"
+            ax.set_title(f"{link}, N = {n} ranks, batch {rows[0]['batch_size']}/rank")
             ax.set_ylim(0, max(r["p75_ms"] for r in rows) * 1.12)
             ax.grid(True, axis="y", alpha=0.3)
             if not legend:
