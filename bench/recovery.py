@@ -39,6 +39,7 @@ from harness import (
     command_line,
     emulated_cluster,
     host_info,
+    md_row,
     number_list,
     positive,
     results_stem,
@@ -154,17 +155,12 @@ def epoch_seconds(recover, world_size, tmp, cl=None, port=None, train=TRAIN):
         homes = [cwd / f"host{r}" for r in range(cl.world_size)]
         for home in homes:
             home.mkdir()
-        procs = [
-            cl.popen(
-                cl.host_of(r),
-                [*cl.train_argv(r, port, [*RUN, flag])[:2], train, *cl.train_argv(r, port, [*RUN, flag])[3:]],
-                env={"OMP_NUM_THREADS": "1"},
-                cwd=homes[r],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-            for r in range(cl.world_size)
-        ]
+        procs = []
+        for r in range(cl.world_size):
+            argv = cl.train_argv(r, port, [*RUN, flag])
+            argv[2] = train  # the train.py under test (--baseline: an older one)
+            kw = dict(env={"OMP_NUM_THREADS": "1"}, cwd=homes[r], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            procs.append(cl.popen(cl.host_of(r), argv, **kw))
         cwd = homes[0]
     outcome = supervise(procs, timeout=240)
     if outcome.failed:
@@ -199,6 +195,22 @@ def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def stat_text(s, n):
+    return f"{s['median']:.2f} s (median of {n}; {s['min']:.2f}-{s['max']:.2f})"
+
+
+def ratios_text(ratios):
+    return ", ".join(f"{r:.3f}" for r in ratios)
+
+
+def stat_row(what, s, target):
+    return md_row(what, f"{s['median']:.2f}", f"{s['min']:.2f}", f"{s['max']:.2f}", f"≤ {target:g}")
+
+
+def cost_row(what, median, ratios):
+    return md_row(what, f"{median:.3f}", f"{min(ratios):.3f}", f"{max(ratios):.3f}", f"≤ {TARGETS['cost']:g}")
+
+
 def main(argv=None):
     ap = bench_parser(__doc__)
     ap.add_argument("--world-size", type=positive(int), default=3)
@@ -227,20 +239,16 @@ def main(argv=None):
             result[kind] = dict(
                 summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials], ranks=[t[2] for t in trials]
             )
+            s = result[kind]
             print(
-                f"{kind}: fault -> next step {result[kind]['median']:.2f} s (median of {args.faults}; "
-                f"{result[kind]['min']:.2f}-{result[kind]['max']:.2f}), completed steps lost "
-                f"{max(result[kind]['steps_lost'])} at most, ranks {result[kind]['ranks']}",
+                f"{kind}: fault -> next step {stat_text(s, args.faults)}, completed steps lost "
+                f"{max(s['steps_lost'])} at most, ranks {s['ranks']}",
                 flush=True,
             )
         joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if args.only != "cost" else 0)]
         result["join"] = summary(joins) if joins else None
         if joins:
-            print(
-                f"join: ready -> first step {result['join']['median']:.2f} s (median of {args.faults}; "
-                f"{result['join']['min']:.2f}-{result['join']['max']:.2f})",
-                flush=True,
-            )
+            print(f"join: ready -> first step {stat_text(result['join'], args.faults)}", flush=True)
         result["cost"] = {}
         if args.only != "faults":
             result["cost"]["loopback"] = cost(args.world_size, args.pairs, tmp, baseline=args.baseline)
@@ -248,53 +256,33 @@ def main(argv=None):
                 with emulated_cluster(rate, 2) as cl:
                     result["cost"][rate] = cost(2, args.pairs, tmp, cl, baseline=args.baseline)
         for where, c in result["cost"].items():
-            print(
+            line = (
                 f"steady-state cost, {where}: --recover / --no-recover epoch time {c['ratio_median']:.3f} "
-                f"(median of {args.pairs} pairs: {', '.join(f'{r:.3f}' for r in c['ratios'])})"
-                + (
-                    f"; --recover / before live recovery {c['baseline_ratio_median']:.3f} "
-                    f"({', '.join(f'{r:.3f}' for r in c['baseline_ratios'])})"
-                    if args.baseline
-                    else ""
-                ),
-                flush=True,
+                f"(median of {args.pairs} pairs: {ratios_text(c['ratios'])})"
             )
+            if args.baseline:
+                line += f"; --recover / before live recovery {c['baseline_ratio_median']:.3f} "
+                line += f"({ratios_text(c['baseline_ratios'])})"
+            print(line, flush=True)
     result["seconds"] = time.time() - started
     rows = [
-        f"| {k}: fault → next completed step (s) | {result[k]['median']:.2f} | {result[k]['min']:.2f} | "
-        f"{result[k]['max']:.2f} | ≤ {TARGETS[k]:g} |"
+        stat_row(f"{k}: fault → next completed step (s)", result[k], TARGETS[k])
         for k in ("kill", "stop")
         if k in result
     ]
     if result["join"]:
-        rows.append(
-            f"| join: ready → first step (s) | {result['join']['median']:.2f} | {result['join']['min']:.2f} | "
-            f"{result['join']['max']:.2f} | ≤ {TARGETS['join']:g} |"
-        )
+        rows.append(stat_row("join: ready → first step (s)", result["join"], TARGETS["join"]))
     for where, c in result["cost"].items():
-        rows.append(
-            f"| {where}: --recover / --no-recover epoch time | {c['ratio_median']:.3f} | {min(c['ratios']):.3f} | "
-            f"{max(c['ratios']):.3f} | ≤ {TARGETS['cost']:g} |"
-        )
+        rows.append(cost_row(f"{where}: --recover / --no-recover epoch time", c["ratio_median"], c["ratios"]))
         if "baseline_ratios" in c:
-            rows.append(
-                f"| {where}: --recover / before live recovery | {c['baseline_ratio_median']:.3f} | "
-                f"{min(c['baseline_ratios']):.3f} | {max(c['baseline_ratios']):.3f} | ≤ {TARGETS['cost']:g} |"
-            )
+            what = f"{where}: --recover / before live recovery"
+            rows.append(cost_row(what, c["baseline_ratio_median"], c["baseline_ratios"]))
+    lines = [f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", ""]
+    lines += ["| what | median | min | max | target |", "|---|---|---|---|---|", *rows, ""]
     lost = [f"{k} {result[k]['steps_lost']}" for k in ("kill", "stop") if k in result]
-    md = "\n".join(
-        [
-            f"# bench/recovery.py ({result['host']['node']})",
-            "",
-            f"    {result['command']}",
-            "",
-            "| what | median | min | max | target |",
-            "|---|---|---|---|---|",
-            *rows,
-            "",
-            *([f"Completed steps lost per fault: {'; '.join(lost)}."] if lost else []),
-        ]
-    )
+    if lost:
+        lines.append(f"Completed steps lost per fault: {'; '.join(lost)}.")
+    md = "\n".join(lines)
     write_results(
         Path(args.results_dir)
         / results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None),

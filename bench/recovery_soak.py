@@ -52,27 +52,26 @@ def main(argv=None):
     run = ["--epochs", str(args.epochs), "--heartbeat", "2", "--save-every", "10", "--timeout", "60"]
     tmp = Path(tempfile.mkdtemp(prefix="recovery-soak-"))  # kept: every rank's log, for a failed soak
     print(f"logs in {tmp}", flush=True)
-    if True:
-        soak = Soak(tmp / "soak", args.ranks, run, rng)
-        started = time.monotonic()
-        try:
-            faults = soak.run(args.faults, args.timeout)
-        finally:
-            soak.stop_all()
-        soak_seconds = time.monotonic() - started
-        clean = tmp / "clean"
-        clean.mkdir()
-        done = subprocess.run(
-            [sys.executable, TRAIN, *run, "--nproc", str(args.ranks)],
-            cwd=clean,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        clean_rows = [json.loads(line) for line in (clean / "runs" / "metrics.jsonl").read_text().splitlines()]
-        result = soak.check(clean_rows, args.epochs)
+    soak = Soak(tmp / "soak", args.ranks, run, rng)
+    started = time.monotonic()
+    try:
+        faults = soak.run(args.faults, args.timeout)
+    finally:
+        soak.stop_all()
+    soak_seconds = time.monotonic() - started
+    clean = tmp / "clean"
+    clean.mkdir()
+    done = subprocess.run(
+        [sys.executable, TRAIN, *run, "--nproc", str(args.ranks)],
+        cwd=clean,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    clean_rows = [json.loads(line) for line in (clean / "runs" / "metrics.jsonl").read_text().splitlines()]
+    result = soak.check(clean_rows, args.epochs)
     result.update(
         command=command_line("recovery_soak.py"),
         host=host_info(),
@@ -226,13 +225,8 @@ class Soak:
     def dump(self, rank, name):
         """Where a rank's threads are (py-spy, if installed), for the logs of a failed soak."""
         with open(self.home / name, "w") as f:
-            subprocess.run(
-                ["py-spy", "dump", "--native", "--pid", str(self.procs[rank].pid)],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=30,
-                check=False,
-            )
+            argv = ["py-spy", "dump", "--native", "--pid", str(self.procs[rank].pid)]
+            subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=30, check=False)
 
     def stop_all(self):
         for p in self.procs.values():
