@@ -35,55 +35,38 @@ def parse_ours(text: str) -> dict:
     return {"allreduce": alg, "overlap": "overlap" in flags, "lazy_update": "lazy" in flags}
 
 
-def our_sync(
-    allreduce,
-    overlap,
-    lazy_update,
-    compress="none",
-    powersgd_rank=None,
-    powersgd_warmup=None,
-    timeout=120.0,
-    chunks="auto",
-    bucket_mb=1.0,
-    sync_every=1,
-    outer="average",
-    outer_lr=None,
-    outer_momentum=None,
-    merge_after=None,
-):
+def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=None, powersgd_warmup=None, **settings):
     """The utils.config.Sync of one of our configurations, as train.py would build it from its flags
     (PowerSGD's rank and warm-up only with compress="powersgd"). overlap=False is the plain
-    "<algorithm>": backward, then the whole sum.
+    "<algorithm>": backward, then the whole sum. settings: the Sync's timeout, chunks and bucket_mb
+    (train.py's defaults), and sync_every.
 
     sync_every=H > 1: H local steps, then the parameters' change averaged (utils/sync/periodic.py), with
-    the outer step `outer`; outer_lr and outer_momentum only for "nesterov", and merge_after (None:
-    train.py's defaults). There is no per-step sum to make lazy, so lazy_update is off, as train.py requires.
-    With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
+    the outer step `outer` (default average); outer_lr and outer_momentum only for "nesterov", and
+    merge_after (None: train.py's defaults). There is no per-step sum to make lazy, so lazy_update is off,
+    as train.py requires. With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
     from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, Sync, default_merge_after
 
-    powersgd, periodic, nesterov = compress == "powersgd", sync_every > 1, sync_every > 1 and outer == "nesterov"
-    extra = {}
-    if periodic:
-        extra = {
-            "sync_every": sync_every,
-            "outer": outer,
-            "merge_after": merge_after or default_merge_after(sync_every),
-            "outer_lr": (DEFAULT_OUTER_LR if outer_lr is None else outer_lr) if nesterov else None,
-            "outer_momentum": (DEFAULT_OUTER_MOMENTUM if outer_momentum is None else outer_momentum)
-            if nesterov
-            else None,
-        }
+    settings = {"timeout": 120.0, "chunks": "auto", "bucket_mb": 1.0, "sync_every": 1, **settings}
+    outer = {"outer": "average", "outer_lr": None, "outer_momentum": None, "merge_after": None}
+    outer |= {key: settings.pop(key) for key in outer if key in settings}
+    every, powersgd = settings["sync_every"], compress == "powersgd"
+    if every > 1:
+        nesterov = outer["outer"] == "nesterov"
+        outer_lr = DEFAULT_OUTER_LR if outer["outer_lr"] is None else outer["outer_lr"]
+        outer_momentum = DEFAULT_OUTER_MOMENTUM if outer["outer_momentum"] is None else outer["outer_momentum"]
+        settings |= {"outer": outer["outer"], "merge_after": outer["merge_after"] or default_merge_after(every)}
+        settings |= {"outer_lr": outer_lr if nesterov else None, "outer_momentum": outer_momentum if nesterov else None}
+    else:
+        del settings["sync_every"]  # exactly the per-step Sync
     return Sync(
         allreduce=allreduce,
-        chunks=chunks,
         overlap=overlap,
-        lazy_update=lazy_update and not periodic,
-        bucket_mb=bucket_mb,
+        lazy_update=lazy_update and every == 1,
         compress=compress,
         powersgd_rank=powersgd_rank if powersgd else None,
         powersgd_warmup=powersgd_warmup if powersgd else None,
-        timeout=timeout,
-        **extra,
+        **settings,
     )
 
 

@@ -105,16 +105,19 @@ class Runner:
         # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
         self.recorder = timeline.Recorder(os.devnull, 1, 10**9, 10**9) if spec.get("timeline") else None
         if spec["kind"] == "sum":
+            psgd = (cfg["powersgd_rank"], cfg["powersgd_warmup"])
+            settings = {
+                "timeout": cfg["op_timeout"],
+                "chunks": spec["chunks"] or "auto",
+                "bucket_mb": spec["bucket_mb"] or 1.0,
+            }
             sync = our_sync(
                 spec["allreduce"],
                 spec["overlap"],
                 spec.get("lazy", False),
                 spec.get("compress", "none"),
-                cfg["powersgd_rank"],
-                cfg["powersgd_warmup"],
-                cfg["op_timeout"],
-                spec["chunks"] or "auto",
-                spec["bucket_mb"] or 1.0,
+                *psgd,
+                **settings,
             )
             self.sync = make_sync(self.model, sync, optimizer, scheduler, cfg["seed"], self.recorder or OFF)
         elif spec["kind"] in ("sync", "wire"):
