@@ -37,6 +37,10 @@ ON = argparse.BooleanOptionalAction
 
 
 def parse_args(argv, prog="train.py"):
+    return make_parser(prog).parse_args(argv)
+
+
+def make_parser(prog="train.py"):
     p = OneLineParser(prog=prog, description="Data-parallel MNIST over a hand-written gloo ring.")
 
     where = p.add_argument_group("where this server is and whom it joins (docs/several-servers.md)")
@@ -221,4 +225,4 @@ def parse_args(argv, prog="train.py"):
     local.add_argument(
         "--test-subset", type=positive(int), help="evaluate on only the first N of the 10,000 test images"
     )
-    return p.parse_args(argv)
+    return p

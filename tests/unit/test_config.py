@@ -103,3 +103,24 @@ def test_outputs_name_each_file_once():
     o = Outputs(save_path="runs/x", checkpoint="runs/../runs/x", metrics="m.jsonl", timeline=None)
     assert o.files() == [("--checkpoint", "runs/../runs/x"), ("--metrics", "m.jsonl")]
     assert isinstance(config(), Config)
+
+
+def test_help_groups_are_the_guides_groups():
+    """train.py --help and docs/flags.md list the same flags in the same groups, in the same order."""
+    import os
+    import re
+
+    from conftest import REPO
+
+    from utils.cli import make_parser
+
+    groups = [
+        (g.title.split(" (")[0].lower(), [a.option_strings[0] for a in g._group_actions])
+        for g in make_parser()._action_groups
+        if g._group_actions and g.title not in ("options", "positional arguments")
+    ]
+    doc, documented = open(os.path.join(REPO, "docs", "flags.md")).read(), []
+    for section in doc.split("\n## ")[1:]:
+        flags = re.findall(r"^\| `(--[\w-]+)", section, flags=re.M)
+        documented.append((section.splitlines()[0].lower(), flags))
+    assert groups == documented
