@@ -21,14 +21,14 @@ import sys
 import threading
 from pathlib import Path
 
-from netns import (
-    DEFAULT_NICS,
-    GRACE,
-    MAX_RANKS_PER_HOST,
-    Cluster,  # noqa: F401
-    ClusterError,
-    cleanup_stale,
-)
+from netns import DEFAULT_NICS, GRACE, MAX_RANKS_PER_HOST, Cluster, ClusterError, cleanup_stale
+
+# `x as x`: re-exported for the tests and the benchmarks, which take them from cluster
+from netns import NEEDS_ROOT as NEEDS_ROOT
+from netns import PREFIX as PREFIX
+from netns import TBF_LATENCY as TBF_LATENCY
+from netns import parse_rate as parse_rate
+from netns import tbf_burst as tbf_burst
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
