@@ -1,10 +1,20 @@
-"""The benchmarks' bad arguments: one line, exit code 2, and no results file touched."""
+"""The benchmarks' bad arguments: one line, exit code 2, and no results file touched.
 
+Every case runs its driver's main(argv) in this process (the drivers' `sys.exit(main())` exits with
+what main returns, or with the SystemExit of its OneLineParser), which spares a Python and a torch
+import per case; one case per driver also runs as a real process, so the exit code and the lone
+line on stderr stay pinned end to end.
+"""
+
+import importlib
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
+from utils.launch import supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,20 +53,56 @@ CASES = {
     "time_to_accuracy: bad rate in --rates": ("time_to_accuracy.py", ["--rates", "20mbit,fast"], "fast"),
     "time_to_accuracy: outer lr without nesterov": ("time_to_accuracy.py", ["--outer-lr", "0.5"], "--outer nesterov"),
 }
+# one case of each driver as a real process: `python bench/<driver>.py ...` end to end
+END_TO_END = ["allreduce: missing ring file", "train_step: unknown --only", "time_to_accuracy: bad rate in --rates"]
+
+
+def assert_refused(code, stderr, needle, script, results_dir):
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in stderr, stderr
+    assert lines[0].startswith(f"{script}: "), lines[0]  # the driver's own name, as argparse prints it
+    assert os.listdir(results_dir) == []
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_benchmark_arguments(case, tmp_path):
+def test_bad_benchmark_arguments(case, tmp_path, capfd, monkeypatch):
     script, args, needle = CASES[case]
-    r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", script), *args, "--results-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
-    assert os.listdir(tmp_path) == []
+    driver = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "bench", script)])  # argparse's prog, as when run
+    monkeypatch.chdir(REPO)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        try:  # what `sys.exit(main())` exits with
+            code = driver.main([*args, "--results-dir", str(tmp_path)])
+        except SystemExit as e:
+            code = e.code
+    finally:  # run_driver's handlers, had a case got that far, must not outlive it
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out, err = capfd.readouterr()
+    assert out == "", out
+    assert_refused(code, err, needle, script, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_bad_benchmark_arguments_end_to_end(tmp_path):
+    """The same refusals from real processes (started together, each with its own hard timeout)."""
+    jobs = {}
+    for case in END_TO_END:
+        script, args, _ = CASES[case]
+        (tmp_path / script).mkdir()
+        jobs[case] = subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "bench", script), *args, "--results-dir", str(tmp_path / script)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    outcome = supervise(list(jobs.values()), timeout=100, grace=None, poll=0.05)  # kills them all on the way out
+    assert not outcome.timed_out, outcome.outputs
+    for (case, job), (_out, err) in zip(jobs.items(), outcome.outputs):
+        script, _, needle = CASES[case]
+        assert_refused(job.returncode, err, needle, script, tmp_path / script)
