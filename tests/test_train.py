@@ -29,11 +29,18 @@ def accuracy_of(stdout):
     return float(found[-1])
 
 
-@pytest.mark.timeout(200)
-def test_two_ranks_learn_and_end_identical(tmp_path):
-    save = tmp_path / "model.pth"
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """One run of SMALL on 2 local ranks (its result and the model it saved), which two tests read."""
+    save = tmp_path_factory.mktemp("small") / "model.pth"
     result = procs.train([*SMALL, "--save-path", str(save)], timeout=180)
     assert result.returncode == 0, result.stderr
+    return result, save
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_learn_and_end_identical(small_run):
+    result, save = small_run
     assert accuracy_of(result.stdout) > 80.0  # chance is 10%
     assert "all-reduce two-pass (chunks auto, overlap on), 1 host × 2 ranks" in result.stdout  # the topology
     digest = re.search(r"identical on all 2 ranks \(sha256 ([0-9a-f]{64})\)", result.stdout).group(1)
@@ -50,9 +57,8 @@ def test_ranks_started_by_hand_agree(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_model_path_continues_from_a_saved_model(tmp_path):
-    first, second = tmp_path / "first.pth", tmp_path / "second.pth"
-    assert procs.train([*SMALL, "--save-path", str(first)], timeout=180).returncode == 0
+def test_model_path_continues_from_a_saved_model(small_run, tmp_path):
+    first, second = small_run[1], tmp_path / "second.pth"
     # A tiny learning rate barely moves the weights: the result must sit next to `first`,
     # which a model trained from scratch would not.
     result = procs.train(
