@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, fmt, md_row, p_text, png_of, quiet, ratios_to_gloo, sign_test_p
+from harness import figure, md_row, png_of
+from stats import fmt, p_text, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")

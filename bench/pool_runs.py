@@ -24,7 +24,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from harness import OneLineParser, p_text, ratios_to_gloo, sign_test_p
+from harness import OneLineParser
+from stats import p_text, ratios_to_gloo, sign_test_p
 
 
 def pool(runs: list[dict]) -> list[dict]:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import harness
+import stats
 import time_to_accuracy_report as report
 from harness import run_driver
 from peers import DDP_HOOKS
@@ -182,7 +183,7 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
                 rec["run"] = run
             records.append(rec | {"load": raw["load"]})
             done(records)
-            reached = harness.fmt(rec["time_to_target_s"], "{:.1f} s", "not reached")
+            reached = stats.fmt(rec["time_to_target_s"], "{:.1f} s", "not reached")
             print(
                 f"  {link} N={n} {report.label(rec, args.ours)}: {reached} to {args.target:.1%}, "
                 f"{rec['train_seconds']:.0f} s training, final {rec['final_accuracy']:.2%} "

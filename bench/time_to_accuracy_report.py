@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, fmt, md_row, median_or_none, png_of
+from harness import figure, md_row, png_of
+from stats import fmt, median_or_none
 
 
 def time_to_target(points: list[dict], target: float) -> dict | None:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import harness
+import stats
 import train_step_report as report
 from harness import run_driver
 from peers import ALGORITHMS, DDP_HOOKS, parse_ours
@@ -168,7 +169,7 @@ def driver(args) -> int:
     print(f"# configurations: {', '.join(c['name'] for c in configs)} (order rotated per round)")
     print(f"# {notes}")
     estimate = ", ".join(f"{r or 'loopback'} N={n} ~{s:.0f}s" for (r, n), s in est.items())
-    print(f"# load average now {harness.loadavg():.2f}; estimate {estimate}", flush=True)
+    print(f"# load average now {stats.loadavg():.2f}; estimate {estimate}", flush=True)
 
     started = time.time()
     records, load = run_worlds(args, configs, rates, rate_bits, est)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-from harness import compare, figure, fmt, md_row, median_or_none, p_text, paired_ratios, png_of, quantile
+from harness import figure, md_row, png_of
+from stats import compare, fmt, median_or_none, p_text, paired_ratios, quantile
 from targets import bound
 
 
@@ -88,7 +89,7 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
 
 
 def versus(target: str, ours: dict, peer: dict, limit: float) -> dict:
-    """A target's record: ours' ms/step against peer's, round by round (harness.compare)."""
+    """A target's record: ours' ms/step against peer's, round by round (stats.compare)."""
     return {
         "target": target,
         "rate": ours["rate"],

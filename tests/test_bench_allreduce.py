@@ -112,7 +112,7 @@ def _is_rank(pid):
 
 
 def test_sign_test_tells_a_tie_from_a_real_difference():
-    from harness import sign_test_p
+    from stats import sign_test_p
 
     assert sign_test_p(20, 41) == 1.0 and sign_test_p(21, 41) == 1.0  # an even split: no difference
     assert sign_test_p(0, 5) == pytest.approx(2 / 32)  # 5 of 5 one way: 2 * (1/2)^5
@@ -122,7 +122,7 @@ def test_sign_test_tells_a_tie_from_a_real_difference():
 
 
 def test_a_tiny_p_is_not_printed_as_zero():
-    from harness import p_text, sign_test_p
+    from stats import p_text, sign_test_p
 
     assert p_text(sign_test_p(15, 15)) == "p<0.001"  # 15 of 15 rounds: p = 6e-5, not "p=0.00"
     assert p_text(0.004) == "p=0.004" and p_text(0.12) == "p=0.12"
