@@ -30,19 +30,37 @@ def test_bad_values_are_one_line_and_exit_2():
         assert result.stderr.startswith("train.py: error: "), (args, result.stderr)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("outer", ["average", "nesterov"])
-def test_h8_trains_sends_an_eighth_and_ends_identical(outer, tmp_path):
+def h8_run(outer, folder):
+    """SHORT with --sync-every 8 and --outer `outer`, its metrics and a timeline written in `folder`."""
     result = procs.train(
         [*SHORT, "--sync-every", "8", "--outer", outer, "--metrics", "m.jsonl", "--timeline", "trace.json"],
-        cwd=str(tmp_path),
+        cwd=str(folder),
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def h8_nesterov(tmp_path_factory):
+    """The uninterrupted nesterov run: test_h8_trains_sends_an_eighth_and_ends_identical[nesterov] reads it,
+    and test_a_stop_mid_round_resumes_bit_for_bit's resumed job must end with its bits. (Made once; its
+    metrics and timeline are only written beside the run, they change none of its numbers.)"""
+    folder = tmp_path_factory.mktemp("h8-nesterov")
+    return h8_run("nesterov", folder), folder
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_h8_trains_sends_an_eighth_and_ends_identical(outer, tmp_path, request):
+    if outer == "nesterov":
+        result, folder = request.getfixturevalue("h8_nesterov")
+    else:
+        result, folder = h8_run(outer, tmp_path), tmp_path
     assert "parameters identical on all 2 ranks" in result.stdout
-    row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    row = json.loads((folder / "m.jsonl").read_text().splitlines()[-1])
     assert row["test_accuracy"] > 0.80, row  # it trains (10% is chance); accuracy targets: the benchmark
     # the timeline: each rank's outer sums as spans, on their own row, beside the inner steps
-    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((folder / "trace.json").read_text())["traceEvents"]
     rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
     for rank in (0, 1):
         sums = [e for e in trace if e["ph"] == "X" and e["pid"] == rank and e["name"] == "outer-sum"]
@@ -60,15 +78,13 @@ def test_h8_trains_sends_an_eighth_and_ends_identical(outer, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_stop_mid_round_resumes_bit_for_bit(tmp_path):
+def test_a_stop_mid_round_resumes_bit_for_bit(h8_nesterov, tmp_path):
     """SIGTERM reaches every rank with an outer sum (the one started at step 24, merged 4 steps
     later); the checkpoint holds each rank's own state (its working parameters, its Adam, the
     anchor), so the resumed job ends with the bits of the job that never stopped."""
-    for name in ("straight", "stopped"):
-        (tmp_path / name).mkdir()
+    (tmp_path / "stopped").mkdir()
     args = [*SHORT, "--sync-every", "8", "--outer", "nesterov"]
-    straight = procs.train(args, cwd=str(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr
+    straight = h8_nesterov[0]  # the same run, which also wrote its metrics and a timeline
     stopped = procs.train(args, cwd=str(tmp_path / "stopped"), env=dict(os.environ, RING_FAULT="0:21:TERM"))
     assert stopped.returncode == 3 and "stopped after epoch 1, step 28/50" in stopped.stderr, stopped.stderr
     resumed = procs.train([*args, "--resume"], cwd=str(tmp_path / "stopped"))
