@@ -40,7 +40,7 @@ SLOWEST_FIRST = [
     "test_overlap.py",
     "test_bench_recovery.py",
     "test_train.py",
-    "test_bench_time_to_accuracy.py",
+    "test_bench_time_to_accuracy_runs.py",
     "test_multihost.py",
     "test_bench_bad_input.py",
     "test_bench_allreduce.py",
