@@ -17,12 +17,21 @@ from procs import checkpoint_position, final_digest, wait_for
 SUBSET = ["--test-subset", "1000", "--train-subset", "1200", "--metrics", "", "--epochs", "2"]
 
 
-def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
-    common = [*SUBSET, "--save-every", "3"]
-    straight = procs.train(
-        [*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")], timeout=200
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The digest of the uninterrupted run that the resumed runs of this module must end with (the same
+    settings in each: made once)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    run = procs.train(
+        [*SUBSET, "--save-every", "3", "--checkpoint", str(tmp / "a.pt"), "--save-path", str(tmp / "a.pth")],
+        timeout=200,
     )
-    assert straight.returncode == 0, straight.stderr
+    assert run.returncode == 0, run.stderr
+    return final_digest(run.stdout)
+
+
+def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(straight, tmp_path):
+    common = [*SUBSET, "--save-every", "3"]
 
     # The interrupted run updates lazily (utils/lazy.LazyUpdate): its checkpoints, and the
     # resumed run, must still match the plain, uninterrupted one bit for bit.
@@ -47,7 +56,7 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     resumed = procs.train([*args, "--resume"], timeout=200)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {checkpoint}: epoch 1, after step" in resumed.stdout
-    assert final_digest(resumed.stdout) == final_digest(straight.stdout)
+    assert final_digest(resumed.stdout) == straight
 
 
 def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
@@ -317,14 +326,10 @@ def test_resume_refuses_a_different_global_batch(tmp_path):
 
 
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
-def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path, rendezvous):
+def test_torchrun_restarts_a_dead_worker_and_training_resumes(straight, tmp_path, rendezvous):
     """static: one agent with both workers (--master-port). c10d: two agents, one worker each, as on
     two servers (--rdzv-backend c10d); the worker of the second agent is killed."""
     common = [*SUBSET, "--save-every", "3"]
-    straight = procs.train(
-        [*common, "--checkpoint", str(tmp_path / "a.pt"), "--save-path", str(tmp_path / "a.pth")], timeout=200
-    )
-    assert straight.returncode == 0, straight.stderr
     checkpoint = tmp_path / "b.pt"
     train_args = [
         procs.TRAIN,
@@ -387,7 +392,7 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(tmp_path, rendezvo
     assert [job.returncode for job in jobs] == [0] * len(jobs), [err[-3000:] for _, err in outputs]
     out = "".join(out for out, _ in outputs)
     assert f"resuming from {checkpoint}" in out
-    assert final_digest(out) == final_digest(straight.stdout)
+    assert final_digest(out) == straight
     assert "Connection refused" not in "".join(err for _, err in outputs)  # nobody dialled a dead peer
 
 
