@@ -1,5 +1,6 @@
 """Bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
 
+import concurrent.futures
 import os
 import pickle
 import random
@@ -121,12 +122,17 @@ def bad_model_files(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_bad_model_files(tmp_path):
-    for _name, path in bad_model_files(tmp_path).items():
-        for mode in (["--eval"], rank_args()):
-            result = procs.train(
-                [*mode, "--model_path", str(path), "--save-path", str(tmp_path / "out.pth")], timeout=50
-            )
-            assert_one_line_error(result, str(path))
+    """Every file in both modes: 12 runs of train.py, a few at a time (each its own process group with its
+    own hard timeout; they share nothing but the output path none of them may write)."""
+    runs = [
+        (path, [*mode, "--model_path", str(path), "--save-path", str(tmp_path / "out.pth")])
+        for path in bad_model_files(tmp_path).values()
+        for mode in (["--eval"], rank_args())
+    ]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda run: procs.train(run[1], timeout=60), runs))
+    for (path, _), result in zip(runs, results):
+        assert_one_line_error(result, str(path))
     assert not (tmp_path / "out.pth").exists()
 
 
