@@ -48,6 +48,7 @@ SLOWEST_FIRST = [
     "test_tiny_world.py",
     "test_ring.py",
     "test_compress.py",
+    "test_torchrun_store.py",
     "test_recovery_multihost.py",
 ]
 
