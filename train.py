@@ -97,6 +97,7 @@ def train(config, data):
         membership, decision = join_running_job(config, model_name(model))
         stop.arm()
         run(model, data, config, membership=membership, joining=decision)
+        report_dropped(membership)
         return
     check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
@@ -131,9 +132,7 @@ def train(config, data):
             model.load_state_dict(resume_from["model"])
         broadcast_parameters(model)
         hosts = hierarchical.discover(job.host_id)  # which ranks share a server: for the log and the hierarchical sum
-        membership = (
-            start_membership(job, {"model": model_name(model), **config.must_agree()}) if job.world_size > 1 else None
-        )
+        membership = start_membership(config, model_name(model)) if job.world_size > 1 else None
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     if job.rank == 0:
@@ -143,7 +142,14 @@ def train(config, data):
             print(slurm.describe(job.slurm), flush=True)
     stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
     run(model, data, config, hosts, resume_from=resume_from, membership=membership)
+    report_dropped(membership)
     dist.destroy_process_group()
+
+
+def report_dropped(membership):
+    """Bad traffic on the control ports is dropped as it comes; each rank says how much at the end."""
+    if membership is not None and membership.dropped():
+        print(membership.dropped(), flush=True)
 
 
 def resume_command(argv):

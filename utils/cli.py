@@ -59,6 +59,12 @@ def make_parser(prog="train.py"):
         metavar="HOST:PORT",
         help="join the running job at its next step, through --init-method or HOST:PORT of any member",
     )
+    where.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the job's key for its control messages, the same file on every server (default: $RING_KEY_FILE, "
+        "$RING_JOB_KEY, or a new key per job from rank 0, kept beside --checkpoint as CHECKPOINT.key)",
+    )
 
     training = p.add_argument_group("training")
     training.add_argument(

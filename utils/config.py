@@ -124,6 +124,7 @@ class Job:
     recover: bool = True  # a lost rank: the others go on (False: they save and exit 1)
     heartbeat: float = 5.0  # seconds of silence after which a rank is taken for lost
     join: str | None = None  # join a running job: "" (through --init-method) or "HOST:PORT"
+    key_file: str | None = None  # the control plane's key (utils/elastic/key.py); never the key itself
     slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
 
     @property
@@ -245,6 +246,7 @@ def from_args(args, environ=os.environ):
             recover=(not torchrun) if args.recover is None else args.recover,
             heartbeat=args.heartbeat,
             join=args.join,
+            key_file=args.key_file,
             slurm=slurm,
         ),
         recipe=Recipe(

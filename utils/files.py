@@ -17,17 +17,17 @@ import tempfile
 from utils.errors import UsageError
 
 
-def write_file(path, data):
+def write_file(path, data, private=False):
     """Write bytes to `path`: atomically for a regular file, through a symlink, in place for a
     device or FIFO (see the module's docstring). A write that fails (a full disk, /dev/full) is
-    one UsageError line."""
+    one UsageError line. private: a new regular file readable by its user only (a key)."""
     target = os.path.realpath(path)
     kind = special_kind(target)
     if kind not in (None, "device", "FIFO"):
         raise UsageError(f"cannot write {path}: it is a {kind}")
     try:
         if kind is None:
-            _atomic_write(target, data)
+            _atomic_write(target, data, private)
         else:
             with open(target, "wb") as f:
                 f.write(data)
@@ -48,12 +48,13 @@ def special_kind(path):
     return "FIFO" if stat.S_ISFIFO(mode) else "folder" if stat.S_ISDIR(mode) else "socket"
 
 
-def _atomic_write(path, data):
+def _atomic_write(path, data, private=False):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; give it a normal file's mode
+        if not private:  # mkstemp makes 0600; give it a normal file's mode
+            os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,25 +1,29 @@
 """Who is in the job: this rank's membership at start-up, or a new server joining a running job.
 
-start_membership(job, settings)   every rank of a job that starts (a collective)
+start_membership(config, model)   every rank of a job that starts (a collective)
 join_running_job(config, model)   a server started with --join
 """
 
+import hashlib
+import hmac
 import os
 import socket
 
 import torch.distributed as dist
 
-from utils.elastic import faults
+from utils.elastic import faults, key
 from utils.elastic.membership import Membership
 from utils.elastic.sockets import card_address
 from utils.errors import PeerError, UsageError, first_line
+from utils.exchange import all_gather_json, broadcast_json
 from utils.outputs import job_pid
+from utils.program import identity
 
 
-def start_membership(job, settings):
-    """This rank's Membership (utils.config.Job `job`), on the card gloo uses; the ranks' control
-    addresses are exchanged through the default group (a collective). settings: what a joining
-    server must have alike."""
+def start_membership(config, model):
+    """This rank's Membership, on the card gloo uses, signing with the job's key; the ranks' control
+    addresses and the key are exchanged through the default group (a collective). model: its name."""
+    job = config.job
     toward = (
         os.environ.get("MASTER_ADDR", "127.0.0.1")
         if job.init_method == "env://"
@@ -28,16 +32,49 @@ def start_membership(job, settings):
     port = (
         int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
     )
+    given = key.given(job.key_file)
     membership = Membership(
-        job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")), port + job.rank if port else 0
+        job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")), given, port + job.rank if port else 0
     )
-    mine = {"address": membership.address, "pid": job_pid(), "host": socket.gethostname(), "token": os.urandom(8).hex()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    membership.settings = settings
-    membership.start(dict(enumerate(everyone)), everyone[0]["token"])
+    mine = {
+        "entry": {"address": list(membership.address), "pid": job_pid(), "host": socket.gethostname()},
+        "token": os.urandom(8).hex(),
+        "key": fingerprint(given),
+    }
+    everyone = all_gather_json(mine)
+    check_keys([e["key"] for e in everyone])
+    if everyone[0]["key"] is None:  # nobody was given one: rank 0's new key, kept by every rank for a later --join
+        membership.envelope.key = broadcast_json(key.new().decode() if job.rank == 0 else None, 0).encode()
+        key.keep(membership.envelope.key, config.outputs.checkpoint)
+        if job.rank == 0:
+            print(
+                f"the job's key: {os.path.abspath(key.copy_path(config.outputs.checkpoint))} on every server "
+                f"(a new server joins with --key-file and a copy of it)",
+                flush=True,
+            )
+    membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
+    dist.barrier()  # the heartbeats start together: a rank still writing its key copy is not taken for silent
+    membership.start({r: e["entry"] for r, e in enumerate(everyone)}, everyone[0]["token"])
     faults.setup(job.rank)
     return membership
+
+
+def fingerprint(secret):
+    """What ranks compare to see they hold the same key, without showing it."""
+    return None if secret is None else hmac.new(secret, b"the job's key", hashlib.sha256).hexdigest()[:16]
+
+
+def check_keys(fingerprints):
+    """Every rank has rank 0's key, or none was given one; else one UsageError line, on every rank."""
+    for rank, theirs in enumerate(fingerprints):
+        if theirs == fingerprints[0]:
+            continue
+        if theirs and fingerprints[0]:
+            why = f"rank {rank}'s key differs from rank 0's"
+        else:
+            has, lacks = (rank, 0) if theirs else (0, rank)
+            why = f"rank {has} was given a key (--key-file, $RING_KEY_FILE or $RING_JOB_KEY) but rank {lacks} was not"
+        raise UsageError(f"{why}; give every server the same key, or none")
 
 
 def join_running_job(config, model):
@@ -50,12 +87,14 @@ def join_running_job(config, model):
     if job.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
     own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank  # where members listen (free if it is back)
-    membership = Membership(None, job.heartbeat, card_address(job.ifname, host), own_port)
+    secret = key.for_joining(job.key_file, config.outputs.checkpoint)
+    membership = Membership(None, job.heartbeat, card_address(job.ifname, host), secret, own_port)
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         try:
             decision = membership.request_join(
                 [(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)],
                 {"model": model, **config.must_agree()},
+                identity(),
                 job.rank,
                 config.sync.timeout,
             )
@@ -63,8 +102,8 @@ def join_running_job(config, model):
             raise UsageError(f"the job at {where} refused this server: {e}") from None
         except RuntimeError:
             raise UsageError(
-                f"no running job answered at {where} within {config.sync.timeout:g} s "
-                f"(wrong address, the job is over, or a firewall on its UDP ports)"
+                f"no running job answered at {where} within {config.sync.timeout:g} s (wrong address, the job "
+                f"is over, a firewall on its UDP ports, or not the job's key: members drop what it does not sign)"
             ) from None
         try:
             membership.join(decision, timeout=job.heartbeat + 5, gloo_timeout=config.sync.timeout)
@@ -75,7 +114,7 @@ def join_running_job(config, model):
                     f"the job took this server in {attempt} times but its group never formed: {first_line(e)}",
                     resumable=False,
                 ) from None
-    membership.settings = {"model": model, **config.must_agree()}
+    membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
     membership.start_beating()
     faults.setup(membership.me)
     return membership, decision

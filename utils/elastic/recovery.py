@@ -64,7 +64,7 @@ class Recovery:
             except NoQuorum as e:
                 raise PeerError(f"{first_line(error)}; {e}{self.save_last_step(position, e.alive, old_sync)}") from None
             if not self.config.job.recover:
-                survivors = decision["members"]
+                survivors = decision.members
                 raise PeerError(
                     f"{first_line(error)} (--no-recover){self.save_last_step(position, survivors, old_sync)}"
                 ) from None
@@ -72,13 +72,13 @@ class Recovery:
                 membership.join(decision, timeout=membership.heartbeat + 5, gloo_timeout=self.config.sync.timeout)
                 break
             except (RuntimeError, ValueError) as e:  # a member did not come: agree again without it
-                tried.append(decision["name"])
+                tried.append(decision.name)
                 if len(tried) >= MAX_ATTEMPTS:
                     raise PeerError(
                         f"{first_line(error)}; the survivors could not form a new group {len(tried)} times "
                         f"({first_line(e)}){self.save_last_step(position, [membership.me], old_sync)}"
                     ) from None
-                say(f"rank {membership.me}: generation {decision['g']} did not form ({first_line(e)}); agreeing again")
+                say(f"rank {membership.me}: generation {decision.g} did not form ({first_line(e)}); agreeing again")
         lost = [m for m in before if m not in membership.members]
         try:
             sync, (epoch_now, step_now, stats) = self.form(decision, old_sync, position)
@@ -124,8 +124,8 @@ class Recovery:
         """In the decided generation's group (joined already): the source's state to every member
         (a joining server: position None, old_sync None), a new gradient sync over the new group.
         Returns (sync, (epoch, step, stats))."""
-        source = self.membership.rank_of(decision["source"])
-        furthest = tuple(decision["position"])
+        source = self.membership.rank_of(decision.source)
+        furthest = tuple(decision.position)
         shared = [self.state(*position) if dist.get_rank() == source else None]
         try:
             dist.broadcast_object_list(shared, src=source)

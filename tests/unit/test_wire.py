@@ -1,0 +1,172 @@
+"""The control plane's datagrams (utils/elastic/wire.py) and the job's key (utils/elastic/key.py)."""
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from utils.elastic import key
+from utils.elastic.membership import Membership
+from utils.elastic.wire import KINDS, Alive, Decision, Envelope, FencedOut, Join, Refused, Rejected
+from utils.errors import UsageError
+
+KEY = b"0123456789abcdef0123456789abcdef"
+ENTRY = {"address": ["10.0.0.2", 23457], "pid": 4242, "host": "node2"}
+SAMPLES = [
+    Alive(3, "recovering", [1, 12], 1, 2),
+    Decision(
+        4, "4.0.0badcafe", [0, 2, 3], ["10.0.0.1", 40000], 2, [1, 13], {"0": [1, 12], "2": [1, 13], "3": [1, 12]}, 0
+    ),
+    Decision(2, "2.0.deadbeef", [0, 1, 5], ["10.0.0.1", 40001], 0, [2, 0], book={"5": ENTRY}, joined={"ab" * 6: 5}),
+    FencedOut(7),
+    Join(
+        "ab" * 6,
+        1,
+        {"lr": 0.004, "allreduce": "ring", "compress": None},
+        ENTRY,
+        {"torch": "2.14.1", "program": "0" * 16},
+    ),
+    Refused("ab" * 6, "the job has --lr 0.004, this server has 0.01"),
+]
+
+
+def sign(fields, secret=KEY):
+    body = json.dumps(fields).encode()
+    return hmac.new(secret, body, hashlib.sha256).digest() + body
+
+
+def fields_of(message, n):
+    kind = next(name for name, cls in KINDS.items() if cls is type(message))
+    return {"kind": kind, "job": "00ff", "from": 1, "n": n, **dataclasses.asdict(message)}
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_kind_goes_through_and_a_replay_is_refused(message):
+    sender, receiver = Envelope(KEY, 1), Envelope(KEY, 0)
+    sender.job = "00ff"
+    datagram = sender.seal(message)
+    assert receiver.open(datagram) == (1, "00ff", message)
+    with pytest.raises(Rejected, match="replay"):
+        receiver.open(datagram)
+    with pytest.raises(Rejected, match="signature"):
+        Envelope(b"another key of the same length!!", 0).open(sender.seal(message))
+
+
+def mutations(message):
+    """(field, value or MISSING): each field missing, of the wrong type, out of range, or huge."""
+    good = dataclasses.asdict(message)
+    for name in good:
+        yield name, dataclasses.MISSING, {k: v for k, v in good.items() if k != name}
+        for bad in (True, "x", -1, 2**40, 1.5, [], {}, [-1, -1], "y" * 70_000, [0] * 5000):
+            yield name, bad, dict(good, **{name: bad})
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_each_field_missing_wrong_or_huge_is_refused(message):
+    """What gets through is a field left out that has a default, or a small value of the field's
+    own type (an empty table, another text): a valid message of its kind."""
+    receiver, kind = Envelope(KEY, 0), fields_of(message, 0)["kind"]
+    defaults = {f.name for f in dataclasses.fields(message) if f.default is not dataclasses.MISSING}
+    defaults |= {f.name for f in dataclasses.fields(message) if f.default_factory is not dataclasses.MISSING}
+    original, through = dataclasses.asdict(message), []
+    for n, (name, value, fields) in enumerate(mutations(message), start=1):
+        try:
+            parsed = receiver.open(sign({"kind": kind, "job": "", "from": 1, "n": n, **fields}))
+        except Rejected:
+            continue
+        assert type(parsed[2]) is type(message)
+        through.append(name)
+        if value is dataclasses.MISSING:
+            assert name in defaults, f"{name} missing got through"
+        else:
+            assert type(value) is type(original[name]) and len(str(value)) < 100, f"{name}={value!r} got through"
+    assert len(through) < 3 * len(original)  # nearly everything is refused
+
+
+def test_random_bytes_and_broken_envelopes_are_refused():
+    receiver, rng = Envelope(KEY, 0), __import__("random").Random(1)
+    for size in (0, 1, 3, 31, 32, 33, 100, 1500, 65_000):
+        with pytest.raises(Rejected):
+            receiver.open(bytes(rng.getrandbits(8) for _ in range(size)))
+    for fields in (
+        [1],
+        "x",
+        None,
+        {"kind": "join"},
+        {"kind": "nope", "from": 1, "n": 5},
+        {"kind": "alive", "from": True},
+    ):
+        with pytest.raises(Rejected):
+            receiver.open(sign(fields))
+    with pytest.raises(Rejected, match="unknown field"):
+        receiver.open(sign({**fields_of(FencedOut(2), 9), "extra": 1}))
+    with pytest.raises(Rejected, match="not JSON"):
+        receiver.open(hmac.new(KEY, b"[[[[", hashlib.sha256).digest() + b"[[[[")
+    with pytest.raises(Rejected):  # deep nesting is refused, not a RecursionError
+        body = b"[" * 50_000 + b"]" * 50_000
+        receiver.open(hmac.new(KEY, body, hashlib.sha256).digest() + body)
+
+
+def test_a_restarted_sender_counts_on_from_where_it_was():
+    receiver, first = Envelope(KEY, 0), Envelope(KEY, 1)
+    receiver.open(first.seal(FencedOut(1)))
+    restarted = Envelope(KEY, 1)  # a new process under the same id: its counter starts from the clock
+    assert receiver.open(restarted.seal(FencedOut(1)))[0] == 1
+
+
+def test_a_member_counts_bad_datagrams_and_its_threads_live_on():
+    member = Membership(0, 5.0, "127.0.0.1", KEY)
+    peer = Membership(1, 5.0, "127.0.0.1", KEY)
+    book = {
+        0: {"address": list(member.address), "pid": 1, "host": "h"},
+        1: {"address": list(peer.address), "pid": 2, "host": "h"},
+    }
+    member.start(book, "00ff")
+    peer.start(book, "00ff")
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    forged = Envelope(b"not the job's key, but 32 bytes!", 1)
+    forged.job = "00ff"
+    for datagram in [
+        b"[1]",
+        b'{"t":"join"}',
+        os.urandom(3),
+        os.urandom(2000),
+        forged.seal(Alive(9, "recovering", [1, 1])),
+    ]:
+        attacker.sendto(datagram, member.address)
+    deadline = time.monotonic() + 10
+    while sum(member.rejected.values()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert member.rejected["size"] == 3 and member.rejected["signature"] == 2, member.rejected
+    assert {t.name for t in __import__("threading").enumerate()} >= {"membership-receive", "membership-beat"}
+    time.sleep(0.5)  # the peer's beats still count
+    assert not member.broken.is_set() and time.monotonic() - member.heard[1] < 1.0
+
+
+def test_the_key_from_a_file_the_environment_or_a_copy(tmp_path):
+    path = tmp_path / "job.key"
+    path.write_text("f" * 64 + "\n")
+    path.chmod(0o600)
+    assert key.given(str(path), {}) == b"f" * 64
+    assert key.given(None, {"RING_KEY_FILE": str(path)}) == b"f" * 64
+    assert key.given(None, {"RING_JOB_KEY": "e" * 64}) == b"e" * 64
+    assert key.given(None, {}) is None
+    path.chmod(0o644)
+    with pytest.raises(UsageError, match="can be read by other users; make it yours alone: chmod 600"):
+        key.given(str(path), {})
+    with pytest.raises(UsageError, match="at least 16"):
+        key.given(None, {"RING_JOB_KEY": "short"})
+    with pytest.raises(UsageError, match="cannot read --key-file"):
+        key.given(str(tmp_path / "none"), {})
+    checkpoint = str(tmp_path / "runs" / "checkpoint.pt")
+    with pytest.raises(UsageError, match=r"no key .* give --key-file PATH, a copy of .*checkpoint.pt.key"):
+        key.for_joining(None, checkpoint, {})
+    made = key.new()
+    key.keep(made, checkpoint)
+    assert os.stat(checkpoint + ".key").st_mode & 0o777 == 0o600
+    assert key.for_joining(None, checkpoint, {}) == made and len(made) == 64
