@@ -23,10 +23,12 @@ import datetime
 import os
 import shlex
 import sys
+import time
 
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
 from utils import cli, stop
 from utils.config import check_share, from_args
+from utils.elastic import faults
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
 from utils.files import check_writable, remove_stale_temps, set_aside
 from utils.launch import launch_local
@@ -148,8 +150,11 @@ def train(config, data):
 
 def report_dropped(membership):
     """Bad traffic on the control ports is dropped as it comes; each rank says how much at the end."""
-    if membership is not None and membership.dropped():
+    if membership is None:
+        return
+    if membership.dropped():
         print(membership.dropped(), flush=True)
+    faults.log(event="control-plane", cpu=membership.cpu, process_cpu=time.process_time())
 
 
 def resume_command(argv):

@@ -28,6 +28,7 @@ from utils.errors import EXIT_LOST_PEER
 from utils.outputs import release
 
 RECOVERY_BEAT = 0.05  # seconds between messages while recovering
+TRAINING_LOOK = 0.1  # seconds between looks for silence while training (beats go every heartbeat/5, at most 0.5)
 CUT_AGAIN_SECONDS = 0.5  # broken, but the main thread still trains: cut what was made (or missed) since
 FENCED_EXIT_SECONDS = 5.0  # told it was fenced out, and still not out of a wait: exit from here
 
@@ -78,6 +79,7 @@ class Detector:
         self.nonce, self.refusal = None, None  # a joining server: its request's nonce; why it was refused
         self.forming = ()  # while join() forms a group: its members
         self.rejected = collections.Counter()  # datagrams dropped, by the check they failed
+        self.cpu = {}  # thread -> its CPU seconds so far (bench/control_cost.py reads them)
 
     def start(self, book, token):
         """Begin: `book` maps every id to its address (this rank's `address` among them)."""
@@ -129,19 +131,22 @@ class Detector:
     def _beat(self):
         sent = 0.0
         while True:
-            with self.lock:
-                report = self.report if self.state == State.RECOVERING else None
-                message = Alive(self.generation, self.state.value, report, self.attempt, self.lost)
-                targets = [m for m in self.members if m != self.me]
-                decision, training = self.sending, self.state == State.TRAINING
             now = time.monotonic()
-            if not training or now - sent >= min(0.5, self.heartbeat / 5):
+            with self.lock:
+                training = self.state == State.TRAINING
+                due = not training or now - sent >= min(0.5, self.heartbeat / 5)
+                if due:
+                    report = self.report if self.state == State.RECOVERING else None
+                    message = Alive(self.generation, self.state.value, report, self.attempt, self.lost)
+                targets = [m for m in self.members if m != self.me]
+                decision = self.sending
+            if due:
                 sent = now
                 for member in targets:
                     self._send(member, message)
                 if decision is not None:
                     self._send_decision(decision)
-            if training:  # looked at more often than beats are sent: silence is noticed within 0.05 s of it
+            if training:  # looked at more often than beats are sent: silence is noticed within 0.1 s of it
                 silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
                 if silent:
                     self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
@@ -150,7 +155,8 @@ class Detector:
                     cut_connections()
             if self.fenced_at is not None and now - self.fenced_heard > FENCED_EXIT_SECONDS:
                 self._exit_fenced()
-            time.sleep(RECOVERY_BEAT)
+            self.cpu["beat"] = time.thread_time()
+            time.sleep(TRAINING_LOOK if training and not self.broken.is_set() else RECOVERY_BEAT)
 
     def _exit_fenced(self):
         """The last resort of a fenced rank whose main thread stays in a wait that no cut ended: it
@@ -179,6 +185,7 @@ class Detector:
                 self.rejected[str(e)] += 1
             except Exception:  # noqa: BLE001 (checked, yet it failed: count it; the thread goes on)
                 self.rejected["failed in its handler"] += 1
+            self.cpu["receive"] = time.thread_time()
 
     def from_member(self, sender, job):
         """Whether a datagram is a member's of this job: counts it heard if so."""
