@@ -29,7 +29,7 @@ class State(enum.Enum):
 
 TRANSITIONS = {  # the only moves there are
     State.TRAINING: {State.RECOVERING, State.GROWING, State.FENCED},
-    State.GROWING: {State.TRAINING, State.RECOVERING, State.FENCED},
+    State.GROWING: {State.TRAINING, State.RECOVERING, State.GROWING, State.FENCED},  # (a joiner asks again)
     State.RECOVERING: {State.RECOVERING, State.TRAINING, State.FENCED},
     State.FENCED: {State.FENCED},
 }

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 
-from utils.elastic import agreement
+from utils.elastic import agreement, faults
 from utils.elastic.agreement import Fenced, State
 from utils.elastic.sockets import cut_connections
 from utils.elastic.wire import Alive, Decision, Envelope, FencedOut, Join, Refused, Rejected
@@ -242,5 +242,6 @@ class Detector:
                 return
             self.reason, self.lost = reason, lost
             self.broken.set()
+            faults.log(event="break", reason=reason, g=self.generation)
             self.cut_at = time.monotonic()
         cut_connections()

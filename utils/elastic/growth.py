@@ -128,6 +128,8 @@ class Growth:
                     found = [(job, d) for job, d in self.decisions if self.nonce in d.joined]
                 if found:
                     job, decision = found[0]
+                    with self.lock:
+                        self.move(State.GROWING)  # (the group forms in join(); then it trains)
                     self.me, self.token = decision.joined[self.nonce], job
                     self.envelope.sender, self.envelope.job = self.me, job
                     self.book = {int(m): entry for m, entry in decision.book.items()}
