@@ -6,6 +6,7 @@ bucket's sum inside its step (after its forward began, before its update ended),
 handed over during backward and running from then on, and the clock alignment: one rank's clock is set seconds off
 (TIMELINE_TEST_CLOCK_SKEW_S), yet on the trace's clock no rank ends a bucket's sum before every
 rank has started it (within the measured error), and the estimated offset is the skew within it.
+(--no-overlap, two-pass on 3 ranks: checked in tests/test_overlap.py, on its plain two-pass run.)
 """
 
 import json
@@ -134,28 +135,6 @@ def test_two_ranks_overlap_lazy_ring_with_a_skewed_clock(tmp_path):
         assert float(row.split()[2]) > 0  # mean step ms
         assert sum(f"rank {rank} bucket" in line for line in lines) == 2
     assert png.stat().st_size > 10_000
-
-
-@pytest.mark.timeout(180)
-def test_no_overlap_two_pass_sums_on_the_training_thread(tmp_path):
-    trace = tmp_path / "timeline.json"
-    result = procs.train(
-        [
-            *COMMON,
-            "--no-overlap",
-            "--nproc",
-            "3",
-            "--timeline",
-            str(trace),
-            "--save-path",
-            str(tmp_path / "m.pth"),
-            "--checkpoint",
-            str(tmp_path / "c.pt"),
-        ],
-        timeout=150,
-    )
-    assert result.returncode == 0, result.stderr
-    check_trace(trace, world=3, buckets=1, overlap=False, lazy=False)
 
 
 @pytest.mark.timeout(180)
