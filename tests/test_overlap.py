@@ -12,19 +12,24 @@ timeline that tests/test_timeline.py's check_trace reads for --no-overlap.
 """
 
 import json
+import subprocess
+import sys
 
 import procs
 import pytest
 import torch
-from test_timeline import FIRST, LAST, check_trace
+from test_timeline import FIRST, LAST, SKEW_S, SUMMARY, check_trace
 
 from utils.comm import ring
+from utils.model import Net
+from utils.sync.buckets import make_buckets
 
 SMALL = ["--test-subset", "1000", "--train-subset", "960", "--epochs", "1", "--bucket-mb", "0.05"]
 MODES = {"plain": ["--no-overlap"], "overlapped": ["--overlap"], "lazy": ["--overlap", "--lazy-update"]}
+TIMELINES = (("two-pass", "plain"), ("ring", "lazy"))
 
 
-def train_3_ranks(tmp_path, name, args):
+def train_3_ranks(tmp_path, name, args, env=None):
     ranks = procs.start_ranks(
         3,
         [
@@ -37,6 +42,7 @@ def train_3_ranks(tmp_path, name, args):
             "--save-path",
             str(tmp_path / f"{name}.pth"),
         ],
+        env=env,
     )
     results = procs.wait_all(ranks, timeout=150)
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
@@ -47,16 +53,21 @@ def train_3_ranks(tmp_path, name, args):
 
 @pytest.fixture(scope="module")
 def uncompressed(tmp_path_factory):
-    """uncompressed(allreduce, mode): the model, metrics and stdout of that run, each made once."""
+    """uncompressed(allreduce, mode): the model, metrics and stdout of that run, each made once. Two of
+    them also record a timeline (which changes none of their numbers), for tests/test_timeline.py's check:
+    the plain two-pass run, and the lazy ring run with rank 1's clock set SKEW_S seconds off."""
     folder, made = tmp_path_factory.mktemp("uncompressed"), {}
 
     def run(allreduce, mode):
         if (allreduce, mode) not in made:
-            made[allreduce, mode] = train_3_ranks(
-                folder, f"{allreduce}-{mode}", ["--allreduce", allreduce, *MODES[mode]]
-            )
+            name, more, env = f"{allreduce}-{mode}", [], None
+            if (allreduce, mode) in TIMELINES:
+                more = ["--timeline", str(folder / f"{name}.json"), "--timeline-steps", f"{FIRST}:{LAST}"]
+                env = {"TIMELINE_TEST_CLOCK_SKEW_S": f"0,{SKEW_S}"} if allreduce == "ring" else None
+            made[allreduce, mode] = train_3_ranks(folder, name, ["--allreduce", allreduce, *MODES[mode], *more], env)
         return made[allreduce, mode]
 
+    run.folder = folder
     return run
 
 
@@ -111,15 +122,36 @@ def test_16_bit_sums_train_and_send_half_the_bytes(compress, allreduce, mode, tm
 def test_no_overlap_two_pass_sums_on_the_training_thread(uncompressed):
     """(test_timeline.py's check, on the plain two-pass run of 3 ranks: one bucket, summed after backward.)"""
     stdout = uncompressed("two-pass", "plain")[2]
-    trace = uncompressed.folder / "timeline.json"
+    trace = uncompressed.folder / "two-pass-plain.json"
     assert f"timeline of steps {FIRST}-{LAST} written to {trace}" in stdout
     check_trace(trace, world=3, buckets=1, overlap=False, lazy=False)
 
 
-def test_buckets_follow_backward_order():
-    from utils.model import Net
-    from utils.sync.buckets import make_buckets
+@pytest.mark.timeout(300)
+def test_overlap_lazy_ring_with_a_skewed_clock(uncompressed, tmp_path):
+    """(test_timeline.py's check, on the lazy ring run of 3 ranks, rank 1's clock SKEW_S seconds off;
+    then scripts/timeline_summary.py on its trace: every rank's steps and every bucket, and a plot.)"""
+    stdout = uncompressed("ring", "lazy")[2]
+    trace = uncompressed.folder / "ring-lazy.json"
+    assert f"timeline of steps {FIRST}-{LAST} written to {trace}" in stdout
+    buckets = len(make_buckets(list(reversed(list(Net().parameters()))), int(float(SMALL[-1]) * 2**20)))
+    assert buckets > 2
+    check_trace(trace, world=3, buckets=buckets, overlap=True, lazy=True, skews=(0.0, SKEW_S))
 
+    png = tmp_path / "t.png"
+    summary = subprocess.run(
+        [sys.executable, SUMMARY, str(trace), "--plot", str(png)], capture_output=True, text=True, timeout=60
+    )
+    assert summary.returncode == 0, summary.stderr
+    lines = summary.stdout.splitlines()
+    for rank in (0, 1, 2):
+        row = next(line for line in lines if line.split()[:2] == [str(rank), str(LAST - FIRST + 1)])
+        assert float(row.split()[2]) > 0  # mean step ms
+        assert sum(f"rank {rank} bucket" in line for line in lines) == buckets
+    assert png.stat().st_size > 10_000
+
+
+def test_buckets_follow_backward_order():
     params = list(reversed(list(Net().parameters())))
     buckets = make_buckets(params, 64 * 1024)
     assert [p for b in buckets for p in b] == params  # every parameter once, in backward order
