@@ -1,10 +1,7 @@
-"""One rank of the compression tests: averages known gradients through utils/comm/compress.py, saves what it got."""
-
-import datetime
-import sys
+"""What one rank of the compression tests does (tests/ring_worker.py runs it): averages known gradients through
+utils/comm/compress.py."""
 
 import torch
-import torch.distributed as dist
 
 from utils.comm.allreduce import make_allreduce
 from utils.comm.compress import make_compressor
@@ -71,23 +68,3 @@ def powersgd_books(rank, n, steps=6):
         "error": compressor.state_dict()["errors"][0],
         "bytes_sent": torch.tensor(sum_.bytes_sent),
     }
-
-
-if __name__ == "__main__":
-    rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    results = {
-        "half": half_precision(rank, world_size),
-        "lowrank": powersgd_low_rank(rank, world_size),
-        "books": powersgd_books(rank, world_size),
-    }
-    torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()

@@ -47,7 +47,6 @@ SLOWEST_FIRST = [
     "test_timeline.py",
     "test_tiny_world.py",
     "test_ring.py",
-    "test_compress.py",
     "test_torchrun_store.py",
     "test_recovery_multihost.py",
 ]

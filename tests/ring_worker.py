@@ -1,10 +1,14 @@
-"""One rank of the ring test: sums known inputs with every algorithm, saves what it got."""
+"""One rank of tests/test_ring.py's worlds: sums known inputs with every algorithm (cases()), through
+the compressors (tests/compress_worker.py) and under --sync-every (tests/periodic_world.py); saves what it got.
+One process per rank does all three, so each world size starts once."""
 
 import datetime
 import sys
 
 import torch
 import torch.distributed as dist
+from compress_worker import half_precision, powersgd_books, powersgd_low_rank
+from periodic_world import periodic
 
 from utils.comm.allreduce import make_allreduce
 
@@ -22,6 +26,15 @@ def cases(world_size):
     yield from ((size, "gloo", 1) for size in sizes)
 
 
+def sums(rank, world_size):
+    results = {}
+    for size, algorithm, chunks in cases(world_size):
+        flat = inputs(rank, size)
+        make_allreduce(algorithm, chunks).sum_(flat)
+        results[f"{size}/{algorithm}/{chunks}"] = flat
+    return results
+
+
 if __name__ == "__main__":
     rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -32,10 +45,13 @@ if __name__ == "__main__":
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
-    results = {}
-    for size, algorithm, chunks in cases(world_size):
-        flat = inputs(rank, size)
-        make_allreduce(algorithm, chunks).sum_(flat)
-        results[f"{size}/{algorithm}/{chunks}"] = flat
+    results = {
+        "sums": sums(rank, world_size),
+        "half": half_precision(rank, world_size),
+        "lowrank": powersgd_low_rank(rank, world_size),
+        "books": powersgd_books(rank, world_size),
+        **periodic(rank),
+    }
     torch.save(results, out)
+    dist.barrier()
     dist.destroy_process_group()

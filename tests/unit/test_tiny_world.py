@@ -1,5 +1,6 @@
 """A tiny gloo world of 3 ranks on loopback (2 fake hosts: 2 + 1 ranks): every all-reduce object sums
-right and alike on every rank, and the gradient-sync seam's ways of summing agree."""
+right and alike on every rank, the gradient-sync seam's ways of summing agree, and --sync-every 3 replays
+right (tests/periodic_world.py; on 1-5 ranks in tests/test_ring.py, whose worlds start anyway)."""
 
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from periodic_world import check_periodic
 
 from utils.launch import free_port, supervise
 
@@ -14,13 +16,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")
 
 
-def run_world(folder, n, *mode):
+def run_world(folder, n):
     """n ranks of world_worker.py on loopback, 2 ranks to a fake host: what each rank saved."""
     port = free_port()
     outs = [folder / f"rank{r}.pt" for r in range(n)]
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "world_worker.py"), str(r), str(n), str(port), str(outs[r]), *mode],
+            [sys.executable, os.path.join(HERE, "world_worker.py"), str(r), str(n), str(port), str(outs[r])],
             env=dict(os.environ, OMP_NUM_THREADS="1", RING_HOST_ID="abc"[r // 2]),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -66,57 +68,6 @@ def test_the_ways_of_summing_train_the_same_model(results):
     assert results[0]["lazy-powersgd/bytes"] < results[0]["lazy/bytes"]
 
 
-def outer_step(anchor, momentum, mean_change, outer):
-    """The outer step in float64, by the formulas: averaging, or DiLoCo's SGD with Nesterov momentum
-    (lr 0.7, momentum 0.9)."""
-    if outer == "average":
-        return anchor - mean_change, momentum
-    momentum = 0.9 * momentum + mean_change
-    return anchor - 0.7 * (mean_change + 0.9 * momentum), momentum
-
-
-def check_periodic(results, every=3):
-    """Every round's mean change reaches the anchor once, at the merge step of the next round (a
-    float64 replay of what the ranks recorded); the anchor is bit-identical on every rank at every
-    step; a merge swaps a rank's own change for the mean and keeps its steps since; no other step
-    moves the parameters but the optimizer; flush() leaves one model on all ranks."""
-    keys = sorted({k.rsplit("/", 1)[0] for k in results[0] if k.startswith("periodic/")})
-    assert len(keys) == 10, keys
-    for key in keys:
-        outer, merge_after = key.split("/")[2], int(key.split("/")[4])
-        tolerance = 1e-3 if "/fp16/" in key else 1e-6
-        for what in ("anchor", "final", "initial"):
-            assert all(torch.equal(r[f"{key}/{what}"], results[0][f"{key}/{what}"]) for r in results), (key, what)
-        # each round's change on each rank: its start point minus where its optimizer left it at the round's end
-        ends = [t for t in range(len(results[0][f"{key}/after"])) if (t + 1) % every == 0]
-        means = torch.stack(
-            [torch.stack([(r[f"{key}/start"][t] - r[f"{key}/after"][t]).double() for t in ends]) for r in results]
-        ).mean(0)
-        assert means.abs().max() > 1e-3, key  # the rounds moved the parameters: the checks below bite
-        anchor, momentum, merged = results[0][f"{key}/initial"].double(), 0.0, 0
-        for t in range(len(results[0][f"{key}/after"])):
-            inner, round_ = t % every + 1, t // every
-            if inner == merge_after and round_ > 0:
-                anchor, momentum = outer_step(anchor, momentum, means[round_ - 1], outer)
-                merged += 1
-            assert torch.allclose(results[0][f"{key}/anchor"][t].double(), anchor, atol=tolerance, rtol=0), (key, t)
-            for r in results:
-                after, start = r[f"{key}/after"][t], r[f"{key}/start"][t]
-                expected = r[f"{key}/anchor"][t] - (start - after) if inner == merge_after and round_ > 0 else after
-                assert torch.equal(r[f"{key}/params"][t], expected), (key, t)
-        if merged < len(ends):  # flush(): the last full round's mean if not merged yet, then the cut-short round's
-            anchor, momentum = outer_step(anchor, momentum, means[-1], outer)
-        cut_short = torch.stack([r[f"{key}/cut-short"].double() for r in results]).mean(0)
-        anchor, momentum = outer_step(anchor, momentum, cut_short, outer)
-        assert torch.allclose(results[0][f"{key}/final"].double(), anchor, atol=tolerance, rtol=0), key
-
-
 @pytest.mark.timeout(120)
 def test_sync_every_h_on_3_ranks_every_algorithm_both_outer_steps(results):
     check_periodic(results)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 4, 5])
-def test_sync_every_h_on_2_4_and_5_ranks(tmp_path, n):
-    check_periodic(run_world(tmp_path, n, "periodic"))

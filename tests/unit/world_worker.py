@@ -5,14 +5,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from periodic_world import periodic
 
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
-from utils.comm.compress import make_compressor
 from utils.config import Recipe, Sync
 from utils.model import Net
 from utils.run import make_optimizer, train_step
 from utils.sync.factory import make_gradient_sync
-from utils.sync.periodic import PeriodicSync
 
 
 def inputs(rank, size):
@@ -59,58 +58,6 @@ def training(rank, world_size):
     return results
 
 
-class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps the parameters after its last step: the inner steps' end point, before the
-    round's end moves them."""
-
-    def step(self, closure=None):
-        loss = super().step(closure)
-        self.after = torch.cat([p.detach().reshape(-1) for g in self.param_groups for p in g["params"]])
-        return loss
-
-
-def periodic(rank, rounds=4, every=3):
-    """--sync-every 3 on a tiny linear model, under every all-reduce and both outer steps, merging one
-    step into the next round (and a round's end merge, and fp16, on the ring): at every step this
-    rank's start point before it, its parameters after the optimizer and after the step, and the
-    anchor; then 2 steps of a round cut short, and flush(). The test replays it in float64."""
-    results = {}
-    plan = [(name, outer, "none", 1) for name in ALGORITHMS for outer in ("average", "nesterov")]
-    for name, outer, wire, merge_after in plan + [("ring", "average", "none", 3), ("ring", "nesterov", "fp16", 2)]:
-        torch.manual_seed(1)
-        model = torch.nn.Linear(5, 3)
-        optimizer = RecordingSGD(model.parameters(), lr=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        sync = PeriodicSync(
-            model,
-            make_allreduce(name, chunks=3, own_group=True),
-            make_compressor(wire, [list(model.parameters())]),
-            optimizer,
-            scheduler,
-            every,
-            outer,
-            merge_after=merge_after,
-        )
-        key = f"periodic/{name}/{outer}/{wire}/{merge_after}"
-        results[f"{key}/initial"] = sync.anchor.clone()
-        record = {"start": [], "after": [], "params": [], "anchor": []}
-        for step in range(1, rounds * every + 3):
-            images = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
-            model(images).square().mean().backward()
-            record["start"].append(sync.start.clone())
-            sync.after_backward()
-            sync.step()
-            record["after"].append(optimizer.after)
-            record["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-            record["anchor"].append(sync.anchor.clone())
-        results[f"{key}/cut-short"] = sync.start - record["params"][-1]  # the last round's steps so far
-        sync.flush()
-        results.update({f"{key}/{what}": torch.stack(values) for what, values in record.items()})
-        results[f"{key}/final"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        sync.close()
-    return results
-
-
 if __name__ == "__main__":
     rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -121,7 +68,6 @@ if __name__ == "__main__":
         world_size=world_size,
         timeout=datetime.timedelta(seconds=30),
     )
-    only_periodic = sys.argv[5:] == ["periodic"]
-    torch.save(periodic(rank) if only_periodic else {**sums(rank), **training(rank, world_size), **periodic(rank)}, out)
+    torch.save({**sums(rank), **training(rank, world_size), **periodic(rank)}, out)
     dist.barrier()
     dist.destroy_process_group()
