@@ -235,7 +235,10 @@ def fire(count, ranks, nmap, rate):
                 cmd = ["nmap", kind, "-sV", "-p", ",".join(map(str, targets)), "127.0.0.1"]
                 subprocess.run(cmd, capture_output=True, timeout=600)
                 scanned.append(" ".join(cmd))
-        return {"sent": sent, "captured": len(captured), "tcp_ports": tcp, "nmap": scanned, "overflowed": overflowed}
+        running = all(p.poll() is None for p in procs)  # the attack ended before the job did
+        return dict(
+            sent=sent, captured=len(captured), tcp_ports=tcp, nmap=scanned, overflowed=overflowed, running=running
+        )
 
     return attack
 
@@ -269,6 +272,7 @@ def main(argv=None):
     print(f"  the kernel dropped {result.get('overflowed', 0):,} (receive buffers full): never reached a rank")
     for scan in result.get("nmap", []):
         print(f"  scanned: {scan}")
+    print(f"  every rank still training when the attack ended: {result.get('running')}")
     for out, _ in outputs:
         for line in out.splitlines():
             if "control datagrams" in line:
