@@ -90,6 +90,7 @@ def train(config, data):
     from utils.comm import hierarchical
     from utils.distributed import agree, broadcast_parameters, init_distributed, model_name, torchrun_attempt_store
     from utils.elastic.join import join_running_job, start_membership
+    from utils.exchange import broadcast_state
     from utils.model import Net
     from utils.run import run
 
@@ -121,9 +122,7 @@ def train(config, data):
     init_distributed(job, config.sync.timeout, attempt_store)
     try:
         config = agree(config, model)
-        shared = [resume_from]
-        dist.broadcast_object_list(shared, src=0)  # the other servers need not have the file
-        resume_from = shared[0]
+        resume_from = broadcast_state(resume_from, src=0)  # the other servers need not have the file
         if checkpoint.finished(resume_from, config.recipe.epochs):  # every rank knows it now: none trains or writes
             dist.barrier()  # nobody leaves (rank 0 hosts the rendezvous) before everyone has the news
             if job.rank == 0:

@@ -93,6 +93,8 @@ def time_size(cfg: dict, rank: int, size: dict, plan: dict) -> list[dict]:
     import torch
     import torch.distributed as dist
 
+    from utils.exchange import all_gather_json
+
     n, numel = cfg["world_size"], size["bytes"] // ELEMENT
     warm, reps = size["warmup"], size["warmup"] + size["iters"]
     inputs = [
@@ -120,8 +122,7 @@ def time_size(cfg: dict, rank: int, size: dict, plan: dict) -> list[dict]:
             err = (buf.double() - ref).abs_().div_(bound).max().item() if numel else 0.0
             errors[alg].append(err if math.isfinite(err) else float("inf"))
             digests[alg].append(hashlib.blake2b(buf.numpy().tobytes(), digest_size=16).hexdigest())
-    everyone = [None] * n
-    dist.all_gather_object(everyone, {"times": times, "digests": digests, "errors": errors})
+    everyone = all_gather_json({"times": times, "digests": digests, "errors": errors})
     return [check(alg, plan[alg][1], everyone, reps) for alg in plan]
 
 

@@ -67,6 +67,7 @@ def worker(args) -> int:
 
     from utils.config import Recipe
     from utils.data import load_mnist
+    from utils.exchange import all_gather_json
     from utils.run import batches_of_epoch
 
     say = start_worker(cfg, rank)
@@ -103,8 +104,7 @@ def worker(args) -> int:
             run.loss_sum, run.loss_steps = stats.loss_sum, stats.steps
             run.evaluate((epoch - 1) * steps_per_epoch + last)
     counts = [[a, b] for a, b in zip(counts, (nic_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME")), bytes_sent(sync)))]
-    everyone = [None] * n
-    dist.all_gather_object(everyone, (digest(model), [None if None in c else c[1] - c[0] for c in counts]))
+    everyone = all_gather_json([digest(model), [None if None in c else c[1] - c[0] for c in counts]])
     if rank == 0:
         run.cache.save()
         out = {"world_size": n, "steps_per_epoch": steps_per_epoch, "steps": cfg["epochs"] * steps_per_epoch}

@@ -158,6 +158,7 @@ def worker(args) -> int:
 
     from utils.config import Recipe
     from utils.data import load_mnist
+    from utils.exchange import all_gather_json
     from utils.run import batches_of_epoch
 
     say = start_worker(cfg, rank)
@@ -169,7 +170,7 @@ def worker(args) -> int:
     wire = None
     if n > 1 and any(spec["kind"] == "wire" for spec in cfg["configs"]):
         nbytes = 2 * (n - 1) * numel(make_model(cfg["model"])) * 4 // n
-        wire = RawWire(rank, n, cfg["addrs"], nbytes, cfg["op_timeout"], dist.all_gather_object)
+        wire = RawWire(rank, n, cfg["addrs"], nbytes, cfg["op_timeout"], all_gather_json)
     runners = [Runner(spec, cfg, rank, wire) for spec in cfg["configs"]]
     times = [[] for _ in runners]  # this rank: per timed round, (total, fb, sum, opt, usr, sys, tx, sent)
     t_start, k = time.time(), cfg["steps_per_sample"]
@@ -184,8 +185,7 @@ def worker(args) -> int:
             say(f"{prefix} warm-up done ({cfg['warmup']} rounds, {time.time() - t_start:.0f}s)")
     say(f"{prefix} {cfg['iters']} timed rounds done ({time.time() - t_start:.0f}s)")
 
-    everyone = [None] * n
-    dist.all_gather_object(everyone, {"times": times, "digests": [digest(r.model) for r in runners]})
+    everyone = all_gather_json({"times": times, "digests": [digest(r.model) for r in runners]})  # (tuples: lists)
     if rank == 0:
         write_file(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
     for r in runners:
@@ -206,13 +206,12 @@ class RawWire:
     a partial sum before passing it on) only makes it slower.
     """
 
-    def __init__(self, rank, n, addrs, nbytes, timeout, all_gather_object):
+    def __init__(self, rank, n, addrs, nbytes, timeout, all_gather):
         import socket
         import threading
 
         listener = socket.create_server((addrs[rank], 0))
-        ports = [None] * n
-        all_gather_object(ports, listener.getsockname()[1])
+        ports = all_gather(listener.getsockname()[1])  # every rank's port, in rank order
         right = (rank + 1) % n
         self.to_right = socket.create_connection((addrs[right], ports[right]), timeout=timeout)
         listener.settimeout(timeout)

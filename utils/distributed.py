@@ -1,6 +1,7 @@
 """The process group and what the ranks settle through it before training.
 
-init_distributed(job, seconds)       join the gloo group, bound to the job's card
+init_distributed(job, seconds)       join the gloo group, bound to the job's card (after handshake)
+handshake(store, rank, ws, seconds)  the same world size, torch and program on every rank, or exit 2
 torchrun_attempt_store(...)          under torchrun's agent: one store prefix per attempt
 agree(config, model)                 every rank trains the same thing (compared by name)
 broadcast_parameters(model)          rank 0's parameters everywhere, then proved equal
@@ -10,13 +11,20 @@ check_identical_parameters(model)    the sha256 of every rank's parameters, comp
 import dataclasses
 import datetime
 import hashlib
+import json
 import os
 import time
+import urllib.parse
 
 import torch
 import torch.distributed as dist
 
 from utils.errors import PeerError, UsageError, first_line
+from utils.exchange import all_gather_json
+from utils.program import differences, identity
+
+HANDSHAKE = "train.py/handshake"  # the store's keys of the start-up handshake
+ACK_WAIT = 5.0  # seconds rank 0 stays, after a difference, for the other side to have read its key
 
 
 def init_distributed(job, seconds, attempt_store=None):
@@ -31,15 +39,16 @@ def init_distributed(job, seconds, attempt_store=None):
         else f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     )
     timeout = datetime.timedelta(seconds=seconds)
+    came = (
+        f"not every rank joined at {where} within {seconds:g} s "
+        f"(are all {job.world_size} started, with the same --init-method?)"
+    )
     try:
-        if attempt_store is not None:
-            dist.init_process_group(
-                "gloo", store=attempt_store, rank=job.rank, world_size=job.world_size, timeout=timeout
-            )
-        else:
-            dist.init_process_group(
-                "gloo", init_method=job.init_method, rank=job.rank, world_size=job.world_size, timeout=timeout
-            )
+        store = attempt_store if attempt_store is not None else rendezvous_store(job, timeout)
+        handshake(store, job.rank, job.world_size, seconds, came)
+        if attempt_store is None:  # as torch's init_method=... does: the group's keys under a prefix of their own
+            store = dist.PrefixStore("default_pg", store)
+        dist.init_process_group("gloo", store=store, rank=job.rank, world_size=job.world_size, timeout=timeout)
     except (RuntimeError, ValueError) as e:
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
@@ -51,15 +60,102 @@ def init_distributed(job, seconds, attempt_store=None):
                 resumable=False,
             ) from None
         if job.rank == 0 or "wait timeout" in text:  # we reached rank 0, but not everyone came
-            raise PeerError(
-                f"not every rank joined at {where} within {seconds:g} s "
-                f"(are all {job.world_size} started, with the same --init-method?)",
-                resumable=False,
-            ) from None
+            raise PeerError(came, resumable=False) from None
         raise UsageError(
             f"could not reach rank 0 at {where} within {seconds:g} s "
             f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}"
         ) from None
+
+
+def rendezvous_store(job, timeout):
+    """The rendezvous TCPStore of tcp://HOST:PORT or env:// (MASTER_ADDR, MASTER_PORT), as torch's
+    init_method would make it (rank 0 hosts it, unless torchrun's agent does), but without waiting
+    for every rank to connect: the handshake says who came."""
+    if job.init_method == "env://":
+        if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+            raise ValueError("env:// rendezvous: environment variables MASTER_ADDR and MASTER_PORT expected")
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        url = urllib.parse.urlparse(job.init_method)
+        host, port = url.hostname, url.port
+    agent_serves = (  # torch's rendezvous: torchrun's agent hosts the store at its MASTER_ADDR:MASTER_PORT
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == host
+        and os.environ.get("MASTER_PORT") == str(port)
+    )
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=job.rank == 0 and not agent_serves,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+
+
+def handshake(store, rank, world_size, seconds, came):
+    """Before the group: every rank writes {world_size, torch, program} to the store; rank r reads
+    rank 0's, rank 0 reads every other rank's as it comes. A difference is one UsageError line
+    naming both sides, on both sides, as soon as both have spoken; `came` is the PeerError text for
+    a rank that does not come within `seconds`.
+
+        rank r:  handshake/rank-r = {...}    reads handshake/rank-0    handshake/rank-r/read = 1
+                                             waits for every handshake/rank-*
+        rank 0:  handshake/rank-0 = {...}    reads handshake/rank-1, -2, ... as they come
+
+    Rank 0, which may host the store, stays until the other side has read its key (at most
+    ACK_WAIT s) before it leaves with the error."""
+    mine = {"world_size": world_size, **identity()}
+    store.set(f"{HANDSHAKE}/rank-{rank}", json.dumps(mine))
+    deadline = time.monotonic() + seconds
+    if rank != 0:
+        theirs = read_handshake(store, 0, deadline, came)
+        store.set(f"{HANDSHAKE}/rank-{rank}/read", "1")
+        difference = handshake_difference(theirs, mine, rank)
+        if difference:
+            raise UsageError(difference)
+        for other in range(1, world_size):  # every rank came (or it is the same error on every rank)
+            read_handshake(store, other, deadline, came)
+        return
+    waiting, heard = list(range(1, world_size)), []
+    while waiting:
+        for other in [r for r in waiting if store.check([f"{HANDSHAKE}/rank-{r}"])]:
+            waiting.remove(other)
+            heard.append(other)
+            difference = handshake_difference(mine, read_handshake(store, other, deadline, came), other)
+            if difference:
+                acks = [f"{HANDSHAKE}/rank-{r}/read" for r in heard]
+                stay = time.monotonic() + ACK_WAIT
+                while not store.check(acks) and time.monotonic() < stay:
+                    time.sleep(0.02)
+                raise UsageError(difference)
+        if waiting and time.monotonic() > deadline:
+            raise PeerError(came, resumable=False)
+        time.sleep(0.02)
+
+
+def read_handshake(store, rank, deadline, came):
+    """Rank `rank`'s handshake (waiting for it until `deadline`), a dict; {} if it is not one."""
+    key = f"{HANDSHAKE}/rank-{rank}"
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise PeerError(came, resumable=False)
+        time.sleep(0.02)
+    try:
+        theirs = json.loads(store.get(key).decode())
+    except ValueError:
+        return {}
+    return theirs if isinstance(theirs, dict) else {}
+
+
+def handshake_difference(first, other, rank):
+    """The line that says how rank 0's handshake `first` and rank `rank`'s `other` differ, or None."""
+    if first.get("world_size") != other.get("world_size"):
+        return (
+            f"ranks were started with different --world-size: rank 0 has {first.get('world_size')}, "
+            f"rank {rank} has {other.get('world_size')}"
+        )
+    return differences(first, other, "rank 0", f"rank {rank}")
 
 
 def torchrun_attempt_store(rank, world_size, timeout):
@@ -132,8 +228,7 @@ def agree(config, model):
     """Every rank must train the same thing: compare config.must_agree() (and the model), by name.
     Returns the config with rank 0's --timeline steps: every rank records, rank 0 writes."""
     mine = {"model": model_name(model), **config.must_agree()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mine, config.outputs.timeline_steps))
+    everyone = all_gather_json([mine, config.outputs.timeline_steps])  # (JSON: the steps come back a list)
     for rank, (theirs, _) in enumerate(everyone):
         for name in mine:
             if theirs[name] != everyone[0][0][name]:
@@ -141,7 +236,8 @@ def agree(config, model):
                     f"ranks were started with different --{name}: rank 0 has {everyone[0][0][name]}, "
                     f"rank {rank} has {theirs[name]}"
                 )
-    return dataclasses.replace(config, outputs=dataclasses.replace(config.outputs, timeline_steps=everyone[0][1]))
+    steps = tuple(everyone[0][1]) if everyone[0][1] is not None else None
+    return dataclasses.replace(config, outputs=dataclasses.replace(config.outputs, timeline_steps=steps))
 
 
 def model_name(model):
@@ -160,8 +256,7 @@ def check_identical_parameters(model):
     """Compare a sha256 of every rank's parameters; returns it, or raises if any rank differs."""
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+    digests = all_gather_json(digest)
     if len(set(digests)) != 1:
         raise PeerError(
             "parameters differ between ranks: " + ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests))

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from utils import checkpoint, stop
 from utils.errors import PeerError, first_line
+from utils.exchange import all_gather_json
 
 
 def start_line(config, model, data, hosts, gradient_sync):
@@ -117,9 +118,8 @@ def say_joined(membership, epoch, step):
 def stopped_line(epoch, step, steps, checkpoint):
     """After a stop: who got which signal, where the job stopped, and where rank 0 saved it (a
     collective; rank 0 joins it once its save is done, so every rank may say it is saved)."""
-    everyone = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(everyone, (stop.signalled(), checkpoint))
+        everyone = all_gather_json([stop.signalled(), checkpoint])
     except RuntimeError as e:
         raise PeerError(f"lost a peer while stopping after epoch {epoch}, step {step}: {first_line(e)}") from None
     by_signal = {}

@@ -26,6 +26,7 @@ from utils.distributed import check_identical_parameters, model_name
 from utils.elastic import faults
 from utils.elastic.recovery import Recovery
 from utils.errors import PeerError, Stopped, first_line
+from utils.exchange import all_gather_state
 from utils.model import Net
 from utils.report import Progress, bytes_sent_per_step, report_epoch, say_joined, start_line, stopped_line
 from utils.sync.factory import make_gradient_sync
@@ -257,7 +258,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
         everyone = [None] * dist.get_world_size()
         if gradient_sync.has_rank_state:
             try:
-                dist.all_gather_object(everyone, gradient_sync.state_dict())
+                everyone = all_gather_state(gradient_sync.state_dict())
             except RuntimeError as e:
                 raise PeerError(first_line(e), doing="saving a checkpoint") from None
         faults.point("save")

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from utils.errors import UsageError
+from utils.exchange import all_gather_json
 from utils.files import write_file
 
 ROUND_TRIPS = 8  # per rank, to estimate its clock's offset to rank 0's
@@ -123,7 +124,8 @@ class Recorder(Off):
         self.spans.append((name, row, start_ns + self.offset_ns, end_ns + self.offset_ns, args))
 
     def write(self):
-        """Every rank: hand the spans to rank 0, which writes the trace (a collective; once)."""
+        """Every rank: hand the spans to rank 0, which writes the trace (a collective; once; as JSON,
+        which the trace is anyway: a span's tuple comes back a list)."""
         if self.written:
             return
         self.recording, self.written = False, True
@@ -135,8 +137,7 @@ class Recorder(Off):
             offset_ns=self.offset_ns,
             error_ns=self.error_ns,
         )
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_json(mine)
         if dist.get_rank() == 0:
             last = min(self.last, self.total_steps)
             what = f"steps {self.first}-{last}" if self.spans else f"nothing (no step of {self.first}-{last} ran)"

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from utils.comm import ring
+from utils.exchange import all_gather_json
 
 PIECE_BYTES = 512 * 1024  # pipelining: about this much of the buffer per piece
 MAX_PIECES = 32
@@ -94,11 +95,9 @@ def ipv4_address(card):
 
 def discover(host_id=None):
     """The hosts of the default group: lists of global ranks, each sorted, hosts ordered by their
-    first rank (host_id: see host_key). A collective (all_gather_object): the run asks once per
+    first rank (host_id: see host_key). A collective (all_gather_json): the run asks once per
     group and hands the answer to make_allreduce."""
-    keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, host_key(host_id))
-    return hosts_of(keys)
+    return hosts_of(all_gather_json(host_key(host_id)))
 
 
 def hosts_of(keys):

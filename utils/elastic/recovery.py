@@ -35,6 +35,7 @@ from utils.comm.compress import state_for
 from utils.elastic import faults
 from utils.elastic.membership import Fenced, NoQuorum
 from utils.errors import PeerError, UsageError, first_line
+from utils.exchange import all_gather_state, broadcast_state
 from utils.files import check_writable
 
 MAX_ATTEMPTS = 3  # new groups that did not form before the survivors give up
@@ -126,12 +127,10 @@ class Recovery:
         Returns (sync, (epoch, step, stats))."""
         source = self.membership.rank_of(decision.source)
         furthest = tuple(decision.position)
-        shared = [self.state(*position) if dist.get_rank() == source else None]
         try:
-            dist.broadcast_object_list(shared, src=source)
+            state = broadcast_state(self.state(*position) if dist.get_rank() == source else None, src=source)
         except RuntimeError as e:
             raise PeerError(f"lost a peer while the state went round: {first_line(e)}", resumable=False) from None
-        state = shared[0]
         if dist.get_rank() != source:
             self.model.load_state_dict(state["model"])
         for p in self.model.parameters():  # an abandoned step's gradients must not add to the next one's
@@ -148,9 +147,8 @@ class Recovery:
     def _new_sync(self, state, at, old_sync, position, source, furthest):
         sync = self.make_sync(hierarchical.discover(self.config.job.host_id))  # the new group's servers
         if sync.compressor.compresses:  # the error buffers of those at the furthest step, the source's first
-            everyone = [None] * dist.get_world_size()
             mine = old_sync.state_dict() if old_sync is not None else None
-            dist.all_gather_object(everyone, (position is not None and tuple(position[:2]) == furthest, mine))
+            everyone = all_gather_state((position is not None and tuple(position[:2]) == furthest, mine))
             states = [everyone[source][1]] + [s for r, (at, s) in enumerate(everyone) if at and r != source]
             sync.load_state_dict(state_for(states, dist.get_rank(), dist.get_world_size()))
         if dist.get_rank() == 0:
