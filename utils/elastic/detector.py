@@ -90,6 +90,12 @@ class Detector:
         for target in (self._receive, self._beat):
             self.thread(target)
 
+    def start_beating(self):
+        """A joined server: heartbeats from now on (its receiver runs since request_join)."""
+        now = time.monotonic()
+        self.heard = {m: now for m in self.members}
+        self.thread(self._beat)
+
     def thread(self, target):
         name = f"membership-{target.__name__[1:]}"
         threading.Thread(target=guarded(target, self.me), name=name, daemon=True).start()
