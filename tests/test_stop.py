@@ -14,13 +14,14 @@ import time
 
 import procs
 import pytest
+from checkpoint_watch import Watch
 from procs import checkpoint_position, final_digest, wait_for
 
 STOPPED = 3
 STEPS = 100  # 6400 images, 64 a step
 COMMON = [
     "--test-subset",
-    "1000",
+    "200",
     "--train-subset",
     "6400",
     "--epochs",
@@ -63,9 +64,11 @@ def start(checkpoint, extra=()):
 def wait_past(checkpoint, before, job=()):
     """Until the job has saved a checkpoint beyond `before`: it is training."""
 
+    watch = Watch(checkpoint)  # loaded only when a save replaced it
+
     def moved():
         assert all(p.poll() is None for p in job), "the job ended before it was signalled"
-        return (checkpoint_position(checkpoint) or (0, 0)) > before
+        return (watch.position() or (0, 0)) > before
 
     wait_for(moved, 240, "training to go on")
 
