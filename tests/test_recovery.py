@@ -46,13 +46,15 @@ def stopped_and_resumed(extra, cwd, k):
 @pytest.mark.parametrize(
     "fault, extra",
     [
-        (f"0:{K + 1}:KILL", []),  # rank 0: the leader and writer
-        (f"1:{K}:KILL:sum", ["--lazy-update"]),  # the middle rank, mid-sum (its sums out: rank0-kill's reference)
+        (f"1:{K + 1}:KILL:sum", ["--lazy-update"]),  # the middle rank, mid-sum
+        ("0:*:KILL", []),  # rank 0, the leader and writer, as the step after the one the case above went on from begins
         (f"2:{K + 1}:KILL:sum", ["--no-overlap", "--allreduce", "ring"]),
     ],
-    ids=["rank0-kill", "middle-kill-during-lazy-sum", "last-kill-ring"],
+    ids=["middle-kill-during-lazy-sum", "rank0-kill", "last-kill-ring"],
 )
 def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(fault, extra, tmp_path):
+    if "*" in fault:  # it goes on from a step whose stop-and-resume is known: one reference run less (K if none)
+        fault = fault.replace("*", str(1 + next((k for flags, k in _references if flags == tuple(extra)), K)))
     lost, at = int(fault[0]), int(fault.split(":")[1])
     (tmp_path / "shrunk").mkdir()
     (tmp_path / "stopped").mkdir()
