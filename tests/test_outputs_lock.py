@@ -13,6 +13,7 @@ import time
 import procs
 import pytest
 import torch
+from checkpoint_watch import Watch
 from procs import checkpoint_position, wait_for
 
 from utils.config import Outputs
@@ -103,7 +104,8 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(tmp_path):
-    args = ["--epochs", "2", "--test-subset", "1000", "--train-subset", "9600"]
+    # 200 steps: the first job is still training when both refusals (one imports torch) are done
+    args = ["--epochs", "2", "--test-subset", "200", "--train-subset", "6400"]
     first = start(args, str(tmp_path))
     try:  # the lock names the job: the launcher's pid, written by its rank 0
         wait_for(
@@ -144,29 +146,47 @@ def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(t
     assert re.search(r"sha256 ([0-9a-f]{64})", out).group(1) == hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
+def kill_mid_epoch(job, checkpoint, past, whole, lock=None):
+    """Once `job` has saved a checkpoint of epoch 1 beyond `past` (and, given `lock`, holds that
+    lock file), SIGKILL it: its whole process group, or the launcher alone (its ranks then get
+    SIGTERM from the kernel: PR_SET_PDEATHSIG). Returns its stdout and the position it was killed after."""
+    watch, held = Watch(checkpoint), lock is None
+
+    def ready():
+        nonlocal held
+        assert job.poll() is None, job.communicate()
+        held = held or read(lock) == f"pid {job.pid} on {HOST}"  # the lock names the job: the launcher
+        return held and (watch.position() or (0, 0)) > past and watch.position()[0] == 1
+
+    try:
+        wait_for(ready, 120, "a mid-epoch checkpoint")
+        if whole:
+            os.killpg(job.pid, signal.SIGKILL)
+        else:
+            job.kill()
+        out, _ = job.communicate(timeout=30)
+    finally:
+        procs.kill_group(job)
+    return out, watch.position()
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_job_leaves_no_lock_behind(tmp_path):
-    args = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "3200", "--save-every", "2", "--metrics", ""]
-    checkpoint = tmp_path / "runs" / "checkpoint.pt"
-    for victim, then in (("the whole job", ["--resume"]), ("the launcher alone", [])):
-        job = start(args, str(tmp_path))
-        try:
-            wait_for(lambda: (checkpoint_position(checkpoint) or (0, 0))[0] == 1, 120, "a mid-epoch checkpoint")
-            if victim == "the whole job":
-                os.killpg(job.pid, signal.SIGKILL)
-            else:  # SIGKILL; its ranks then get SIGTERM from the kernel (PR_SET_PDEATHSIG)
-                job.kill()
-            job.communicate(timeout=30)
-        finally:
-            procs.kill_group(job)
-        result = procs.train([*args, *then], timeout=200, cwd=str(tmp_path))
-        assert result.returncode == 0, (victim, result.stderr)
-        assert ("resuming from" in result.stdout) == bool(then), result.stdout
+    """A job killed whole, then the one resuming it killed by its launcher alone: each time the next
+    job on the same outputs takes the lock and trains."""
+    args = ["--epochs", "1", "--test-subset", "200", "--train-subset", "3200", "--save-every", "2", "--metrics", ""]
+    checkpoint, lock = tmp_path / "runs" / "checkpoint.pt", tmp_path / "runs" / "checkpoint.pt.lock"
+    _, killed_at = kill_mid_epoch(start(args, str(tmp_path)), checkpoint, (0, 0), whole=True)
+    out, _ = kill_mid_epoch(start([*args, "--resume"], str(tmp_path)), checkpoint, killed_at, whole=False, lock=lock)
+    assert f"resuming from runs/checkpoint.pt: epoch 1, after step {killed_at[1]}" in out, out
+    result = procs.train(args, timeout=200, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "resuming from" not in result.stdout, result.stdout
 
 
 @pytest.mark.timeout(300)
 def test_jobs_with_their_own_outputs_run_side_by_side(tmp_path):
-    common = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "1280"]
+    common = ["--epochs", "1", "--test-subset", "200", "--train-subset", "1280"]
     other = ["--save-path", "runs/b.pth", "--checkpoint", "runs/b.pt", "--metrics", "runs/b.jsonl"]
     jobs = [start(common, str(tmp_path)), start([*common, "--seed", "2", *other], str(tmp_path))]
     results = procs.wait_all(jobs, timeout=240)
@@ -185,7 +205,7 @@ def test_resuming_a_finished_run_does_nothing(tmp_path):
         "--epochs",
         "1",
         "--test-subset",
-        "1000",
+        "200",
         "--train-subset",
         "640",
         "--checkpoint",
