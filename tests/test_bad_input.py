@@ -11,8 +11,9 @@ import pytest
 import torch
 from procs import REPO
 
-from utils.checkpoint import safe_load
+from utils.checkpoint import load_model_state, safe_load
 from utils.errors import UsageError
+from utils.model import Net
 
 SHIPPED = os.path.join(REPO, "model_state_dict.pth")
 
@@ -122,18 +123,32 @@ def bad_model_files(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_bad_model_files(tmp_path):
-    """Every file in both modes: 12 runs of train.py, a few at a time (each its own process group with its
-    own hard timeout; they share nothing but the output path none of them may write)."""
-    runs = [
-        (path, [*mode, "--model_path", str(path), "--save-path", str(tmp_path / "out.pth")])
-        for path in bad_model_files(tmp_path).values()
-        for mode in (["--eval"], rank_args())
-    ]
+    """Every file as rank 0 of a multi-server job loads it: 6 runs of train.py, a few at a time (each its own
+    process group with its own hard timeout; they share nothing but the output path none of them may write).
+    --eval reads the file with the same call (utils/run.evaluate: load_model_state into a fresh Net): that
+    call refuses every file here in this process, with the message the one line would carry, and one --eval
+    run end to end turns it into that line and exit code 2."""
+    files = bad_model_files(tmp_path)
+    runs = [(path, [*rank_args(), "--model_path", str(path)]) for path in files.values()]
+    runs.append((files["truncated"], ["--eval", "--model_path", str(files["truncated"])]))
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda run: procs.train(run[1], timeout=60), runs))
+        results = list(
+            pool.map(lambda run: procs.train([*run[1], "--save-path", str(tmp_path / "out.pth")], timeout=60), runs)
+        )
     for (path, _), result in zip(runs, results):
         assert_one_line_error(result, str(path))
     assert not (tmp_path / "out.pth").exists()
+    for path in files.values():  # what --eval does with each
+        refused_by_eval(path)
+
+
+def refused_by_eval(path, *needles):
+    """train.py --eval's load of `path` (utils/run.evaluate) fails with a UsageError (main's one line and
+    exit code 2) that names the file and says `needles`."""
+    with pytest.raises(UsageError) as refused:
+        load_model_state(Net(), str(path))
+    for needle in (str(path), *needles):
+        assert needle in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 @pytest.mark.timeout(60)
@@ -158,14 +173,15 @@ class RunsCode:
 
 @pytest.mark.timeout(60)
 def test_a_pickle_that_runs_code_is_refused_and_does_not_run(tmp_path):
+    """torch's zip format end to end (train.py --eval); a plain pickle through the same load, in this process."""
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pth"
     torch.save({"fc1.weight": RunsCode(marker)}, evil, pickle_protocol=2)
     with open(tmp_path / "plain.pkl", "wb") as f:
         pickle.dump(RunsCode(marker), f)
-    for path in (evil, tmp_path / "plain.pkl"):
-        result = procs.train(["--eval", "--model_path", str(path)], timeout=50)
-        assert_one_line_error(result, "weights-only")
+    result = procs.train(["--eval", "--model_path", str(evil)], timeout=50)
+    assert_one_line_error(result, "weights-only")
+    refused_by_eval(tmp_path / "plain.pkl", "weights-only")
     assert not marker.exists()
 
 

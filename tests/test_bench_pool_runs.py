@@ -1,5 +1,7 @@
 """bench/pool_runs.py: pooling runs of the all-reduce benchmark, on results files made up here."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -20,8 +22,21 @@ def results_file(path, ring_ms, gloo_ms, size="2M"):
     return str(path)
 
 
-def pool(*files):
-    return subprocess.run([sys.executable, TOOL, *files], capture_output=True, text=True, timeout=30)
+def pool(*files, real=False):
+    """pool_runs.py FILES: main(argv) in this process (its `sys.exit(main())` exits with what main returns,
+    or with the SystemExit of its OneLineParser), which spares a Python and its torch import (through
+    bench/harness.py); real=True runs it as a process of its own, to pin exit code and stderr end to end."""
+    if real:
+        return subprocess.run([sys.executable, TOOL, *files], capture_output=True, text=True, timeout=30)
+    import pool_runs
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = pool_runs.main(list(files))
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess([TOOL, *files], code, out.getvalue(), err.getvalue())
 
 
 def test_counts_runs_and_pools_repetitions(tmp_path):
@@ -46,12 +61,14 @@ def test_a_size_missing_from_one_run_is_left_out(tmp_path):
     assert "no algorithm was measured beside gloo" in r.stderr
 
 
-@pytest.mark.parametrize("content, message", [("{not json", "cannot read it"), ('{"x": 1}', "not a results file")])
-def test_a_bad_file_is_one_line_and_exit_2(tmp_path, content, message):
+@pytest.mark.parametrize(
+    "content, message, real", [("{not json", "cannot read it", True), ('{"x": 1}', "not a results file", False)]
+)
+def test_a_bad_file_is_one_line_and_exit_2(tmp_path, content, message, real):
     good = results_file(tmp_path / "good.json", [1.0], [1.0])
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    r = pool(good, str(bad))
+    r = pool(good, str(bad), real=real)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr
     assert "Traceback" not in r.stderr
 

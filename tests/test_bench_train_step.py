@@ -42,6 +42,8 @@ def test_loopback_run_measures_every_configuration(tmp_path):
             "1",
             "--iters",
             "3",
+            "--steps-per-sample",  # 2, not 6: a lazy update still carries over from a sample's first step
+            "2",
             "--timeout",
             "150",
             "--results-dir",
@@ -91,6 +93,8 @@ def test_reference_model_is_the_issues_baseline_cnn(tmp_path):
             "--warmup",
             "1",
             "--iters",
+            "2",
+            "--steps-per-sample",
             "2",
             "--model",
             "reference",

@@ -234,7 +234,7 @@ def test_the_warning_while_a_rank_starts_stops_the_job_after_its_first_step(tmp_
 
 @pytest.mark.timeout(300)
 def test_two_tasks_a_node_sum_hierarchically_and_srun_torchrun_still_works(cluster, tmp_path):
-    short = ["--epochs", "1", "--train-subset", "1280", "--metrics", ""]
+    short = ["--epochs", "1", "--train-subset", "1280", "--test-subset", "500", "--metrics", ""]
     job = submit(cluster, tmp_path, "--ntasks-per-node=2", args=[*short, "--allreduce", "hierarchical"])
     torchrun = tmp_path / "torchrun.sbatch"  # one torchrun agent a node; torchrun's RANK wins over Slurm's
     torchrun.write_text(

@@ -1,6 +1,9 @@
 """torchrun's agent store across restarts: a restarted rank never dials a dead peer's address, and
 an attempt comes together after attempts that died half-way (utils/distributed.py,
-torchrun_attempt_store). The test plays the agent: it hosts the store and starts the workers."""
+torchrun_attempt_store). The test plays the agent: it hosts the store and starts the workers.
+
+One job (one store, one checkpoint) goes through every case in turn, so the first, training attempt
+is made once: each later attempt finds the finished run and ends after the rendezvous."""
 
 import datetime
 import os
@@ -9,33 +12,59 @@ import sys
 import time
 
 import procs
-import pytest
 import torch.distributed as dist
 from procs import wait_for
 
 
-@pytest.mark.parametrize("restart_counts", [(1, 1), (0, 1)], ids=["static-rendezvous", "c10d-healthy-node"])
-def test_a_restarted_rank_never_dials_the_address_of_its_dead_peer(tmp_path, restart_counts):
+def test_restarted_attempts_never_dial_a_dead_peer_and_come_together_after_attempts_that_died(tmp_path):
     """torchrun's agent keeps one store for the whole job, and a worker's gloo address stays in it
-    after the worker dies. The test plays the agent (it hosts the store) and makes the race of a
-    restart certain: attempt 1's rank 1 starts 3 s before rank 0, so it must wait for rank 0's new
-    address instead of dialling attempt 0's dead one ("connection refused").
+    after the worker dies. The test makes the race of a restart certain: in each restarted attempt,
+    rank 1 starts 3 s before rank 0, so it must wait for rank 0's new address instead of dialling a
+    dead attempt's ("connection refused"). Rank 0 must resume from the checkpoint without --resume,
+    as after any torchrun restart (attempt 0 finished, so later attempts find nothing to do).
 
-    restart_counts: the TORCHELASTIC_RESTART_COUNT the agents give ranks 0 and 1 in attempt 1.
-    With --rdzv-backend c10d the node whose worker was healthy restarts it without counting, so
-    the two counts differ; the ranks must still find each other, and rank 0 must resume from the
-    checkpoint without --resume, as after any torchrun restart (attempt 0 finished, so attempt 1
-    finds nothing to do)."""
+    Attempt 1, static rendezvous: both agents count the restart (TORCHELASTIC_RESTART_COUNT 1, 1).
+    Attempt 2, --rdzv-backend c10d: the node whose worker was healthy restarts it without counting,
+    so the two counts differ (1, 2); the ranks must still find each other.
+    Attempts 3 and 4 died half-way and leave their traces in the store: in attempt 3 only rank 0
+    came (it published itself as leader, then was killed), in attempt 4 only rank 1 (it answered
+    that dead leader, then was killed). Attempt 5 must still come together, with rank 1 first.
+    With per-rank start counters (an earlier version) every attempt after one like attempt 3
+    failed: rank 0 had counted one start more than rank 1, so rank 1 joined under attempt 3's
+    prefix and dialled that attempt's dead rank 0 ("connection refused")."""
     store, start = agent_store_and_workers(tmp_path)
     first = procs.wait_all([start(0, 0), start(1, 0)], timeout=120)
     assert all(code == 0 for code, _, _ in first), first
-    late = [start(1, restart_counts[1])]
+    for counts in ((1, 1), (1, 2)):  # static rendezvous; c10d with a healthy node
+        restarted_with_rank_1_first(start, tmp_path, counts)
+
+    done = store.get("train.py/leader")
+    lonely = start(0, 3)
+    try:
+        wait_for(lambda: store.get("train.py/leader") != done, 60, "rank 0 of attempt 3 to lead")
+        dead_leader = store.get("train.py/leader").decode()
+    finally:
+        procs.kill_group(lonely)
+        lonely.wait()
+    lonely = start(1, 4)
+    try:
+        wait_for(lambda: store.check([f"train.py/{dead_leader}/answer/rank-1"]), 60, "rank 1 to answer the dead leader")
+    finally:
+        procs.kill_group(lonely)
+        lonely.wait()
+    restarted_with_rank_1_first(start, tmp_path, (5, 5))
+    store = None  # closes the agent's store (its port) now
+
+
+def restarted_with_rank_1_first(start, tmp_path, counts):
+    """An attempt whose rank 1 starts 3 s before rank 0 (TORCHELASTIC_RESTART_COUNT: counts[rank]):
+    both must come together and exit 0, rank 0 reading the finished checkpoint without --resume."""
+    late = [start(1, counts[1])]
     time.sleep(3)
-    late.append(start(0, restart_counts[0]))
+    late.append(start(0, counts[0]))
     second = procs.wait_all(late, timeout=120)
-    assert all(code == 0 for code, _, _ in second), second
-    assert f"{tmp_path / 'c.pt'} is a finished run" in second[1][1], second[1]  # read without --resume
-    del store
+    assert all(code == 0 for code, _, _ in second), (counts, second)
+    assert f"{tmp_path / 'c.pt'} is a finished run" in second[1][1], (counts, second[1])  # read without --resume
 
 
 def agent_store_and_workers(tmp_path):
@@ -63,7 +92,7 @@ def agent_store_and_workers(tmp_path):
                 sys.executable,
                 procs.TRAIN,
                 "--test-subset",
-                "1000",
+                "200",
                 "--train-subset",
                 "128",
                 "--epochs",
@@ -86,36 +115,3 @@ def agent_store_and_workers(tmp_path):
         )
 
     return store, start
-
-
-def test_a_torchrun_attempt_comes_together_after_attempts_that_died_half_way(tmp_path):
-    """Attempts that died half-way leave their traces in the agent's store: in attempt 2 only rank
-    0 came (it published itself as leader, then was killed), in attempt 3 only rank 1 (it answered
-    that dead leader, then was killed). Attempt 4 must still come together, with rank 1 first.
-    With per-rank start counters (the earlier version) every attempt after one like attempt 2
-    failed: rank 0 had counted one start more than rank 1, so rank 1 joined under attempt 2's
-    prefix and dialled that attempt's dead rank 0 ("connection refused")."""
-    store, start = agent_store_and_workers(tmp_path)
-    first = procs.wait_all([start(0, 0), start(1, 0)], timeout=120)
-    assert all(code == 0 for code, _, _ in first), first
-    done = store.get("train.py/leader")
-    lonely = start(0, 1)
-    try:
-        wait_for(lambda: store.get("train.py/leader") != done, 60, "rank 0 of attempt 2 to lead")
-        dead_leader = store.get("train.py/leader").decode()
-    finally:
-        procs.kill_group(lonely)
-        lonely.wait()
-    lonely = start(1, 2)
-    try:
-        wait_for(lambda: store.check([f"train.py/{dead_leader}/answer/rank-1"]), 60, "rank 1 to answer the dead leader")
-    finally:
-        procs.kill_group(lonely)
-        lonely.wait()
-    late = [start(1, 3)]
-    time.sleep(3)
-    late.append(start(0, 3))
-    last = procs.wait_all(late, timeout=120)
-    assert all(code == 0 for code, _, _ in last), last
-    assert f"{tmp_path / 'c.pt'} is a finished run" in last[1][1], last[1]
-    store = None  # closes the agent's store (its port) now
