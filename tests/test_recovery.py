@@ -249,10 +249,11 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
 def test_join_to_nowhere_or_malformed_is_one_line_and_exit_2(tmp_path):
     """(A join with other settings, refused by a running job: in the test above.)"""
     port = procs.free_port()
-    nowhere = procs.train(
+    nowhere = procs.train(  # (with a key: without one it would not ask; tests/test_control_plane.py)
         ["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}", "--timeout", "3", "--join"],
         timeout=60,
         cwd=str(tmp_path),
+        env=dict(os.environ, RING_JOB_KEY="a" * 64),
     )
     assert nowhere.returncode == 2 and nowhere.stderr.count("\n") == 1, nowhere.stderr
     assert f"no running job answered at 127.0.0.1:{port} within 3 s" in nowhere.stderr
