@@ -60,5 +60,7 @@ def test_devices_and_symlinks_are_written_through(tmp_path):
         result.stderr
     )
     assert "timeline of steps" not in result.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "full", "null", "real"]  # no lock, no temp
+    # no lock, no temp; the job's key beside the checkpoint as named (utils/elastic/key.py), the user's alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "c.pt.key", "full", "null", "real"]
+    assert stat.S_IMODE(os.stat(tmp_path / "c.pt.key").st_mode) == 0o600
     assert sorted(p.name for p in target.parent.iterdir()) == ["c.pt"]

@@ -45,10 +45,10 @@ def start_membership(config, model):
     check_keys([e["key"] for e in everyone])
     if everyone[0]["key"] is None:  # nobody was given one: rank 0's new key, kept by every rank for a later --join
         membership.envelope.key = broadcast_json(key.new().decode() if job.rank == 0 else None, 0).encode()
-        key.keep(membership.envelope.key, config.outputs.checkpoint)
-        if job.rank == 0:
+        kept = key.keep(membership.envelope.key, config.outputs.checkpoint)
+        if job.rank == 0 and kept:
             print(
-                f"the job's key: {os.path.abspath(key.copy_path(config.outputs.checkpoint))} on every server "
+                f"the job's key: {os.path.abspath(kept)} on every server "
                 f"(a new server joins with --key-file and a copy of it)",
                 flush=True,
             )

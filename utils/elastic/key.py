@@ -17,7 +17,7 @@ import os
 import stat
 
 from utils.errors import UsageError
-from utils.files import write_file
+from utils.files import special_kind, write_file
 
 MIN_BYTES = 16
 
@@ -61,8 +61,12 @@ def copy_path(checkpoint):
 
 
 def keep(key, checkpoint):
-    """This server's copy of a key rank 0 made, beside its checkpoint (for a later --join here)."""
+    """This server's copy of a key rank 0 made, beside its checkpoint (for a later --join here).
+    None when the checkpoint is a device or a FIFO (nothing is written beside /dev/null); else the path."""
+    if special_kind(os.path.realpath(checkpoint)) is not None:
+        return None
     write_file(copy_path(checkpoint), key + b"\n", private=True)
+    return copy_path(checkpoint)
 
 
 def for_joining(key_file, checkpoint, environ=os.environ):
