@@ -124,20 +124,22 @@ def bad_model_files(tmp_path):
 @pytest.mark.timeout(200)
 def test_bad_model_files(tmp_path):
     """Every file as rank 0 of a multi-server job loads it: 6 runs of train.py, a few at a time (each its own
-    process group with its own hard timeout; they share nothing but the output path none of them may write).
+    process group with its own hard timeout, and its own output path, which none of them may write: rank 0
+    holds its outputs' lock while it loads the model, so a shared one would be "in use by another job").
     --eval reads the file with the same call (utils/run.evaluate: load_model_state into a fresh Net): that
     call refuses every file here in this process, with the message the one line would carry, and one --eval
     run end to end turns it into that line and exit code 2."""
     files = bad_model_files(tmp_path)
     runs = [(path, [*rank_args(), "--model_path", str(path)]) for path in files.values()]
     runs.append((files["truncated"], ["--eval", "--model_path", str(files["truncated"])]))
+    outs = [tmp_path / f"out{i}.pth" for i in range(len(runs))]
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         results = list(
-            pool.map(lambda run: procs.train([*run[1], "--save-path", str(tmp_path / "out.pth")], timeout=60), runs)
+            pool.map(lambda run, out: procs.train([*run[1], "--save-path", str(out)], timeout=60), runs, outs)
         )
     for (path, _), result in zip(runs, results):
         assert_one_line_error(result, str(path))
-    assert not (tmp_path / "out.pth").exists()
+    assert not [out for out in outs if out.exists()]
     for path in files.values():  # what --eval does with each
         refused_by_eval(path)
 

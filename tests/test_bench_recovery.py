@@ -22,8 +22,8 @@ def test_one_trial_of_each(tmp_path):
             "1",
             "--pairs",
             "1",
-            "--train-subset",  # 25 steps an epoch: a fault lands in steps 4-22, a join's kill in steps 4-7
-            "1600",
+            "--train-subset",
+            "3200",
             "--results-dir",
             str(tmp_path),
         ],
