@@ -36,7 +36,7 @@ COMMON = [
     "60",
     "--timeline-steps",
     f"{FIRST}:{LAST}",
-]  # (the window last: see test_multihost.py)
+]
 
 
 def load_spans(path):
