@@ -21,6 +21,8 @@ dropped.
 
 import argparse
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import random
@@ -67,9 +69,7 @@ def kind_of(message):
 
 
 def signed(secret, fields):
-    import hashlib
-    import hmac
-
+    """A datagram of arbitrary fields under a true signature: what a peer holding the key could send."""
     body = json.dumps(fields).encode()
     return hmac.new(secret, body, hashlib.sha256).digest() + body
 

@@ -3,46 +3,27 @@
 import dataclasses
 import hashlib
 import hmac
-import json
 import os
 import socket
 import time
 
 import pytest
+from fuzz import SAMPLES, kind_of, mutations, signed
 
 from utils.elastic import key
 from utils.elastic.membership import Membership
-from utils.elastic.wire import KINDS, Alive, Decision, Envelope, FencedOut, Join, Refused, Rejected
+from utils.elastic.wire import Alive, Envelope, FencedOut, Rejected
 from utils.errors import UsageError
 
 KEY = b"0123456789abcdef0123456789abcdef"
-ENTRY = {"address": ["10.0.0.2", 23457], "pid": 4242, "host": "node2"}
-SAMPLES = [
-    Alive(3, "recovering", [1, 12], 1, 2),
-    Decision(
-        4, "4.0.0badcafe", [0, 2, 3], ["10.0.0.1", 40000], 2, [1, 13], {"0": [1, 12], "2": [1, 13], "3": [1, 12]}, 0
-    ),
-    Decision(2, "2.0.deadbeef", [0, 1, 5], ["10.0.0.1", 40001], 0, [2, 0], book={"5": ENTRY}, joined={"ab" * 6: 5}),
-    FencedOut(7),
-    Join(
-        "ab" * 6,
-        1,
-        {"lr": 0.004, "allreduce": "ring", "compress": None},
-        ENTRY,
-        {"torch": "2.14.1", "program": "0" * 16},
-    ),
-    Refused("ab" * 6, "the job has --lr 0.004, this server has 0.01"),
-]
 
 
 def sign(fields, secret=KEY):
-    body = json.dumps(fields).encode()
-    return hmac.new(secret, body, hashlib.sha256).digest() + body
+    return signed(secret, fields)
 
 
 def fields_of(message, n):
-    kind = next(name for name, cls in KINDS.items() if cls is type(message))
-    return {"kind": kind, "job": "00ff", "from": 1, "n": n, **dataclasses.asdict(message)}
+    return {"kind": kind_of(message), "job": "00ff", "from": 1, "n": n, **dataclasses.asdict(message)}
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
@@ -55,15 +36,6 @@ def test_every_kind_goes_through_and_a_replay_is_refused(message):
         receiver.open(datagram)
     with pytest.raises(Rejected, match="signature"):
         Envelope(b"another key of the same length!!", 0).open(sender.seal(message))
-
-
-def mutations(message):
-    """(field, value or MISSING): each field missing, of the wrong type, out of range, or huge."""
-    good = dataclasses.asdict(message)
-    for name in good:
-        yield name, dataclasses.MISSING, {k: v for k, v in good.items() if k != name}
-        for bad in (True, "x", -1, 2**40, 1.5, [], {}, [-1, -1], "y" * 70_000, [0] * 5000):
-            yield name, bad, dict(good, **{name: bad})
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
