@@ -151,8 +151,9 @@ def report_dropped(membership):
     """Bad traffic on the control ports is dropped as it comes; each rank says how much at the end."""
     if membership is None:
         return
-    if membership.dropped():
-        print(membership.dropped(), flush=True)
+    line = membership.dropped()
+    if line:
+        print(line, flush=True)
     faults.log(event="control-plane", cpu=membership.cpu, process_cpu=time.process_time())
 
 
