@@ -28,6 +28,7 @@ from utils.elastic.recovery import Recovery
 from utils.errors import PeerError, Stopped, first_line
 from utils.exchange import all_gather_state
 from utils.model import Net
+from utils.optim import Adam, OneCycleLR
 from utils.report import Progress, bytes_sent_per_step, report_epoch, say_joined, start_line, stopped_line
 from utils.sync.factory import make_gradient_sync
 from utils.sync.interface import Flags
@@ -45,11 +46,10 @@ class Joining(Exception):
 
 
 def make_optimizer(model, recipe, steps_per_epoch):
-    """Adam with a one-cycle learning rate over the whole run (warm up, then anneal)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=recipe.lr)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch, pct_start=0.15
-    )
+    """Adam with a one-cycle learning rate over the whole run (warm up, then anneal): utils/optim.py,
+    torch.optim's sums without its start-up cost."""
+    optimizer = Adam(model.parameters(), lr=recipe.lr)
+    scheduler = OneCycleLR(optimizer, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch, pct_start=0.15)
     return optimizer, scheduler
 
 
