@@ -60,10 +60,15 @@ class Adam:
                 denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
                 param.addcdiv_(state["exp_avg"], denom, value=-step_size)
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         for group in self.param_groups:
             for param in group["params"]:
-                param.grad = None
+                if param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:  # kept, as zeros (torch.distributed's optimizer wrappers may ask for that)
+                    param.grad.detach_().zero_()
 
     def state_dict(self):
         """torch's layout: parameters numbered in order; the state's tensors are not copied."""
