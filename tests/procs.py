@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import torch
+from checkpoint_watch import Watch
 
 from utils.launch import free_port, kill, supervise  # noqa: F401  (free_port: for the tests)
 
@@ -131,12 +132,12 @@ def wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+_watches = {}  # path -> checkpoint_watch.Watch: a file read again only when a save replaced it
+
+
 def checkpoint_position(path):
-    try:
-        checkpoint = torch.load(path, weights_only=True)
-    except Exception:
-        return None
-    return checkpoint["epoch"], checkpoint["step"]
+    """(epoch, step) of the checkpoint at `path` now, or None; cheap enough to poll."""
+    return _watches.setdefault(str(path), Watch(path)).position()
 
 
 def final_digest(stdout):
