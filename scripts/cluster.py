@@ -2,6 +2,7 @@
 """Emulate a small cluster of servers on one Linux machine, and run train.py (or any command) on it.
 
     sudo python scripts/cluster.py train --hosts 3 --rate 1gbit -- --epochs 1
+    sudo python scripts/cluster.py train --hosts 2 --cpu 1=0.5 -- --epochs 1    # host 1 at half a core
     sudo python scripts/cluster.py exec --hosts 2 -- ip -brief address
     sudo python scripts/cluster.py cleanup
 
@@ -14,7 +15,9 @@ watched by the repo's one process supervisor (utils/launch.py): when one fails t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from netns import PREFIX as PREFIX
 from netns import TBF_LATENCY as TBF_LATENCY
 from netns import parse_rate as parse_rate
 from netns import tbf_burst as tbf_burst
+from throttle import CpuQuota, ThrottleError, controller, remove_stale
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,9 +40,20 @@ from utils.launch import supervise  # noqa: E402
 
 
 def _run_all(
-    cluster: Cluster, argvs: list[list[str]], timeout: float, prefix_output: bool = True, grace: float = GRACE
+    cluster: Cluster,
+    argvs: list[list[str]],
+    timeout: float,
+    prefix_output: bool = True,
+    grace: float = GRACE,
+    cpu: dict[int, tuple[float, float]] | None = None,
 ) -> int:
-    """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.launch.supervise); see train()."""
+    """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.launch.supervise); see train().
+    cpu: {host: (fraction of a core, after seconds)}, the CPU quota of that host's ranks (scripts/throttle.py)."""
+    with contextlib.ExitStack() as quotas:
+        return _run_throttled(cluster, argvs, timeout, prefix_output, grace, cpu or {}, quotas)
+
+
+def _run_throttled(cluster, argvs, timeout, prefix_output, grace, cpu, quotas) -> int:
     out_lock = threading.Lock()
 
     def pump(rank: int, fd: int) -> None:
@@ -96,6 +111,7 @@ def _run_all(
             if first_failure is not None:
                 announce(first_failure)
 
+    throttle(cluster, procs, cpu, quotas)
     outcome = supervise(procs, timeout=timeout, grace=grace, poll=0.05, while_running=watch)
     if outcome.timed_out:
         print(f"cluster.py: timeout after {timeout}s; killing all hosts", file=sys.stderr, flush=True)
@@ -112,6 +128,39 @@ def _run_all(
     return rc if rc >= 0 else 128 - rc  # killed by signal N -> 128+N
 
 
+def throttle(cluster: Cluster, procs: list, cpu: dict[int, tuple[float, float]], quotas: contextlib.ExitStack) -> None:
+    """Each throttled host's ranks into a CPU quota of its own: at once, or unlimited until `after` seconds
+    (a timer; the ExitStack cancels it and removes the groups on the way out)."""
+    for host, (fraction, after) in sorted(cpu.items()):
+        quota = quotas.enter_context(CpuQuota(f"host{host}"))
+        quota.set(None if after else fraction)
+        for r, p in enumerate(procs):
+            if cluster.host_of(r) == host:
+                quota.add(p.pid)
+        if after:
+            timer = threading.Timer(after, quota.set, (fraction,))
+            timer.daemon = True
+            timer.start()
+            quotas.callback(timer.cancel)
+
+
+def cpu_limits(text: str) -> dict[int, tuple[float, float]]:
+    """argparse type for --cpu: HOST=FRACTION[@SECONDS],... -> {host: (fraction, seconds)}."""
+    limits = {}
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)=([0-9.]+)(?:@([0-9.]+))?", item.strip())
+        try:
+            host, fraction, after = int(match[1]), float(match[2]), float(match[3] or 0)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"expected HOST=FRACTION[@SECONDS], e.g. 1=0.5 or 1=0.5@30, got {item!r}"
+            ) from None
+        if not 0.01 <= fraction <= 64:
+            raise argparse.ArgumentTypeError(f"a host's CPU is 0.01 to 64 cores, got {fraction:g} for host {host}")
+        limits[host] = (fraction, after)
+    return limits
+
+
 def train(
     hosts: int,
     extra_args: list[str],
@@ -122,18 +171,19 @@ def train(
     prefix_output: bool = True,
     grace: float = GRACE,
     ranks_per_host: int = 1,
+    cpu: dict[int, tuple[float, float]] | None = None,
 ) -> int:
     """Run train.py on every emulated host, as users would on real servers (K ranks each,
-    sharing the host's one NIC, with ranks_per_host=K).
+    sharing the host's one NIC, with ranks_per_host=K; cpu: slow hosts, see _run_all).
 
     Output is streamed per line, prefixed "[host1 ens3] " ("[host1 ens3 rank3] " with several
     ranks per host).  If a rank fails the others get `grace` seconds, then are killed.  Returns
     0 only if every rank returned 0; else the first failing rank's code, or 124 on timeout.
     """
+    check_hosts(cpu, hosts)
     with Cluster(hosts, rate=rate, nics=nics, ranks_per_host=ranks_per_host) as c:
-        return _run_all(
-            c, [c.train_argv(r, port, extra_args) for r in range(c.world_size)], timeout, prefix_output, grace
-        )
+        argvs = [c.train_argv(r, port, extra_args) for r in range(c.world_size)]
+        return _run_all(c, argvs, timeout, prefix_output, grace, cpu)
 
 
 def exec_all(
@@ -145,8 +195,10 @@ def exec_all(
     prefix_output: bool = True,
     grace: float = GRACE,
     ranks_per_host: int = 1,
+    cpu: dict[int, tuple[float, float]] | None = None,
 ) -> int:
     """Run a command template for every rank at once, on its host (see the CLI's `exec`)."""
+    check_hosts(cpu, hosts)
     if len(template) == 1:  # one word: a shell command line, like ssh
         template = ["sh", "-c", template[0]]
     with Cluster(hosts, rate=rate, nics=nics, ranks_per_host=ranks_per_host) as c:
@@ -168,7 +220,21 @@ def exec_all(
                 raise ClusterError(
                     f"bad command template ({e!r}); fields: {', '.join(fields)}; write {{{{ }}}} for literal braces"
                 ) from None
-        return _run_all(c, argvs, timeout, prefix_output, grace)
+        return _run_all(c, argvs, timeout, prefix_output, grace, cpu)
+
+
+def remove_stale_quotas() -> list[str]:
+    """CPU groups (--cpu) of runs killed with SIGKILL."""
+    try:
+        return remove_stale(controller()[0])
+    except ThrottleError:
+        return []
+
+
+def check_hosts(cpu: dict | None, hosts: int) -> None:
+    beyond = sorted(h for h in cpu or {} if h >= hosts)
+    if beyond:
+        raise ClusterError(f"--cpu names host {beyond[0]}, but the hosts are 0..{hosts - 1}")
 
 
 # -- CLI --------------------------------------------------------------------
@@ -228,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument("--rate", help="egress cap per host, tc syntax, e.g. 1gbit, 200mbit")
         p.add_argument("--nics", help=f"comma separated NIC names (default {','.join(DEFAULT_NICS)})")
+        p.add_argument(
+            "--cpu",
+            type=cpu_limits,
+            metavar="HOST=FRACTION[@SECONDS]",
+            help="slow hosts: their ranks get at most FRACTION of a core (a cgroup CPU quota), from the start "
+            "or from SECONDS on; comma separated, e.g. 1=0.5 or 1=0.5@30,2=0.25",
+        )
         p.add_argument("--timeout", type=float, default=600, help="hard limit in seconds (exit 124)")
         p.add_argument("--grace", type=float, default=GRACE, help="seconds the others get after a failure")
         if name == "train":
@@ -241,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, _on_signal)
     try:
         if args.cmd == "cleanup":
-            for name in cleanup_stale():
+            for name in cleanup_stale() + remove_stale_quotas():
                 print(f"removed {name}")
             return 0
         nics = args.nics.split(",") if args.nics else None
@@ -255,11 +328,19 @@ def main(argv: list[str] | None = None) -> int:
                 args.timeout,
                 grace=args.grace,
                 ranks_per_host=args.ranks_per_host,
+                cpu=args.cpu,
             )
         return exec_all(
-            args.hosts, rest, args.rate, nics, args.timeout, grace=args.grace, ranks_per_host=args.ranks_per_host
+            args.hosts,
+            rest,
+            args.rate,
+            nics,
+            args.timeout,
+            grace=args.grace,
+            ranks_per_host=args.ranks_per_host,
+            cpu=args.cpu,
         )
-    except ClusterError as e:
+    except (ClusterError, ThrottleError) as e:
         print(f"cluster.py: {e}", file=sys.stderr)
         return 2
     except _Signalled as e:

@@ -1,0 +1,105 @@
+"""Slow servers for real (scripts/throttle.py, `cluster.py --cpu`): a cgroup CPU quota holds a busy
+process to its share, changes while it runs, follows the processes an emulated host starts, and
+leaves nothing behind. Needs root; in CI (CI=true) its absence is a failure."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import throttle
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "cluster.py")
+
+
+def cpu_seconds(pid):
+    """User + system CPU of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cores_used(pid, seconds):
+    """The share of one core `pid` used over the next `seconds`."""
+    start, t0 = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - start) / (time.monotonic() - t0)
+
+
+def cgroup_of(pid):
+    with open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
+
+
+@pytest.mark.timeout(60)
+def test_a_quota_holds_a_busy_process_to_its_share_and_changes_while_it_runs(needs_root):
+    busy = subprocess.Popen(BUSY)
+    try:
+        with throttle.CpuQuota("test") as quota:
+            quota.set(0.2)
+            quota.add(busy.pid)
+            assert quota.path.name in cgroup_of(busy.pid)
+            low = cores_used(busy.pid, 2.0)
+            quota.set(0.6)
+            high = cores_used(busy.pid, 2.0)
+            group = quota.path
+        # the quota is a ceiling (CFS bandwidth over 100 ms periods); a loaded machine may give less
+        assert 0.05 < low <= 0.26, low
+        assert 1.5 * low < high <= 0.66, (low, high)
+        assert not group.exists() and group.name not in cgroup_of(busy.pid)  # moved back, group removed
+        assert cores_used(busy.pid, 0.5) > 0.0
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_left_by_a_killed_owner_is_removed_by_the_next(needs_root):
+    parent, _ = throttle.controller()
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale = parent / f"{throttle.NAME_PREFIX}-{owner.pid}-0"
+    stale.mkdir()
+    owner.kill()
+    owner.wait()
+    with throttle.CpuQuota("next"):
+        assert not stale.exists()
+
+
+@pytest.mark.timeout(120)
+def test_cluster_cpu_slows_one_emulated_host(needs_root):
+    # each rank (one a host) spins for 2 s of wall time, then says how much CPU it got ({{ }}: cluster.py's
+    # command templates fill in {rank} and the like)
+    spin = "import time; t = time.time()\nwhile time.time() - t < 2: pass\nprint(f'cpu {{time.process_time():.2f}}')"
+    result = subprocess.run(
+        [sys.executable, CLUSTER, "exec", "--hosts", "2", "--cpu", "1=0.25", "--", sys.executable, "-c", spin],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = {line.split("]")[0].split()[0][1:]: float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines()}
+    assert set(got) == {"host0", "host1"}, result.stdout
+    assert got["host1"] <= 0.25 * 2.5, got  # its quota over about 2 s (plus the interpreter's start)
+    assert got["host0"] > got["host1"], got  # the quota is host 1's alone
+
+
+@pytest.mark.parametrize(
+    "cpu, message",
+    [
+        ("2=0.5", "--cpu names host 2, but the hosts are 0..1"),
+        ("1=0", "a host's CPU is 0.01 to 64 cores, got 0 for host 1"),
+        ("1", "expected HOST=FRACTION[@SECONDS]"),
+        ("1=half", "expected HOST=FRACTION[@SECONDS]"),
+    ],
+)
+def test_a_bad_cpu_limit_is_one_line_and_exit_2(cpu, message):
+    result = subprocess.run(
+        [sys.executable, CLUSTER, "exec", "--hosts", "2", "--cpu", cpu, "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
