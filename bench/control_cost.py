@@ -28,14 +28,14 @@ from utils.launch import supervise
 
 def plain_round_trip(message):
     """The message as it went before it was signed: JSON out, JSON in, the same field checks."""
-    body = json.dumps({"kind": "alive", "job": "00ff", "from": 1, **dataclasses.asdict(message)}).encode()
+    body = json.dumps({"kind": "alive", "job": "00ff", "from": 1, "to": 0, **dataclasses.asdict(message)}).encode()
     fields = json.loads(body)
-    fields.pop("from"), fields.pop("job")
+    fields.pop("from"), fields.pop("to"), fields.pop("job")
     return KINDS[fields.pop("kind")].parse(fields)
 
 
 def signed_round_trip(sender, receiver, message):
-    return receiver.open(sender.seal(message))[2]
+    return receiver.open(sender.seal(message, to=0))[2]
 
 
 def per_message_us(repeats, rounds=15):

@@ -23,19 +23,39 @@ def sign(fields, secret=KEY):
 
 
 def fields_of(message, n):
-    return {"kind": kind_of(message), "job": "00ff", "from": 1, "n": n, **dataclasses.asdict(message)}
+    return {"kind": kind_of(message), "job": "00ff", "from": 1, "to": 0, "n": n, **dataclasses.asdict(message)}
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_kind_goes_through_and_a_replay_is_refused(message):
     sender, receiver = Envelope(KEY, 1), Envelope(KEY, 0)
     sender.job = "00ff"
-    datagram = sender.seal(message)
+    datagram = sender.seal(message, to=0)
     assert receiver.open(datagram) == (1, "00ff", message)
     with pytest.raises(Rejected, match="replay"):
         receiver.open(datagram)
     with pytest.raises(Rejected, match="signature"):
-        Envelope(b"another key of the same length!!", 0).open(sender.seal(message))
+        Envelope(b"another key of the same length!!", 0).open(sender.seal(message, to=0))
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_a_datagram_sealed_for_another_rank_is_refused_however_fresh(message):
+    """Replayed to a rank it was not sealed for, even one that never heard the sender (its newer
+    datagrams lost): refused. A joining server, which cannot know the id it will be given, takes
+    what is sealed for a member; anyone takes a join request, which is for any member."""
+    sender, other, joiner = Envelope(KEY, 1), Envelope(KEY, 0), Envelope(KEY, "join-" + "ab" * 6)
+    for_rank_2 = sender.seal(message, to=2)
+    with pytest.raises(Rejected, match="not for this rank"):
+        other.open(for_rank_2)
+    assert joiner.open(for_rank_2)[2] == message
+    with pytest.raises(Rejected, match="not for this rank"):
+        Envelope(KEY, "join-" + "cd" * 6).open(sender.seal(message, to="join-" + "ab" * 6))
+    for_anyone = sender.seal(message)
+    if type(message).__name__ == "Join":
+        assert other.open(for_anyone)[2] == message
+    else:
+        with pytest.raises(Rejected, match="not for this rank"):
+            other.open(for_anyone)
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
@@ -48,7 +68,7 @@ def test_each_field_missing_wrong_or_huge_is_refused(message):
     original, through = dataclasses.asdict(message), []
     for n, (name, value, fields) in enumerate(mutations(message), start=1):
         try:
-            parsed = receiver.open(sign({"kind": kind, "job": "", "from": 1, "n": n, **fields}))
+            parsed = receiver.open(sign({"kind": kind, "job": "", "from": 1, "to": 0, "n": n, **fields}))
         except Rejected:
             continue
         assert type(parsed[2]) is type(message)
@@ -86,9 +106,9 @@ def test_random_bytes_and_broken_envelopes_are_refused():
 
 def test_a_restarted_sender_counts_on_from_where_it_was():
     receiver, first = Envelope(KEY, 0), Envelope(KEY, 1)
-    receiver.open(first.seal(FencedOut(1)))
+    receiver.open(first.seal(FencedOut(1), to=0))
     restarted = Envelope(KEY, 1)  # a new process under the same id: its counter starts from the clock
-    assert receiver.open(restarted.seal(FencedOut(1)))[0] == 1
+    assert receiver.open(restarted.seal(FencedOut(1), to=0))[0] == 1
 
 
 def test_a_member_counts_bad_datagrams_and_its_threads_live_on():

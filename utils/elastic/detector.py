@@ -123,7 +123,7 @@ class Detector:
             peer = self.peers[member] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             peer.connect(tuple(self.book[member]["address"]))
         try:
-            peer.send(self.envelope.seal(message))
+            peer.send(self.envelope.seal(message, to=member))
         except ConnectionRefusedError:  # nothing listens there any more: the process is gone
             with self.lock:
                 self.refused.add(member)

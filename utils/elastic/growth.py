@@ -40,7 +40,10 @@ class Growth:
             if reason is None and message.settings.get(name) != value:
                 reason = f"the job has --{name} {value}, this server has {message.settings.get(name)}"
         if reason is not None:
-            self.sock.sendto(self.envelope.seal(Refused(message.nonce, reason)), tuple(message.entry["address"]))
+            self.sock.sendto(
+                self.envelope.seal(Refused(message.nonce, reason), to=f"join-{message.nonce}"),
+                tuple(message.entry["address"]),
+            )
             return
         with self.lock:  # it asks again every 0.2 s
             self.joining[message.nonce] = (message, time.monotonic())

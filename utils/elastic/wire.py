@@ -209,6 +209,11 @@ REQUIRED = {
 }
 
 
+def identity(name):
+    """A member's id, or a joining server's name ("join-" and 12 hex digits)."""
+    return type(name) is int and 0 <= name <= MAX_ID or type(name) is str and JOINER.fullmatch(name) is not None
+
+
 class Envelope:
     """One process's signer and checker: `seal` a message from `sender`; `open` a datagram."""
 
@@ -218,12 +223,13 @@ class Envelope:
         self.highest = {}  # sender -> the highest counter accepted from it
         self.lock = threading.Lock()
 
-    def seal(self, message, job=None):
-        """The datagram of a message (one of KINDS' classes), under this process's next counter."""
+    def seal(self, message, to=None, job=None):
+        """The datagram of a message (one of KINDS' classes) for `to` (a member, a joiner's name, or
+        None: a join request, for any member), under this process's next counter."""
         with self.lock:
             self.counter = max(self.counter + 1, time.time_ns())
             counter = self.counter
-        fields = {"kind": NAMES[type(message)], "job": self.job if job is None else job, "from": self.sender}
+        fields = {"kind": NAMES[type(message)], "job": self.job if job is None else job, "from": self.sender, "to": to}
         body = json.dumps(dict(fields, n=counter, **dataclasses.asdict(message)), separators=(",", ":")).encode()
         return hmac.new(self.key, body, hashlib.sha256).digest() + body
 
@@ -237,10 +243,9 @@ class Envelope:
         except (ValueError, RecursionError):
             raise Rejected("not JSON") from None
         need(type(fields) is dict and fields.get("kind") in KINDS, "kind")
-        sender, counter = fields.pop("from", None), fields.pop("n", None)
-        need(
-            type(sender) is int and 0 <= sender <= MAX_ID or type(sender) is str and JOINER.fullmatch(sender), "sender"
-        )
+        sender, counter, to = fields.pop("from", None), fields.pop("n", None), fields.pop("to", None)
+        need(identity(sender), "sender")
+        need(to is None or identity(to), "receiver")
         need(type(counter) is int and counter > 0, "counter")
         kind, job = KINDS[fields.pop("kind")], text(fields.pop("job", None), 16)
         need(set(fields) <= {f.name for f in dataclasses.fields(kind)}, "unknown field")
@@ -249,6 +254,11 @@ class Envelope:
             message = kind.parse(fields)
         except (TypeError, ValueError, KeyError, AttributeError):  # (parse checks types first: a slip is caught)
             raise Rejected("bad field") from None
+        # Bound to its receiver: a datagram sealed for another rank, replayed here, is refused even
+        # when this rank missed the sender's newer ones. A joining server cannot know the member id it
+        # will have, so it takes what is sealed for any member (its counters still hold).
+        joining = type(self.sender) is str and type(to) is int
+        need(to == self.sender or joining or (to is None and kind is Join), "not for this rank")
         with self.lock:
             need(counter > self.highest.get(sender, 0), "replay")
             self.highest[sender] = counter
