@@ -140,6 +140,13 @@ def checkpoint_position(path):
     return _watches.setdefault(str(path), Watch(path)).position()
 
 
+def stat(pid):
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    [0] the state (R, S, T, Z, ...), [1] the parent's pid, [11] and [12] user and system CPU ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def final_digest(stdout):
     match = re.search(r"sha256 ([0-9a-f]{64})", stdout)
     assert match, stdout

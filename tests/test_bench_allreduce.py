@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import procs
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,8 +109,7 @@ def _is_rank(pid, parent=None):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read().split(b"\0")
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        ppid = int(procs.stat(pid)[1])
     except (OSError, ValueError, IndexError):
         return False
     is_worker = b"--worker" in cmdline and any(BENCH.encode() in part for part in cmdline)

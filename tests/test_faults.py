@@ -393,14 +393,9 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(straight, tmp_path
 
 def _child_of(parent, pids):
     """The one of `pids` whose parent is `parent` (torchrun's agent runs its workers as children)."""
-    children = [pid for pid in pids if _parent(pid) == parent]
+    children = [pid for pid in pids if int(procs.stat(pid)[1]) == parent]
     assert len(children) == 1, (parent, pids, children)
     return children[0]
-
-
-def _parent(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _is_worker(pid, marker):

@@ -151,7 +151,7 @@ def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
             for pid in ranks:
                 try:
                     cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
-                    state = open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
+                    state = procs.stat(pid)[0]
                 except OSError:
                     continue
                 if "--rank" in cmd and cmd[cmd.index("--rank") + 1] == "2" and state == "T":
@@ -326,11 +326,7 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
     )
     joiner = None
     try:
-
-        def state(pid):
-            return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
-
-        procs.wait_for(lambda: state(ranks[0].pid) == "T", 120, "rank 0 to stop itself")
+        procs.wait_for(lambda: procs.stat(ranks[0].pid)[0] == "T", 120, "rank 0 to stop itself")
         procs.wait_for(lambda: '"after": "shrank"' in events.read_text(), 60, "the others to go on without rank 0")
         os.kill(ranks[0].pid, signal.SIGCONT)
         fenced = procs.supervise([ranks[0]], timeout=30, grace=None, poll=0.05)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import procs
 import pytest
 import throttle
 
@@ -16,8 +17,7 @@ CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def cpu_seconds(pid):
     """User + system CPU of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = procs.stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
