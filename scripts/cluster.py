@@ -49,11 +49,6 @@ def _run_all(
 ) -> int:
     """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.launch.supervise); see train().
     cpu: {host: (fraction of a core, after seconds)}, the CPU quota of that host's ranks (scripts/throttle.py)."""
-    with contextlib.ExitStack() as quotas:
-        return _run_throttled(cluster, argvs, timeout, prefix_output, grace, cpu or {}, quotas)
-
-
-def _run_throttled(cluster, argvs, timeout, prefix_output, grace, cpu, quotas) -> int:
     out_lock = threading.Lock()
 
     def pump(rank: int, fd: int) -> None:
@@ -111,8 +106,8 @@ def _run_throttled(cluster, argvs, timeout, prefix_output, grace, cpu, quotas) -
             if first_failure is not None:
                 announce(first_failure)
 
-    throttle(cluster, procs, cpu, quotas)
-    outcome = supervise(procs, timeout=timeout, grace=grace, poll=0.05, while_running=watch)
+    with throttled(cluster, procs, cpu or {}):
+        outcome = supervise(procs, timeout=timeout, grace=grace, poll=0.05, while_running=watch)
     if outcome.timed_out:
         print(f"cluster.py: timeout after {timeout}s; killing all hosts", file=sys.stderr, flush=True)
     elif outcome.killed:  # a rank failed and the grace period ran out
@@ -128,20 +123,23 @@ def _run_throttled(cluster, argvs, timeout, prefix_output, grace, cpu, quotas) -
     return rc if rc >= 0 else 128 - rc  # killed by signal N -> 128+N
 
 
-def throttle(cluster: Cluster, procs: list, cpu: dict[int, tuple[float, float]], quotas: contextlib.ExitStack) -> None:
-    """Each throttled host's ranks into a CPU quota of its own: at once, or unlimited until `after` seconds
-    (a timer; the ExitStack cancels it and removes the groups on the way out)."""
-    for host, (fraction, after) in sorted(cpu.items()):
-        quota = quotas.enter_context(CpuQuota(f"host{host}"))
-        quota.set(None if after else fraction)
-        for r, p in enumerate(procs):
-            if cluster.host_of(r) == host:
-                quota.add(p.pid)
-        if after:
-            timer = threading.Timer(after, quota.set, (fraction,))
-            timer.daemon = True
-            timer.start()
-            quotas.callback(timer.cancel)
+@contextlib.contextmanager
+def throttled(cluster: Cluster, procs: list, cpu: dict[int, tuple[float, float]]):
+    """Each throttled host's ranks in a CPU quota of its own while the block runs: at once, or
+    unlimited until `after` seconds (a timer). On the way out the timers stop and the groups go."""
+    with contextlib.ExitStack() as quotas:
+        for host, (fraction, after) in sorted(cpu.items()):
+            quota = quotas.enter_context(CpuQuota(f"host{host}"))
+            quota.set(None if after else fraction)
+            for r, p in enumerate(procs):
+                if cluster.host_of(r) == host:
+                    quota.add(p.pid)
+            if after:
+                timer = threading.Timer(after, quota.set, (fraction,))
+                timer.daemon = True
+                timer.start()
+                quotas.callback(timer.cancel)
+        yield
 
 
 def cpu_limits(text: str) -> dict[int, tuple[float, float]]:
