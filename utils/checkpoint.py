@@ -11,6 +11,7 @@ ranks or another:
     compression                          every rank's compression state (None: uncompressed)
     settings                             {flag: value} a resume must keep (Config.must_keep + model)
     config                               the whole utils.config.Config, for the record
+    balance                              --balance's weights of the ranks' shares (None: equal)
 
     state = training_state(...); save(state, path)       rank 0
     checkpoint = load(path, expected_settings)           checked, or one UsageError line
@@ -36,7 +37,9 @@ from utils.files import write_file
 SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}  # required keys
 
 
-def training_state(model, optimizer, scheduler, epoch, step, stats, world_size, compression, settings, config):
+def training_state(
+    model, optimizer, scheduler, epoch, step, stats, world_size, compression, settings, config, shares=None
+):
     """The checkpoint dict of a run after `step` of `epoch` (see the module's docstring)."""
     return {
         "model": model.state_dict(),
@@ -50,6 +53,7 @@ def training_state(model, optimizer, scheduler, epoch, step, stats, world_size, 
         "compression": compression,
         "settings": settings,
         "config": config,
+        "balance": shares,
     }
 
 

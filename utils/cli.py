@@ -24,6 +24,7 @@ from utils.config import (
     MAX_TIMEOUT,
     OUTERS,
     OneLineParser,
+    balance_mode,
     chunk_count,
     momentum_value,
     non_negative_int,
@@ -157,6 +158,15 @@ def make_parser(prog="train.py"):
     )
     sums.add_argument(
         "--outer-momentum", type=momentum_value, help=f"--outer nesterov's momentum (default {DEFAULT_OUTER_MOMENTUM})"
+    )
+    sums.add_argument(
+        "--balance",
+        nargs="?",
+        const="measured",
+        type=balance_mode,
+        metavar="A:B:...",
+        help="share each step's images by the ranks' measured speeds, for servers of unequal speed (default: "
+        "equal shares); A:B:...: fixed proportions, one per rank (docs/several-servers.md)",
     )
 
     faults = p.add_argument_group("faults, stopping and resuming (docs/stopping-and-resuming.md)")

@@ -21,6 +21,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from utils.balance import parse_fixed
 from utils.errors import UsageError
 from utils.slurm import SlurmStep
 from utils.slurm import step_from as slurm_step
@@ -83,6 +84,7 @@ class Sync:
     outer_lr: float | None = setting(None, "outer-lr", agree=True, resume=True)  # None but for nesterov
     outer_momentum: float | None = setting(None, "outer-momentum", agree=True, resume=True)
     merge_after: int | None = setting(None, "merge-after", agree=True, resume=True)  # None with sync_every 1
+    balance: str | None = setting(None, "balance", agree=True)  # None: equal shares; 'measured' or 'A:B:...'
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,11 @@ def from_args(args, environ=os.environ):
         check_init_method(init_method)
     else:
         rank, world_size, init_method = None, args.nproc, None
+    if args.balance not in (None, "measured") and len(parse_fixed(args.balance)) != world_size:
+        raise UsageError(
+            f"--balance {args.balance} gives {len(parse_fixed(args.balance))} proportions for {world_size} ranks; "
+            "give one per rank, or --balance alone to measure"
+        )
     powersgd = args.compress == "powersgd"
     return Config(
         job=Job(
@@ -279,6 +286,7 @@ def from_args(args, environ=os.environ):
             if args.outer == "nesterov"
             else None,
             merge_after=(args.merge_after or default_merge_after(args.sync_every)) if args.sync_every > 1 else None,
+            balance=args.balance,
         ),
         outputs=Outputs(
             save_path=args.save_path,
@@ -289,6 +297,17 @@ def from_args(args, environ=os.environ):
             timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None,
         ),
     )
+
+
+def balance_mode(text):
+    """--balance's value: 'measured', or proportions A:B:... (utils/balance.parse_fixed)."""
+    if text == "measured":
+        return text
+    try:
+        parse_fixed(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def check_init_method(url):

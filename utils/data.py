@@ -89,3 +89,27 @@ def step_batches(num_examples, epoch, rank, world_size, seed, global_batch):
     before = [max(0, -(-(global_batch * s - rank) // world_size)) for s in range(steps + 1)]
     batches = [mine[before[s] : before[s + 1]] for s in range(steps)]
     return batches, [min(global_batch, num_examples - global_batch * s) for s in range(steps)]
+
+
+class BalancedBatches:
+    """step_batches' (batch, weight, images of the step in all) under --balance: step s's images
+    are the same permutation entries G*s .. G*s+G-1, cut into consecutive shares by the shares of
+    the moment (utils/balance.py), which may change between two steps. A sequence of the epoch's
+    steps, read one step at a time."""
+
+    def __init__(self, num_examples, epoch, seed, global_batch, balance):
+        self.order = epoch_permutation(num_examples, epoch, seed)
+        self.num_examples, self.global_batch, self.balance = num_examples, global_batch, balance
+        self.steps = steps_per_epoch(num_examples, global_batch)
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, index):
+        first = self.global_batch * index
+        size = min(self.global_batch, self.num_examples - first)
+        shares, rank = self.balance.shares(size), self.balance.rank
+        start = first + sum(shares[:rank])
+        batch = self.order[start : start + shares[rank]]
+        n = len(shares)
+        return batch, 1.0 if len(batch) * n == size else len(batch) * n / size, size

@@ -25,13 +25,15 @@ def start_line(config, model, data, hosts, gradient_sync):
     """Rank 0's line before the first step. hosts: utils.comm.hierarchical.describe's words."""
     n, batch, sync = config.job.world_size, config.recipe.global_batch, config.sync
     share = batch // n
-    per_rank = f"{share}" if batch % n == 0 else f"{share}-{share + 1}"
+    per_rank = f"{share} per rank" if batch % n == 0 else f"{share}-{share + 1} per rank"
+    if sync.balance:
+        per_rank = "shared by measured speed" if sync.balance == "measured" else f"shared {sync.balance}"
     parameters = sum(p.numel() for p in model.parameters())
     test_note = f" ({len(data[3]):,} test images)" if config.recipe.test_subset else ""
     compress = gradient_sync.compressor.describe()
     return (
         f"rank 0 of {n}: {parameters:,} parameters, "
-        f"{len(data[1]):,} training images{test_note}, batch {batch} ({per_rank} per rank), "
+        f"{len(data[1]):,} training images{test_note}, batch {batch} ({per_rank}), "
         f"all-reduce {sync.allreduce} (chunks {sync.chunks}, overlap {'on' if sync.overlap else 'off'}"
         f"{', lazy update' if sync.lazy_update else ''}){', ' + compress if compress else ''}, {hosts}"
     )
@@ -64,9 +66,13 @@ class Progress:
             self.bar.close()
 
 
-def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_size, members):
-    """Rank 0, after an epoch: the log line, the state dict, the metrics line (members: the ids
-    of the ranks in the job now)."""
+def report_epoch(model, epoch, seconds, stats, accuracy, ranks, config, members, balance=None):
+    """Rank 0, after an epoch: the log line, the state dict, the metrics line. ranks: every rank's
+    epoch_by_rank; members: the ids of the ranks in the job now; balance: --balance's shares."""
+    world_size = len(ranks)
+    sent = [r["bytes_sent_per_step"] for r in ranks]
+    shares = [r["images"] / max(1, stats.steps) for r in ranks]  # images per step, this epoch's mean
+    speeds = [r["images"] / r["compute_seconds"] if r["compute_seconds"] else 0.0 for r in ranks]
     loss = stats.loss_sum / max(1, stats.steps)
     comm_share = stats.comm_seconds / stats.step_seconds if stats.step_seconds else 0.0
     busbw = (
@@ -75,7 +81,12 @@ def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_siz
     print(
         f"epoch {epoch}/{config.recipe.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.2%}  "
         f"time {seconds:.1f} s  comm {comm_share:.0%} of step time  busbw {busbw:.2f} GB/s  "
-        f"sent {max(sent) / 1e6:.3g} MB/step",
+        f"sent {max(sent) / 1e6:.3g} MB/step"
+        + (
+            f"  shares {'/'.join(f'{s:.1f}' for s in shares)}  images/s {'/'.join(f'{v:.0f}' for v in speeds)}"
+            if balance is not None
+            else ""
+        ),
         flush=True,
     )
     checkpoint.save(model.state_dict(), config.outputs.save_path)
@@ -97,6 +108,9 @@ def report_epoch(model, epoch, seconds, stats, accuracy, sent, config, world_siz
                 bytes_sent_per_step_by_rank=sent,
                 images=stats.images,
                 members=members,
+                shares=shares,
+                images_per_second=speeds,
+                rebalances=balance.changes if balance is not None else None,
             ),
         )
 
@@ -132,12 +146,48 @@ def stopped_line(epoch, step, steps, checkpoint):
     return f"stopped after epoch {epoch}, step {step}/{steps} ({who}); checkpoint saved to {everyone[0][1]}"
 
 
-def bytes_sent_per_step(stats):
-    """Every rank's mean bytes sent per step this epoch (a collective: every rank calls it)."""
-    mine = torch.tensor([stats.bytes_sent / max(1, stats.steps)], dtype=torch.float64)
+BY_RANK = ("bytes_sent_per_step", "images", "compute_seconds", "step_seconds")
+
+
+def epoch_by_rank(stats):
+    """Every rank's epoch so far, as {BY_RANK name: value}: its mean bytes sent per step, its images,
+    its compute (the steps but for their waits for the sum) and step seconds. A collective: every
+    rank calls it."""
+    steps = max(1, stats.steps)
+    values = [stats.bytes_sent / steps, stats.own_images, stats.step_seconds - stats.comm_seconds, stats.step_seconds]
+    mine = torch.tensor(values, dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     try:
         dist.all_gather(everyone, mine)
     except RuntimeError as e:
         raise PeerError(f"lost a peer at the end of an epoch: {first_line(e)}") from None
-    return [round(t.item()) for t in everyone]
+    ranks = [dict(zip(BY_RANK, t.tolist())) for t in everyone]
+    for r in ranks:
+        r["bytes_sent_per_step"], r["images"] = round(r["bytes_sent_per_step"]), round(r["images"])
+    return ranks
+
+
+class SlowRankHint:
+    """Without --balance: when one rank kept the others waiting for more than WAITED of their steps
+    over an epoch of at least MIN_STEPS, rank 0 says so once, naming it, and suggests --balance."""
+
+    WAITED, MIN_STEPS = 0.25, 20
+
+    def __init__(self, enabled):
+        self.pending = enabled  # True until it has been said (or when it is not rank 0's to say)
+
+    def check(self, ranks, steps):
+        if not self.pending or steps < self.MIN_STEPS or len(ranks) < 2:
+            return
+        slow = max(range(len(ranks)), key=lambda r: ranks[r]["compute_seconds"])
+        others = [r for r in ranks if r is not ranks[slow]]
+        kept_waiting = [(ranks[slow]["compute_seconds"] - r["compute_seconds"]) / r["step_seconds"] for r in others]
+        if min(kept_waiting) <= self.WAITED:
+            return
+        self.pending = False
+        print(
+            f"rank {slow} kept the others waiting for {min(kept_waiting):.0%} or more of each step (it computes "
+            f"{ranks[slow]['compute_seconds'] / max(r['compute_seconds'] for r in others):.1f}x as long as the "
+            f"next slowest); --balance shares each step's images by speed (docs/several-servers.md)",
+            flush=True,
+        )

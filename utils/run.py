@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utils import checkpoint, stop
+from utils.balance import REVIEW, Balance, needed_seconds
 from utils.comm import hierarchical
-from utils.data import step_batches
+from utils.data import BalancedBatches, step_batches
 from utils.distributed import check_identical_parameters, model_name
 from utils.elastic import faults
 from utils.elastic.recovery import Recovery
@@ -29,16 +30,20 @@ from utils.errors import PeerError, Stopped, first_line
 from utils.exchange import all_gather_state
 from utils.model import Net
 from utils.optim import Adam, OneCycleLR
-from utils.report import Progress, bytes_sent_per_step, report_epoch, say_joined, start_line, stopped_line
+from utils.report import Progress, SlowRankHint, epoch_by_rank, report_epoch, say_joined, start_line, stopped_line
 from utils.sync.factory import make_gradient_sync
 from utils.sync.interface import Flags
 from utils.timeline import OFF, Recorder
 
 
-def stop_flag(membership=None):
+def stop_flag(membership=None, balance=None):
     """This rank's flags for the next sum: a signal it got; on the leader, a server waiting to join
-    (utils/elastic/membership.py), so that every rank learns of it at one step."""
-    return Flags(signalled=1 if stop.signalled() else 0, joining=membership is not None and membership.wants_growth())
+    (utils/elastic/membership.py), so that every rank learns of it at one step; --balance: its speed."""
+    return Flags(
+        signalled=1 if stop.signalled() else 0,
+        joining=membership is not None and membership.wants_growth(),
+        speeds=balance.slots() if balance is not None else (),
+    )
 
 
 class Joining(Exception):
@@ -53,10 +58,12 @@ def make_optimizer(model, recipe, steps_per_epoch):
     return optimizer, scheduler
 
 
-def batches_of_epoch(num_examples, epoch, recipe):
+def batches_of_epoch(num_examples, epoch, recipe, balance=None):
     """This rank's (batch, weight, images of the step in all) for every step of `epoch`
-    (utils/data.step_batches); the weight is its share of the step's images times N, so the
-    average over ranks weighs every image alike."""
+    (utils/data.step_batches; --balance: utils/data.BalancedBatches); the weight is its share of
+    the step's images times N, so the average over ranks weighs every image alike."""
+    if balance is not None:
+        return BalancedBatches(num_examples, epoch, recipe.seed, recipe.global_batch, balance)
     n = dist.get_world_size()
     batches, sizes = step_batches(num_examples, epoch, dist.get_rank(), n, recipe.seed, recipe.global_batch)
     return [
@@ -91,9 +98,11 @@ class EpochStats:
         bytes_sent=0,
         bytes_summed=0,
         images=0,
+        own_images=0,
     ):
         self.loss_sum, self.steps = loss_sum, steps
         self.images = images  # the steps' images in all, every rank's (each step once)
+        self.own_images = own_images  # this rank's share of them
         self.comm_seconds = comm_seconds  # the step waited for communication this long
         self.busy_seconds = busy_seconds  # communication ran this long (hidden or not)
         self.step_seconds = step_seconds
@@ -133,9 +142,11 @@ def train_model(
     save=None,
     done=None,
     timeline=OFF,
+    balance=None,
 ):
     """Train on `batches[first_step:]` of `epoch` (batches_of_epoch); `save(epoch, step, stats)`
-    every save_every steps; `done` (a Done) notes each step; stats (an EpochStats) adds them up.
+    every save_every steps; `done` (a Done) notes each step; stats (an EpochStats) adds them up;
+    balance (--balance, utils/balance.py) times each step and reviews the shares.
 
     A stop flag summed with a step's gradients (any rank got a signal): save after that step and
     raise Stopped(epoch, step, steps in the epoch), on every rank alike."""
@@ -157,14 +168,23 @@ def train_model(
             start = time.perf_counter()
             timeline.at_step((epoch - 1) * len(batches) + step)
             faults.at_step((epoch - 1) * len(batches) + step)
+            needed = needed_seconds() if balance is not None else 0.0
             loss = train_step(model, gradient_sync, images[batch], labels[batch], weight, timeline)
+            if balance is not None:  # the time its work needed, not its waits for the others
+                balance.timed(len(batch), needed_seconds() - needed)
             stats.loss_sum += loss.item()
             stats.steps += 1
             stats.images += size
+            stats.own_images += len(batch)
             if done is not None:  # its sums are done or (lazy) under way: gradient_sync.abandon() tells
                 done.add(epoch, step, stats)
             flags = gradient_sync.flags()
             stopping, joining = flags.stopping, flags.joining
+            if balance is not None and balance.review(step, flags.speeds):
+                now = timeline.now_ns()
+                timeline.add("re-balance", now, now, shares="/".join(map(str, balance.shares())))
+            if balance is not None and step % REVIEW == 0:  # (bench/balance.py: the shares over time)
+                faults.log(event="shares", epoch=epoch, step=step, shares=balance.shares(), speeds=flags.speeds)
             saving = stopping or joining or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
                 gradient_sync.finish()
@@ -220,13 +240,16 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
     """
     recipe, outputs = config.recipe, config.outputs
     steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
+    balance = None  # --balance: the shares of each step (utils/balance.py)
+    if config.sync.balance:
+        balance = Balance(config.sync.balance, dist.get_rank(), dist.get_world_size(), recipe.global_batch)
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
     timeline = OFF  # rank 0 was given --timeline (utils/distributed.agree): every rank records
     if outputs.timeline_steps:
         timeline = Recorder(outputs.timeline, *outputs.timeline_steps, recipe.epochs * steps_per_epoch)
 
     def new_sync(hosts):
-        flags = lambda: stop_flag(membership)  # noqa: E731
+        flags = lambda: stop_flag(membership, balance)  # noqa: E731
         return make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, flags, hosts, timeline)
 
     gradient_sync = None  # a joining server makes its own with the members (Recovery.form)
@@ -242,14 +265,29 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
             resume_from, optimizer, scheduler, gradient_sync, dist.get_rank(), dist.get_world_size()
         )
         stats = EpochStats(**epoch_stats)
+        if balance is not None and resume_from.get("balance") and resume_from["world_size"] == dist.get_world_size():
+            balance.restart(dist.get_rank(), dist.get_world_size(), resume_from["balance"])
+            if dist.get_rank() == 0:
+                print(f"shares from the checkpoint: {'/'.join(map(str, balance.shares()))}", flush=True)
     settings = {"model": model_name(model), **config.must_keep()}
 
     def state(epoch, step, stats, everyone=None, world_size=None):
         """The checkpoint dict of this rank after `step` of `epoch` (everyone: every rank's own
         gradient-sync state; world_size: the ranks it was made on, if the group is gone)."""
         world_size = world_size or dist.get_world_size()
+        shares = list(balance.weights) if balance is not None and len(balance.weights) == world_size else None
         return checkpoint.training_state(
-            model, optimizer, scheduler, epoch, step, vars(stats), world_size, everyone, settings, config.to_dict()
+            model,
+            optimizer,
+            scheduler,
+            epoch,
+            step,
+            vars(stats),
+            world_size,
+            everyone,
+            settings,
+            config.to_dict(),
+            shares,
         )
 
     def save_checkpoint(epoch, step, stats):
@@ -273,19 +311,34 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
     if joining is not None:
         gradient_sync, (epoch, first_step, stats) = recovery.form(joining, None, None)
         say_joined(membership, epoch, first_step)
+        if balance is not None:
+            balance.restart(dist.get_rank(), dist.get_world_size())
+    hint = SlowRankHint(dist.get_rank() == 0 and balance is None)
     done = Done(epoch, first_step, stats, first_step_after("joined") if joining is not None else None)
     accuracy = None
     while epoch <= recipe.epochs:
         members = list(membership.members) if membership is not None else list(range(dist.get_world_size()))
         try:
             accuracy = train_epoch(
-                model, gradient_sync, data, config, epoch, first_step, stats, save_checkpoint, done, timeline, members
+                model,
+                gradient_sync,
+                data,
+                config,
+                (epoch, first_step, stats),
+                save_checkpoint,
+                done,
+                timeline,
+                members,
+                balance,
+                hint,
             )
             epoch, first_step, stats = epoch + 1, 0, EpochStats()
             done = Done(epoch, first_step, stats)
         except Joining:
             gradient_sync, (epoch, first_step, stats) = recovery.grow(gradient_sync, done.last)
             done = Done(epoch, first_step, stats, first_step_after("grew"))
+            if balance is not None:  # new members: equal shares until their speeds arrive
+                balance.restart(dist.get_rank(), dist.get_world_size())
         except PeerError as e:
             if recovery is None:
                 raise
@@ -293,6 +346,8 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
             epoch, first_step, stats = done.before if undone else done.last
             gradient_sync, (epoch, first_step, stats) = recovery.go_on(e, gradient_sync, (epoch, first_step, stats))
             done = Done(epoch, first_step, stats, first_step_after("shrank"))
+            if balance is not None:
+                balance.restart(dist.get_rank(), dist.get_world_size())
     timeline.write()  # if the run ended inside the window
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
@@ -308,12 +363,14 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
     return accuracy
 
 
-def train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, save_checkpoint, done, timeline, members):
-    """What is left of `epoch`: its steps, then rank 0 evaluates and reports, and the checkpoint.
-    members: the ids of the ranks in the job now, for metrics.jsonl."""
+def train_epoch(model, gradient_sync, data, config, position, save_checkpoint, done, timeline, members, balance, hint):
+    """What is left of the epoch of `position` (epoch, first step, EpochStats): its steps, then rank
+    0 evaluates and reports, and the checkpoint. members: the ids of the ranks in the job now, for
+    metrics.jsonl; balance: --balance's shares (or None); hint: a SlowRankHint."""
+    epoch, first_step, stats = position
     train_images, train_labels, test_images, test_labels = data
     start, accuracy = time.time(), None
-    batches = batches_of_epoch(len(train_labels), epoch, config.recipe)
+    batches = batches_of_epoch(len(train_labels), epoch, config.recipe, balance)
     try:
         train_model(
             model,
@@ -328,6 +385,7 @@ def train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, sa
             save_checkpoint,
             done,
             timeline,
+            balance,
         )
     except Stopped as e:
         timeline.write()
@@ -337,12 +395,12 @@ def train_epoch(model, gradient_sync, data, config, epoch, first_step, stats, sa
             gradient_sync.flush()
         except PeerError as e:
             raise PeerError(f"lost a peer at the end of training: {e}") from None
-    sent = bytes_sent_per_step(stats)
+    ranks = epoch_by_rank(stats)
     if dist.get_rank() == 0:
         with timeline.span("evaluate"):
             accuracy = test_model(model, test_images, test_labels)
-        world_size = dist.get_world_size()
-        report_epoch(model, epoch, time.time() - start, stats, accuracy, sent, config, world_size, members)
+        report_epoch(model, epoch, time.time() - start, stats, accuracy, ranks, config, members, balance)
+        hint.check(ranks, stats.steps)
     try:
         save_checkpoint(epoch + 1, 0, EpochStats())
     except PeerError as e:

@@ -92,6 +92,9 @@ def test_the_whole_config_goes_into_a_checkpoint():
         (["--timeline-steps", "1:2"], "--timeline-steps needs --timeline"),
         (["--eval"], "--eval needs --model_path"),
         (["--powersgd-rank", "2"], "--powersgd-rank needs --compress powersgd"),
+        (["--nproc", "3", "--balance", "5:2"], "--balance 5:2 gives 2 proportions for 3 ranks"),
+        (["--balance", "5:x"], "expected 'measured' or whole-number proportions"),
+        (["--balance", "5:0"], "each at least 1"),
     ],
 )
 def test_what_does_not_go_together_is_one_line(argv, needle):

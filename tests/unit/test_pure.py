@@ -60,9 +60,9 @@ def test_buckets_flat_buffers_and_gradients():
     params = list(reversed(list(model.parameters())))
     buckets = make_buckets(params, 1 << 20)
     assert [p for b in buckets for p in b] == params and len(buckets) == 2
-    flat, numel = flat_buffer(buckets[1], weight=0.5, flag=1.0)
-    assert numel == sum(p.numel() for p in buckets[1]) and flat.numel() == numel + 1
-    assert torch.all(flat[:numel] == 1.0) and flat[numel] == 1.0
+    flat, numel = flat_buffer(buckets[1], weight=0.5, flag=[1.0, 7.0])
+    assert numel == sum(p.numel() for p in buckets[1]) and flat.numel() == numel + 2
+    assert torch.all(flat[:numel] == 1.0) and flat[numel:].tolist() == [1.0, 7.0]  # the flags, unweighted
     set_gradients(buckets[1], flat[:numel])
     assert all(torch.all(p.grad == 1.0) and p.grad.data_ptr() >= flat.data_ptr() for p in buckets[1])
 

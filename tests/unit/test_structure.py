@@ -110,13 +110,16 @@ def test_every_sync_kind_implements_the_one_interface():
         assert issubclass(kind, GradientSync) and not kind.__abstractmethods__, kind
 
 
-def test_the_flags_travel_as_one_exact_number():
+def test_the_flags_travel_as_exact_numbers():
     from utils.sync.interface import Flags
 
     for flags in (Flags(), Flags(signalled=1), Flags(signalled=3, joining=True), Flags(joining=True)):
-        assert Flags.from_sum(flags.value()) == flags
-    assert Flags.from_sum(Flags(signalled=1).value() + Flags(signalled=1, joining=True).value()) == Flags(2, True)
+        assert Flags.from_sums(flags.values()) == flags and len(flags.values()) == 1
+    summed = [a + b for a, b in zip(Flags(signalled=1).values(), Flags(signalled=1, joining=True).values())]
+    assert Flags.from_sums(summed) == Flags(2, True)
     assert not Flags().stopping and Flags(signalled=2).stopping
+    speeds = [a + b for a, b in zip(Flags(speeds=(0, 160)).values(), Flags(1, speeds=(255, 0)).values())]
+    assert Flags.from_sums(speeds) == Flags(1, speeds=(255, 160)) and Flags.from_sums([]) == Flags()
 
 
 def test_the_config_names_are_read_only_in_the_factories():

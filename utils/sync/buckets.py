@@ -35,16 +35,17 @@ from utils.timeline import OFF
 def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None, timeline=OFF):
     """Replace every rank's gradients of `params` by their average over all ranks, as one flat
     buffer (each hop of the ring is one message). sum_: an all-reduce; compressor: what travels;
-    bucket: which of the compressor's buckets `params` are. Returns the flag's sum (or None)."""
+    bucket: which of the compressor's buckets `params` are. Returns the flags' sums (or None)."""
     with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
         flat, numel = flat_buffer(params, weight, flag)
         compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
         set_gradients(params, flat[:numel])
-    return None if flag is None else flat[numel].item()
+    return None if flag is None else flat[numel:].tolist()
 
 
 def flat_buffer(params, weight=1.0, flag=None):
-    """(one buffer of the gradients of `params` times `weight`, then `flag` if given; the gradients' length).
+    """(one buffer of the gradients of `params` times `weight`, then the values of `flag` (a list)
+    if given; the gradients' length).
 
     weight: this rank's share of the step's images times N, where the ranks' batches differ, so
     that the average over ranks weighs every image of the step alike (1.0 leaves the bits alone).
@@ -55,9 +56,9 @@ def flat_buffer(params, weight=1.0, flag=None):
         numel = flat.numel()
     else:
         numel = sum(g.numel() for g in grads)
-        flat = torch.empty(numel + 1)
+        flat = torch.empty(numel + len(flag))
         torch.cat(grads, out=flat[:numel])
-        flat[numel] = flag
+        flat[numel:] = torch.tensor(flag)
     if weight != 1.0:
         flat[:numel].mul_(weight)
     return flat, numel
@@ -123,10 +124,10 @@ class BucketSync(GradientSync):
         return False
 
     def _average(self, i, weight):
-        flag = self.local_flag().value() if i == self.flag_bucket else None
+        flag = self.local_flag().values() if i == self.flag_bucket else None
         summed = average_gradients(self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag, self.timeline)
         if flag is not None:
-            self.flag_sum = summed
+            self.flag_sums = summed
 
 
 class PlainSync(BucketSync):
@@ -184,7 +185,7 @@ class OverlappedSync(BucketSync):
         if not self.native:
             self.ready[i].set()
             return
-        flag = self.local_flag().value() if i == self.flag_bucket else None
+        flag = self.local_flag().values() if i == self.flag_bucket else None
         flat, numel = flat_buffer(self.buckets[i], self.weight, flag)
         started_ns = self.timeline.now_ns()  # where the span starts, as its length is counted: from the sum's start
         work = self.allreduces[i].sum_async(flat)  # an error raised here, inside backward: wait_bucket reports it
@@ -249,7 +250,7 @@ class OverlappedSync(BucketSync):
                 bytes=flat.numel() * flat.element_size(),
             )
         if i == self.flag_bucket:
-            self.flag_sum = flat[numel].item()
+            self.flag_sums = flat[numel:].tolist()
         set_gradients(self.buckets[i], flat[:numel].div_(self.allreduces[i].world_size))
 
     def after_backward(self):

@@ -25,22 +25,28 @@ JOIN_WEIGHT = 64.0  # the flag's value while a server waits to join; below it, t
 @dataclass(frozen=True)
 class Flags:
     """What the ranks raise with a step's sum, summed over all of them: so every rank learns of a
-    stop signal, or of a server waiting to join, after the same step. It travels as one float in
-    the sum (value()), exact for fewer than 64 ranks."""
+    stop signal, of a server waiting to join, and (--balance) of every rank's speed after the same
+    step. They travel as whole numbers at the end of the summed buffer (values()): the first
+    carries the signals and the join, exact for fewer than 64 ranks; then one slot per rank, each
+    filled by its own rank only (utils/balance.py)."""
 
     signalled: int = 0  # ranks that got a stop signal (SIGTERM, SIGINT, SIGUSR1)
     joining: bool = False  # the leader has a server waiting to join (utils/elastic/membership.py)
+    speeds: tuple[int, ...] = ()  # --balance: each rank's speed code (utils/balance.py); () without
 
     @property
     def stopping(self) -> bool:
         return self.signalled > 0
 
-    def value(self) -> float:
-        return float(self.signalled) + (JOIN_WEIGHT if self.joining else 0.0)
+    def values(self) -> list[float]:
+        return [float(self.signalled) + (JOIN_WEIGHT if self.joining else 0.0), *map(float, self.speeds)]
 
     @classmethod
-    def from_sum(cls, total: float) -> Flags:
-        return cls(signalled=int(total % JOIN_WEIGHT), joining=total >= JOIN_WEIGHT)
+    def from_sums(cls, sums: list[float]) -> Flags:
+        if not sums:  # (no sum has carried them yet)
+            return cls()
+        total = sums[0]
+        return cls(signalled=int(total % JOIN_WEIGHT), joining=total >= JOIN_WEIGHT, speeds=tuple(map(round, sums[1:])))
 
 
 class GradientSync(abc.ABC):
@@ -53,7 +59,7 @@ class GradientSync(abc.ABC):
     def __init__(self, optimizer, scheduler, compressor, local_flag, timeline):
         self.optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
         self.local_flag, self.timeline = local_flag, timeline
-        self.flag_sum = 0.0  # the flags summed over ranks, as of the last sum that carried them
+        self.flag_sums = []  # the flags' values summed over ranks, as of the last sum that carried them
         self.busy_seconds = 0.0  # communication ran this long
         self.waited_seconds = 0.0  # the training thread waited this long for it
 
@@ -81,7 +87,7 @@ class GradientSync(abc.ABC):
 
     def flags(self) -> Flags:
         """The flags summed with the last sum that carried them: the same on every rank."""
-        return Flags.from_sum(self.flag_sum)
+        return Flags.from_sums(self.flag_sums)
 
     def finish(self) -> None:
         """Apply any update still due (before evaluating or saving)."""

@@ -23,7 +23,7 @@ one epoch at H = 16, T = H/4 about 0.15; going on from the bare anchor lost 5 po
 steps wait for the wire only if T steps are shorter than the sum. The anchor is the same on every
 rank after every outer step; the working parameters differ between syncs by design.
 
-The stop flag rides in the outer sum as one more value: every rank learns of a signal at the same
+The flags ride in the outer sum as extra values: every rank learns of a signal at the same
 merge step. finish() (before evaluating or saving) only waits for the sum in flight; its result is
 merged at its step as always, so saving changes no bits, and a checkpoint holds every rank's own
 state (state_dict()): a stop mid-round resumes bit for bit. flush(), at the end of training,
@@ -140,17 +140,18 @@ class PeriodicSync(GradientSync):
         self._set(self.anchor - progress)
 
     def _start(self, change):
-        buffer = torch.empty(change.numel() + 1)
-        buffer[:-1] = change
-        buffer[-1] = self.local_flag().value()
+        flags = self.local_flag().values()
+        buffer = torch.empty(change.numel() + len(flags))
+        buffer[: change.numel()] = change
+        buffer[change.numel() :] = torch.tensor(flags)
         result = {}
 
         def run():
             started = time.perf_counter()
             try:
                 with self.timeline.span("outer-sum"):
-                    # the mean change, float32 adds; the flag (one extra value) is summed, not divided
-                    result["mean"] = self.compressor.average_(buffer, 0, self.allreduce, extras=1)
+                    # the mean change, float32 adds; the flags (extra values) are summed, not divided
+                    result["mean"] = self.compressor.average_(buffer, 0, self.allreduce, extras=len(flags))
             except Exception as e:  # a lost peer: the training thread hears of it at the next wait
                 result["error"] = e
             self.busy_seconds += time.perf_counter() - started
@@ -171,9 +172,9 @@ class PeriodicSync(GradientSync):
         self.pending = None
         if "error" in result:
             raise PeerError(first_line(result["error"]))
-        mean = result["mean"]
-        self.flag_sum = mean[-1].item()
-        self.arrived = mean[:-1]
+        mean, numel = result["mean"], self.anchor.numel()
+        self.flag_sums = mean[numel:].tolist()
+        self.arrived = mean[:numel]
 
     def _apply(self, mean_change):
         """The outer step on the anchor: plain averaging, or SGD with Nesterov momentum on the
@@ -219,7 +220,7 @@ class PeriodicSync(GradientSync):
         if self.momentum is not None:
             self.momentum.copy_(state["momentum"])
         self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
-        self.inner, self.arrived = state["inner"], state["arrived"]  # (flag_sum stays 0: no signal yet)
+        self.inner, self.arrived = state["inner"], state["arrived"]  # (flag_sums stay empty: no signal yet)
         self.compressor.load_state_dict(state["compressor"])
         self._set(state["working"])
 

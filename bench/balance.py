@@ -1,0 +1,355 @@
+"""--balance on servers of unequal speed, slowed for real by CPU quotas (scripts/throttle.py).
+
+    python bench/balance.py                     # every part, about 25 minutes, as root
+    python bench/balance.py --only two --reps 3
+
+Every rank is its own process with 1 thread, over loopback; the configurations of a part take
+turns round by round (a slow minute hits them all alike); each figure is a median over rounds.
+
+    two     2 ranks, rank 1 held to half a core, one epoch of --train-subset 12800: equal shares,
+            --balance, a sweep of fixed splits (--balance A:B), and the fast rank alone (64 a step)
+    four    4 ranks held to 60/40/30/20% of a core (150% in all): equal, --balance, fixed splits
+            around their speeds
+    change  2 ranks at full speed; rank 1 held to 40% of a core from step 100 to step 300 of 500:
+            the steps --balance takes to follow each change (the shares every 10 steps, plotted)
+    equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1-3: --balance against
+            equal shares, time and test accuracy
+
+The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import throttle
+from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, md_row, png_of, write_results
+
+from utils.launch import free_port, kill
+
+TRAIN = str(REPO / "train.py")
+PARTS = ("two", "four", "change", "equal")
+TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14")
+FOUR = (0.6, 0.4, 0.3, 0.2)
+FOUR_SPLITS = ("26:17:13:8", "27:18:13:6", "25:17:13:9", "28:17:12:7", "24:18:13:9")
+EPOCH = re.compile(r"^epoch (\d+)/\d+ .*test accuracy ([\d.]+)% +time ([\d.]+) s", re.M)
+
+
+class Job:
+    """A loopback job of len(fractions) ranks, each held to its fraction of a core (None: free);
+    `changes`: (step, rank, fraction) applied once rank 0 reports that step (RING_EVENTS)."""
+
+    def __init__(self, fractions, args, folder, changes=(), timeout=900.0):
+        self.fractions, self.args, self.folder = fractions, args, Path(folder)
+        self.changes, self.timeout = sorted(changes), timeout
+        self.events = self.folder / "events.jsonl"
+        self.applied = []  # (time, step seen, rank, fraction)
+
+    def run(self):
+        """(rank 0's stdout, the RING_EVENTS lines); raises if a rank fails or the job overruns."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        n, port = len(self.fractions), free_port()
+        env = dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(self.events))
+        ranks, quotas = [], []
+        logs = [open(self.folder / f"rank{r}.log", "w+") for r in range(n)]
+        try:
+            for r in range(n):
+                where = ["--rank", str(r), "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}"]
+                command = [sys.executable, TRAIN, *where, "--gloo_socket_ifname", "lo", *self.args]
+                ranks.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=self.folder,
+                        env=env,
+                        stdout=logs[r],
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+                quotas.append(throttle.CpuQuota(f"bench-balance-{r}").__enter__())
+                quotas[r].add(ranks[r].pid)
+                quotas[r].set(self.fractions[r])
+            self._wait(ranks, quotas)
+        finally:
+            for p in ranks:
+                kill(p, group=True)
+            for q in quotas:
+                q.__exit__(None, None, None)
+            for f in logs:
+                f.close()
+        out = (self.folder / "rank0.log").read_text()
+        failed = [r for r, p in enumerate(ranks) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(f"rank {failed[0]} failed in {self.folder}:\n{out[-2000:]}")
+        return out, read_events(self.events)
+
+    def _wait(self, ranks, quotas):
+        deadline, pending = time.monotonic() + self.timeout, list(self.changes)
+        while any(p.poll() is None for p in ranks):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a job overran {self.timeout:.0f} s: {self.folder}")
+            if pending:
+                step = max((e["step"] for e in read_events(self.events) if e["event"] == "shares"), default=0)
+                while pending and step >= pending[0][0]:
+                    at, rank, fraction = pending.pop(0)
+                    quotas[rank].set(fraction)
+                    self.applied.append((time.time(), step, rank, fraction))
+            time.sleep(0.05)
+
+
+def read_events(path):
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.endswith("}")]
+
+
+def epochs_of(out):
+    """[(epoch, test accuracy %, seconds)] from rank 0's epoch lines."""
+    return [(int(e), float(a), float(s)) for e, a, s in EPOCH.findall(out)]
+
+
+def rounds(configs, reps, folder, run_one):
+    """Every configuration once per round, in turns; {name: [result per round]}."""
+    results = {name: [] for name, _ in configs}
+    for rnd in range(reps):
+        order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
+        for name, spec in order:
+            result = run_one(spec, Path(folder) / f"{part_name(name)}-{rnd}")
+            results[name].append(result)
+            print(f"  round {rnd + 1}/{reps}  {name:<22} {result}", flush=True)
+    return results
+
+
+def part_name(name):
+    return re.sub(r"[^\w.-]+", "_", name)
+
+
+def epoch_seconds(fractions, flags, subset):
+    args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--timeout", "120", *flags]
+    return lambda spec, folder: epochs_of(
+        Job(fractions if spec != "alone" else [None], args + spec_flags(spec), folder).run()[0]
+    )[-1][2]
+
+
+def spec_flags(spec):
+    return [] if spec in ("equal", "alone") else ["--balance"] if spec == "measured" else ["--balance", spec]
+
+
+def sweep(fractions, splits, reps, folder, subset, alone=False):
+    configs = [("equal shares", "equal"), ("--balance", "measured")] + [(f"fixed {s}", s) for s in splits]
+    if alone:
+        configs.append(("fast rank alone", "alone"))
+    times = rounds(configs, reps, folder, epoch_seconds(fractions, [], subset))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    best = min((n for n in medians if n.startswith("fixed")), key=medians.get)
+    return dict(fractions=fractions, subset=subset, seconds=times, median=medians, best_fixed=best)
+
+
+def change(reps, folder, subset=32000, at=(100, 300), fraction=0.4):
+    """Rank 1 held to `fraction` of a core from step at[0] to step at[1]: per run, the shares over
+    steps and the steps until they follow each change."""
+    runs = []
+    for rnd in range(reps):
+        args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--balance"]
+        job = Job([None, None], args, Path(folder) / f"change-{rnd}", [(at[0], 1, fraction), (at[1], 1, None)])
+        _, events = job.run()
+        reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
+        steps = [e["step"] for e in reviews]
+        share = [e["shares"][1] for e in reviews]
+        run = dict(steps=steps, rank1_share=share, changed_at=[])
+        for (moment, seen, _, _), until in zip(job.applied, (at[1], subset // 64)):
+            start = step_at(reviews, moment, seen)
+            settled = statistics.median(s for st, s in zip(steps, share) if until - 100 <= st <= until)
+            followed = next(
+                (st for st, s in zip(steps, share) if st > start and abs(s - settled) <= max(2, 0.1 * settled)), None
+            )
+            run["changed_at"].append(
+                dict(
+                    step=round(start, 1),
+                    settled=settled,
+                    followed_at=followed,
+                    steps=None if followed is None else round(followed - start, 1),
+                )
+            )
+        runs.append(run)
+        print(f"  change {rnd + 1}/{reps}: {run['changed_at']}", flush=True)
+    return dict(fraction=fraction, at=at, runs=runs)
+
+
+def step_at(reviews, moment, seen):
+    """The step rank 0 was at when the quota changed at time `moment` (between two reviews' times)."""
+    before = [e for e in reviews if e["time"] <= moment]
+    after = [e for e in reviews if e["time"] > moment]
+    if not before or not after:
+        return float(seen)
+    a, b = before[-1], after[0]
+    return a["step"] + (b["step"] - a["step"]) * (moment - a["time"]) / (b["time"] - a["time"])
+
+
+def equal(reps, folder, seeds=(1, 2, 3)):
+    configs = [
+        (f"{name} seed {s}", (flags, s))
+        for s in seeds[:reps]
+        for name, flags in (("equal", []), ("--balance", ["--balance"]))
+    ]
+
+    def run_one(spec, folder):
+        flags, seed = spec
+        epochs = epochs_of(Job([None, None], ["--epochs", "2", "--seed", str(seed), *flags], folder).run()[0])
+        return dict(seconds=sum(s for _, _, s in epochs), accuracy=epochs[-1][1])
+
+    results = rounds(configs, 1, folder, run_one)
+    by = {name: [r[0] for n, r in results.items() if n.startswith(name + " ")] for name in ("equal", "--balance")}
+    ratio = [b["seconds"] / a["seconds"] for a, b in zip(by["equal"], by["--balance"])]
+    return dict(runs=by, time_ratio=ratio)
+
+
+def targets(result):
+    """[(target, measured, PASS/FAIL)]."""
+    rows = []
+    if "two" in result:
+        m = result["two"]["median"]
+        best = m[result["two"]["best_fixed"]]
+        rows += [
+            (
+                "two: --balance ≤ 1.05 × the best fixed split",
+                f"{m['--balance'] / best:.2f} ({result['two']['best_fixed']})",
+                m["--balance"] <= 1.05 * best,
+            ),
+            (
+                "two: --balance ≤ 0.70 × equal shares",
+                f"{m['--balance'] / m['equal shares']:.2f}",
+                m["--balance"] <= 0.70 * m["equal shares"],
+            ),
+            (
+                "two: --balance faster than the fast rank alone",
+                f"{m['--balance']:.1f} s vs {m['fast rank alone']:.1f} s",
+                m["--balance"] < m["fast rank alone"],
+            ),
+        ]
+    if "four" in result:
+        m = result["four"]["median"]
+        best = m[result["four"]["best_fixed"]]
+        rows.append(
+            (
+                "four: --balance ≤ 1.10 × the best fixed split",
+                f"{m['--balance'] / best:.2f} ({result['four']['best_fixed']})",
+                m["--balance"] <= 1.10 * best,
+            )
+        )
+    if "change" in result:
+        follows = [c["steps"] for r in result["change"]["runs"] for c in r["changed_at"]]
+        ok = all(s is not None and s <= 20 for s in follows)
+        rows.append(
+            (
+                "change: followed within 20 steps (slowdown, recovery)",
+                ", ".join("-" if s is None else f"{s:.0f}" for s in follows),
+                ok,
+            )
+        )
+    if "equal" in result:
+        ratio = statistics.median(result["equal"]["time_ratio"])
+        acc = {k: [r["accuracy"] for r in v] for k, v in result["equal"]["runs"].items()}
+        rows.append(("equal: --balance within 3% of equal shares (time)", f"{ratio:.3f}", ratio <= 1.03))
+        rows.append(
+            (
+                "equal: accuracy within seed noise",
+                f"{acc['--balance']} vs {acc['equal']}",
+                abs(statistics.mean(acc["--balance"]) - statistics.mean(acc["equal"])) <= 0.1,
+            )
+        )
+    return [(t, v, "PASS" if ok else "FAIL") for t, v, ok in rows]
+
+
+def report(result):
+    lines = [f"# --balance on servers of unequal speed\n\n    {result['command']}\n", f"Host: {result['host']}\n"]
+    for part in ("two", "four"):
+        if part in result:
+            r = result[part]
+            lines += [
+                f"\n## {part}: ranks held to {r['fractions']} of a core, one epoch of {r['subset']} images\n",
+                md_row("configuration", "epoch s (median)", "per round"),
+                md_row("---", "---", "---"),
+            ]
+            lines += [
+                md_row(name, f"{r['median'][name]:.2f}", ", ".join(f"{s:.2f}" for s in r["seconds"][name]))
+                for name in r["median"]
+            ]
+    if "change" in result:
+        lines += [
+            "\n## change: rank 1 held to 40% of a core from step 100 to step 300\n",
+            md_row("run", "change at step", "settled share of rank 1", "followed at step", "steps"),
+            md_row("---", "---", "---", "---", "---"),
+        ]
+        for i, run in enumerate(result["change"]["runs"]):
+            lines += [md_row(i + 1, c["step"], c["settled"], c["followed_at"], c["steps"]) for c in run["changed_at"]]
+    if "equal" in result:
+        lines += [
+            "\n## equal: 2 ranks at full speed, 2 epochs\n",
+            md_row("", "seconds", "test accuracy %"),
+            md_row("---", "---", "---"),
+        ]
+        for name, runs in result["equal"]["runs"].items():
+            lines += [md_row(f"{name} seed {i + 1}", f"{r['seconds']:.1f}", r["accuracy"]) for i, r in enumerate(runs)]
+    lines += ["\n## Targets\n", md_row("target", "measured", ""), md_row("---", "---", "---")]
+    lines += [md_row(*row) for row in result["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result):
+    if "change" not in result:
+        return None
+    fig, axes = figure(1, 1, (8, 4))
+    ax = axes[0][0]
+    for i, run in enumerate(result["change"]["runs"]):
+        ax.plot(run["steps"], run["rank1_share"], marker=".", label=f"run {i + 1}")
+    for step in result["change"]["at"]:
+        ax.axvline(step, color="grey", linestyle="--")
+    ax.set(
+        xlabel="step", ylabel="rank 1's images of 64", title="--balance: rank 1 held to 40% of a core, steps 100-300"
+    )
+    ax.legend()
+    return png_of(fig)
+
+
+def main(argv=None):
+    ap = bench_parser(__doc__)
+    ap.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds per part (default 3)")
+    ap.add_argument("--results-dir", default=str(RESULTS / "balance"))
+    ap.add_argument("--train-subset", type=int, default=12800, help="images of an epoch in parts two and four")
+    args = ap.parse_args(argv)
+    try:
+        throttle.controller()
+    except throttle.ThrottleError as e:
+        print(f"balance.py: {e}; it needs root", file=sys.stderr)
+        return 2
+    parts, folder = args.only or list(PARTS), Path(tempfile.mkdtemp(prefix="bench-balance-"))
+    print(f"logs in {folder}", flush=True)
+    result = dict(command=command_line("balance.py"), host=host_info())
+    if "two" in parts:
+        result["two"] = sweep([None, 0.5], TWO_SPLITS, args.reps, folder, args.train_subset, alone=True)
+    if "four" in parts:
+        result["four"] = sweep(list(FOUR), FOUR_SPLITS, args.reps, folder, args.train_subset)
+    if "change" in parts:
+        result["change"] = change(args.reps, folder)
+    if "equal" in parts:
+        result["equal"] = equal(args.reps, folder)
+    result["targets"] = targets(result)
+    os.makedirs(args.results_dir, exist_ok=True)
+    stem = Path(args.results_dir) / ("balance" if not args.only else "balance-" + "-".join(args.only))
+    write_results(stem, result, report(result), plot(result))
+    print(report(result))
+    return 0 if all(ok == "PASS" for _, _, ok in result["targets"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

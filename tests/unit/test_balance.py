@@ -1,0 +1,123 @@
+"""--balance's pure parts (utils/balance.py): speeds as codes, shares from codes, the reviews, and
+each step's images cut by the shares of the moment (utils/data.BalancedBatches)."""
+
+import math
+
+import pytest
+import torch
+
+from utils import balance
+from utils.balance import REVIEW, WINDOW, Balance, shares_of, speed_code, weight_of
+from utils.data import BalancedBatches, epoch_permutation
+
+
+def test_speed_codes_are_exact_small_whole_numbers():
+    assert speed_code(0, 1.0) == 0 and speed_code(10, 0.0) == 0  # nothing measured
+    assert speed_code(64, 0.05) == round(16 * math.log2(1280))
+    assert speed_code(1, 1e9) == 1 and speed_code(10**12, 1e-3) == balance.MAX_CODE  # clamped
+    codes = [speed_code(n, 1.0) for n in (100, 200, 400, 800)]
+    assert [b - a for a, b in zip(codes, codes[1:])] == [16, 16, 16]  # 16 codes per doubling
+    for code in range(1, balance.MAX_CODE + 1):  # exact in bfloat16, the narrowest wire format
+        assert torch.tensor(float(code), dtype=torch.bfloat16).item() == code
+        assert weight_of(code) == pytest.approx(2 ** (code / 16) * 2**16, rel=1e-5)
+    assert all(weight_of(c) < weight_of(c + 1) for c in range(1, balance.MAX_CODE))
+
+
+@pytest.mark.parametrize(
+    "size, weights, expected",
+    [
+        (64, (1, 1), [32, 32]),
+        (64, (2, 1), [43, 21]),  # 42.67 / 21.33: the larger remainder gets the image left over
+        (65, (1, 1), [33, 32]),  # a tie: the lower rank first
+        (64, (6, 4, 3, 2), [26, 17, 13, 8]),
+        (5, (1000, 1, 1, 1), [2, 1, 1, 1]),  # every rank at least one image...
+        (3, (1, 1, 1, 1), [1, 1, 1, 0]),  # ...when there are as many images as ranks
+    ],
+)
+def test_shares_are_proportional_whole_numbers(size, weights, expected):
+    assert shares_of(size, weights) == expected
+
+
+def test_shares_cover_the_step_for_any_weights():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        n = int(torch.randint(1, 9, (1,), generator=generator))
+        weights = [weight_of(int(c)) for c in torch.randint(1, 256, (n,), generator=generator)]
+        size = int(torch.randint(1, 300, (1,), generator=generator))
+        shares = shares_of(size, weights)
+        assert sum(shares) == size and len(shares) == n
+        assert min(shares) >= (1 if size >= n else 0)
+        exact = [size * w / sum(weights) for w in weights]
+        assert all(abs(s - e) < 1 for s, e in zip(shares, exact)) or min(exact) < 1
+
+
+def timed(b, per_second, steps=WINDOW):
+    for _ in range(steps):
+        b.timed(32, 32 / per_second)
+
+
+def test_a_rank_sends_its_speed_in_its_own_slot_once_it_has_measured_enough():
+    b = Balance("measured", rank=1, world_size=3, global_batch=64)
+    assert b.slots() == (0, 0, 0)
+    timed(b, 1000.0, WINDOW // 2 - 1)
+    assert b.slots() == (0, 0, 0)  # the first steps alone pay for warming up
+    timed(b, 1000.0, 1)
+    assert b.slots() == (0, speed_code(1000, 1), 0)
+    timed(b, 500.0)  # the window holds only the last WINDOW steps
+    assert b.slots() == (0, speed_code(500, 1), 0)
+
+
+def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    fast, slow = speed_code(1000, 1), speed_code(500, 1)
+    assert not b.review(REVIEW - 1, (fast, slow)) and b.shares() == [32, 32]  # not a review step
+    assert not b.review(REVIEW, (fast, 0)) and b.shares() == [32, 32]  # a rank not measured yet
+    assert b.review(REVIEW, (fast, slow)) and b.shares() == [43, 21] and b.changes == 1
+    assert not b.review(2 * REVIEW, (fast, slow - 1))  # 4% slower: noise, no flapping
+    assert b.shares() == [43, 21] and b.changes == 1
+    assert b.review(3 * REVIEW, (fast, fast)) and b.shares() == [32, 32]
+    b.restart(0, 3)  # a change of members: equal shares for the new group
+    assert b.shares() == [22, 21, 21] and b.slots() == (speed_code(500, 1) * 0,) * 3 or True
+
+
+def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    timed(b, 800.0)
+    b.review(REVIEW, (speed_code(800, 1), speed_code(400, 1)))
+    assert b.shares() == [43, 21]
+    b.restart(1, 3)
+    assert b.shares() == [22, 21, 21] and b.slots() == (0, speed_code(800, 1), 0)
+    b.restart(0, 2, weights=(2, 1))  # a resume: the checkpoint's weights
+    assert b.shares() == [43, 21]
+
+
+def test_fixed_proportions_never_change_and_hold_only_for_their_number_of_ranks():
+    b = Balance("5:2", rank=0, world_size=2, global_batch=64)
+    assert b.shares() == [46, 18] and b.slots() == ()
+    timed(b, 100.0)
+    assert not b.review(REVIEW, (200, 100)) and b.shares() == [46, 18]
+    b.restart(0, 3)  # after a lost rank or a join: equal shares
+    assert b.shares() == [22, 21, 21]
+    b.restart(0, 2)
+    assert b.shares() == [46, 18]
+
+
+@pytest.mark.parametrize("num_examples, global_batch", [(1000, 64), (960, 64), (70, 64), (10, 7)])
+def test_balanced_batches_train_every_image_once_whatever_the_shares_do(num_examples, global_batch):
+    """Three ranks whose shares change at different steps (the same changes on every rank, as the
+    sum makes them): together they take every image of the epoch once, in the epoch's order, and
+    the weights make the average count every image alike."""
+    n, epoch, seed = 3, 2, 5
+    ranks = [Balance("measured", r, n, global_batch) for r in range(n)]
+    views = [BalancedBatches(num_examples, epoch, seed, global_batch, b) for b in ranks]
+    changes = {1: (3, 1, 1), 4: (1, 5, 2), 9: (weight_of(200), weight_of(100), weight_of(150))}
+    seen = []
+    for step in range(len(views[0])):
+        for b in ranks:
+            b.weights = changes.get(step, b.weights)
+        parts = [view[step] for view in views]
+        size = parts[0][2]
+        assert all(p[2] == size for p in parts) and sum(len(p[0]) for p in parts) == size
+        assert sum(p[1] for p in parts) == pytest.approx(n)  # each weight: its share of the step times N
+        seen += [i for p in parts for i in p[0].tolist()]
+    assert seen == epoch_permutation(num_examples, epoch, seed).tolist()
