@@ -12,17 +12,22 @@ rank's gradient weighs its share (utils/run.py's weight), so the average counts 
 alike and the parameters stay identical on every rank.
 
 How the ranks agree, with no message of their own:
-  1. Each rank measures the time its own work needed over its last WINDOW steps: the time its
-     Python threads ran, plus the time its threads were ready to run but had no CPU (a CPU
-     quota, other people's jobs), from the kernel's schedstat (needed_seconds); not the time
-     they slept, waiting for the other ranks. Its speed: its images per second of that.
-  2. It sends that speed as a whole number on a log scale (speed_code: 16 codes per doubling,
-     exact in every wire format the sums use) in its own slot of the values that ride with the
-     gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's code, at
+  1. Each rank measures the time its own work would take if it never waited for the others,
+     over its last WINDOW steps: the CPU time of all its threads (usage()) divided by the cores
+     it can use (cores_available: its torch threads, times the share of the time its training
+     thread got a CPU when it was ready to run, which other people's jobs or an old server's
+     load reduce; at most a cgroup CPU quota, cpu_limit). It splits that time in two: forward
+     and backward, which grow with its images (its rate: images per second), and the rest of a
+     step (the optimizer, its part of the sum: its overhead, seconds a step).
+  2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
+     every wire format the sums use) in its own two slots of the values that ride with the
+     gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
      the same step.
-  3. Every REVIEW steps each rank turns the codes into shares with the same whole-number
-     arithmetic (shares_of), and the ranks adopt them only if a share moves by more than
-     THRESHOLD of itself (noise in the timings does not make the shares flap).
+  3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
+     time, overhead + share / rate (solve, in exact fractions: the same on every machine), and
+     the ranks adopt them only if a share turns back by more than THRESHOLD of itself and 2
+     images, or moves on by 2 images in the direction of its last move (noise in the timings does not make the shares
+     flap). A change of speed is followed at the next reviews that see it, within about 20 steps.
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -31,47 +36,68 @@ measuring; for comparisons, and for a resume test that must be bit for bit).
 
 import math
 import os
-import threading
+import time
 from collections import deque
+from fractions import Fraction
 
-WINDOW = 10  # steps of this rank's timing in its speed
+WINDOW = 20  # steps of this rank's timing in its speed: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 10  # steps between two looks at the speeds: a change is followed within about 20 steps
-THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 1 image) to change
-CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) images per second, 4.4% apart
+THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
+CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
-# 2**(i/16) * 2**16, rounded: the codes' weights in whole numbers, so that every rank (whatever its
+# 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
 # CPU and maths library) computes the same shares
 FRACTIONS = (65536, 68438, 71468, 74632, 77936, 81386, 84990, 88752, 92682, 96785, 101070, 105545, 110218, 115098)
 FRACTIONS += (120194, 125515)
 
 
-def speed_code(images, seconds):
-    """Images per second as a code 1..MAX_CODE (0: nothing measured). Only this rank computes its
-    own, so floating point is fine here; every rank turns the codes into shares alike (weight_of)."""
-    if images <= 0 or seconds <= 0:
+def speed_code(count, seconds):
+    """`count` per `seconds` (images, or steps) as a code 1..MAX_CODE; 0: nothing measured. Only
+    this rank computes its own, so floating point is fine here; every rank reads the codes alike
+    (code_value)."""
+    if count <= 0:
         return 0
-    return min(MAX_CODE, max(1, round(CODES_PER_DOUBLING * math.log2(images / seconds))))
+    if seconds <= 0:
+        return MAX_CODE
+    return min(MAX_CODE, max(1, round(CODES_PER_DOUBLING * math.log2(count / seconds))))
 
 
-def images_per_second(code):
-    """What a speed code stands for (for the log line)."""
-    return 2 ** (code / CODES_PER_DOUBLING)
+def code_value(code):
+    """What a code stands for: 2**(code/16), as an exact fraction (the same on every machine)."""
+    return Fraction(FRACTIONS[code % CODES_PER_DOUBLING] << (code // CODES_PER_DOUBLING), 2**16)
 
 
-def weight_of(code):
-    """A code's weight in whole numbers: 2**(code/16) * 2**16, the same on every machine."""
-    return FRACTIONS[code % CODES_PER_DOUBLING] << (code // CODES_PER_DOUBLING)
+def solve(global_batch, rate_codes, overhead_codes):
+    """The whole-number shares of a step's images that give every rank the same step time,
+    overhead_r + share_r / rate_r, each at least one image (rate codes: images per second;
+    overhead codes: 1 / seconds a step)."""
+    n = len(rate_codes)
+    rates = [code_value(c) for c in rate_codes]
+    overheads = [1 / code_value(c) for c in overhead_codes]
+    floor, exact = set(), None
+    while exact is None or any(exact[r] < 1 for r in range(n) if r not in floor):
+        floor |= {r for r in range(n) if exact is not None and exact[r] < 1}
+        free = [r for r in range(n) if r not in floor]
+        step = (global_batch - len(floor) + sum(overheads[r] * rates[r] for r in free)) / sum(rates[r] for r in free)
+        exact = [Fraction(1) if r in floor else (step - overheads[r]) * rates[r] for r in range(n)]
+    return apportion(global_batch, exact)
+
+
+def apportion(size, exact):
+    """Whole numbers summing to `size`, each the floor of its exact share or one more: the largest
+    remainders get the images left over (the lower rank first on a tie)."""
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda r: (-(exact[r] - shares[r]), r))
+    for r in by_remainder[: size - sum(shares)]:
+        shares[r] += 1
+    return shares
 
 
 def shares_of(size, weights):
-    """`size` images cut in proportion to `weights` (whole numbers): the largest remainders get
-    the images left over (the lower rank first on a tie); every rank gets at least one image when
-    there are as many images as ranks."""
+    """`size` images cut in proportion to `weights` (whole numbers: the shares of a whole step, or
+    fixed proportions); every rank gets at least one image when there are as many images as ranks."""
     n, total = len(weights), sum(weights)
-    shares = [size * w // total for w in weights]
-    by_remainder = sorted(range(n), key=lambda r: (-(size * weights[r] % total), r))
-    for r in by_remainder[: size - sum(shares)]:
-        shares[r] += 1
+    shares = apportion(size, [Fraction(size * w, total) for w in weights])
     if size >= n:
         for r in range(n):
             if shares[r] == 0:
@@ -81,23 +107,57 @@ def shares_of(size, weights):
     return shares
 
 
-def needed_seconds():
-    """The time this process's work has needed so far: the time its Python threads ran (the
-    training loop's, the sums'), and the time any of its threads was ready to run but had no CPU
-    (throttled by a quota, or behind other processes), so a stall counts wherever it strikes; not
-    the time they slept, waiting for a peer. Torch's compute threads run beside the training loop,
-    in the same time, so their running is left out: on many cores this is still the step's time.
-    From Linux's schedstat: nanoseconds run, nanoseconds waiting for a CPU, time slices."""
-    ours = {str(thread.native_id) for thread in threading.enumerate()}
-    total = 0
-    for thread in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{thread}/schedstat", "rb") as f:
-                ran, waited, _ = f.read().split()
-        except (OSError, ValueError):  # a thread that has just ended
+def usage():
+    """(CPU seconds of all this process's threads, seconds the calling thread ran, seconds it was
+    ready to run but waited for a CPU) so far: Linux's schedstat (nanoseconds run, nanoseconds
+    waiting on a run queue, time slices)."""
+    with open("/proc/thread-self/schedstat", "rb") as f:
+        ran, waited, _ = f.read().split()
+    return time.process_time(), int(ran) / 1e9, int(waited) / 1e9
+
+
+def cores_available(threads, ran, waited, limit):
+    """The cores a rank's work can use: its torch threads, times the share of the time its
+    training thread got a CPU when it was ready to run; at most `limit` (a CPU quota, or None).
+    A quota shows in the waiting only while the process uses all of it, so a rank that has some
+    left would otherwise look as fast as an unlimited one."""
+    cores = threads * (ran / (ran + waited) if ran > 0 else 1.0)
+    return cores if limit is None else min(cores, limit)
+
+
+def cpu_limit():
+    """The cores this process may use at most, if a cgroup CPU quota holds it (a container's CPU
+    limit, a shared server's share; cgroup v1 cpu.cfs_quota_us or v2 cpu.max, the group's own or
+    an enclosing one's); None without one. A quota shows in the schedstat only while the process
+    uses all of it, so a rank that has some left would look as fast as an unlimited one."""
+    limits = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, files = "/sys/fs/cgroup", ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1
+            root, files = f"/sys/fs/cgroup/{controllers}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
             continue
-        total += int(waited) + (int(ran) if thread in ours else 0)
-    return total / 1e9
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            limits.append(read_limit(os.path.join(root, *parts[:depth]), files))
+    limits = [limit for limit in limits if limit is not None]
+    return min(limits) if limits else None
+
+
+def read_limit(folder, files):
+    try:
+        values = " ".join(open(os.path.join(folder, name)).read().strip() for name in files).split()
+        quota, period = values[0], int(values[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if quota in ("max", "-1") or period <= 0 else int(quota) / period
 
 
 def parse_fixed(text):
@@ -116,10 +176,10 @@ class Balance:
 
     mode: 'measured', or proportions A:B:... (parse_fixed). global_batch: G."""
 
-    def __init__(self, mode, rank, world_size, global_batch):
+    def __init__(self, mode, rank, world_size, global_batch, threads=1):
         self.fixed = None if mode == "measured" else parse_fixed(mode)
-        self.global_batch = global_batch
-        self.timings = deque(maxlen=WINDOW)  # (images, seconds) of this rank's last steps
+        self.global_batch, self.threads = global_batch, threads  # threads: torch's, on this rank
+        self.timings = deque(maxlen=WINDOW)  # (images, CPU s of compute, of the rest, ran, waited) a step
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.restart(rank, world_size)
 
@@ -130,34 +190,46 @@ class Balance:
         if weights is None and self.fixed is not None and len(self.fixed) == world_size:
             weights = self.fixed
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
+        self.direction = [0] * world_size  # each rank's last move (its sign)
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
         return shares_of(self.global_batch if size is None else size, self.weights)
 
-    def timed(self, images, seconds):
-        """This rank's last step took it `seconds` of work (needed_seconds) for `images`."""
+    def timed(self, images, started, computed, ended):
+        """This rank's last step: `images`, and its usage() as it started, after its forward and
+        backward, and as it ended."""
         if self.fixed is None and images > 0:
-            self.timings.append((images, seconds))
+            cpu, ran, waited = (b - a for a, b in zip(started, ended))
+            self.timings.append((images, computed[0] - started[0], cpu - (computed[0] - started[0]), ran, waited))
 
     def slots(self):
-        """What this rank adds to the sum: its speed code in its own slot, zeros elsewhere."""
+        """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
+        r and N + r), zeros elsewhere."""
         if self.fixed is not None:
             return ()
-        code = 0
+        rate = overhead = 0
         if len(self.timings) >= WINDOW // 2:  # not the first steps alone: they pay for warming up
-            code = speed_code(sum(i for i, _ in self.timings), sum(s for _, s in self.timings))
-        return tuple(code if r == self.rank else 0 for r in range(self.world_size))
+            images, compute, rest, ran, waited = (sum(column) for column in zip(*self.timings))
+            cores = cores_available(self.threads, ran, waited, cpu_limit())
+            rate, overhead = speed_code(images, compute / cores), speed_code(len(self.timings), rest / cores)
+        n = self.world_size
+        return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n))
 
     def review(self, step, codes):
-        """After `step` (of the epoch), with every rank's speed codes from its sum: new weights if
-        it is time to look and the shares have moved enough. True when they changed."""
-        if self.fixed is not None or step % REVIEW or len(codes) != self.world_size or min(codes) < 1:
+        """After `step` (of the epoch), with every rank's codes from its sum: new shares if it is
+        time to look and they have moved enough. True when they changed."""
+        n = self.world_size
+        if self.fixed is not None or step % REVIEW or len(codes) != 2 * n or min(codes) < 1:
             return False
-        weights = tuple(weight_of(c) for c in codes)
-        old, new = self.shares(), shares_of(self.global_batch, weights)
-        if not any(abs(b - a) > max(1, THRESHOLD * a) for a, b in zip(old, new)):
+        old, new = self.shares(), solve(self.global_batch, codes[:n], codes[n:])
+        moves = [b - a for a, b in zip(old, new)]
+        # a move on in the direction of the last one (a rank at a share far from its last, whose
+        # speed per image grows with its share, gets there in several moves) needs 2 images; a
+        # move back, more than THRESHOLD: noise turns the shares back and forth, a change does not
+        onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
+        if not any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old)):
             return False
-        self.weights = weights
+        self.weights, self.direction = tuple(new), moves
         self.changes += 1
         return True

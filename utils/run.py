@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utils import checkpoint, stop
-from utils.balance import REVIEW, Balance, needed_seconds
+from utils.balance import REVIEW, Balance, usage
 from utils.comm import hierarchical
 from utils.data import BalancedBatches, step_batches
 from utils.distributed import check_identical_parameters, model_name
@@ -71,17 +71,22 @@ def batches_of_epoch(num_examples, epoch, recipe, balance=None):
     ]
 
 
-def train_step(model, gradient_sync, images, labels, weight=1.0, timeline=OFF):
-    """One training step on `images`: the loss, before the step."""
+def train_step(model, gradient_sync, images, labels, weight=1.0, timeline=OFF, balance=None):
+    """One training step on `images`: the loss, before the step. balance (--balance): told the time
+    the step's work needed, its forward and backward apart."""
     gradient_sync.weigh(weight)
+    started = usage() if balance is not None else None
     with timeline.span("step"):
         with timeline.span("forward"):
             loss = F.cross_entropy(model(images), labels)
         with timeline.span("backward"):
             loss.backward()
+        computed = usage() if balance is not None else None
         faults.point("sum")
         gradient_sync.after_backward()  # the sum over all ranks (overlapped: already running)
         gradient_sync.step()
+    if balance is not None:
+        balance.timed(len(images), started, computed, usage())
     return loss
 
 
@@ -168,10 +173,7 @@ def train_model(
             start = time.perf_counter()
             timeline.at_step((epoch - 1) * len(batches) + step)
             faults.at_step((epoch - 1) * len(batches) + step)
-            needed = needed_seconds() if balance is not None else 0.0
-            loss = train_step(model, gradient_sync, images[batch], labels[batch], weight, timeline)
-            if balance is not None:  # the time its work needed, not its waits for the others
-                balance.timed(len(batch), needed_seconds() - needed)
+            loss = train_step(model, gradient_sync, images[batch], labels[batch], weight, timeline, balance)
             stats.loss_sum += loss.item()
             stats.steps += 1
             stats.images += size
@@ -242,7 +244,8 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
     steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
     balance = None  # --balance: the shares of each step (utils/balance.py)
     if config.sync.balance:
-        balance = Balance(config.sync.balance, dist.get_rank(), dist.get_world_size(), recipe.global_batch)
+        rank, world_size, threads = dist.get_rank(), dist.get_world_size(), torch.get_num_threads()
+        balance = Balance(config.sync.balance, rank, world_size, recipe.global_batch, threads)
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
     timeline = OFF  # rank 0 was given --timeline (utils/distributed.agree): every rank records
     if outputs.timeline_steps:

@@ -7,20 +7,54 @@ import pytest
 import torch
 
 from utils import balance
-from utils.balance import REVIEW, WINDOW, Balance, shares_of, speed_code, weight_of
+from utils.balance import REVIEW, WINDOW, Balance, code_value, shares_of, solve, speed_code
 from utils.data import BalancedBatches, epoch_permutation
 
 
 def test_speed_codes_are_exact_small_whole_numbers():
-    assert speed_code(0, 1.0) == 0 and speed_code(10, 0.0) == 0  # nothing measured
+    assert speed_code(0, 1.0) == 0  # nothing measured
+    assert speed_code(5, 0.0) == balance.MAX_CODE  # no time at all: as fast as a code says
     assert speed_code(64, 0.05) == round(16 * math.log2(1280))
     assert speed_code(1, 1e9) == 1 and speed_code(10**12, 1e-3) == balance.MAX_CODE  # clamped
     codes = [speed_code(n, 1.0) for n in (100, 200, 400, 800)]
     assert [b - a for a, b in zip(codes, codes[1:])] == [16, 16, 16]  # 16 codes per doubling
     for code in range(1, balance.MAX_CODE + 1):  # exact in bfloat16, the narrowest wire format
         assert torch.tensor(float(code), dtype=torch.bfloat16).item() == code
-        assert weight_of(code) == pytest.approx(2 ** (code / 16) * 2**16, rel=1e-5)
-    assert all(weight_of(c) < weight_of(c + 1) for c in range(1, balance.MAX_CODE))
+        assert float(code_value(code)) == pytest.approx(2 ** (code / 16), rel=1e-5)
+    assert all(code_value(c) < code_value(c + 1) for c in range(1, balance.MAX_CODE))
+
+
+def code(per_second):
+    return speed_code(per_second, 1.0)
+
+
+@pytest.mark.parametrize(
+    "rates, overheads, expected",
+    [
+        ((1000, 1000), (200, 200), [32, 32]),  # alike: equal shares
+        ((1000, 500), (10**6, 10**6), [43, 21]),  # no overhead: shares in proportion to the rates
+        ((1000, 500), (200, 100), [44, 20]),  # 5 and 10 ms a step: 44.3 / 1000 + 5 ms = 19.7 / 500 + 10 ms
+        ((1000, 1), (200, 200), [63, 1]),  # at least one image each
+        ((600, 400, 300, 200), (10**6,) * 4, [26, 17, 13, 8]),
+    ],
+)
+def test_shares_give_every_rank_the_same_step_time(rates, overheads, expected):
+    shares = solve(64, [code(r) for r in rates], [code(o) for o in overheads])
+    assert shares == expected and sum(shares) == 64
+
+
+def test_the_shares_are_within_an_image_of_equal_step_times():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(2, 9, (1,), generator=generator))
+        rates = [int(c) for c in torch.randint(100, 200, (n,), generator=generator)]
+        overheads = [int(c) for c in torch.randint(80, 200, (n,), generator=generator)]
+        shares = solve(256, rates, overheads)
+        assert sum(shares) == 256 and min(shares) >= 1
+        times = [1 / code_value(o) + s / code_value(r) for s, r, o in zip(shares, rates, overheads)]
+        free = [t for t, s in zip(times, shares) if s > 1]  # (a rank held at one image is faster)
+        slowest_image = max(1 / code_value(r) for r in rates)
+        assert max(free) - min(free) <= 2 * slowest_image, (shares, rates, overheads)
 
 
 @pytest.mark.parametrize(
@@ -42,7 +76,7 @@ def test_shares_cover_the_step_for_any_weights():
     generator = torch.Generator().manual_seed(0)
     for _ in range(500):
         n = int(torch.randint(1, 9, (1,), generator=generator))
-        weights = [weight_of(int(c)) for c in torch.randint(1, 256, (n,), generator=generator)]
+        weights = [int(c) for c in torch.randint(1, 1000, (n,), generator=generator)]
         size = int(torch.randint(1, 300, (1,), generator=generator))
         shares = shares_of(size, weights)
         assert sum(shares) == size and len(shares) == n
@@ -51,43 +85,45 @@ def test_shares_cover_the_step_for_any_weights():
         assert all(abs(s - e) < 1 for s, e in zip(shares, exact)) or min(exact) < 1
 
 
-def timed(b, per_second, steps=WINDOW):
+def timed(b, per_second, overhead=0.005, steps=WINDOW):
+    """Steps of 32 images at `per_second`, `overhead` seconds of the rest, never kept from a CPU."""
     for _ in range(steps):
-        b.timed(32, 32 / per_second)
+        compute = 32 / per_second
+        b.timed(32, (0.0, 0.0, 0.0), (compute, 0.0, 0.0), (compute + overhead, compute + overhead, 0.0))
 
 
-def test_a_rank_sends_its_speed_in_its_own_slot_once_it_has_measured_enough():
+def test_a_rank_sends_its_codes_in_its_own_slots_once_it_has_measured_enough():
     b = Balance("measured", rank=1, world_size=3, global_batch=64)
-    assert b.slots() == (0, 0, 0)
-    timed(b, 1000.0, WINDOW // 2 - 1)
-    assert b.slots() == (0, 0, 0)  # the first steps alone pay for warming up
-    timed(b, 1000.0, 1)
-    assert b.slots() == (0, speed_code(1000, 1), 0)
-    timed(b, 500.0)  # the window holds only the last WINDOW steps
-    assert b.slots() == (0, speed_code(500, 1), 0)
+    assert b.slots() == (0,) * 6
+    timed(b, 1000.0, steps=WINDOW // 2 - 1)
+    assert b.slots() == (0,) * 6  # the first steps alone pay for warming up
+    timed(b, 1000.0, steps=1)
+    assert b.slots() == (0, code(1000), 0, 0, code(200), 0)  # rate, then overhead (1 / 5 ms)
+    timed(b, 500.0, 0.01)  # the window holds only the last WINDOW steps
+    assert b.slots() == (0, code(500), 0, 0, code(100), 0)
 
 
 def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
-    fast, slow = speed_code(1000, 1), speed_code(500, 1)
-    assert not b.review(REVIEW - 1, (fast, slow)) and b.shares() == [32, 32]  # not a review step
-    assert not b.review(REVIEW, (fast, 0)) and b.shares() == [32, 32]  # a rank not measured yet
-    assert b.review(REVIEW, (fast, slow)) and b.shares() == [43, 21] and b.changes == 1
-    assert not b.review(2 * REVIEW, (fast, slow - 1))  # 4% slower: noise, no flapping
+    fast, slow, over = code(1000), code(500), code(10**6)
+    assert not b.review(REVIEW - 1, (fast, slow, over, over)) and b.shares() == [32, 32]  # not a review step
+    assert not b.review(REVIEW, (fast, 0, over, over)) and b.shares() == [32, 32]  # a rank not measured yet
+    assert b.review(REVIEW, (fast, slow, over, over)) and b.shares() == [43, 21] and b.changes == 1
+    assert not b.review(2 * REVIEW, (fast, slow - 1, over, over))  # 4% slower: noise, no flapping
     assert b.shares() == [43, 21] and b.changes == 1
-    assert b.review(3 * REVIEW, (fast, fast)) and b.shares() == [32, 32]
-    b.restart(0, 3)  # a change of members: equal shares for the new group
-    assert b.shares() == [22, 21, 21] and b.slots() == (speed_code(500, 1) * 0,) * 3 or True
+    assert b.review(3 * REVIEW, (fast, fast, over, over)) and b.shares() == [32, 32]
+    assert b.shares(7) == [4, 3]  # a smaller last step, cut in the same proportions
 
 
 def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     timed(b, 800.0)
-    b.review(REVIEW, (speed_code(800, 1), speed_code(400, 1)))
+    over = code(10**6)
+    b.review(REVIEW, (code(800), code(400), over, over))
     assert b.shares() == [43, 21]
     b.restart(1, 3)
-    assert b.shares() == [22, 21, 21] and b.slots() == (0, speed_code(800, 1), 0)
-    b.restart(0, 2, weights=(2, 1))  # a resume: the checkpoint's weights
+    assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0)
+    b.restart(0, 2, weights=(43, 21))  # a resume: the checkpoint's shares
     assert b.shares() == [43, 21]
 
 
@@ -95,7 +131,7 @@ def test_fixed_proportions_never_change_and_hold_only_for_their_number_of_ranks(
     b = Balance("5:2", rank=0, world_size=2, global_batch=64)
     assert b.shares() == [46, 18] and b.slots() == ()
     timed(b, 100.0)
-    assert not b.review(REVIEW, (200, 100)) and b.shares() == [46, 18]
+    assert not b.review(REVIEW, (200, 100, 100, 100)) and b.shares() == [46, 18]
     b.restart(0, 3)  # after a lost rank or a join: equal shares
     assert b.shares() == [22, 21, 21]
     b.restart(0, 2)
@@ -110,7 +146,7 @@ def test_balanced_batches_train_every_image_once_whatever_the_shares_do(num_exam
     n, epoch, seed = 3, 2, 5
     ranks = [Balance("measured", r, n, global_batch) for r in range(n)]
     views = [BalancedBatches(num_examples, epoch, seed, global_batch, b) for b in ranks]
-    changes = {1: (3, 1, 1), 4: (1, 5, 2), 9: (weight_of(200), weight_of(100), weight_of(150))}
+    changes = {1: (3, 1, 1), 4: (1, 5, 2), 9: (30, 20, 14)}
     seen = []
     for step in range(len(views[0])):
         for b in ranks:
@@ -121,3 +157,19 @@ def test_balanced_batches_train_every_image_once_whatever_the_shares_do(num_exam
         assert sum(p[1] for p in parts) == pytest.approx(n)  # each weight: its share of the step times N
         seen += [i for p in parts for i in p[0].tolist()]
     assert seen == epoch_permutation(num_examples, epoch, seed).tolist()
+
+
+def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    over = code(10**6)
+    assert b.review(REVIEW, (code(1000), code(500), over, over)) and b.shares() == [43, 21]
+    assert b.review(2 * REVIEW, (code(1000), code(420), over, over)) and b.shares() == [45, 19]  # onward: 2 images
+    assert not b.review(3 * REVIEW, (code(1000), code(480), over, over))  # back by 2 of 19: noise
+    assert b.review(4 * REVIEW, (code(1000), code(1000), over, over)) and b.shares() == [32, 32]
+
+
+def test_the_cores_a_rank_can_use():
+    assert balance.cores_available(1, ran=1.0, waited=0.0, limit=None) == 1.0
+    assert balance.cores_available(1, ran=0.5, waited=0.5, limit=None) == 0.5  # other jobs had half of it
+    assert balance.cores_available(4, ran=1.0, waited=0.0, limit=0.4) == 0.4  # a quota not used up yet
+    assert balance.cores_available(2, ran=0.0, waited=0.0, limit=None) == 2.0
