@@ -30,12 +30,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, md_row, png_of, write_results
+from harness import (
+    REPO,
+    RESULTS,
+    bench_parser,
+    command_line,
+    figure,
+    host_info,
+    md_row,
+    png_of,
+    throttle,
+    write_results,
+)
 
 from utils.launch import free_port, kill
-
-sys.path.insert(0, str(REPO / "scripts"))  # (harness's too; for a reader of this file alone)
-import throttle  # noqa: E402  (scripts/throttle.py)
 
 TRAIN = str(REPO / "train.py")
 PARTS = ("two", "four", "change", "equal")

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # utils/ (ranks), scripts/netns.py (driver)
 import netns  # noqa: E402
+import throttle  # noqa: E402, F401  (scripts/throttle.py: CPU quotas, for bench/balance.py)
 from stats import LoadWatch, quiet  # noqa: E402  (bench/stats.py: the load check, the paired statistics)
 
 from utils.errors import UsageError  # noqa: E402
