@@ -130,3 +130,25 @@ def test_a_server_joins_a_balanced_job(tmp_path):
     assert "parameters identical on all 3 ranks" in results[0][1], results[0][1]
     row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["images"] == 6400 and row["members"] == [0, 1, 2] and len(row["shares"]) == 3, row
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_reads_the_cpu_quota_that_holds_it(needs_root):
+    """A quota shows in a process's waits only once it is used up: the rank reads it from its cgroup."""
+    probe = [procs.sys.executable, "-c", "import sys; from utils.balance import cpu_limit; print(cpu_limit())"]
+    unlimited = procs.subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    assert unlimited.stdout.strip() == "None", unlimited.stderr
+    reader = procs.subprocess.Popen(
+        [procs.sys.executable, "-c", "import sys; sys.stdin.readline(); " + probe[2]],
+        stdin=procs.subprocess.PIPE,
+        stdout=procs.subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with throttle.CpuQuota("test-balance-limit") as quota:
+            quota.add(reader.pid)
+            quota.set(0.3)
+            out, _ = reader.communicate("go\n", timeout=30)
+    finally:
+        reader.kill()
+    assert out.strip() == "0.3", out

@@ -181,6 +181,7 @@ class Balance:
         self.global_batch, self.threads = global_batch, threads  # threads: torch's, on this rank
         self.timings = deque(maxlen=WINDOW)  # (images, CPU s of compute, of the rest, ran, waited) a step
         self.changes = 0  # re-balances so far (the timeline and the log say them)
+        self.limit, self.limit_read = None, -math.inf  # cpu_limit(), and when it was read
         self.restart(rank, world_size)
 
     def restart(self, rank, world_size, weights=None):
@@ -211,7 +212,9 @@ class Balance:
         rate = overhead = 0
         if len(self.timings) >= WINDOW // 2:  # not the first steps alone: they pay for warming up
             images, compute, rest, ran, waited = (sum(column) for column in zip(*self.timings))
-            cores = cores_available(self.threads, ran, waited, cpu_limit())
+            if time.monotonic() > self.limit_read + 1.0:  # a quota may change at any moment; read it each second
+                self.limit, self.limit_read = cpu_limit(), time.monotonic()
+            cores = cores_available(self.threads, ran, waited, self.limit)
             rate, overhead = speed_code(images, compute / cores), speed_code(len(self.timings), rest / cores)
         n = self.world_size
         return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n))
