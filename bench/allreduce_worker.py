@@ -10,21 +10,19 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib.util
-import json
 import math
 import os
 import statistics
 import time
 from pathlib import Path
 
-from harness import rotated, start_worker
-
-from utils.files import write_file
+from harness import end_worker, rotated, start_worker
 
 ELEMENT = 4  # bytes per float32
 
 
 def load_module(path: str, name: str):
+    """The module of the Python file at `path` (another ring.py, a candidate's)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -59,10 +57,7 @@ def sums(cfg: dict, say) -> tuple[dict, object]:
 
 
 def worker(args) -> int:
-    cfg = json.loads(Path(args.config).read_text())
-    import torch.distributed as dist
-
-    say = start_worker(cfg, args.rank, deterministic=False)
+    cfg, say = start_worker(args, deterministic=False)
     algorithms, ring = sums(cfg, say)
     out, failures = {"world_size": cfg["world_size"], "sizes": []}, []
     for size in cfg["sizes"]:
@@ -79,11 +74,7 @@ def worker(args) -> int:
             for r in rows
         )
         say(f"  N={cfg['world_size']} {size['label']:>6} ({size['iters']} iters): {times}")
-    out["failures"] = failures
-    if args.rank == 0:
-        write_file(Path(cfg["out"]), json.dumps(out).encode())
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(cfg, args.rank, out | {"failures": failures})
     return 3 if failures else 0
 
 

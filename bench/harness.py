@@ -1,19 +1,7 @@
-"""What every benchmark shares; each script (allreduce.py, train_step.py, time_to_accuracy.py) is a
-plugin that brings only its worker, its configurations and its summary.
-
-    command line   bench_parser, add_options (the shared option groups), check_options, number_list,
-                   name_list, at_least, positive
-    worlds         emulated_cluster, world_config, worlds_dir, launch_world (the ranks, supervised, and the load check),
-                   run_driver
-    workers        start_worker, digest, rotated, pick
-    statistics     in bench/stats.py: the load check (LoadWatch, quiet) and the paired statistics
-    results        results_stem, command_line, host_info, run_info, md_row, write_results, figure, png_of
-    MODEL_NUMEL    the trainer's parameter count, counted from utils/model.Net itself
-
-A benchmark's driver starts N real rank processes of its own file (`--worker --rank R --config
-FILE`), one world at a time, and reads rank 0's result file; the ranks are supervised by
-utils.launch.supervise, the repository's one process supervisor, so a failed rank stops its world
-and nothing outlives the driver.
+"""What every benchmark shares: the command line's option groups and their checks, a world of rank
+processes (each driver starts its own file with --worker, supervised by utils.launch.supervise), the
+emulated cluster, the rotation of configurations and the results files (bench/README.md, "How they
+run"). bench/stats.py has the load check and the paired statistics.
 """
 
 from __future__ import annotations
@@ -155,7 +143,7 @@ def checked_rate(rate: str) -> str:
 
 
 def parse_rate(rate: str) -> int:
-    """tc-style rate -> bits per second (for argparse)."""
+    """tc-style rate -> bits per second (argparse's error for a bad one)."""
     try:
         return netns.parse_rate(rate)
     except netns.ClusterError as e:
@@ -256,18 +244,12 @@ def world_config(cl, base: int, i: int, world_size: int) -> dict:
 
 
 def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str, ok_codes=(0,), per_host=1):
-    """One world: write `cfg` (plus "out", where rank 0 writes its results) to tmp, run ranks
-    0..cfg["world_size"]-1 of `script --worker --rank R --config CONFIG` until all have exited, and
-    return rank 0's results with "load": what else used the machine meanwhile (a warning is printed
-    when it was not quiet).
-
-    With a cluster `cl` (scripts/netns.py) rank r runs on emulated host r // per_host with
-    GLOO_SOCKET_IFNAME set to its NIC; without, on loopback, where per_host > 1 fakes the hosts for
-    utils/comm/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's stderr (and
-    the other ranks' stdout) goes to tmp/rank<R>-<tag>.log. utils.launch.supervise waits: if a rank
-    exits with a code not in ok_codes, the others get GRACE seconds, then are killed, and every rank
-    is killed on every way out. Raises LaunchError (naming `what`) on a timeout or a failed rank,
-    with each rank's stderr tail.
+    """One world: ranks 0..N-1 of `script --worker --rank R --config CONFIG` (cfg plus "out", where rank 0
+    writes its results), on emulated host r // per_host of `cl` (GLOO_SOCKET_IFNAME its NIC) or on
+    loopback (per_host > 1 faked through RING_HOST_ID), until all have exited. Rank 0's stdout is ours;
+    every rank's stderr goes to tmp/rank<R>-<tag>.log. A rank exiting with a code not in ok_codes, or
+    the timeout, stops the world: LaunchError (naming `what`, with each rank's stderr tail). Returns
+    rank 0's results with "load": what else used the machine meanwhile (warned about when not quiet).
     """
     config, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
     config.write_text(json.dumps({**cfg, "out": str(out_path)}))
@@ -339,12 +321,14 @@ def run_driver(driver, args, prog: str) -> int:
 
 
 # --------------------------------------------------------------------------- workers
-def start_worker(cfg: dict, rank: int, deterministic: bool = True):
-    """A rank's start: 1 torch thread (the ranks share this machine's cores, as train.py's ranks
-    do), deterministic algorithms, the gloo process group. Returns say(), which prints on rank 0."""
+def start_worker(args, deterministic: bool = True):
+    """A rank's start: its world's configuration (--config), 1 torch thread (the ranks share this
+    machine's cores, as train.py's ranks do), deterministic algorithms, the gloo process group.
+    Returns (the configuration, say()), which prints on rank 0."""
     import torch
     import torch.distributed as dist
 
+    cfg = json.loads(Path(args.config).read_text())
     torch.set_num_threads(1)
     if deterministic:
         from utils.model import use_deterministic_algorithms
@@ -352,9 +336,19 @@ def start_worker(cfg: dict, rank: int, deterministic: bool = True):
         use_deterministic_algorithms()
     timeout = datetime.timedelta(seconds=cfg["op_timeout"])
     dist.init_process_group(
-        "gloo", init_method=cfg["init_method"], rank=rank, world_size=cfg["world_size"], timeout=timeout
+        "gloo", init_method=cfg["init_method"], rank=args.rank, world_size=cfg["world_size"], timeout=timeout
     )
-    return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    return cfg, (lambda *a: print(*a, flush=True)) if args.rank == 0 else (lambda *a: None)
+
+
+def end_worker(cfg: dict, rank: int, out: dict) -> None:
+    """A rank's end: rank 0 writes the world's results `out` for the driver, then all leave together."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        write_file(Path(cfg["out"]), json.dumps(out).encode())
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def digest(model) -> str:
@@ -386,6 +380,23 @@ def results_stem(*parts) -> str:
     script's default plan (None or '' where it does not), so that a partial or different run never
     overwrites the full one's files."""
     return "-".join(str(p) for p in parts if p)
+
+
+def differences(args, defaults: dict, spelt: dict) -> list:
+    """For a results_stem: spelt[name] (a format, or a function of the value) for each option whose
+    value differs from defaults[name] (an option without a default: any value it was given)."""
+    out = []
+    for name, text in spelt.items():
+        value = getattr(args, name)
+        changed = value != defaults.get(name)
+        out.append((text(value) if callable(text) else text.format(value)) if changed else None)
+    return out
+
+
+def sum_seconds(n: int, rate_bits: float | None, numel: int) -> float:
+    """A generous time for one step's gradient sum of `numel` floats among n ranks (about twice the
+    slowest algorithm's), for the worlds' hard timeouts."""
+    return 2 * (2 * numel * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
 
 
 def command_line(script: str) -> str:

@@ -1,10 +1,7 @@
 """What the two training benchmarks (train_step.py, time_to_accuracy.py) measure ours against: torch
-DDP with its compression hooks, torch's post-local SGD, and a step that sums nothing (compute
-only); and the NIC's byte counter they both read.
-
-Every one of them runs through utils.run.train_model, the trainer's own loop, in the place of our
-gradient sync: LocalStep is a utils.sync.interface.GradientSync too, so compute only, DDP, local
-SGD and ours differ in nothing but the sum.
+DDP with its compression hooks, torch's post-local SGD, and a step that sums nothing (compute only);
+and the NIC's byte counter they both read. Every one of them runs through the trainer's own loop
+(train_steps) in the place of our gradient sync, so they differ in nothing but the sum.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import harness  # noqa: F401  # the repository on the path (the benchmarks are r
 
 from utils.comm.allreduce import ALGORITHMS
 from utils.comm.compress import NoCompression
-from utils.sync.factory import make_gradient_sync
 from utils.sync.interface import Flags, GradientSync
 from utils.timeline import OFF
 
@@ -100,12 +96,6 @@ class LocalStep(GradientSync):
 
     def abandon(self):
         return False
-
-
-def make_sync(model, sync, optimizer, scheduler, seed, timeline=OFF):
-    """Ours: the trainer's gradient sync of a utils.config.Sync (our_sync), the one place the bench
-    makes it; timeline: a utils.timeline.Recorder to draw on (OFF: none)."""
-    return make_gradient_sync(model, sync, optimizer, scheduler, seed, timeline=timeline)
 
 
 def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):

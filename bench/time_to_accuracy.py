@@ -105,39 +105,22 @@ def parse_ours(text: str) -> dict:
 def results_stem(args, mode: str) -> str:
     """time_to_accuracy-<mode>, plus whatever this run changed from the default plan, so that a quick or
     partial run never overwrites the full one (e.g. time_to_accuracy-loopback-n2-e1-sub6400)."""
-    parts = [f"time_to_accuracy-{mode}"]
-    if mode == "cluster" and args.rates != [DEFAULTS["rate"]]:
-        parts.append("+".join(args.rates))
-    if args.world_sizes != DEFAULTS["world_sizes"]:
-        parts.append("n" + "+".join(map(str, args.world_sizes)))
-    if args.epochs != DEFAULTS["epochs"]:
-        parts.append(f"e{args.epochs}")
-    if args.evals_per_epoch != DEFAULTS["evals_per_epoch"]:
-        parts.append(f"ev{args.evals_per_epoch}")
-    if args.train_subset:
-        parts.append(f"sub{args.train_subset}")
-    if args.test_subset:
-        parts.append(f"test{args.test_subset}")
-    if args.global_batch != DEFAULTS["global_batch"]:
-        parts.append(f"gb{args.global_batch}")
-    if args.seed != DEFAULTS["seed"]:
-        parts.append(f"seed{args.seed}")
-    if args.ours != DEFAULTS["ours"]:
-        parts.append(args.ours)
-    if (args.powersgd_rank, args.powersgd_warmup) != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]):
-        parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
-    lr, momentum = outer_settings(args)  # (stem_of leaves out the Nones)
-    parts += [
-        args.outer if args.outer != DEFAULTS["outer"] else None,
-        f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None,
-        f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None,
-        f"lw{args.localsgd_warmup}" if args.localsgd_warmup != DEFAULTS["localsgd_warmup"] else None,
+    lr, momentum = outer_settings(args)
+    named = dict(world_sizes=lambda v: "n" + "+".join(map(str, v)), epochs="e{}", evals_per_epoch="ev{}")
+    named |= dict(train_subset="sub{}", test_subset="test{}", global_batch="gb{}", seed="seed{}", ours="{}")
+    parts = [
+        f"time_to_accuracy-{mode}",
+        "+".join(args.rates) if mode == "cluster" and args.rates != [DEFAULTS["rate"]] else None,
     ]
-    if sorted(args.configs) != sorted(DEFAULTS["configs"]):
-        parts.append("subset")
-    if args.repeats != DEFAULTS["repeats"]:
-        parts.append(f"x{args.repeats}")
-    return harness.results_stem(*parts)
+    parts += harness.differences(args, DEFAULTS, named)
+    psgd = (args.powersgd_rank, args.powersgd_warmup)
+    parts.append(f"r{psgd[0]}w{psgd[1]}" if psgd != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]) else None)
+    parts += harness.differences(args, DEFAULTS, {"outer": "{}"})
+    parts += [f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None]
+    parts += [f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None]
+    parts += harness.differences(args, DEFAULTS, {"localsgd_warmup": "lw{}"})
+    parts += ["subset" if sorted(args.configs) != sorted(DEFAULTS["configs"]) else None]
+    return harness.results_stem(*parts, *harness.differences(args, DEFAULTS, {"repeats": "x{}"}))
 
 
 def outer_settings(args) -> tuple:
@@ -151,12 +134,11 @@ def outer_settings(args) -> tuple:
 
 
 # --------------------------------------------------------------------------- driver
-def estimate_seconds(n: int, rate_bits: float | None, steps: int, evals: int) -> float:
+def estimate_seconds(n: int, rate: str | None, steps: int, evals: int) -> float:
     """Rough, generous time of one world (start-up, compute-only timing, training, evaluations), for the
     hard timeout."""
-    cores = os.cpu_count() or 1
-    compute = 0.03 * max(1.0, n / cores)  # 64 images over N ranks
-    comm = 2 * (2 * MODEL_NUMEL * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
+    compute = 0.03 * max(1.0, n / (os.cpu_count() or 1))  # 64 images over N ranks
+    comm = harness.sum_seconds(n, harness.parse_rate(rate) if rate else None, MODEL_NUMEL)
     return 60 + steps * (compute + comm) + 5 * evals
 
 
@@ -197,13 +179,11 @@ def write_results_so_far(args, records, mode, rates, command, notes, started, co
     """The JSON, markdown and PNG of `records`; a run still going (complete=False) says so in both."""
     host = harness.host_info()
     md, tbl, title = report.markdown(records, args, rates, host, command, notes, complete)
-    outer_lr, outer_momentum = outer_settings(args)
     result = dict(mode=mode, rate=rates[0] if len(rates) == 1 else None, rates=rates, world_sizes=args.world_sizes)
     result |= dict(command=command, notes=notes, complete=complete)
     result |= harness.pick(args, "epochs evals_per_epoch target global_batch train_subset test_subset lr seed ours")
-    result |= harness.pick(args, "powersgd_rank powersgd_warmup outer") | dict(
-        outer_lr=outer_lr, outer_momentum=outer_momentum
-    )
+    result |= harness.pick(args, "powersgd_rank powersgd_warmup outer")
+    result |= dict(zip(("outer_lr", "outer_momentum"), outer_settings(args)))
     result |= harness.pick(args, "localsgd_warmup compute_steps configs repeats") | harness.run_info(host, started)
     # compute only sends nothing: the worlds of every link rate time the same thing
     result["free_network"] = {
@@ -221,15 +201,8 @@ def driver(args) -> int:
     specs = [parse_config(c) for c in args.configs]
     subset = args.train_subset or 60000
     steps = {n: args.epochs * ((subset // n) // max(1, args.global_batch // n)) for n in args.world_sizes}
-    est = {
-        rate: {
-            n: estimate_seconds(
-                n, harness.parse_rate(rate) if rate else None, steps[n], args.epochs * args.evals_per_epoch + 1
-            )
-            for n in args.world_sizes
-        }
-        for rate in rates
-    }
+    evals = args.epochs * args.evals_per_epoch + 1
+    est = {rate: {n: estimate_seconds(n, rate, steps[n], evals) for n in args.world_sizes} for rate in rates}
     command = harness.command_line("time_to_accuracy.py")
     notes = report.plan_notes(args, specs, *outer_settings(args))
     print(
@@ -239,15 +212,12 @@ def driver(args) -> int:
         f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})"
     )
     print(f"# {notes}")
-    print(
-        "# estimate (generous) "
-        + ", ".join(
-            f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
-            for rate in rates
-            for n, s in est[rate].items()
-        ),
-        flush=True,
-    )
+    each = [
+        f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
+        for rate in rates
+        for n, s in est[rate].items()
+    ]
+    print("# estimate (generous) " + ", ".join(each), flush=True)
     started = time.time()
     total = len(specs) * len(args.world_sizes) * args.repeats * len(rates)
     records = []
@@ -318,17 +288,18 @@ def main(argv=None) -> int:
         parse_ours(args.ours)
     except ValueError as e:
         ap.error(str(e))
+    sizes, batch, train = args.world_sizes, args.global_batch, args.train_subset
     if len(set(args.configs)) != len(args.configs):
         ap.error("--configs: a configuration named twice")
-    if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
+    if (args.outer_lr, args.outer_momentum) != (None, None) and args.outer != "nesterov":
         ap.error("--outer-lr and --outer-momentum are for --outer nesterov")
     if args.outer != d["outer"] and not any(s["kind"] == "ours" and s["sync_every"] > 1 for s in specs):
         ap.error(f"--outer {args.outer} is for ours@H configurations, and --configs has none")
-    if any(args.global_batch // n < 1 for n in args.world_sizes):
-        ap.error(f"--global-batch {args.global_batch} leaves no image per rank at N={max(args.world_sizes)}")
-    if args.train_subset and any(args.train_subset // n < args.global_batch // n for n in args.world_sizes):
-        ap.error(f"--train-subset {args.train_subset} is less than one step of {args.global_batch} images")
-    if args.train_subset and args.train_subset > 60000:
+    if any(batch // n < 1 for n in sizes):
+        ap.error(f"--global-batch {batch} leaves no image per rank at N={max(sizes)}")
+    if train and any(train // n < batch // n for n in sizes):
+        ap.error(f"--train-subset {train} is less than one step of {batch} images")
+    if train and train > 60000:
         ap.error("--train-subset: MNIST has 60000 training images")
     if args.test_subset and args.test_subset > 10000:
         ap.error("--test-subset: MNIST has 10000 test images")

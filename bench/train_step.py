@@ -103,7 +103,7 @@ def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps
     timeout."""
     heavier = MODEL_NUMEL[model] / MODEL_NUMEL["trainer"]  # the reference model: ~3x of both
     compute = 0.03 * batch / 32 * max(1.0, n / (os.cpu_count() or 1)) * heavier  # ~16-20 ms/step alone, measured
-    comm = 2 * (2 * MODEL_NUMEL[model] * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)  # ~2x the slowest
+    comm = harness.sum_seconds(n, rate_bits, MODEL_NUMEL[model])
     return 30 + steps * sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
 
 
@@ -131,13 +131,8 @@ def run_worlds(args, configs: list[dict], rates: list, rate_bits: dict, est: dic
 
 
 def driver(args) -> int:
-    mode, k, worlds, cores = (
-        "loopback" if args.loopback else "cluster",
-        args.ranks_per_host,
-        args.world_sizes,
-        os.cpu_count(),
-    )
-    rates: list[str | None] = [None] if args.loopback else args.rates
+    mode, rates = ("loopback", [None]) if args.loopback else ("cluster", args.rates)
+    k, worlds, cores = args.ranks_per_host, args.world_sizes, os.cpu_count()
     configs = make_configs(args)
     per_world = ", ".join(f"{batch_for(args, n * k)}/rank at N={n * k}" for n in worlds)
     batch_note = (
@@ -173,11 +168,8 @@ def driver(args) -> int:
 
     started = time.time()
     records, load = run_worlds(args, configs, rates, rate_bits, est)
-    not_identical = [
-        f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}"
-        for r in records
-        if r["params_identical"] is False
-    ]
+    differ = (r for r in records if r["params_identical"] is False)
+    not_identical = [f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}" for r in differ]
     targets, host = report.evaluate_targets(records, mode, rates, worlds), harness.host_info()
     model_note = "" if args.model == "trainer" else f"{args.model} model, "
     title = (
@@ -194,9 +186,8 @@ def driver(args) -> int:
     md += f"{report.table(records, mode)}\n\n```\n{report.target_lines(targets)}\n```\n"
     result = {"mode": mode, "rates": rates, "world_sizes": worlds, "command": command}
     result["batch_size"] = {str(n * k): batch_for(args, n * k) for n in worlds}
-    result |= {"global_batch": args.global_batch, "ranks_per_host": k} | harness.pick(
-        args, "warmup iters steps_per_sample seed model"
-    )
+    result |= {"global_batch": args.global_batch, "ranks_per_host": k}
+    result |= harness.pick(args, "warmup iters steps_per_sample seed model")
     result |= {"model_parameters": MODEL_NUMEL[args.model], "threads_per_rank": 1, "chunks": args.chunks}
     result |= {"bucket_mb": args.bucket_mb, "configs": configs}
     result["timing"] = (
@@ -230,15 +221,9 @@ def results_stem(args, mode: str) -> str:
     or different run never overwrites the full one (train_step-cluster-1gbit-n2-b64.*)."""
     d, psgd = DEFAULTS, (args.powersgd_rank, args.powersgd_warmup)
     parts = [f"train_step-{mode}", "+".join(args.rates) if mode == "cluster" and args.rates != d["rates"] else None]
-    parts += ["n" + "+".join(map(str, args.world_sizes)) if args.world_sizes != d["world_sizes"] else None]
-    parts += [args.model if args.model != d["model"] else None]
-    parts += [
-        f"gb{args.global_batch}"
-        if args.global_batch
-        else f"b{args.batch_size}"
-        if args.batch_size != d["batch_size"]
-        else None
-    ]
+    parts += harness.differences(args, d, {"world_sizes": lambda v: "n" + "+".join(map(str, v)), "model": "{}"})
+    batch = harness.differences(args, d, {"batch_size": "b{}"})[0]
+    parts += [f"gb{args.global_batch}" if args.global_batch else batch]
     parts += ["subset" if args.only or args.algorithms != d["algorithms"] else None]
     parts += [
         f"{args.ranks_per_host}-per-host" if args.ranks_per_host > 1 else None,
@@ -246,13 +231,10 @@ def results_stem(args, mode: str) -> str:
     ]
     if args.compression:
         with_ = "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy") for c in args.compress_with)
-        parts += ["compression", "+".join(args.compress) if args.compress != d["compress"] else None]
+        parts += ["compression", *harness.differences(args, d, {"compress": "+".join})]
         parts += ["with-" + with_ if args.compress_with != d["compress_with"] else None]
-        parts += [
-            f"r{psgd[0]}w{psgd[1]}"
-            if "powersgd" in args.compress and psgd != (d["powersgd_rank"], d["powersgd_warmup"])
-            else None
-        ]
+        changed = "powersgd" in args.compress and psgd != (d["powersgd_rank"], d["powersgd_warmup"])
+        parts += [f"r{psgd[0]}w{psgd[1]}" if changed else None]
     return harness.results_stem(*parts)
 
 
