@@ -22,21 +22,18 @@ TARGETS = (
     (TWO_PASS, "two-pass-pipelined", (4,), 4 * MIB, "ratio_limit", bound("two_pass_limit")),
 )
 # With several ranks per host (--ranks-per-host K > 1; world sizes count hosts): issue #18.
-HIERARCHICAL_TARGETS = (
-    (f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB", "ratio_limit", bound("hierarchical_limit")),
-    (
-        f"hierarchical >= {1 / bound('hierarchical_gloo'):.1f}x faster than gloo, >= 1 MiB",
-        "ratio_gloo",
-        bound("hierarchical_gloo"),
-    ),
-    (
-        f"hierarchical >= {1 / bound('hierarchical_ring'):.1f}x faster than ring, >= 1 MiB",
-        "ratio_ring",
-        bound("hierarchical_ring"),
-    ),
-)
+FASTER = "hierarchical >= {:.1f}x faster than {}, >= 1 MiB"
 HIERARCHICAL_TARGETS = tuple(
-    (name, "hierarchical", (2, 3), MIB, metric, limit) for name, metric, limit in HIERARCHICAL_TARGETS
+    (name, "hierarchical", (2, 3), MIB, metric, limit)
+    for name, metric, limit in (
+        (
+            f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB",
+            "ratio_limit",
+            bound("hierarchical_limit"),
+        ),
+        (FASTER.format(1 / bound("hierarchical_gloo"), "gloo"), "ratio_gloo", bound("hierarchical_gloo")),
+        (FASTER.format(1 / bound("hierarchical_ring"), "ring"), "ratio_ring", bound("hierarchical_ring")),
+    )
 )
 
 
@@ -73,51 +70,30 @@ def evaluate_targets(records: list[dict], mode: str, ranks_per_host: int = 1) ->
     """Targets per number of hosts (N): TARGETS with one rank per host, HIERARCHICAL_TARGETS with several."""
     out = []
     candidates = sorted({r["algorithm"] for r in records if r["algorithm"].startswith("ring:")})
-    targets = list(TARGETS) + [
-        (name.replace("ring", c, 1) + " [candidate]", c, *rest)
-        for c in candidates
-        for name, alg, *rest in TARGETS
-        if alg == "ring"
+    ring = [(name, rest) for name, alg, *rest in TARGETS if alg == "ring"]
+    targets = [
+        *TARGETS,
+        *((name.replace("ring", c, 1) + " [candidate]", c, *rest) for c in candidates for name, rest in ring),
     ]
     if ranks_per_host > 1:
         targets = list(HIERARCHICAL_TARGETS)
     for name, alg, worlds, min_bytes, metric, limit in targets:
         for n in worlds:
-            rows = [
-                r
-                for r in records
-                if r["algorithm"] == alg
-                and r.get("hosts", r["world_size"]) == n
-                and r["bytes"] >= min_bytes
-                and r.get(metric) is not None
-            ]
-            label = str(n) if ranks_per_host == 1 else f"{n}×{ranks_per_host}"
+            rows = [r for r in records if r["algorithm"] == alg and r.get("hosts", r["world_size"]) == n]
+            rows = [r for r in rows if r["bytes"] >= min_bytes and r.get(metric) is not None]
+            t = {"target": name, "world_size": n, "label": str(n) if ranks_per_host == 1 else f"{n}×{ranks_per_host}"}
             if mode != "cluster" or not rows:
                 why = "targets are for --cluster --rate" if mode != "cluster" else "not measured"
-                out.append({"target": name, "world_size": n, "label": label, "status": "N/A", "why": why})
+                out.append(t | {"status": "N/A", "why": why})
                 continue
             worst = max(rows, key=lambda r: r[metric])
-            out.append(
-                {
-                    "target": name,
-                    "world_size": n,
-                    "label": label,
-                    "bound": limit,
-                    "metric": metric,
-                    "status": "PASS" if worst[metric] <= limit else "MISS",
-                    "worst_ratio": worst[metric],
-                    "worst_size": worst["size"],
-                    "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
-                    if metric == "ratio_limit"
-                    else {},
-                    "per_size": {r["size"]: round(r[metric], 4) for r in rows},
-                    "paired": paired_vs_gloo(records, rows)
-                    if metric == "ratio_gloo"
-                    else paired_vs_gloo(records, rows, "ring")
-                    if metric == "ratio_ring"
-                    else {},
-                }
-            )
+            t |= {"bound": limit, "metric": metric, "status": "PASS" if worst[metric] <= limit else "MISS"}
+            t |= {"worst_ratio": worst[metric], "worst_size": worst["size"]}
+            floors = {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
+            t["wire_floor"] = floors if metric == "ratio_limit" else {}
+            t["per_size"] = {r["size"]: round(r[metric], 4) for r in rows}
+            reference = {"ratio_gloo": "gloo", "ratio_ring": "ring"}.get(metric)
+            out.append(t | {"paired": paired_vs_gloo(records, rows, reference) if reference else {}})
     return out
 
 
@@ -131,12 +107,8 @@ def paired_vs_gloo(records: list[dict], rows: list[dict], reference: str = "gloo
         ratios = paired.get((r["world_size"], r["size"], r["algorithm"]))
         if ratios:
             faster = sum(x < 1 for x in ratios)
-            out[r["size"]] = [
-                round(statistics.median(ratios), 4),
-                faster,
-                len(ratios),
-                round(sign_test_p(faster, len(ratios)), 3),
-            ]
+            p = round(sign_test_p(faster, len(ratios)), 3)
+            out[r["size"]] = [round(statistics.median(ratios), 4), faster, len(ratios), p]
     return out
 
 

@@ -38,15 +38,8 @@ def combinations():
     for allreduce, mode, compress in itertools.product(
         ("two-pass", "ring", "gloo", "hierarchical"), modes, ("none", "bf16", "fp16", "powersgd")
     ):
-        found[f"{allreduce}/{mode}/{compress}"] = [
-            "--nproc",
-            "2",
-            "--allreduce",
-            allreduce,
-            "--compress",
-            compress,
-            *modes[mode],
-        ]
+        flags = f"--nproc 2 --allreduce {allreduce} --compress {compress}".split()
+        found[f"{allreduce}/{mode}/{compress}"] = [*flags, *modes[mode]]
     for allreduce in ("two-pass", "ring", "hierarchical"):
         found[f"{allreduce}/overlap/powersgd/3-ranks"] = (
             f"--nproc 3 --allreduce {allreduce} --compress powersgd".split()

@@ -32,19 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (
-    REPO,
-    RESULTS,
-    bench_parser,
-    command_line,
-    emulated_cluster,
-    host_info,
-    md_row,
-    number_list,
-    positive,
-    results_stem,
-    write_results,
-)
+import harness
+from harness import REPO, RESULTS, emulated_cluster, md_row
 from targets import bound
 
 from utils.errors import EXIT_STOPPED
@@ -179,11 +168,8 @@ def cost(world_size, pairs, tmp, cl=None, baseline=None):
                 epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k, baseline if arm is None else TRAIN)
             )
     ratios = [a / b for a, b in zip(times[True], times[False])]
-    result = {
-        "ratio_median": statistics.median(ratios),
-        "ratios": ratios,
-        "seconds": {"recover": times[True], "no-recover": times[False]},
-    }
+    result = {"ratio_median": statistics.median(ratios), "ratios": ratios}
+    result["seconds"] = {"recover": times[True], "no-recover": times[False]}
     if baseline:
         result["baseline_ratios"] = [a / b for a, b in zip(times[True], times[None])]
         result["baseline_ratio_median"] = statistics.median(result["baseline_ratios"])
@@ -212,7 +198,7 @@ def cost_row(what, median, ratios):
 
 
 def main(argv=None):
-    ap = bench_parser(__doc__)
+    ap, positive, number_list = harness.bench_parser(__doc__), harness.positive, harness.number_list
     ap.add_argument("--world-size", type=positive(int), default=3)
     ap.add_argument("--faults", type=positive(int), default=5, help="trials per kind of fault (default 5)")
     ap.add_argument("--pairs", type=positive(int), default=5, help="side-by-side epochs for the cost (default 5)")
@@ -226,13 +212,9 @@ def main(argv=None):
     global STEPS
     RUN[RUN.index("--train-subset") + 1], STEPS = str(args.train_subset), -(-args.train_subset // 64)
     rng, started = random.Random(args.seed), time.time()
-    result = {
-        "command": command_line("recovery.py"),
-        "host": host_info(),
-        "world_size": args.world_size,
-        "heartbeat": HEARTBEAT,
-        "targets": TARGETS,
-    }
+    result = {"command": harness.command_line("recovery.py"), "host": harness.host_info()}
+    result["world_size"] = args.world_size
+    result |= {"heartbeat": HEARTBEAT, "targets": TARGETS}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("kill", "stop") if args.only != "cost" else ():
             trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
@@ -265,11 +247,8 @@ def main(argv=None):
                 line += f"({ratios_text(c['baseline_ratios'])})"
             print(line, flush=True)
     result["seconds"] = time.time() - started
-    rows = [
-        stat_row(f"{k}: fault → next completed step (s)", result[k], TARGETS[k])
-        for k in ("kill", "stop")
-        if k in result
-    ]
+    faults = [k for k in ("kill", "stop") if k in result]
+    rows = [stat_row(f"{k}: fault → next completed step (s)", result[k], TARGETS[k]) for k in faults]
     if result["join"]:
         rows.append(stat_row("join: ready → first step (s)", result["join"], TARGETS["join"]))
     for where, c in result["cost"].items():
@@ -279,16 +258,12 @@ def main(argv=None):
             rows.append(cost_row(what, c["baseline_ratio_median"], c["baseline_ratios"]))
     lines = [f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", ""]
     lines += ["| what | median | min | max | target |", "|---|---|---|---|---|", *rows, ""]
-    lost = [f"{k} {result[k]['steps_lost']}" for k in ("kill", "stop") if k in result]
+    lost = [f"{k} {result[k]['steps_lost']}" for k in faults]
     if lost:
         lines.append(f"Completed steps lost per fault: {'; '.join(lost)}.")
     md = "\n".join(lines)
-    write_results(
-        Path(args.results_dir)
-        / results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None),
-        result,
-        md + "\n",
-    )
+    stem = harness.results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None)
+    harness.write_results(Path(args.results_dir) / stem, result, md + "\n")
     return 0
 
 

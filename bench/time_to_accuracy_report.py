@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, md_row, png_of
+from harness import figure, md_row, pick, png_of
 from stats import fmt, median_or_none
 
 
@@ -44,35 +44,20 @@ def summarize(raw: dict, spec: dict, n: int, target: float, epochs: int) -> dict
     hit = time_to_target(points, target)
     wire = [b for b in raw["wire_bytes"] if b is not None]
     sent = [b for b in raw["sent_bytes"] if b is not None]
-    steps = raw["steps"]
-    return {
-        "config": spec["name"],
-        "kind": spec["kind"],
-        "compress": spec["compress"],
-        "sync_every": spec.get("sync_every", 1),
-        "world_size": n,
-        "batch_size": raw["batch_size"],
-        "steps_per_epoch": spe,
-        "steps": steps,
-        "points": points,
-        "train_seconds": raw["train_seconds"],
-        "wall_seconds": raw["wall_seconds"],
-        "ms_per_step": raw["train_seconds"] / steps * 1e3 if steps else None,
-        "compute_ms_per_step": raw["compute_step_s"] * 1e3,
-        "compute_x_steps_s": raw["compute_step_s"] * steps,
-        "target": target,
-        "reached": hit is not None,
-        "time_to_target_s": hit["seconds"] if hit else None,
-        "steps_to_target": hit["step"] if hit else None,
-        "epochs_to_target": hit["epoch"] if hit else None,
-        "compute_x_steps_to_target_s": raw["compute_step_s"] * hit["step"] if hit else None,
-        "accuracy_by_epoch": {str(e): accuracy_after_epoch(points, e, spe) for e in range(1, epochs + 1)},
-        "final_accuracy": points[-1]["accuracy"] if points else None,
-        "wire_kb_per_step": statistics.mean(wire) / steps / 1e3 if wire and steps else None,
-        "sent_kb_per_step": statistics.mean(sent) / steps / 1e3 if sent and steps else None,
-        "counts_bytes": bool(sent),
-        "params_identical": raw["params_identical"],
-    }
+    steps, compute_s = raw["steps"], raw["compute_step_s"]
+    out = dict(config=spec["name"], kind=spec["kind"], compress=spec["compress"], sync_every=spec.get("sync_every", 1))
+    out |= dict(world_size=n, batch_size=raw["batch_size"], steps_per_epoch=spe, steps=steps, points=points)
+    out |= pick(raw, "train_seconds wall_seconds")
+    out |= dict(ms_per_step=raw["train_seconds"] / steps * 1e3 if steps else None)
+    out |= dict(compute_ms_per_step=compute_s * 1e3, compute_x_steps_s=compute_s * steps, target=target)
+    out |= dict(reached=hit is not None, time_to_target_s=hit["seconds"] if hit else None)
+    out |= dict(steps_to_target=hit["step"] if hit else None, epochs_to_target=hit["epoch"] if hit else None)
+    out |= dict(compute_x_steps_to_target_s=compute_s * hit["step"] if hit else None)
+    out |= dict(accuracy_by_epoch={str(e): accuracy_after_epoch(points, e, spe) for e in range(1, epochs + 1)})
+    out |= dict(final_accuracy=points[-1]["accuracy"] if points else None)
+    out |= dict(wire_kb_per_step=statistics.mean(wire) / steps / 1e3 if wire and steps else None)
+    out |= dict(sent_kb_per_step=statistics.mean(sent) / steps / 1e3 if sent and steps else None)
+    return out | dict(counts_bytes=bool(sent), params_identical=raw["params_identical"])
 
 
 def table(records: list[dict], ours: str, target: float, epochs: int) -> str:
