@@ -26,6 +26,10 @@ from allreduce_report import ALGORITHMS, MB, evaluate_targets, human, load_lines
 from allreduce_worker import ELEMENT, worker
 
 DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")  # hierarchical: with --ranks-per-host
+TIMING = (
+    "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
+    "median over timed repetitions; algorithms interleaved per repetition, order rotated"
+)
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
 UNITS = {
     "": 1,
@@ -77,12 +81,8 @@ def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
             rec.update(limit_ms=limit * 1e3 if limit else None, ratio_limit=t / limit if limit else None)
             rec.update(ratio_gloo=t / median["gloo"] if median.get("gloo") else None)
             rec.update(ratio_ring=t / median["ring"] if median.get("ring") and alg != "ring" else None)
-            records.append(dict(rec, **pick_row(row)))
+            records.append(rec | harness.pick(row, "correct bit_identical max_error_over_bound problems"))
     return records
-
-
-def pick_row(row: dict) -> dict:
-    return {key: row[key] for key in ("correct", "bit_identical", "max_error_over_bound", "problems")}
 
 
 def driver(args) -> int:
@@ -108,23 +108,17 @@ def driver(args) -> int:
     algs = args.algorithms + ["ring"] * len(args.candidate)
     est = {n: sum((p["iters"] + p["warmup"]) * seconds(a, n, p) for p in plan for a in algs) for n in worlds}
     op_timeout = max(60.0, 20 * max(seconds("two-pass", n, plan[-1], 1) for n in worlds))
-    print(
-        f"# all-reduce benchmark: mode={mode}"
-        + (f", egress cap {args.rate} per host" if rate_bits else "")
-        + f", N={','.join(map(str, worlds))}"
-        + (f" hosts × {k} ranks each" if k > 1 else "")
-        + f", algorithms={','.join(args.algorithms)}"
-        + (f", ring.py under test: {args.ring_file}" if args.ring_file else "")
-        + "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate)
-    )
+    cap, hosts = f", egress cap {args.rate} per host" if rate_bits else "", f" hosts × {k} ranks each" if k > 1 else ""
+    under_test = f", ring.py under test: {args.ring_file}" if args.ring_file else ""
+    under_test += "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate)
+    what = f"N={','.join(map(str, worlds))}{hosts}, algorithms={','.join(args.algorithms)}{under_test}"
+    print(f"# all-reduce benchmark: mode={mode}{cap}, {what}")
     labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
     print(f"# sizes: {', '.join(labels)}")
     iters_note = f"{args.iters} timed + {args.warmup} warm-up repetitions"
     if any(p["bytes"] >= args.big_from for p in plan):
-        iters_note += (
-            f"; sizes >= {human(args.big_from)}: {args.big_iters} timed + {args.big_warmup} warm-up "
-            f"(fewer, to keep the run short)"
-        )
+        big = f"{args.big_iters} timed + {args.big_warmup} warm-up (fewer, to keep the run short)"
+        iters_note += f"; sizes >= {human(args.big_from)}: {big}"
     print(f"# {iters_note}; time = max over ranks, median over repetitions")
     estimate = ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
     print(f"# bandwidth-bound estimate: {estimate}" + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
@@ -173,10 +167,7 @@ def driver(args) -> int:
     result |= dict(world_sizes=worlds, ranks_per_host=k, sizes=plan, algorithms=args.algorithms)
     result |= dict(chunks_override=args.chunks, model_numel=args.model_numel, seed=args.seed)
     result |= dict(ring_file=args.ring_file or "utils/comm/ring.py", candidates=args.candidate)
-    result["timing"] = (
-        "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
-        "median over timed repetitions; algorithms interleaved per repetition, order rotated"
-    )
+    result["timing"] = TIMING
     result |= harness.run_info(host, started) | {"other_load": {str(n): v for n, v in load.items()}, "wire": wire}
     result |= dict(correct=not failures, failures=failures, targets=targets, results=records)
     out = Path(args.results_dir) / results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc, k)

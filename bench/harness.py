@@ -58,11 +58,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def bench_parser(doc: str) -> OneLineParser:
-    """A benchmark's command line: its docstring's first paragraph as the description, the whole
-    docstring as --help's epilog."""
-    return OneLineParser(
-        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
-    )
+    """A benchmark's command line: its docstring's first paragraph as --help's description, the whole as its epilog."""
+    raw = argparse.RawDescriptionHelpFormatter
+    return OneLineParser(description=doc.split("\n\n")[0], formatter_class=raw, epilog=doc)
 
 
 def argument_type(parse):
@@ -163,17 +161,13 @@ def add_options(ap, world_sizes="2,4", warmup=None, iters=None, algorithms=None,
     if algorithms is not None:
         choices, default = algorithms
         ap.add_argument("--algorithms", default=default, type=name_list(choices), help=f"from {','.join(choices)}")
-        ap.add_argument(
-            "--ranks-per-host", type=int, default=1, metavar="K", help="K ranks per host, sharing its card (default 1)"
-        )
+        per_host = "K ranks per host, sharing its card (default 1)"
+        ap.add_argument("--ranks-per-host", type=int, default=1, metavar="K", help=per_host)
     if powersgd:
         ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULT_POWERSGD_RANK, help="ours and DDP's")
-        ap.add_argument(
-            "--powersgd-warmup",
-            type=at_least(2, " (DDP's PowerSGD hook needs 2 plain steps first)"),
-            default=DEFAULT_POWERSGD_WARMUP,
-            help=f"plain steps before PowerSGD, ours and DDP's (default {DEFAULT_POWERSGD_WARMUP}; >= 2)",
-        )
+        two = at_least(2, " (DDP's PowerSGD hook needs 2 plain steps first)")
+        help = f"plain steps before PowerSGD, ours and DDP's (default {DEFAULT_POWERSGD_WARMUP}; >= 2)"
+        ap.add_argument("--powersgd-warmup", type=two, default=DEFAULT_POWERSGD_WARMUP, help=help)
     ap.add_argument("--seed", type=int, default=seed)
 
 
@@ -288,10 +282,10 @@ def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float
     raw = json.loads(out_path.read_text())
     raw["load"] = load = watch.result(procs)
     if not quiet(load):
+        busy = f"{load['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}"
+        others = f"other processes {load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])})"
         print(
-            f"  WARNING {what}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
-            f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
-            f"{load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])}); timings may be inflated",
+            f"  WARNING {what}: the machine was busy besides this benchmark: {busy}, {others}; timings may be inflated",
             flush=True,
         )
     return raw
@@ -374,7 +368,7 @@ def pick(obj, names: str) -> dict:
     return {name: obj[name] if isinstance(obj, dict) else getattr(obj, name) for name in names.split()}
 
 
-# --------------------------------------------------------------------------- other processes' load
+# --------------------------------------------------------------------------- results
 def results_stem(*parts) -> str:
     """A results file's name: the benchmark and mode, then every way this run differs from the
     script's default plan (None or '' where it does not), so that a partial or different run never
