@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, md_row, png_of
-from stats import fmt, p_text, quiet, ratios_to_gloo, sign_test_p
+from harness import figure, png_of
+from stats import fmt, md_head, md_row, p_text, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
@@ -45,11 +45,8 @@ def human(nbytes: int) -> str:
 
 
 def table(records: list[dict]) -> str:
-    head = (
-        "| N | size | bytes | algorithm | chunks | iters | time ms | spread | algbw MB/s | busbw MB/s "
-        "| limit ms | x limit | x gloo | ok |"
-    )
-    lines = [head, "|--:|:--|--:|:--|" + "--:|" * 9 + ":-:|"]
+    names = "N,size,bytes,algorithm,chunks,iters,time ms,spread,algbw MB/s,busbw MB/s,limit ms,x limit,x gloo,ok"
+    lines = md_head(names.split(","), "rlrl" + "r" * 9 + "c")
     for r in records:
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
         time_ms = fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}")

@@ -413,11 +413,6 @@ def run_info(host: dict, started: float) -> dict:
     return {"host": host, "started": at, "seconds": round(time.time() - started, 1)}
 
 
-def md_row(*cells) -> str:
-    """A markdown table's row."""
-    return "| " + " | ".join(map(str, cells)) + " |"
-
-
 def figure(rows: int, cols: int, figsize: tuple, **kw):
     """A matplotlib figure of rows x cols panels (axes[i][j], even for one), drawn off-screen."""
     import matplotlib

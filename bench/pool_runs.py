@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from harness import OneLineParser
-from stats import p_text, ratios_to_gloo, sign_test_p
+from stats import md_head, md_row, p_text, ratios_to_gloo, sign_test_p
 
 
 def pool(runs: list[dict]) -> list[dict]:
@@ -55,18 +55,12 @@ def pool(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| N | size | algorithm | x gloo, run by run (paired median) | faster in k of n runs | "
-        "sign test over runs | x gloo, all repetitions pooled |",
-        "|--:|:--|:--|:--|--:|--:|--:|",
-    ]
+    names = ["N", "size", "algorithm", "x gloo, run by run (paired median)", "faster in k of n runs"]
+    lines = md_head([*names, "sign test over runs", "x gloo, all repetitions pooled"], "rlllrrr")
     for r in rows:
-        each = " ".join(f"{m:.3f}" for m in r["run_medians"])
-        lines.append(
-            f"| {r['world_size']} | {r['size']} | {r['algorithm']} | {each} | "
-            f"{r['runs_faster']}/{r['runs']} | {p_text(r['p'])} | "
-            f"{r['pooled_median']:.3f} ({r['repetitions']} repetitions) |"
-        )
+        each, faster = " ".join(f"{m:.3f}" for m in r["run_medians"]), f"{r['runs_faster']}/{r['runs']}"
+        pooled = f"{r['pooled_median']:.3f} ({r['repetitions']} repetitions)"
+        lines.append(md_row(r["world_size"], r["size"], r["algorithm"], each, faster, p_text(r["p"]), pooled))
     return "\n".join(lines)
 
 

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 import harness
-from harness import REPO, RESULTS, emulated_cluster, md_row
+from harness import REPO, RESULTS, emulated_cluster
+from stats import md_head, md_row
 from targets import bound
 
 from utils.errors import EXIT_STOPPED
@@ -257,7 +258,7 @@ def main(argv=None):
             what = f"{where}: --recover / before live recovery"
             rows.append(cost_row(what, c["baseline_ratio_median"], c["baseline_ratios"]))
     lines = [f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", ""]
-    lines += ["| what | median | min | max | target |", "|---|---|---|---|---|", *rows, ""]
+    lines += [*md_head(["what", "median", "min", "max", "target"], "-----"), *rows, ""]
     lost = [f"{k} {result[k]['steps_lost']}" for k in faults]
     if lost:
         lines.append(f"Completed steps lost per fault: {'; '.join(lost)}.")

@@ -5,6 +5,7 @@ they run").
     load        proc_table, descendants, loadavg, cpu_snapshot, LoadWatch, quiet
     statistics  sign_test_p, p_text, paired_ratios, compare, ratios_to_gloo, quantile,
                 median_or_none, fmt
+    tables      md_row, md_head
 """
 
 from __future__ import annotations
@@ -166,4 +167,14 @@ def fmt(x, spec="{:.2f}", none="-"):
     return none if x is None else spec.format(x)
 
 
-# --------------------------------------------------------------------------- results
+# --------------------------------------------------------------------------- tables
+def md_row(*cells) -> str:
+    """A markdown table's row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def md_head(names, aligns: str) -> list[str]:
+    """A markdown table's first two rows: the column names, and their alignments one letter each
+    (r --:, l :--, c :-:, - ---)."""
+    marks = {"r": "--:", "l": ":--", "c": ":-:", "-": "---"}
+    return [md_row(*names), "|" + "|".join(marks[a] for a in aligns) + "|"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, md_row, pick, png_of
-from stats import fmt, median_or_none
+from harness import figure, pick, png_of
+from stats import fmt, md_head, md_row, median_or_none
 
 
 def time_to_target(points: list[dict], target: float) -> dict | None:
@@ -62,15 +62,10 @@ def summarize(raw: dict, spec: dict, n: int, target: float, epochs: int) -> dict
 
 def table(records: list[dict], ours: str, target: float, epochs: int) -> str:
     """One row per (N, configuration), then per N the free network's: compute only x the steps."""
-    acc_cols = [e for e in (1, 2, epochs) if e <= epochs]
-    acc_cols = sorted(set(acc_cols))
-    head = (
-        f"| N | configuration | time to {target:.1%} (s) | at step (epoch) | compute only x same steps (s) "
-        f"| x compute | "
-        + " | ".join(f"acc after {e} ep" for e in acc_cols)
-        + " | train s (all steps) | ms/step | wire KB/step/rank | identical |"
-    )
-    lines = [head, "|--:|:--|--:|--:|--:|--:|" + "--:|" * len(acc_cols) + "--:|--:|--:|:-:|"]
+    acc_cols = sorted({e for e in (1, 2, epochs) if e <= epochs})
+    names = ["N", "configuration", f"time to {target:.1%} (s)", "at step (epoch)", "compute only x same steps (s)"]
+    names += ["x compute", *(f"acc after {e} ep" for e in acc_cols), "train s (all steps)", "ms/step"]
+    lines = md_head([*names, "wire KB/step/rank", "identical"], "rl" + "r" * (len(acc_cols) + 7) + "c")
     for n in sorted({r["world_size"] for r in records}):
         rows = [r for r in records if r["world_size"] == n]
         for r in rows:
@@ -119,11 +114,9 @@ def medians(records: list[dict], ours: str, target: float) -> str:
     """With --repeats, for the records of one link rate: per N and configuration, the median over its
     runs, and each DDP and local SGD configuration against our best, run by run (the runs went
     round-robin, so run r of each saw the same machine); then per N the headline ratios."""
-    head = (
-        f"| N | configuration | runs | median time to {target:.1%} (s) | each run (s) | median ms/step "
-        f"| median x compute | our best's time to {target:.1%} / this one's, run by run |"
-    )
-    lines, footer = [head, "|--:|:--|--:|--:|:--|--:|--:|:--|"], []
+    names = ["N", "configuration", "runs", f"median time to {target:.1%} (s)", "each run (s)", "median ms/step"]
+    names += ["median x compute", f"our best's time to {target:.1%} / this one's, run by run"]
+    lines, footer = md_head(names, "rlrrlrrl"), []
     for n in sorted({r["world_size"] for r in records}):
         by_config = {}
         for r in records:
@@ -193,10 +186,10 @@ def h_by_link(records: list[dict], rates: list, ours: str, target: float, epochs
     (the NIC's count: '-' on loopback)."""
     eps = [e for e in (1, 2) if e <= epochs]
     cols = [f"time to {target:.1%} (s)", "steps to it", *(f"acc after {e} ep" for e in eps), "wire KB/step/rank"]
-    lines = [
-        "| N | configuration | " + " | ".join(f"{link_name(rate)}: {c}" for rate in rates for c in cols) + " |",
-        "|--:|:--|" + "--:|" * (len(cols) * len(rates)),
-    ]
+    lines = md_head(
+        ["N", "configuration", *(f"{link_name(rate)}: {c}" for rate in rates for c in cols)],
+        "rl" + "r" * len(cols) * len(rates),
+    )
     for n in sorted({r["world_size"] for r in records}):
         for config in dict.fromkeys(r["config"] for r in records if r["world_size"] == n):
             cells = []
@@ -209,7 +202,7 @@ def h_by_link(records: list[dict], rates: list, ours: str, target: float, epochs
                     *(fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}") for e in eps),
                     fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}"),
                 ]
-            lines.append("| " + " | ".join([str(n), label(config, ours), *cells]) + " |")
+            lines.append(md_row(n, label(config, ours), *cells))
     return "\n".join(lines)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-from harness import figure, md_row, png_of
-from stats import compare, fmt, median_or_none, p_text, paired_ratios, quantile
+from harness import figure, png_of
+from stats import compare, fmt, md_head, md_row, median_or_none, p_text, paired_ratios, quantile
 from targets import bound
 
 
@@ -39,11 +39,9 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
 
 
 def table(records: list[dict], mode: str) -> str:
-    head = (
-        "| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
-        "| cpu/rank (sys) | img/s/rank | x compute | x DDP | wire KB/step | identical |"
-    )
-    lines = [head, "|:--|--:|--:|:--|" + "--:|" * 12 + ":-:|"]
+    names = "rate,N,batch,configuration,chunks,bucket MB,ms/step,p25-p75,fwd+bwd,sum/wait,opt,cpu/rank (sys)"
+    names += ",img/s/rank,x compute,x DDP,wire KB/step,identical"
+    lines = md_head(names.split(","), "lrrl" + "r" * 12 + "c")
     for r in records:
         identical = {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
         identical += ", = plain" if r["same_bits_as_plain"] else ""
