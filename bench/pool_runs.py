@@ -38,19 +38,9 @@ def pool(runs: list[dict]) -> list[dict]:
         medians = [statistics.median(p[key]) for p in per_run]
         faster = sum(m < 1 for m in medians)
         everything = [x for p in per_run for x in p[key]]
-        rows.append(
-            {
-                "world_size": key[0],
-                "size": key[1],
-                "algorithm": key[2],
-                "run_medians": medians,
-                "runs_faster": faster,
-                "runs": len(medians),
-                "p": sign_test_p(faster, len(medians)),
-                "pooled_median": statistics.median(everything),
-                "repetitions": len(everything),
-            }
-        )
+        row = dict(world_size=key[0], size=key[1], algorithm=key[2], run_medians=medians, runs_faster=faster)
+        row |= dict(runs=len(medians), p=sign_test_p(faster, len(medians)), pooled_median=statistics.median(everything))
+        rows.append(row | {"repetitions": len(everything)})
     return rows
 
 

@@ -147,14 +147,9 @@ def headline(n: int, by_config: dict, ours: str, target: float) -> list[str]:
     timed = {c: median_time(runs) for c, runs in by_config.items()}
     first = {c: runs[0] for c, runs in by_config.items()}
     mine = [c for c, r in first.items() if r["kind"] == "ours"]
-    pairs = (
-        (
-            "best localsgd@H / best ours@H",
-            [c for c, r in first.items() if r["kind"] == "localsgd"],
-            [c for c in mine if first[c].get("sync_every", 1) > 1],
-        ),
-        ("ddp+powersgd / best ours", [c for c in first if c == "ddp+powersgd"], mine),
-    )
+    local = [c for c, r in first.items() if r["kind"] == "localsgd"]
+    periodic, psgd = [c for c in mine if first[c].get("sync_every", 1) > 1], [c for c in first if c == "ddp+powersgd"]
+    pairs = (("best localsgd@H / best ours@H", local, periodic), ("ddp+powersgd / best ours", psgd, mine))
 
     def best(configs):
         reached = [c for c in configs if timed[c] is not None]
@@ -168,11 +163,9 @@ def headline(n: int, by_config: dict, ours: str, target: float) -> list[str]:
     for what, theirs, ours_side in pairs:
         if theirs and ours_side:
             a, b = best(theirs), best(ours_side)
-            lines.append(
-                f"{rate} N={n}: {what}, median time to {target:.1%}: "
-                f"{fmt(timed[a] / timed[b] if a and b else None, '{:.2f}x')} "
-                f"({named(a, theirs)}; {named(b, ours_side)})  "
-            )
+            ratio = fmt(timed[a] / timed[b] if a and b else None, "{:.2f}x")
+            both = f"{named(a, theirs)}; {named(b, ours_side)}"
+            lines.append(f"{rate} N={n}: {what}, median time to {target:.1%}: {ratio} ({both})  ")
     return lines
 
 
@@ -196,12 +189,12 @@ def h_by_link(records: list[dict], rates: list, ours: str, target: float, epochs
             for rate in rates:
                 runs = [r for r in records if (r["world_size"], r["config"], r.get("rate")) == (n, config, rate)]
                 t = median_time(runs) if runs else None
+                steps = statistics.median(r["steps_to_target"] for r in runs) if t is not None else None
+                cells += [fmt(t, "{:.1f}", "not reached" if runs else "-"), fmt(steps, "{:.0f}")]
                 cells += [
-                    fmt(t, "{:.1f}", "not reached" if runs else "-"),
-                    fmt(statistics.median(r["steps_to_target"] for r in runs) if t is not None else None, "{:.0f}"),
-                    *(fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}") for e in eps),
-                    fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}"),
+                    fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}") for e in eps
                 ]
+                cells += [fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}")]
             lines.append(md_row(n, label(config, ours), *cells))
     return "\n".join(lines)
 
@@ -214,15 +207,13 @@ def tables(records: list[dict], rates: list, ours: str, target: float, epochs: i
     for rate in rates:
         rows = [r for r in records if r.get("rate") == rate]
         if rows:
-            parts.append(
-                (f"#### {link_name(rate)}\n\n" if len(rates) > 1 else "")
-                + table(rows, ours, target, epochs)
-                + (
-                    f"\n\nMedians over {repeats} runs, run round-robin:\n\n" + medians(rows, ours, target)
-                    if repeats > 1
-                    else ""
-                )
+            heading = f"#### {link_name(rate)}\n\n" if len(rates) > 1 else ""
+            runs = (
+                f"\n\nMedians over {repeats} runs, run round-robin:\n\n" + medians(rows, ours, target)
+                if repeats > 1
+                else ""
             )
+            parts.append(heading + table(rows, ours, target, epochs) + runs)
     if records and (len(rates) > 1 or any(r.get("sync_every", 1) > 1 for r in records)):
         parts.append(
             f"H x link (medians over {repeats} run(s) each):\n\n" + h_by_link(records, rates, ours, target, epochs)
@@ -239,11 +230,11 @@ def markdown(records: list[dict], args, rates: list, host: dict, command: str, n
         f"{args.epochs} epoch(s)\n1 thread/rank, {host['cpus']} cores; {host['node']}, torch {host['torch']}"
     )
     tbl = tables(records, rates, args.ours, args.target, args.epochs, args.repeats)
-    load_line = "; ".join(
-        f"{link_name(r['rate'])} N={r['world_size']} {r['config']}: other processes "
-        f"{r['load']['foreign_cpu_cores']:.2f} cores"
-        for r in records
+    each = ((r, r["load"]["foreign_cpu_cores"]) for r in records)
+    loads = (
+        f"{link_name(r['rate'])} N={r['world_size']} {r['config']}: other processes {x:.2f} cores" for r, x in each
     )
+    load_line = "; ".join(loads)
     partial = "" if complete else f"**PARTIAL: {len(records)} world(s) done when this was written.**  \n"
     md = (
         f"### Time to {args.target:.1%} test accuracy, {link}\n\n{partial}`{command}`  \n{notes}.  \n"
