@@ -85,13 +85,8 @@ def parse_config(name: str) -> dict:
         kind == "ours" and every > 1 and merge.isascii() and merge.isdigit() and 1 <= int(merge) <= every
     ):
         raise ValueError(f"configuration {name!r}: ours@H:T merges T steps after a round's end, 1 <= T <= H")
-    return {
-        "name": name,
-        "kind": kind,
-        "compress": compress or "none",
-        "sync_every": every,
-        **({"merge_after": int(merge)} if colon else {}),
-    }
+    spec = {"name": name, "kind": kind, "compress": compress or "none", "sync_every": every}
+    return spec | ({"merge_after": int(merge)} if colon else {})
 
 
 def parse_ours(text: str) -> dict:
@@ -108,10 +103,8 @@ def results_stem(args, mode: str) -> str:
     lr, momentum = outer_settings(args)
     named = dict(world_sizes=lambda v: "n" + "+".join(map(str, v)), epochs="e{}", evals_per_epoch="ev{}")
     named |= dict(train_subset="sub{}", test_subset="test{}", global_batch="gb{}", seed="seed{}", ours="{}")
-    parts = [
-        f"time_to_accuracy-{mode}",
-        "+".join(args.rates) if mode == "cluster" and args.rates != [DEFAULTS["rate"]] else None,
-    ]
+    rates = "+".join(args.rates) if mode == "cluster" and args.rates != [DEFAULTS["rate"]] else None
+    parts = [f"time_to_accuracy-{mode}", rates]
     parts += harness.differences(args, DEFAULTS, named)
     psgd = (args.powersgd_rank, args.powersgd_warmup)
     parts.append(f"r{psgd[0]}w{psgd[1]}" if psgd != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]) else None)
@@ -127,10 +120,8 @@ def outer_settings(args) -> tuple:
     """(outer_lr, outer_momentum) of ours@H as train.py resolves them: None unless --outer nesterov."""
     if args.outer != "nesterov":
         return None, None
-    return (
-        DEFAULTS["outer_lr"] if args.outer_lr is None else args.outer_lr,
-        DEFAULTS["outer_momentum"] if args.outer_momentum is None else args.outer_momentum,
-    )
+    lr, momentum = args.outer_lr, args.outer_momentum
+    return DEFAULTS["outer_lr"] if lr is None else lr, DEFAULTS["outer_momentum"] if momentum is None else momentum
 
 
 # --------------------------------------------------------------------------- driver
@@ -155,9 +146,8 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
             timeout, t = args.timeout or (120 + 2 * est[n]), time.time()
             what = f"{link} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else "")
             tag = f"n{n}-{spec['name'].replace('+', '-')}-{run}"
-            raw = harness.launch_world(
-                WORKER, cfg | harness.world_config(cl, 29700, k, n) | {"spec": spec}, cl, tmp, tag, timeout, what
-            )
+            world = cfg | harness.world_config(cl, 29700, k, n) | {"spec": spec}
+            raw = harness.launch_world(WORKER, world, cl, tmp, tag, timeout, what)
             rec = report.summarize(raw, spec, n, args.target, args.epochs) | {"rate": rate}
             if spec["kind"] == "ours" and spec["sync_every"] > 1:
                 rec["outer"] = args.outer
@@ -166,10 +156,10 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
             records.append(rec | {"load": raw["load"]})
             done(records)
             reached = stats.fmt(rec["time_to_target_s"], "{:.1f} s", "not reached")
+            trained = f"{rec['train_seconds']:.0f} s training, final {rec['final_accuracy']:.2%}"
+            took = f"({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)"
             print(
-                f"  {link} N={n} {report.label(rec, args.ours)}: {reached} to {args.target:.1%}, "
-                f"{rec['train_seconds']:.0f} s training, final {rec['final_accuracy']:.2%} "
-                f"({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
+                f"  {link} N={n} {report.label(rec, args.ours)}: {reached} to {args.target:.1%}, {trained} {took}",
                 flush=True,
             )
     return records
@@ -186,9 +176,8 @@ def write_results_so_far(args, records, mode, rates, command, notes, started, co
     result |= dict(zip(("outer_lr", "outer_momentum"), outer_settings(args)))
     result |= harness.pick(args, "localsgd_warmup compute_steps configs repeats") | harness.run_info(host, started)
     # compute only sends nothing: the worlds of every link rate time the same thing
-    result["free_network"] = {
-        str(n): report.free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes
-    }
+    free = {str(n): report.free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes}
+    result["free_network"] = free
     result["results"] = records
     out = Path(args.results_dir) / results_stem(args, mode)
     harness.write_results(out, result, md, report.plot(records, title, args.world_sizes, args.ours, args.target, rates))
@@ -205,18 +194,13 @@ def driver(args) -> int:
     est = {rate: {n: estimate_seconds(n, rate, steps[n], evals) for n in args.world_sizes} for rate in rates}
     command = harness.command_line("time_to_accuracy.py")
     notes = report.plan_notes(args, specs, *outer_settings(args))
-    print(
-        f"# time-to-accuracy benchmark: mode={mode}, "
-        + (f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap")
-        + f", N={','.join(map(str, args.world_sizes))}; configurations {', '.join(args.configs)} "
-        f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})"
-    )
+    link = f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap"
+    rounds = f", {args.repeats} rounds" if args.repeats > 1 else ""
+    plan = f"configurations {', '.join(args.configs)} (each in its own world, one after the other{rounds})"
+    print(f"# time-to-accuracy benchmark: mode={mode}, {link}, N={','.join(map(str, args.world_sizes))}; {plan}")
     print(f"# {notes}")
-    each = [
-        f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
-        for rate in rates
-        for n, s in est[rate].items()
-    ]
+    worlds = len(specs) * args.repeats
+    each = [f"{rate or 'loopback'} N={n} ~{worlds * s:.0f}s" for rate in rates for n, s in est[rate].items()]
     print("# estimate (generous) " + ", ".join(each), flush=True)
     started = time.time()
     total = len(specs) * len(args.world_sizes) * args.repeats * len(rates)
@@ -249,12 +233,8 @@ def main(argv=None) -> int:
     ap = harness.bench_parser(__doc__)
     harness.add_link_options(ap, d["rate"], one_rate=True)
     harness.add_options(ap, powersgd=True)
-    ap.add_argument(
-        "--configs",
-        default=",".join(d["configs"]),
-        type=lambda s: s.split(","),
-        help="ours[+C][@H], ddp[+C], localsgd@H; C fp16, bf16 or powersgd (with @H: fp16 or bf16)",
-    )
+    configs = "ours[+C][@H], ddp[+C], localsgd@H; C fp16, bf16 or powersgd (with @H: fp16 or bf16)"
+    ap.add_argument("--configs", default=",".join(d["configs"]), type=lambda s: s.split(","), help=configs)
     ap.add_argument("--ours", default=d["ours"], help="our configuration, <algorithm>[+overlap[+lazy]]")
     ap.add_argument("--epochs", type=positive(int), default=d["epochs"])
     ap.add_argument("--evals-per-epoch", type=positive(int), default=d["evals_per_epoch"], help="evaluation points")
@@ -265,16 +245,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=positive(float), default=d["lr"])
     ap.add_argument("--outer", choices=OUTERS, default=d["outer"], help="ours@H's outer step (nesterov: DiLoCo's)")
     ap.add_argument("--outer-lr", type=positive(float), help=f"with --outer nesterov (default {d['outer_lr']:g})")
-    ap.add_argument(
-        "--outer-momentum", type=momentum_value, help=f"with --outer nesterov (default {d['outer_momentum']:g})"
-    )
-    at_least = harness.at_least(0)
-    ap.add_argument(
-        "--localsgd-warmup", type=at_least, default=d["localsgd_warmup"], help="localsgd@H: DDP steps first"
-    )
-    ap.add_argument(
-        "--repeats", type=positive(int), default=d["repeats"], help="train each this many times, round-robin"
-    )
+    nesterov = f"with --outer nesterov (default {d['outer_momentum']:g})"
+    ap.add_argument("--outer-momentum", type=momentum_value, help=nesterov)
+    first = "localsgd@H: DDP steps first"
+    ap.add_argument("--localsgd-warmup", type=harness.at_least(0), default=d["localsgd_warmup"], help=first)
+    rounds = "train each this many times, round-robin"
+    ap.add_argument("--repeats", type=positive(int), default=d["repeats"], help=rounds)
     ap.add_argument("--compute-steps", type=positive(int), default=40, help="compute-only steps timed per world")
     ap.add_argument("--eval-cache", metavar="PATH", help="keep test accuracies by model sha256 in this JSON file")
     harness.add_world_options(ap)
