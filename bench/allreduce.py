@@ -31,10 +31,8 @@ TIMING = (
     "median over timed repetitions; algorithms interleaved per repetition, order rotated"
 )
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
-UNITS = {
-    "": 1,
-    "B": 1,
-    **{u: 1 << s for s, us in ((10, "K KB KIB"), (20, "M MB MIB"), (30, "G GB GIB")) for u in us.split()},
+UNITS = {"": 1, "B": 1} | {
+    u: 1 << s for s, us in ((10, "K KB KIB"), (20, "M MB MIB"), (30, "G GB GIB")) for u in us.split()
 }
 
 
@@ -72,9 +70,8 @@ def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
         for row in size["rows"]:
             t, times, alg = median[row["algorithm"]], row["times_s"], row["algorithm"]
             rec = dict(world_size=n, hosts=hosts, ranks_per_host=k, size=size["label"], bytes=size["bytes"])
-            rec.update(
-                numel=size["numel"], algorithm=alg, chunks=row["chunks"], iters=len(times), warmup=size["warmup"]
-            )
+            rec.update(numel=size["numel"], algorithm=alg, chunks=row["chunks"], iters=len(times))
+            rec.update(warmup=size["warmup"])
             rec.update(times_ms=[x * 1e3 for x in times], median_ms=t * 1e3, min_ms=min(times) * 1e3)
             rec.update(max_ms=max(times) * 1e3, rank_median_ms=[x * 1e3 for x in row["rank_median_s"]])
             rec.update(algbw_MBps=size["bytes"] / t / MB, busbw_MBps=size["bytes"] / t * 2 * (hosts - 1) / hosts / MB)
@@ -137,17 +134,15 @@ def driver(args) -> int:
             timeout, t = args.timeout or (120 + 3 * est[n]), time.time()
             world = harness.world_config(cl, 29500, i, n * k) | {"op_timeout": op_timeout}
             # exit code 3 is a rank that found a wrong sum: its results are written
-            raw = harness.launch_world(
-                WORKER, {**cfg, **world, "hosts": n}, cl, Path(tmpdir), f"n{n}", timeout, f"N={n}", (0, 3), k
-            )
+            world |= {"hosts": n}
+            raw = harness.launch_world(WORKER, cfg | world, cl, Path(tmpdir), f"n{n}", timeout, f"N={n}", (0, 3), k)
             raw["hosts"], raw["ranks_per_host"] = n, k
             print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
             records += summarize(raw, rate_bytes)
             load[n] = raw["load"]
 
-    failures = [
-        f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: {p}" for r in records for p in r["problems"]
-    ]
+    failures = [f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: " for r in records]
+    failures = [where + p for where, r in zip(failures, records) for p in r["problems"]]
     if wire and rate_bytes:
         # What the wire allows: tbf charges a whole frame (payload + 66 bytes of Ethernet/IP/TCP
         # headers with timestamps) per MSS of payload, and its bucket starts each op full.

@@ -46,12 +46,8 @@ STEPS = 100  # 6400 images, 64 a step (--train-subset changes both)
 HEARTBEAT = 2.0
 JOIN_HEARTBEAT = 5.0  # the join trial: train.py's default, so that a server still loading on a busy machine
 # (CI runs two test files at once) is not taken for lost while the state goes round
-TARGETS = {
-    "kill": bound("recovery_kill"),
-    "stop": HEARTBEAT + bound("recovery_stop"),
-    "join": bound("recovery_join"),
-    "cost": bound("recovery_cost"),
-}
+TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join")}
+TARGETS["cost"] = bound("recovery_cost")
 
 
 def events(path):
@@ -60,10 +56,8 @@ def events(path):
 
 def start(argv, cwd, env, stdout=subprocess.DEVNULL, train=TRAIN):
     """`python train.py argv` in a session of its own; its stderr kept."""
-    argv = [sys.executable, train, *argv]
-    return subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    kw = dict(cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, train, *argv], **kw)
 
 
 def fault_trial(kind, world_size, rng, tmp):
@@ -111,13 +105,8 @@ def join_trial(world_size, rng, tmp):
         while ranks[rank].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         joiner = start(["--rank", str(rank), *common, "--join"], cwd, dict(env, RING_FAULT=""))
-        outcome = supervise(
-            [*[r for i, r in enumerate(ranks) if i != rank], joiner],
-            timeout=240,
-            grace=None,
-            ok_codes=(0, EXIT_STOPPED),
-            while_running=joined,
-        )
+        members = [*[r for i, r in enumerate(ranks) if i != rank], joiner]
+        outcome = supervise(members, timeout=240, grace=None, ok_codes=(0, EXIT_STOPPED), while_running=joined)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             kill(p, group=True)
@@ -165,9 +154,8 @@ def cost(world_size, pairs, tmp, cl=None, baseline=None):
     times = {arm: [] for arm in arms}
     for i in range(pairs):
         for k, arm in enumerate(arms[i % len(arms) :] + arms[: i % len(arms)]):
-            times[arm].append(
-                epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k, baseline if arm is None else TRAIN)
-            )
+            train = baseline if arm is None else TRAIN
+            times[arm].append(epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k, train))
     ratios = [a / b for a, b in zip(times[True], times[False])]
     result = {"ratio_median": statistics.median(ratios), "ratios": ratios}
     result["seconds"] = {"recover": times[True], "no-recover": times[False]}
@@ -219,15 +207,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("kill", "stop") if args.only != "cost" else ():
             trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
-            result[kind] = dict(
-                summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials], ranks=[t[2] for t in trials]
-            )
-            s = result[kind]
-            print(
-                f"{kind}: fault -> next step {stat_text(s, args.faults)}, completed steps lost "
-                f"{max(s['steps_lost'])} at most, ranks {s['ranks']}",
-                flush=True,
-            )
+            seconds, lost, ranks = zip(*trials)
+            result[kind] = s = dict(summary(seconds), steps_lost=list(lost), ranks=list(ranks))
+            lost = f"completed steps lost {max(s['steps_lost'])} at most, ranks {s['ranks']}"
+            print(f"{kind}: fault -> next step {stat_text(s, args.faults)}, {lost}", flush=True)
         joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if args.only != "cost" else 0)]
         result["join"] = summary(joins) if joins else None
         if joins:
