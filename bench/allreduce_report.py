@@ -23,16 +23,13 @@ TARGETS = (
 )
 # With several ranks per host (--ranks-per-host K > 1; world sizes count hosts): issue #18.
 FASTER = "hierarchical >= {:.1f}x faster than {}, >= 1 MiB"
+LIMIT = f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB"
 HIERARCHICAL_TARGETS = tuple(
-    (name, "hierarchical", (2, 3), MIB, metric, limit)
-    for name, metric, limit in (
-        (
-            f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB",
-            "ratio_limit",
-            bound("hierarchical_limit"),
-        ),
-        (FASTER.format(1 / bound("hierarchical_gloo"), "gloo"), "ratio_gloo", bound("hierarchical_gloo")),
-        (FASTER.format(1 / bound("hierarchical_ring"), "ring"), "ratio_ring", bound("hierarchical_ring")),
+    (name, "hierarchical", (2, 3), MIB, metric, bound(key))
+    for name, metric, key in (
+        (LIMIT, "ratio_limit", "hierarchical_limit"),
+        (FASTER.format(1 / bound("hierarchical_gloo"), "gloo"), "ratio_gloo", "hierarchical_gloo"),
+        (FASTER.format(1 / bound("hierarchical_ring"), "ring"), "ratio_ring", "hierarchical_ring"),
     )
 )
 
@@ -117,10 +114,8 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"N/A   {t['target']:<50} N={label}  ({t['why']})")
             continue
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
-        lines.append(
-            f"{t['status']:<5} {t['target']:<50} N={label}  worst {t['worst_ratio']:.3f}x "
-            f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]"
-        )
+        worst = f"worst {t['worst_ratio']:.3f}x at {t['worst_size']} (bound {t['bound']:.2f})"
+        lines.append(f"{t['status']:<5} {t['target']:<50} N={label}  {worst}   [{sizes}]")
         if t.get("wire_floor") and not t["target"].startswith("two-pass"):
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
             lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={label}  [{floors}]")
@@ -135,11 +130,9 @@ def target_lines(targets: list[dict]) -> str:
 def load_lines(load: dict) -> str:
     lines = []
     for n, v in load.items():
-        lines.append(
-            f"load  N={n}: {v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}, "
-            f"other processes {v['foreign_cpu_cores']:.2f}"
-            + ("" if quiet(v) else "  <- NOT QUIET, timings may be inflated")
-        )
+        busy = f"{v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}"
+        warning = "" if quiet(v) else "  <- NOT QUIET, timings may be inflated"
+        lines.append(f"load  N={n}: {busy}, other processes {v['foreign_cpu_cores']:.2f}{warning}")
     return "\n".join(lines)
 
 

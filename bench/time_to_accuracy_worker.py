@@ -67,19 +67,16 @@ def worker(args) -> int:
     train_images, train_labels, test_images, test_labels = load_mnist(str(REPO / "data"))
     train, test = slice(cfg["train_subset"]), slice(cfg["test_subset"])  # (None: all)
     data = (train_images[train], train_labels[train], test_images[test], test_labels[test])
-    recipe = Recipe(
-        batch_size=max(1, cfg["global_batch"] // n), **pick(cfg, "global_batch lr seed epochs train_subset test_subset")
-    )
+    batch = max(1, cfg["global_batch"] // n)
+    recipe = Recipe(batch_size=batch, **pick(cfg, "global_batch lr seed epochs train_subset test_subset"))
     steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
     compute_s = max_over_ranks(time_compute(cfg, recipe, data, steps_per_epoch))
     torch.manual_seed(cfg["seed"])
     model = Net()
     forward, sync = make_run_sync(cfg, model, recipe, steps_per_epoch)
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    say(
-        f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, "
-        f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={ifname or '-'})"
-    )
+    compute = f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={ifname or '-'})"
+    say(f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, {compute}")
     run = Run(model, data[2:], steps_per_epoch, cfg.get("eval_cache"), say if rank == 0 else None, prefix)
     counts = [nic_tx_bytes(ifname), bytes_sent(sync)]
     run.evaluate(0)

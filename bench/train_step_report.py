@@ -143,10 +143,8 @@ def target_lines(targets: list[dict]) -> str:
         status, where = f"{t['status']:<5}", f"{t['rate'] or 'loopback'} N={t['world_size']}"
         paired = f"paired per round: median {t['paired_median_ratio']:.3f}x"
         sign = f"faster in {t['rounds_faster']}/{t['rounds']} rounds, sign test {p_text(t['sign_test_p'])}"
-        best, peer = (
-            f"{t['best']} {t['best_ms']:.1f} ms vs",
-            f"{t['peer_ms']:.1f} ms = {t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}",
-        )
+        best = f"{t['best']} {t['best_ms']:.1f} ms vs"
+        peer = f"{t['peer_ms']:.1f} ms = {t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}"
         if t["target"] == "best >= DDP throughput":
             lines.append(f"{status} best config matches/beats DDP  {where:<14} best {best} ddp {peer}, {sign})")
         elif t["target"].startswith("1gbit N=2"):
@@ -158,9 +156,8 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"{status} {t['target']:<33} {where:<14} {best} {t['peer']} {peer}{extra})")
         for key, what in (("sync", "lockstep alone"), ("wire", "+ the bytes")):
             if t.get(f"{key}_ms"):
-                floor = (
-                    f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute (paired: {t[key + '_paired']:.3f}x)"
-                )
+                ms, ratio, paired = (t[f"{key}_{x}"] for x in ("ms", "ratio", "paired"))
+                floor = f"{ms:.1f} ms = {ratio:.3f}x compute (paired: {paired:.3f}x)"
                 lines.append(f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} {floor}")
     return "\n".join(lines)
 

@@ -102,10 +102,8 @@ class Runner:
         psgd = pick(cfg, "powersgd_rank powersgd_warmup")
         if spec["kind"] == "sum":
             flags = (spec["allreduce"], spec["overlap"], spec.get("lazy", False), spec.get("compress", "none"))
-            layout = dict(
-                timeout=cfg["op_timeout"], chunks=spec["chunks"] or "auto", bucket_mb=spec["bucket_mb"] or 1.0
-            )
-            ours, seed = our_sync(*flags, **psgd, **layout), cfg["seed"]
+            layout = dict(timeout=cfg["op_timeout"], chunks=spec["chunks"] or "auto")
+            ours, seed = our_sync(*flags, **psgd, **layout, bucket_mb=spec["bucket_mb"] or 1.0), cfg["seed"]
             self.sync = make_gradient_sync(self.model, ours, optimizer, scheduler, seed, timeline=self.recorder or OFF)
         elif spec["kind"] in ("sync", "wire"):
             self.sync = Lockstep(optimizer, scheduler, wire if spec["kind"] == "wire" else None)
