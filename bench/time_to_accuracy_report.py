@@ -253,31 +253,22 @@ def plan_notes(args, specs: list[dict], outer_lr, outer_momentum) -> str:
     per_rank = ", ".join(f"{args.global_batch // n}/rank at N={n}" for n in args.world_sizes)
     test = f" (test: the first {args.test_subset})" if args.test_subset else ""
     between = " (with @H: rank 0 as it stands between syncs)" if periodic or local else ""
-    return (
-        f"global batch {args.global_batch} ({per_rank}), "
-        f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
-        f"training images{test}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
-        f"ours = utils.sync.buckets {args.ours}; PowerSGD rank {args.powersgd_rank}, "
-        f"{args.powersgd_warmup} plain steps first (ours and DDP's); "
-        + (
-            f"ours@H (H = {', '.join(map(str, periodic))}): {args.ours.split('+')[0]}, the parameters' change "
-            f"averaged every H steps behind the next H (utils/sync/periodic.py), outer step {outer}, flushed at the "
-            f"end (on the clock); "
-            if periodic
-            else ""
-        )
-        + (
-            f"localsgd@H (H = {', '.join(map(str, local))}): torch's post-local SGD (DDP + post_localSGD_hook, "
-            f"PostLocalSGDOptimizer + PeriodicModelAverager), {args.localsgd_warmup} synchronous steps first, "
-            f"one more average at the end (on the clock); "
-            if local
-            else ""
-        )
-        + f"evaluated on the {args.test_subset or 10000:,} test images "
-        f"{args.evals_per_epoch}x per epoch, clock paused{between}; "
-        f"compute only = {args.compute_steps} steps of all N ranks at once without communication, per world; "
-        f"{os.cpu_count()} CPU cores"
-    )
+    images = f"the first {args.train_subset}" if args.train_subset else "all 60,000"
+    notes = f"global batch {args.global_batch} ({per_rank}), {args.epochs} epoch(s) of {images} training images{test}, "
+    notes += f"Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; ours = utils.sync.buckets "
+    notes += f"{args.ours}; PowerSGD rank {args.powersgd_rank}, {args.powersgd_warmup} plain steps first (ours and "
+    notes += "DDP's); "
+    if periodic:
+        notes += f"ours@H (H = {', '.join(map(str, periodic))}): {args.ours.split('+')[0]}, the parameters' change "
+        notes += "averaged every H steps behind the next H (utils/sync/periodic.py), outer step "
+        notes += f"{outer}, flushed at the end (on the clock); "
+    if local:
+        notes += f"localsgd@H (H = {', '.join(map(str, local))}): torch's post-local SGD (DDP + post_localSGD_hook, "
+        notes += f"PostLocalSGDOptimizer + PeriodicModelAverager), {args.localsgd_warmup} synchronous steps first, "
+        notes += "one more average at the end (on the clock); "
+    notes += f"evaluated on the {args.test_subset or 10000:,} test images {args.evals_per_epoch}x per epoch, "
+    notes += f"clock paused{between}; compute only = {args.compute_steps} steps of all N ranks at once without "
+    return notes + f"communication, per world; {os.cpu_count()} CPU cores"
 
 
 def color_of(r: dict, periods: list[int]):
