@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, png_of
+from harness import figure, pick, png_of
 from stats import fmt, md_head, md_row, p_text, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
@@ -39,6 +39,28 @@ def human(nbytes: int) -> str:
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
             return f"{nbytes >> shift}{unit}"
     return f"{nbytes}B" if nbytes < 1024 else f"{nbytes / 1024:.1f}K"
+
+
+def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
+    """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
+    records, n = [], raw["world_size"]
+    hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)  # the limit counts hosts: their cards
+    for size in raw["sizes"]:
+        median = {r["algorithm"]: statistics.median(r["times_s"]) for r in size["rows"]}
+        limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
+        for row in size["rows"]:
+            t, times, alg = median[row["algorithm"]], row["times_s"], row["algorithm"]
+            rec = dict(world_size=n, hosts=hosts, ranks_per_host=k, size=size["label"], bytes=size["bytes"])
+            rec.update(numel=size["numel"], algorithm=alg, chunks=row["chunks"], iters=len(times))
+            rec.update(warmup=size["warmup"])
+            rec.update(times_ms=[x * 1e3 for x in times], median_ms=t * 1e3, min_ms=min(times) * 1e3)
+            rec.update(max_ms=max(times) * 1e3, rank_median_ms=[x * 1e3 for x in row["rank_median_s"]])
+            rec.update(algbw_MBps=size["bytes"] / t / MB, busbw_MBps=size["bytes"] / t * 2 * (hosts - 1) / hosts / MB)
+            rec.update(limit_ms=limit * 1e3 if limit else None, ratio_limit=t / limit if limit else None)
+            rec.update(ratio_gloo=t / median["gloo"] if median.get("gloo") else None)
+            rec.update(ratio_ring=t / median["ring"] if median.get("ring") and alg != "ring" else None)
+            records.append(rec | pick(row, "correct bit_identical max_error_over_bound problems"))
+    return records
 
 
 def table(records: list[dict]) -> str:
