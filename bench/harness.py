@@ -237,6 +237,12 @@ def world_config(cl, base: int, i: int, world_size: int) -> dict:
     return {"world_size": world_size, "init_method": f"tcp://{host0}:{port}", "op_timeout": OP_TIMEOUT}
 
 
+def sum_seconds(n: int, rate_bits: float | None, numel: int) -> float:
+    """A generous time for one step's gradient sum of `numel` floats among n ranks (about twice the
+    slowest algorithm's), for the worlds' hard timeouts."""
+    return 2 * (2 * numel * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
+
+
 def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str, ok_codes=(0,), per_host=1):
     """One world: ranks 0..N-1 of `script --worker --rank R --config CONFIG` (cfg plus "out", where rank 0
     writes its results), on emulated host r // per_host of `cl` (GLOO_SOCKET_IFNAME its NIC) or on
@@ -329,9 +335,8 @@ def start_worker(args, deterministic: bool = True):
 
         use_deterministic_algorithms()
     timeout = datetime.timedelta(seconds=cfg["op_timeout"])
-    dist.init_process_group(
-        "gloo", init_method=cfg["init_method"], rank=args.rank, world_size=cfg["world_size"], timeout=timeout
-    )
+    world = {"rank": args.rank, "world_size": cfg["world_size"], "timeout": timeout}
+    dist.init_process_group("gloo", init_method=cfg["init_method"], **world)
     return cfg, (lambda *a: print(*a, flush=True)) if args.rank == 0 else (lambda *a: None)
 
 
@@ -387,12 +392,6 @@ def differences(args, defaults: dict, spelt: dict) -> list:
     return out
 
 
-def sum_seconds(n: int, rate_bits: float | None, numel: int) -> float:
-    """A generous time for one step's gradient sum of `numel` floats among n ranks (about twice the
-    slowest algorithm's), for the worlds' hard timeouts."""
-    return 2 * (2 * numel * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
-
-
 def command_line(script: str) -> str:
     """The command that made a results file, as its .md shows it."""
     return " ".join(["python3", f"bench/{script}"] + sys.argv[1:])
@@ -401,10 +400,8 @@ def command_line(script: str) -> str:
 def host_info() -> dict:
     import torch
 
-    node, release = platform.node(), platform.release()
-    return dict(
-        node=node, cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__, kernel=release
-    )
+    versions = dict(python=platform.python_version(), torch=torch.__version__, kernel=platform.release())
+    return dict(node=platform.node(), cpus=os.cpu_count(), **versions)
 
 
 def run_info(host: dict, started: float) -> dict:
