@@ -209,33 +209,20 @@ class Soak:
 
     def check(self, clean_rows, epochs):
         outs = {r: (self.home / f"rank{r}.out").read_text() for r in range(self.ranks)}
-        digests = {
-            m.group(2)
-            for out in outs.values()
-            for m in re.finditer(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)", out)
-        }
-        rows = [
-            json.loads(line)
-            for r in range(self.ranks)
-            if (self.home / f"host{r}" / "runs" / "metrics.jsonl").exists()
-            for line in (self.home / f"host{r}" / "runs" / "metrics.jsonl").read_text().splitlines()
-        ]
+        found = re.compile(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)")
+        digests = {m.group(2) for out in outs.values() for m in found.finditer(out)}
+        metrics = [self.home / f"host{r}" / "runs" / "metrics.jsonl" for r in range(self.ranks)]
+        rows = [json.loads(line) for path in metrics if path.exists() for line in path.read_text().splitlines()]
         by_epoch = {}
         for row in rows:
             by_epoch.setdefault(row["epoch"], []).append(row)
         last = by_epoch.get(epochs, [{"test_accuracy": 0.0}])[-1]
-        return {
-            "identical": len(digests) == 1,
-            "digests": sorted(digests),
-            "images": [row["images"] for e in sorted(by_epoch) for row in by_epoch[e]],
-            "images_ok": all(row["images"] == 60000 for row in rows) and sorted(by_epoch) == list(range(1, epochs + 1)),
-            "epochs_once": all(len(v) == 1 for v in by_epoch.values()),
-            "accuracy": last["test_accuracy"],
-            "joins": self.joins,
-            "members_at_end": last.get("members"),
-            "stayed": self.stayed,
-            "hung": self.hung,
-        }
+        images_ok = all(row["images"] == 60000 for row in rows) and sorted(by_epoch) == list(range(1, epochs + 1))
+        out = {"identical": len(digests) == 1, "digests": sorted(digests)}
+        out |= {"images": [row["images"] for e in sorted(by_epoch) for row in by_epoch[e]], "images_ok": images_ok}
+        out |= {"epochs_once": all(len(v) == 1 for v in by_epoch.values()), "accuracy": last["test_accuracy"]}
+        out |= {"joins": self.joins, "members_at_end": last.get("members")}
+        return out | {"stayed": self.stayed, "hung": self.hung}
 
 
 if __name__ == "__main__":
