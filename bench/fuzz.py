@@ -228,9 +228,8 @@ def fire(count, ranks, nmap, rate):
                 subprocess.run(cmd, capture_output=True, timeout=600)
                 scanned.append(" ".join(cmd))
         running = all(p.poll() is None for p in procs)  # the attack ended before the job did
-        return dict(
-            sent=sent, captured=len(captured), tcp_ports=tcp, nmap=scanned, overflowed=overflowed, running=running
-        )
+        result = dict(sent=sent, captured=len(captured), tcp_ports=tcp, nmap=scanned, overflowed=overflowed)
+        return result | {"running": running}
 
     return attack
 

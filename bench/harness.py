@@ -290,10 +290,8 @@ def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float
     if not quiet(load):
         busy = f"{load['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}"
         others = f"other processes {load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])})"
-        print(
-            f"  WARNING {what}: the machine was busy besides this benchmark: {busy}, {others}; timings may be inflated",
-            flush=True,
-        )
+        busy = f"the machine was busy besides this benchmark: {busy}, {others}"
+        print(f"  WARNING {what}: {busy}; timings may be inflated", flush=True)
     return raw
 
 

@@ -79,9 +79,8 @@ class LoadWatch:
         before, after = self.before, cpu_snapshot()
         ours = self.ours | {p.pid for p in procs} | {os.getpid()}
         hz, wall = os.sysconf("SC_CLK_TCK"), max(after["t"] - before["t"], 1e-9)
-        used = [
-            (t - before["procs"].get(pid, (0, 0, ""))[1], name, pid) for pid, (_, t, name) in after["procs"].items()
-        ]
+        earlier = {pid: ticks for pid, (_, ticks, _) in before["procs"].items()}
+        used = [(t - earlier.get(pid, 0), name, pid) for pid, (_, t, name) in after["procs"].items()]
         used = sorted((u for u in used if u[2] not in ours and u[0] > 0), reverse=True)
         busy = (after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1) * (os.cpu_count() or 1)
         return {
