@@ -15,22 +15,23 @@ details"). Results: bench/results/allreduce-<mode>[-<what differs>].{json,md,png
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import allreduce_report as report
 import harness
-from allreduce_report import ALGORITHMS, MB, evaluate_targets, human, load_lines, plot, table, target_lines
 from allreduce_worker import ELEMENT, worker
 
 DEFAULT_ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring")  # hierarchical: with --ranks-per-host
+TIMING = (
+    "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
+    "median over timed repetitions; algorithms interleaved per repetition, order rotated"
+)
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,model,2M,4M,8M,16M"
-UNITS = {
-    "": 1,
-    "B": 1,
-    **{u: 1 << s for s, us in ((10, "K KB KIB"), (20, "M MB MIB"), (30, "G GB GIB")) for u in us.split()},
+UNITS = {"": 1, "B": 1} | {
+    u: 1 << s for s, us in ((10, "K KB KIB"), (20, "M MB MIB"), (30, "G GB GIB")) for u in us.split()
 }
 
 
@@ -45,7 +46,7 @@ def parse_size(text: str, model_numel: int) -> tuple[str, int]:
     nbytes = int(num) * UNITS[t[len(num) :].upper()]
     if nbytes < ELEMENT or nbytes % ELEMENT:
         raise argparse.ArgumentTypeError(f"size {text!r} is not a positive multiple of {ELEMENT} bytes")
-    return human(nbytes), nbytes
+    return report.human(nbytes), nbytes
 
 
 def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: int) -> float:
@@ -56,33 +57,6 @@ def expected_seconds(alg: str, n: int, nbytes: int, rate_bytes: float, chunks: i
     if alg == "two-pass" or chunks <= 1:
         return (n + max(0, n - 2)) * s  # N hops of pass 1, N-2 of pass 2, one after another
     return 2 * s + (2 * n - 2) * s / chunks  # busiest link carries 2S; plus pipeline fill
-
-
-def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
-    """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
-    records, n = [], raw["world_size"]
-    hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)  # the limit counts hosts: their cards
-    for size in raw["sizes"]:
-        median = {r["algorithm"]: statistics.median(r["times_s"]) for r in size["rows"]}
-        limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
-        for row in size["rows"]:
-            t, times, alg = median[row["algorithm"]], row["times_s"], row["algorithm"]
-            rec = dict(world_size=n, hosts=hosts, ranks_per_host=k, size=size["label"], bytes=size["bytes"])
-            rec.update(
-                numel=size["numel"], algorithm=alg, chunks=row["chunks"], iters=len(times), warmup=size["warmup"]
-            )
-            rec.update(times_ms=[x * 1e3 for x in times], median_ms=t * 1e3, min_ms=min(times) * 1e3)
-            rec.update(max_ms=max(times) * 1e3, rank_median_ms=[x * 1e3 for x in row["rank_median_s"]])
-            rec.update(algbw_MBps=size["bytes"] / t / MB, busbw_MBps=size["bytes"] / t * 2 * (hosts - 1) / hosts / MB)
-            rec.update(limit_ms=limit * 1e3 if limit else None, ratio_limit=t / limit if limit else None)
-            rec.update(ratio_gloo=t / median["gloo"] if median.get("gloo") else None)
-            rec.update(ratio_ring=t / median["ring"] if median.get("ring") and alg != "ring" else None)
-            records.append(dict(rec, **pick_row(row)))
-    return records
-
-
-def pick_row(row: dict) -> dict:
-    return {key: row[key] for key in ("correct", "bit_identical", "max_error_over_bound", "problems")}
 
 
 def driver(args) -> int:
@@ -108,23 +82,17 @@ def driver(args) -> int:
     algs = args.algorithms + ["ring"] * len(args.candidate)
     est = {n: sum((p["iters"] + p["warmup"]) * seconds(a, n, p) for p in plan for a in algs) for n in worlds}
     op_timeout = max(60.0, 20 * max(seconds("two-pass", n, plan[-1], 1) for n in worlds))
-    print(
-        f"# all-reduce benchmark: mode={mode}"
-        + (f", egress cap {args.rate} per host" if rate_bits else "")
-        + f", N={','.join(map(str, worlds))}"
-        + (f" hosts × {k} ranks each" if k > 1 else "")
-        + f", algorithms={','.join(args.algorithms)}"
-        + (f", ring.py under test: {args.ring_file}" if args.ring_file else "")
-        + "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate)
-    )
+    cap, hosts = f", egress cap {args.rate} per host" if rate_bits else "", f" hosts × {k} ranks each" if k > 1 else ""
+    under_test = f", ring.py under test: {args.ring_file}" if args.ring_file else ""
+    under_test += "".join(f", ring:{Path(f).stem} = ring_sum of {f}" for f in args.candidate)
+    what = f"N={','.join(map(str, worlds))}{hosts}, algorithms={','.join(args.algorithms)}{under_test}"
+    print(f"# all-reduce benchmark: mode={mode}{cap}, {what}")
     labels = [p["label"] + (f" ({pretty_bytes(p['bytes'])})" if p["label"] == "model" else "") for p in plan]
     print(f"# sizes: {', '.join(labels)}")
     iters_note = f"{args.iters} timed + {args.warmup} warm-up repetitions"
     if any(p["bytes"] >= args.big_from for p in plan):
-        iters_note += (
-            f"; sizes >= {human(args.big_from)}: {args.big_iters} timed + {args.big_warmup} warm-up "
-            f"(fewer, to keep the run short)"
-        )
+        big = f"{args.big_iters} timed + {args.big_warmup} warm-up (fewer, to keep the run short)"
+        iters_note += f"; sizes >= {report.human(args.big_from)}: {big}"
     print(f"# {iters_note}; time = max over ranks, median over repetitions")
     estimate = ", ".join(f"N={n} ~{est[n]:.0f}s" for n in worlds)
     print(f"# bandwidth-bound estimate: {estimate}" + (" (at the cap)" if rate_bits else " (assuming 50 MB/s)"))
@@ -143,49 +111,44 @@ def driver(args) -> int:
             timeout, t = args.timeout or (120 + 3 * est[n]), time.time()
             world = harness.world_config(cl, 29500, i, n * k) | {"op_timeout": op_timeout}
             # exit code 3 is a rank that found a wrong sum: its results are written
-            raw = harness.launch_world(
-                WORKER, {**cfg, **world, "hosts": n}, cl, Path(tmpdir), f"n{n}", timeout, f"N={n}", (0, 3), k
-            )
+            world |= {"hosts": n}
+            raw = harness.launch_world(WORKER, cfg | world, cl, Path(tmpdir), f"n{n}", timeout, f"N={n}", (0, 3), k)
             raw["hosts"], raw["ranks_per_host"] = n, k
             print(f"  N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
-            records += summarize(raw, rate_bytes)
+            records += report.summarize(raw, rate_bytes)
             load[n] = raw["load"]
 
-    failures = [
-        f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: {p}" for r in records for p in r["problems"]
-    ]
+    failures = [f"N={r['world_size']} size={r['size']} algorithm={r['algorithm']}: " for r in records]
+    failures = [where + p for where, r in zip(failures, records) for p in r["problems"]]
     if wire and rate_bytes:
         # What the wire allows: tbf charges a whole frame (payload + 66 bytes of Ethernet/IP/TCP
         # headers with timestamps) per MSS of payload, and its bucket starts each op full.
         for r in records:
             if r["limit_ms"]:
                 r["floor_ratio"] = max(0.0, wire["factor"] - wire["burst_bytes"] / rate_bytes / (r["limit_ms"] / 1e3))
-    targets = evaluate_targets(records, mode, k)
+    targets = report.evaluate_targets(records, mode, k)
     host = harness.host_info()
     where = f", {args.rate} egress per host" if rate_bits else " (127.0.0.1)"
     title = f"all-reduce, {mode}{where}; {host['node']}, torch {host['torch']}"
     heading = f"### All-reduce benchmark, {mode}" + (f" ({args.rate} per host)" if rate_bits else "")
     heading += f", {k} ranks per host (N counts hosts)" if k > 1 else ""
-    md = f"{heading}\n\n`{harness.command_line('allreduce.py')}`  \n{iters_note}.\n\n{table(records)}\n\n```\n"
-    md += f"{target_lines(targets)}\n{load_lines(load)}\n```\n"
+    md = f"{heading}\n\n`{harness.command_line('allreduce.py')}`  \n{iters_note}.\n\n{report.table(records)}\n\n```\n"
+    md += f"{report.target_lines(targets)}\n{report.load_lines(load)}\n```\n"
     command = [Path(sys.executable).name, "bench/allreduce.py"] + sys.argv[1:]
     result = dict(mode=mode, rate=args.rate if rate_bits else None, rate_bits_per_s=rate_bits, command=command)
     result |= dict(world_sizes=worlds, ranks_per_host=k, sizes=plan, algorithms=args.algorithms)
     result |= dict(chunks_override=args.chunks, model_numel=args.model_numel, seed=args.seed)
     result |= dict(ring_file=args.ring_file or "utils/comm/ring.py", candidates=args.candidate)
-    result["timing"] = (
-        "per repetition: barrier, t0, op, t1 on every rank; time = max over ranks; "
-        "median over timed repetitions; algorithms interleaved per repetition, order rotated"
-    )
+    result["timing"] = TIMING
     result |= harness.run_info(host, started) | {"other_load": {str(n): v for n, v in load.items()}, "wire": wire}
     result |= dict(correct=not failures, failures=failures, targets=targets, results=records)
     out = Path(args.results_dir) / results_stem(mode, args.rate if rate_bits else None, args.ring_file, args.tcp_cc, k)
-    harness.write_results(out, result, md, plot(records, title, rate_bytes, wire["burst_bytes"] if wire else 0))
+    harness.write_results(out, result, md, report.plot(records, title, rate_bytes, wire["burst_bytes"] if wire else 0))
 
-    print(f"\n{table(records)}\n")
+    print(f"\n{report.table(records)}\n")
     print("Targets" + ("" if mode == "cluster" else " (only evaluated with --cluster --rate)") + ":")
-    print(target_lines(targets))
-    print(load_lines(load))
+    print(report.target_lines(targets))
+    print(report.load_lines(load))
     print(f"\nwrote {out}.json, .md, .png  ({time.time() - started:.0f}s)")
     if failures:
         print("\nallreduce.py: CORRECTNESS FAILURE:\n  " + "\n  ".join(failures), file=sys.stderr)
@@ -246,7 +209,7 @@ def main(argv=None) -> int:
         help="also measure this file's ring_sum, interleaved, as 'ring:<file stem>'; repeatable",
     )
     ap.add_argument("--self-test-fault", choices=("wrong", "diverge"), help=argparse.SUPPRESS)  # tests only
-    harness.add_options(ap, world_sizes="2,3,4", warmup=2, iters=7, algorithms=(ALGORITHMS, None), seed=1234)
+    harness.add_options(ap, world_sizes="2,3,4", warmup=2, iters=7, algorithms=(report.ALGORITHMS, None), seed=1234)
     harness.add_world_options(ap, "world size")
     args = ap.parse_args(argv)
     if args.worker:

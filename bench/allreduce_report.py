@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, md_row, png_of
-from stats import fmt, p_text, quiet, ratios_to_gloo, sign_test_p
+from harness import figure, pick, png_of
+from stats import fmt, md_head, md_row, p_text, quiet, ratios_to_gloo, sign_test_p
 from targets import bound
 
 ALGORITHMS = ("gloo", "two-pass", "two-pass-pipelined", "ring", "hierarchical")
@@ -22,21 +22,15 @@ TARGETS = (
     (TWO_PASS, "two-pass-pipelined", (4,), 4 * MIB, "ratio_limit", bound("two_pass_limit")),
 )
 # With several ranks per host (--ranks-per-host K > 1; world sizes count hosts): issue #18.
-HIERARCHICAL_TARGETS = (
-    (f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB", "ratio_limit", bound("hierarchical_limit")),
-    (
-        f"hierarchical >= {1 / bound('hierarchical_gloo'):.1f}x faster than gloo, >= 1 MiB",
-        "ratio_gloo",
-        bound("hierarchical_gloo"),
-    ),
-    (
-        f"hierarchical >= {1 / bound('hierarchical_ring'):.1f}x faster than ring, >= 1 MiB",
-        "ratio_ring",
-        bound("hierarchical_ring"),
-    ),
-)
+FASTER = "hierarchical >= {:.1f}x faster than {}, >= 1 MiB"
+LIMIT = f"hierarchical <= {bound('hierarchical_limit'):.2f}x limit, >= 1 MiB"
 HIERARCHICAL_TARGETS = tuple(
-    (name, "hierarchical", (2, 3), MIB, metric, limit) for name, metric, limit in HIERARCHICAL_TARGETS
+    (name, "hierarchical", (2, 3), MIB, metric, bound(key))
+    for name, metric, key in (
+        (LIMIT, "ratio_limit", "hierarchical_limit"),
+        (FASTER.format(1 / bound("hierarchical_gloo"), "gloo"), "ratio_gloo", "hierarchical_gloo"),
+        (FASTER.format(1 / bound("hierarchical_ring"), "ring"), "ratio_ring", "hierarchical_ring"),
+    )
 )
 
 
@@ -47,12 +41,31 @@ def human(nbytes: int) -> str:
     return f"{nbytes}B" if nbytes < 1024 else f"{nbytes / 1024:.1f}K"
 
 
+def summarize(raw: dict, rate_bytes: float | None) -> list[dict]:
+    """Raw per-world results -> one flat record per (N, size, algorithm) with derived columns."""
+    records, n = [], raw["world_size"]
+    hosts, k = raw.get("hosts", n), raw.get("ranks_per_host", 1)  # the limit counts hosts: their cards
+    for size in raw["sizes"]:
+        median = {r["algorithm"]: statistics.median(r["times_s"]) for r in size["rows"]}
+        limit = 2 * (hosts - 1) / hosts * size["bytes"] / rate_bytes if rate_bytes else None
+        for row in size["rows"]:
+            t, times, alg = median[row["algorithm"]], row["times_s"], row["algorithm"]
+            rec = dict(world_size=n, hosts=hosts, ranks_per_host=k, size=size["label"], bytes=size["bytes"])
+            rec.update(numel=size["numel"], algorithm=alg, chunks=row["chunks"], iters=len(times))
+            rec.update(warmup=size["warmup"])
+            rec.update(times_ms=[x * 1e3 for x in times], median_ms=t * 1e3, min_ms=min(times) * 1e3)
+            rec.update(max_ms=max(times) * 1e3, rank_median_ms=[x * 1e3 for x in row["rank_median_s"]])
+            rec.update(algbw_MBps=size["bytes"] / t / MB, busbw_MBps=size["bytes"] / t * 2 * (hosts - 1) / hosts / MB)
+            rec.update(limit_ms=limit * 1e3 if limit else None, ratio_limit=t / limit if limit else None)
+            rec.update(ratio_gloo=t / median["gloo"] if median.get("gloo") else None)
+            rec.update(ratio_ring=t / median["ring"] if median.get("ring") and alg != "ring" else None)
+            records.append(rec | pick(row, "correct bit_identical max_error_over_bound problems"))
+    return records
+
+
 def table(records: list[dict]) -> str:
-    head = (
-        "| N | size | bytes | algorithm | chunks | iters | time ms | spread | algbw MB/s | busbw MB/s "
-        "| limit ms | x limit | x gloo | ok |"
-    )
-    lines = [head, "|--:|:--|--:|:--|" + "--:|" * 9 + ":-:|"]
+    names = "N,size,bytes,algorithm,chunks,iters,time ms,spread,algbw MB/s,busbw MB/s,limit ms,x limit,x gloo,ok"
+    lines = md_head(names.split(","), "rlrl" + "r" * 9 + "c")
     for r in records:
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
         time_ms = fmt(r["median_ms"], "{:.3f}" if r["median_ms"] < 10 else "{:.1f}")
@@ -73,51 +86,30 @@ def evaluate_targets(records: list[dict], mode: str, ranks_per_host: int = 1) ->
     """Targets per number of hosts (N): TARGETS with one rank per host, HIERARCHICAL_TARGETS with several."""
     out = []
     candidates = sorted({r["algorithm"] for r in records if r["algorithm"].startswith("ring:")})
-    targets = list(TARGETS) + [
-        (name.replace("ring", c, 1) + " [candidate]", c, *rest)
-        for c in candidates
-        for name, alg, *rest in TARGETS
-        if alg == "ring"
+    ring = [(name, rest) for name, alg, *rest in TARGETS if alg == "ring"]
+    targets = [
+        *TARGETS,
+        *((name.replace("ring", c, 1) + " [candidate]", c, *rest) for c in candidates for name, rest in ring),
     ]
     if ranks_per_host > 1:
         targets = list(HIERARCHICAL_TARGETS)
     for name, alg, worlds, min_bytes, metric, limit in targets:
         for n in worlds:
-            rows = [
-                r
-                for r in records
-                if r["algorithm"] == alg
-                and r.get("hosts", r["world_size"]) == n
-                and r["bytes"] >= min_bytes
-                and r.get(metric) is not None
-            ]
-            label = str(n) if ranks_per_host == 1 else f"{n}×{ranks_per_host}"
+            rows = [r for r in records if r["algorithm"] == alg and r.get("hosts", r["world_size"]) == n]
+            rows = [r for r in rows if r["bytes"] >= min_bytes and r.get(metric) is not None]
+            t = {"target": name, "world_size": n, "label": str(n) if ranks_per_host == 1 else f"{n}×{ranks_per_host}"}
             if mode != "cluster" or not rows:
                 why = "targets are for --cluster --rate" if mode != "cluster" else "not measured"
-                out.append({"target": name, "world_size": n, "label": label, "status": "N/A", "why": why})
+                out.append(t | {"status": "N/A", "why": why})
                 continue
             worst = max(rows, key=lambda r: r[metric])
-            out.append(
-                {
-                    "target": name,
-                    "world_size": n,
-                    "label": label,
-                    "bound": limit,
-                    "metric": metric,
-                    "status": "PASS" if worst[metric] <= limit else "MISS",
-                    "worst_ratio": worst[metric],
-                    "worst_size": worst["size"],
-                    "wire_floor": {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
-                    if metric == "ratio_limit"
-                    else {},
-                    "per_size": {r["size"]: round(r[metric], 4) for r in rows},
-                    "paired": paired_vs_gloo(records, rows)
-                    if metric == "ratio_gloo"
-                    else paired_vs_gloo(records, rows, "ring")
-                    if metric == "ratio_ring"
-                    else {},
-                }
-            )
+            t |= {"bound": limit, "metric": metric, "status": "PASS" if worst[metric] <= limit else "MISS"}
+            t |= {"worst_ratio": worst[metric], "worst_size": worst["size"]}
+            floors = {r["size"]: round(r["floor_ratio"], 3) for r in rows if "floor_ratio" in r}
+            t["wire_floor"] = floors if metric == "ratio_limit" else {}
+            t["per_size"] = {r["size"]: round(r[metric], 4) for r in rows}
+            reference = {"ratio_gloo": "gloo", "ratio_ring": "ring"}.get(metric)
+            out.append(t | {"paired": paired_vs_gloo(records, rows, reference) if reference else {}})
     return out
 
 
@@ -131,12 +123,8 @@ def paired_vs_gloo(records: list[dict], rows: list[dict], reference: str = "gloo
         ratios = paired.get((r["world_size"], r["size"], r["algorithm"]))
         if ratios:
             faster = sum(x < 1 for x in ratios)
-            out[r["size"]] = [
-                round(statistics.median(ratios), 4),
-                faster,
-                len(ratios),
-                round(sign_test_p(faster, len(ratios)), 3),
-            ]
+            p = round(sign_test_p(faster, len(ratios)), 3)
+            out[r["size"]] = [round(statistics.median(ratios), 4), faster, len(ratios), p]
     return out
 
 
@@ -148,10 +136,8 @@ def target_lines(targets: list[dict]) -> str:
             lines.append(f"N/A   {t['target']:<50} N={label}  ({t['why']})")
             continue
         sizes = "  ".join(f"{k} {v:.3f}" for k, v in t["per_size"].items())
-        lines.append(
-            f"{t['status']:<5} {t['target']:<50} N={label}  worst {t['worst_ratio']:.3f}x "
-            f"at {t['worst_size']} (bound {t['bound']:.2f})   [{sizes}]"
-        )
+        worst = f"worst {t['worst_ratio']:.3f}x at {t['worst_size']} (bound {t['bound']:.2f})"
+        lines.append(f"{t['status']:<5} {t['target']:<50} N={label}  {worst}   [{sizes}]")
         if t.get("wire_floor") and not t["target"].startswith("two-pass"):
             floors = "  ".join(f"{k} {v:.3f}" for k, v in t["wire_floor"].items())
             lines.append(f"{'':<5} {'  wire floor of any all-reduce, same sizes':<50} N={label}  [{floors}]")
@@ -166,11 +152,9 @@ def target_lines(targets: list[dict]) -> str:
 def load_lines(load: dict) -> str:
     lines = []
     for n, v in load.items():
-        lines.append(
-            f"load  N={n}: {v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}, "
-            f"other processes {v['foreign_cpu_cores']:.2f}"
-            + ("" if quiet(v) else "  <- NOT QUIET, timings may be inflated")
-        )
+        busy = f"{v['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {v['ours_cores']:.2f}"
+        warning = "" if quiet(v) else "  <- NOT QUIET, timings may be inflated"
+        lines.append(f"load  N={n}: {busy}, other processes {v['foreign_cpu_cores']:.2f}{warning}")
     return "\n".join(lines)
 
 

@@ -10,21 +10,19 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib.util
-import json
 import math
 import os
 import statistics
 import time
 from pathlib import Path
 
-from harness import rotated, start_worker
-
-from utils.files import write_file
+from harness import end_worker, rotated, start_worker
 
 ELEMENT = 4  # bytes per float32
 
 
 def load_module(path: str, name: str):
+    """The module of the Python file at `path` (another ring.py, a candidate's)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -40,10 +38,9 @@ def sums(cfg: dict, say) -> tuple[dict, object]:
 
     ring = load_module(cfg["ring_file"], "ring_under_test") if cfg["ring_file"] else default_ring
     hosts = hierarchical.discover()
-    say(
-        f"  N={cfg['world_size']}: {cfg['world_size']} ranks up, {hierarchical.describe(hosts)} ({cfg['init_method']}, "
-        f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '-')}, torch {torch.__version__})"
-    )
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "-")
+    where = f"{cfg['init_method']}, GLOO_SOCKET_IFNAME={ifname}, torch {torch.__version__}"
+    say(f"  N={cfg['world_size']}: {cfg['world_size']} ranks up, {hierarchical.describe(hosts)} ({where})")
     if len(hosts) != cfg["hosts"] or any(len(h) != cfg["ranks_per_host"] for h in hosts):
         say(f"  WARNING: expected {cfg['hosts']} hosts × {cfg['ranks_per_host']} ranks")
     run = {"gloo": lambda b, c: ring.gloo_sum(b), "ring": lambda b, c: ring.ring_sum(b)}
@@ -59,31 +56,22 @@ def sums(cfg: dict, say) -> tuple[dict, object]:
 
 
 def worker(args) -> int:
-    cfg = json.loads(Path(args.config).read_text())
-    import torch.distributed as dist
-
-    say = start_worker(cfg, args.rank, deterministic=False)
+    cfg, say = start_worker(args, deterministic=False)
     algorithms, ring = sums(cfg, say)
     out, failures = {"world_size": cfg["world_size"], "sizes": []}, []
     for size in cfg["sizes"]:
         numel = size["bytes"] // ELEMENT
         chunks = {"two-pass": 1, "two-pass-pipelined": cfg["chunks"] or ring.auto_chunks(numel)}
         rows = time_size(cfg, args.rank, size, {a: (f, chunks.get(a, 0)) for a, f in algorithms.items()})
-        for r in rows:
-            failures += [
-                f"N={cfg['world_size']} size={size['label']} algorithm={r['algorithm']}: {p}" for p in r["problems"]
-            ]
+        where = f"N={cfg['world_size']} size={size['label']} algorithm="
+        failures += [f"{where}{r['algorithm']}: {p}" for r in rows for p in r["problems"]]
         out["sizes"].append({**size, "numel": numel, "rows": rows})
         times = "  ".join(
             f"{r['algorithm']} {statistics.median(r['times_s']) * 1e3:.2f}ms" + ("" if r["correct"] else " WRONG")
             for r in rows
         )
         say(f"  N={cfg['world_size']} {size['label']:>6} ({size['iters']} iters): {times}")
-    out["failures"] = failures
-    if args.rank == 0:
-        write_file(Path(cfg["out"]), json.dumps(out).encode())
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(cfg, args.rank, out | {"failures": failures})
     return 3 if failures else 0
 
 
@@ -97,9 +85,8 @@ def time_size(cfg: dict, rank: int, size: dict, plan: dict) -> list[dict]:
 
     n, numel = cfg["world_size"], size["bytes"] // ELEMENT
     warm, reps = size["warmup"], size["warmup"] + size["iters"]
-    inputs = [
-        torch.randn(numel, generator=torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + r)) for r in range(n)
-    ]
+    seeds = [cfg["seed"] * 1_000_003 + r for r in range(n)]
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
     mine, ref = inputs[rank], sum(x.double() for x in inputs)
     bound = sum(x.double().abs() for x in inputs).mul_((n - 1) * 2.0**-24).add_(1e-30)  # worst-case float32 rounding
     del inputs

@@ -38,15 +38,8 @@ def combinations():
     for allreduce, mode, compress in itertools.product(
         ("two-pass", "ring", "gloo", "hierarchical"), modes, ("none", "bf16", "fp16", "powersgd")
     ):
-        found[f"{allreduce}/{mode}/{compress}"] = [
-            "--nproc",
-            "2",
-            "--allreduce",
-            allreduce,
-            "--compress",
-            compress,
-            *modes[mode],
-        ]
+        flags = f"--nproc 2 --allreduce {allreduce} --compress {compress}".split()
+        found[f"{allreduce}/{mode}/{compress}"] = [*flags, *modes[mode]]
     for allreduce in ("two-pass", "ring", "hierarchical"):
         found[f"{allreduce}/overlap/powersgd/3-ranks"] = (
             f"--nproc 3 --allreduce {allreduce} --compress powersgd".split()
@@ -61,14 +54,9 @@ def combinations():
 def digest_of(flags):
     with tempfile.TemporaryDirectory(prefix="digests-") as folder:
         files = ["--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt"]
-        out = subprocess.run(
-            [sys.executable, str(REPO / "train.py"), *SHORT_RUN, *flags, *files],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
+        argv = [sys.executable, str(REPO / "train.py"), *SHORT_RUN, *flags, *files]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        out = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=TIMEOUT, env=env)
     match = re.search(r"sha256 ([0-9a-f]{64})", out.stdout)
     if out.returncode or not match:
         return f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or ['?'])[-1]}"

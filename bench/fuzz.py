@@ -170,20 +170,12 @@ def tcp_junk(ports, rng):
 
 
 def start(folder, port, ranks, args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return [
-        subprocess.Popen(
-            [sys.executable, os.path.join(REPO, "train.py"), "--rank", str(r), "--world-size", str(ranks)]
-            + ["--init-method", f"tcp://127.0.0.1:{port}", "--data-dir", os.path.join(REPO, "data"), *args],
-            cwd=folder,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for r in range(ranks)
-    ]
+    """The job's ranks, each with the original per-server command (--rank, --world-size, --init-method)."""
+    env, pipe = dict(os.environ, OMP_NUM_THREADS="1"), subprocess.PIPE
+    common = ["--world-size", str(ranks), "--init-method", f"tcp://127.0.0.1:{port}", "--data-dir", f"{REPO}/data"]
+    argv = [sys.executable, os.path.join(REPO, "train.py")]
+    kw = dict(cwd=folder, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    return [subprocess.Popen([*argv, "--rank", str(r), *common, *args], **kw) for r in range(ranks)]
 
 
 def run_job(ranks, args, timeout, attack=None):
@@ -236,9 +228,8 @@ def fire(count, ranks, nmap, rate):
                 subprocess.run(cmd, capture_output=True, timeout=600)
                 scanned.append(" ".join(cmd))
         running = all(p.poll() is None for p in procs)  # the attack ended before the job did
-        return dict(
-            sent=sent, captured=len(captured), tcp_ports=tcp, nmap=scanned, overflowed=overflowed, running=running
-        )
+        result = dict(sent=sent, captured=len(captured), tcp_ports=tcp, nmap=scanned, overflowed=overflowed)
+        return result | {"running": running}
 
     return attack
 
@@ -266,9 +257,8 @@ def main(argv=None):
     print(f"under fire:  exit codes {codes_fired}, sha256 {sha}")
     for category, n in result.get("sent", {}).items():
         print(f"  sent {n:>7,}  {category}")
-    print(
-        f"  captured {result.get('captured', 0)} genuine datagrams to replay; TCP junk into {result.get('tcp_ports')}"
-    )
+    tcp = f"TCP junk into {result.get('tcp_ports')}"
+    print(f"  captured {result.get('captured', 0)} genuine datagrams to replay; {tcp}")
     print(f"  the kernel dropped {result.get('overflowed', 0):,} (receive buffers full): never reached a rank")
     for scan in result.get("nmap", []):
         print(f"  scanned: {scan}")

@@ -1,19 +1,7 @@
-"""What every benchmark shares; each script (allreduce.py, train_step.py, time_to_accuracy.py) is a
-plugin that brings only its worker, its configurations and its summary.
-
-    command line   bench_parser, add_options (the shared option groups), check_options, number_list,
-                   name_list, at_least, positive
-    worlds         emulated_cluster, world_config, worlds_dir, launch_world (the ranks, supervised, and the load check),
-                   run_driver
-    workers        start_worker, digest, rotated, pick
-    statistics     in bench/stats.py: the load check (LoadWatch, quiet) and the paired statistics
-    results        results_stem, command_line, host_info, run_info, md_row, write_results, figure, png_of
-    MODEL_NUMEL    the trainer's parameter count, counted from utils/model.Net itself
-
-A benchmark's driver starts N real rank processes of its own file (`--worker --rank R --config
-FILE`), one world at a time, and reads rank 0's result file; the ranks are supervised by
-utils.launch.supervise, the repository's one process supervisor, so a failed rank stops its world
-and nothing outlives the driver.
+"""What every benchmark shares: the command line's option groups and their checks, a world of rank
+processes (each driver starts its own file with --worker, supervised by utils.launch.supervise), the
+emulated cluster, the rotation of configurations and the results files (bench/README.md, "How they
+run"). bench/stats.py has the load check and the paired statistics.
 """
 
 from __future__ import annotations
@@ -71,11 +59,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def bench_parser(doc: str) -> OneLineParser:
-    """A benchmark's command line: its docstring's first paragraph as the description, the whole
-    docstring as --help's epilog."""
-    return OneLineParser(
-        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
-    )
+    """A benchmark's command line: its docstring's first paragraph as --help's description, the whole as its epilog."""
+    raw = argparse.RawDescriptionHelpFormatter
+    return OneLineParser(description=doc.split("\n\n")[0], formatter_class=raw, epilog=doc)
 
 
 def argument_type(parse):
@@ -156,7 +142,7 @@ def checked_rate(rate: str) -> str:
 
 
 def parse_rate(rate: str) -> int:
-    """tc-style rate -> bits per second (for argparse)."""
+    """tc-style rate -> bits per second (argparse's error for a bad one)."""
     try:
         return netns.parse_rate(rate)
     except netns.ClusterError as e:
@@ -176,17 +162,13 @@ def add_options(ap, world_sizes="2,4", warmup=None, iters=None, algorithms=None,
     if algorithms is not None:
         choices, default = algorithms
         ap.add_argument("--algorithms", default=default, type=name_list(choices), help=f"from {','.join(choices)}")
-        ap.add_argument(
-            "--ranks-per-host", type=int, default=1, metavar="K", help="K ranks per host, sharing its card (default 1)"
-        )
+        per_host = "K ranks per host, sharing its card (default 1)"
+        ap.add_argument("--ranks-per-host", type=int, default=1, metavar="K", help=per_host)
     if powersgd:
         ap.add_argument("--powersgd-rank", type=positive(int), default=DEFAULT_POWERSGD_RANK, help="ours and DDP's")
-        ap.add_argument(
-            "--powersgd-warmup",
-            type=at_least(2, " (DDP's PowerSGD hook needs 2 plain steps first)"),
-            default=DEFAULT_POWERSGD_WARMUP,
-            help=f"plain steps before PowerSGD, ours and DDP's (default {DEFAULT_POWERSGD_WARMUP}; >= 2)",
-        )
+        two = at_least(2, " (DDP's PowerSGD hook needs 2 plain steps first)")
+        help = f"plain steps before PowerSGD, ours and DDP's (default {DEFAULT_POWERSGD_WARMUP}; >= 2)"
+        ap.add_argument("--powersgd-warmup", type=two, default=DEFAULT_POWERSGD_WARMUP, help=help)
     ap.add_argument("--seed", type=int, default=seed)
 
 
@@ -256,19 +238,19 @@ def world_config(cl, base: int, i: int, world_size: int) -> dict:
     return {"world_size": world_size, "init_method": f"tcp://{host0}:{port}", "op_timeout": OP_TIMEOUT}
 
 
-def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str, ok_codes=(0,), per_host=1):
-    """One world: write `cfg` (plus "out", where rank 0 writes its results) to tmp, run ranks
-    0..cfg["world_size"]-1 of `script --worker --rank R --config CONFIG` until all have exited, and
-    return rank 0's results with "load": what else used the machine meanwhile (a warning is printed
-    when it was not quiet).
+def sum_seconds(n: int, rate_bits: float | None, numel: int) -> float:
+    """A generous time for one step's gradient sum of `numel` floats among n ranks (about twice the
+    slowest algorithm's), for the worlds' hard timeouts."""
+    return 2 * (2 * numel * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
 
-    With a cluster `cl` (scripts/netns.py) rank r runs on emulated host r // per_host with
-    GLOO_SOCKET_IFNAME set to its NIC; without, on loopback, where per_host > 1 fakes the hosts for
-    utils/comm/hierarchical.py through RING_HOST_ID. Rank 0's stdout is ours; every rank's stderr (and
-    the other ranks' stdout) goes to tmp/rank<R>-<tag>.log. utils.launch.supervise waits: if a rank
-    exits with a code not in ok_codes, the others get GRACE seconds, then are killed, and every rank
-    is killed on every way out. Raises LaunchError (naming `what`) on a timeout or a failed rank,
-    with each rank's stderr tail.
+
+def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str, ok_codes=(0,), per_host=1):
+    """One world: ranks 0..N-1 of `script --worker --rank R --config CONFIG` (cfg plus "out", where rank 0
+    writes its results), on emulated host r // per_host of `cl` (GLOO_SOCKET_IFNAME its NIC) or on
+    loopback (per_host > 1 faked through RING_HOST_ID), until all have exited. Rank 0's stdout is ours;
+    every rank's stderr goes to tmp/rank<R>-<tag>.log. A rank exiting with a code not in ok_codes, or
+    the timeout, stops the world: LaunchError (naming `what`, with each rank's stderr tail). Returns
+    rank 0's results with "load": what else used the machine meanwhile (warned about when not quiet).
     """
     config, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
     config.write_text(json.dumps({**cfg, "out": str(out_path)}))
@@ -307,12 +289,10 @@ def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float
     raw = json.loads(out_path.read_text())
     raw["load"] = load = watch.result(procs)
     if not quiet(load):
-        print(
-            f"  WARNING {what}: the machine was busy besides this benchmark: {load['busy_cores']:.2f} of "
-            f"{os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}, other processes "
-            f"{load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])}); timings may be inflated",
-            flush=True,
-        )
+        busy = f"{load['busy_cores']:.2f} of {os.cpu_count()} cores busy, our ranks {load['ours_cores']:.2f}"
+        others = f"other processes {load['foreign_cpu_cores']:.2f} ({', '.join(load['foreign_top'])})"
+        busy = f"the machine was busy besides this benchmark: {busy}, {others}"
+        print(f"  WARNING {what}: {busy}; timings may be inflated", flush=True)
     return raw
 
 
@@ -340,22 +320,33 @@ def run_driver(driver, args, prog: str) -> int:
 
 
 # --------------------------------------------------------------------------- workers
-def start_worker(cfg: dict, rank: int, deterministic: bool = True):
-    """A rank's start: 1 torch thread (the ranks share this machine's cores, as train.py's ranks
-    do), deterministic algorithms, the gloo process group. Returns say(), which prints on rank 0."""
+def start_worker(args, deterministic: bool = True):
+    """A rank's start: its world's configuration (--config), 1 torch thread (the ranks share this
+    machine's cores, as train.py's ranks do), deterministic algorithms, the gloo process group.
+    Returns (the configuration, say()), which prints on rank 0."""
     import torch
     import torch.distributed as dist
 
+    cfg = json.loads(Path(args.config).read_text())
     torch.set_num_threads(1)
     if deterministic:
         from utils.model import use_deterministic_algorithms
 
         use_deterministic_algorithms()
     timeout = datetime.timedelta(seconds=cfg["op_timeout"])
-    dist.init_process_group(
-        "gloo", init_method=cfg["init_method"], rank=rank, world_size=cfg["world_size"], timeout=timeout
-    )
-    return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    world = {"rank": args.rank, "world_size": cfg["world_size"], "timeout": timeout}
+    dist.init_process_group("gloo", init_method=cfg["init_method"], **world)
+    return cfg, (lambda *a: print(*a, flush=True)) if args.rank == 0 else (lambda *a: None)
+
+
+def end_worker(cfg: dict, rank: int, out: dict) -> None:
+    """A rank's end: rank 0 writes the world's results `out` for the driver, then all leave together."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        write_file(Path(cfg["out"]), json.dumps(out).encode())
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def digest(model) -> str:
@@ -381,12 +372,23 @@ def pick(obj, names: str) -> dict:
     return {name: obj[name] if isinstance(obj, dict) else getattr(obj, name) for name in names.split()}
 
 
-# --------------------------------------------------------------------------- other processes' load
+# --------------------------------------------------------------------------- results
 def results_stem(*parts) -> str:
     """A results file's name: the benchmark and mode, then every way this run differs from the
     script's default plan (None or '' where it does not), so that a partial or different run never
     overwrites the full one's files."""
     return "-".join(str(p) for p in parts if p)
+
+
+def differences(args, defaults: dict, spelt: dict) -> list:
+    """For a results_stem: spelt[name] (a format, or a function of the value) for each option whose
+    value differs from defaults[name] (an option without a default: any value it was given)."""
+    out = []
+    for name, text in spelt.items():
+        value = getattr(args, name)
+        changed = value != defaults.get(name)
+        out.append((text(value) if callable(text) else text.format(value)) if changed else None)
+    return out
 
 
 def command_line(script: str) -> str:
@@ -397,21 +399,14 @@ def command_line(script: str) -> str:
 def host_info() -> dict:
     import torch
 
-    node, release = platform.node(), platform.release()
-    return dict(
-        node=node, cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__, kernel=release
-    )
+    versions = dict(python=platform.python_version(), torch=torch.__version__, kernel=platform.release())
+    return dict(node=platform.node(), cpus=os.cpu_count(), **versions)
 
 
 def run_info(host: dict, started: float) -> dict:
     """The results' host, start (ISO time) and seconds so far."""
     at = datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds")
     return {"host": host, "started": at, "seconds": round(time.time() - started, 1)}
-
-
-def md_row(*cells) -> str:
-    """A markdown table's row."""
-    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def figure(rows: int, cols: int, figsize: tuple, **kw):

@@ -1,10 +1,7 @@
 """What the two training benchmarks (train_step.py, time_to_accuracy.py) measure ours against: torch
-DDP with its compression hooks, torch's post-local SGD, and a step that sums nothing (compute
-only); and the NIC's byte counter they both read.
-
-Every one of them runs through utils.run.train_model, the trainer's own loop, in the place of our
-gradient sync: LocalStep is a utils.sync.interface.GradientSync too, so compute only, DDP, local
-SGD and ours differ in nothing but the sum.
+DDP with its compression hooks, torch's post-local SGD, and a step that sums nothing (compute only);
+and the NIC's byte counter they both read. Every one of them runs through the trainer's own loop
+(train_steps) in the place of our gradient sync, so they differ in nothing but the sum.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import harness  # noqa: F401  # the repository on the path (the benchmarks are r
 
 from utils.comm.allreduce import ALGORITHMS
 from utils.comm.compress import NoCompression
-from utils.sync.factory import make_gradient_sync
 from utils.sync.interface import Flags, GradientSync
 from utils.timeline import OFF
 
@@ -59,15 +55,10 @@ def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=Non
         settings |= {"outer_lr": outer_lr if nesterov else None, "outer_momentum": outer_momentum if nesterov else None}
     else:
         del settings["sync_every"]  # exactly the per-step Sync
-    return Sync(
-        allreduce=allreduce,
-        overlap=overlap,
-        lazy_update=lazy_update and every == 1,
-        compress=compress,
-        powersgd_rank=powersgd_rank if powersgd else None,
-        powersgd_warmup=powersgd_warmup if powersgd else None,
-        **settings,
-    )
+    if not powersgd:  # PowerSGD's rank and warm-up mean nothing to the other compressions
+        powersgd_rank = powersgd_warmup = None
+    settings |= dict(allreduce=allreduce, overlap=overlap, lazy_update=lazy_update and every == 1, compress=compress)
+    return Sync(powersgd_rank=powersgd_rank, powersgd_warmup=powersgd_warmup, **settings)
 
 
 class LocalStep(GradientSync):
@@ -102,12 +93,6 @@ class LocalStep(GradientSync):
         return False
 
 
-def make_sync(model, sync, optimizer, scheduler, seed, timeline=OFF):
-    """Ours: the trainer's gradient sync of a utils.config.Sync (our_sync), the one place the bench
-    makes it; timeline: a utils.timeline.Recorder to draw on (OFF: none)."""
-    return make_gradient_sync(model, sync, optimizer, scheduler, seed, timeline=timeline)
-
-
 def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):
     """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.run.batches_of_epoch's
     (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
@@ -117,17 +102,7 @@ def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, rec
 
     stats = EpochStats()
     with contextlib.redirect_stdout(io.StringIO()):
-        train_model(
-            model=model,
-            gradient_sync=sync,
-            images=images,
-            labels=labels,
-            batches=batches,
-            epoch=epoch,
-            first_step=first_step,
-            stats=stats,
-            timeline=recorder or OFF,
-        )
+        train_model(model, sync, images, labels, batches, epoch, first_step, stats, timeline=recorder or OFF)
     return stats
 
 
@@ -159,11 +134,9 @@ def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_wa
     elif hook == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == "powersgd":
+        rank, start = powersgd_rank, max(2, powersgd_warmup)
         state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=powersgd_rank,
-            start_powerSGD_iter=max(2, powersgd_warmup),
-            random_seed=seed,
+            None, matrix_approximation_rank=rank, start_powerSGD_iter=start, random_seed=seed
         )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp, state

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from harness import OneLineParser
-from stats import p_text, ratios_to_gloo, sign_test_p
+from stats import md_head, md_row, p_text, ratios_to_gloo, sign_test_p
 
 
 def pool(runs: list[dict]) -> list[dict]:
@@ -38,35 +38,19 @@ def pool(runs: list[dict]) -> list[dict]:
         medians = [statistics.median(p[key]) for p in per_run]
         faster = sum(m < 1 for m in medians)
         everything = [x for p in per_run for x in p[key]]
-        rows.append(
-            {
-                "world_size": key[0],
-                "size": key[1],
-                "algorithm": key[2],
-                "run_medians": medians,
-                "runs_faster": faster,
-                "runs": len(medians),
-                "p": sign_test_p(faster, len(medians)),
-                "pooled_median": statistics.median(everything),
-                "repetitions": len(everything),
-            }
-        )
+        row = dict(world_size=key[0], size=key[1], algorithm=key[2], run_medians=medians, runs_faster=faster)
+        row |= dict(runs=len(medians), p=sign_test_p(faster, len(medians)), pooled_median=statistics.median(everything))
+        rows.append(row | {"repetitions": len(everything)})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| N | size | algorithm | x gloo, run by run (paired median) | faster in k of n runs | "
-        "sign test over runs | x gloo, all repetitions pooled |",
-        "|--:|:--|:--|:--|--:|--:|--:|",
-    ]
+    names = ["N", "size", "algorithm", "x gloo, run by run (paired median)", "faster in k of n runs"]
+    lines = md_head([*names, "sign test over runs", "x gloo, all repetitions pooled"], "rlllrrr")
     for r in rows:
-        each = " ".join(f"{m:.3f}" for m in r["run_medians"])
-        lines.append(
-            f"| {r['world_size']} | {r['size']} | {r['algorithm']} | {each} | "
-            f"{r['runs_faster']}/{r['runs']} | {p_text(r['p'])} | "
-            f"{r['pooled_median']:.3f} ({r['repetitions']} repetitions) |"
-        )
+        each, faster = " ".join(f"{m:.3f}" for m in r["run_medians"]), f"{r['runs_faster']}/{r['runs']}"
+        pooled = f"{r['pooled_median']:.3f} ({r['repetitions']} repetitions)"
+        lines.append(md_row(r["world_size"], r["size"], r["algorithm"], each, faster, p_text(r["p"]), pooled))
     return "\n".join(lines)
 
 

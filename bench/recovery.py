@@ -32,19 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (
-    REPO,
-    RESULTS,
-    bench_parser,
-    command_line,
-    emulated_cluster,
-    host_info,
-    md_row,
-    number_list,
-    positive,
-    results_stem,
-    write_results,
-)
+import harness
+from harness import REPO, RESULTS, emulated_cluster
+from stats import md_head, md_row
 from targets import bound
 
 from utils.errors import EXIT_STOPPED
@@ -56,12 +46,8 @@ STEPS = 100  # 6400 images, 64 a step (--train-subset changes both)
 HEARTBEAT = 2.0
 JOIN_HEARTBEAT = 5.0  # the join trial: train.py's default, so that a server still loading on a busy machine
 # (CI runs two test files at once) is not taken for lost while the state goes round
-TARGETS = {
-    "kill": bound("recovery_kill"),
-    "stop": HEARTBEAT + bound("recovery_stop"),
-    "join": bound("recovery_join"),
-    "cost": bound("recovery_cost"),
-}
+TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join")}
+TARGETS["cost"] = bound("recovery_cost")
 
 
 def events(path):
@@ -70,10 +56,8 @@ def events(path):
 
 def start(argv, cwd, env, stdout=subprocess.DEVNULL, train=TRAIN):
     """`python train.py argv` in a session of its own; its stderr kept."""
-    argv = [sys.executable, train, *argv]
-    return subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    kw = dict(cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, train, *argv], **kw)
 
 
 def fault_trial(kind, world_size, rng, tmp):
@@ -121,13 +105,8 @@ def join_trial(world_size, rng, tmp):
         while ranks[rank].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         joiner = start(["--rank", str(rank), *common, "--join"], cwd, dict(env, RING_FAULT=""))
-        outcome = supervise(
-            [*[r for i, r in enumerate(ranks) if i != rank], joiner],
-            timeout=240,
-            grace=None,
-            ok_codes=(0, EXIT_STOPPED),
-            while_running=joined,
-        )
+        members = [*[r for i, r in enumerate(ranks) if i != rank], joiner]
+        outcome = supervise(members, timeout=240, grace=None, ok_codes=(0, EXIT_STOPPED), while_running=joined)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             kill(p, group=True)
@@ -175,15 +154,11 @@ def cost(world_size, pairs, tmp, cl=None, baseline=None):
     times = {arm: [] for arm in arms}
     for i in range(pairs):
         for k, arm in enumerate(arms[i % len(arms) :] + arms[: i % len(arms)]):
-            times[arm].append(
-                epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k, baseline if arm is None else TRAIN)
-            )
+            train = baseline if arm is None else TRAIN
+            times[arm].append(epoch_seconds(arm, world_size, tmp, cl, 29400 + 3 * i + k, train))
     ratios = [a / b for a, b in zip(times[True], times[False])]
-    result = {
-        "ratio_median": statistics.median(ratios),
-        "ratios": ratios,
-        "seconds": {"recover": times[True], "no-recover": times[False]},
-    }
+    result = {"ratio_median": statistics.median(ratios), "ratios": ratios}
+    result["seconds"] = {"recover": times[True], "no-recover": times[False]}
     if baseline:
         result["baseline_ratios"] = [a / b for a, b in zip(times[True], times[None])]
         result["baseline_ratio_median"] = statistics.median(result["baseline_ratios"])
@@ -212,7 +187,7 @@ def cost_row(what, median, ratios):
 
 
 def main(argv=None):
-    ap = bench_parser(__doc__)
+    ap, positive, number_list = harness.bench_parser(__doc__), harness.positive, harness.number_list
     ap.add_argument("--world-size", type=positive(int), default=3)
     ap.add_argument("--faults", type=positive(int), default=5, help="trials per kind of fault (default 5)")
     ap.add_argument("--pairs", type=positive(int), default=5, help="side-by-side epochs for the cost (default 5)")
@@ -226,25 +201,16 @@ def main(argv=None):
     global STEPS
     RUN[RUN.index("--train-subset") + 1], STEPS = str(args.train_subset), -(-args.train_subset // 64)
     rng, started = random.Random(args.seed), time.time()
-    result = {
-        "command": command_line("recovery.py"),
-        "host": host_info(),
-        "world_size": args.world_size,
-        "heartbeat": HEARTBEAT,
-        "targets": TARGETS,
-    }
+    result = {"command": harness.command_line("recovery.py"), "host": harness.host_info()}
+    result["world_size"] = args.world_size
+    result |= {"heartbeat": HEARTBEAT, "targets": TARGETS}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("kill", "stop") if args.only != "cost" else ():
             trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
-            result[kind] = dict(
-                summary([t[0] for t in trials]), steps_lost=[t[1] for t in trials], ranks=[t[2] for t in trials]
-            )
-            s = result[kind]
-            print(
-                f"{kind}: fault -> next step {stat_text(s, args.faults)}, completed steps lost "
-                f"{max(s['steps_lost'])} at most, ranks {s['ranks']}",
-                flush=True,
-            )
+            seconds, lost, ranks = zip(*trials)
+            result[kind] = s = dict(summary(seconds), steps_lost=list(lost), ranks=list(ranks))
+            lost = f"completed steps lost {max(s['steps_lost'])} at most, ranks {s['ranks']}"
+            print(f"{kind}: fault -> next step {stat_text(s, args.faults)}, {lost}", flush=True)
         joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if args.only != "cost" else 0)]
         result["join"] = summary(joins) if joins else None
         if joins:
@@ -265,11 +231,8 @@ def main(argv=None):
                 line += f"({ratios_text(c['baseline_ratios'])})"
             print(line, flush=True)
     result["seconds"] = time.time() - started
-    rows = [
-        stat_row(f"{k}: fault → next completed step (s)", result[k], TARGETS[k])
-        for k in ("kill", "stop")
-        if k in result
-    ]
+    faults = [k for k in ("kill", "stop") if k in result]
+    rows = [stat_row(f"{k}: fault → next completed step (s)", result[k], TARGETS[k]) for k in faults]
     if result["join"]:
         rows.append(stat_row("join: ready → first step (s)", result["join"], TARGETS["join"]))
     for where, c in result["cost"].items():
@@ -278,17 +241,13 @@ def main(argv=None):
             what = f"{where}: --recover / before live recovery"
             rows.append(cost_row(what, c["baseline_ratio_median"], c["baseline_ratios"]))
     lines = [f"# bench/recovery.py ({result['host']['node']})", "", f"    {result['command']}", ""]
-    lines += ["| what | median | min | max | target |", "|---|---|---|---|---|", *rows, ""]
-    lost = [f"{k} {result[k]['steps_lost']}" for k in ("kill", "stop") if k in result]
+    lines += [*md_head(["what", "median", "min", "max", "target"], "-----"), *rows, ""]
+    lost = [f"{k} {result[k]['steps_lost']}" for k in faults]
     if lost:
         lines.append(f"Completed steps lost per fault: {'; '.join(lost)}.")
     md = "\n".join(lines)
-    write_results(
-        Path(args.results_dir)
-        / results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None),
-        result,
-        md + "\n",
-    )
+    stem = harness.results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None)
+    harness.write_results(Path(args.results_dir) / stem, result, md + "\n")
     return 0
 
 

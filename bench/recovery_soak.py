@@ -61,33 +61,16 @@ def main(argv=None):
     soak_seconds = time.monotonic() - started
     clean = tmp / "clean"
     clean.mkdir()
-    done = subprocess.run(
-        [sys.executable, TRAIN, *run, "--nproc", str(args.ranks)],
-        cwd=clean,
-        capture_output=True,
-        text=True,
-        timeout=args.timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    argv, env = [sys.executable, TRAIN, *run, "--nproc", str(args.ranks)], dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(argv, cwd=clean, capture_output=True, text=True, timeout=args.timeout, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     clean_rows = [json.loads(line) for line in (clean / "runs" / "metrics.jsonl").read_text().splitlines()]
     result = soak.check(clean_rows, args.epochs)
-    result.update(
-        command=command_line("recovery_soak.py"),
-        host=host_info(),
-        faults=faults,
-        seconds=soak_seconds,
-        clean_accuracy=clean_rows[-1]["test_accuracy"],
-    )
-    ok = (
-        len(faults) >= args.faults
-        and not result["hung"]
-        and result["identical"]
-        and result["images_ok"]
-        and result["epochs_once"]
-        and abs(result["accuracy"] - result["clean_accuracy"]) <= 0.001
-    )
-    result["ok"] = ok
+    result |= dict(command=command_line("recovery_soak.py"), host=host_info(), faults=faults, seconds=soak_seconds)
+    result["clean_accuracy"] = clean_rows[-1]["test_accuracy"]
+    checks = (result["identical"], result["images_ok"], result["epochs_once"], not result["hung"])
+    close = abs(result["accuracy"] - result["clean_accuracy"]) <= 0.001
+    result["ok"] = ok = len(faults) >= args.faults and all(checks) and close
     kinds = {k: sum(1 for f in faults if f["kind"] == k) for k in ("kill", "stop")}
     line = (
         f"soak: {len(faults)} faults ({kinds['kill']} kill -9, {kinds['stop']} SIGSTOP; ranks "
@@ -98,11 +81,8 @@ def main(argv=None):
         f"{result['epochs_once']}; identical parameters: {result['identical']} -> {'PASS' if ok else 'FAIL'}"
     )
     print(line, flush=True)
-    write_results(
-        Path(args.results_dir) / results_stem("recovery_soak", f"n{args.ranks}"),
-        result,
-        f"# bench/recovery_soak.py\n\n    {result['command']}\n\n{line}\n",
-    )
+    md = f"# bench/recovery_soak.py\n\n    {result['command']}\n\n{line}\n"
+    write_results(Path(args.results_dir) / results_stem("recovery_soak", f"n{args.ranks}"), result, md)
     return 0 if ok else 1
 
 
@@ -195,13 +175,8 @@ class Soak:
                 done.append({"rank": rank, "kind": kind, "during_join": bool(joining), "at": time.time()})
                 with open(self.home / "faults.jsonl", "a") as f:
                     f.write(json.dumps(done[-1]) + "\n")
-                pending.append(
-                    (
-                        rank,
-                        now + (self.rng.uniform(2.5, 4) if kind == "stop" else self.rng.uniform(0.3, 1)),
-                        "cont" if kind == "stop" else "join-when-exited",
-                    )
-                )
+                back = now + (self.rng.uniform(2.5, 4) if kind == "stop" else self.rng.uniform(0.3, 1))
+                pending.append((rank, back, "cont" if kind == "stop" else "join-when-exited"))
                 time.sleep(self.rng.uniform(0.5, 1.5) if not joining else 0.2)
             time.sleep(0.05)
         for rank, _, how in pending:
@@ -234,33 +209,20 @@ class Soak:
 
     def check(self, clean_rows, epochs):
         outs = {r: (self.home / f"rank{r}.out").read_text() for r in range(self.ranks)}
-        digests = {
-            m.group(2)
-            for out in outs.values()
-            for m in re.finditer(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)", out)
-        }
-        rows = [
-            json.loads(line)
-            for r in range(self.ranks)
-            if (self.home / f"host{r}" / "runs" / "metrics.jsonl").exists()
-            for line in (self.home / f"host{r}" / "runs" / "metrics.jsonl").read_text().splitlines()
-        ]
+        found = re.compile(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)")
+        digests = {m.group(2) for out in outs.values() for m in found.finditer(out)}
+        metrics = [self.home / f"host{r}" / "runs" / "metrics.jsonl" for r in range(self.ranks)]
+        rows = [json.loads(line) for path in metrics if path.exists() for line in path.read_text().splitlines()]
         by_epoch = {}
         for row in rows:
             by_epoch.setdefault(row["epoch"], []).append(row)
         last = by_epoch.get(epochs, [{"test_accuracy": 0.0}])[-1]
-        return {
-            "identical": len(digests) == 1,
-            "digests": sorted(digests),
-            "images": [row["images"] for e in sorted(by_epoch) for row in by_epoch[e]],
-            "images_ok": all(row["images"] == 60000 for row in rows) and sorted(by_epoch) == list(range(1, epochs + 1)),
-            "epochs_once": all(len(v) == 1 for v in by_epoch.values()),
-            "accuracy": last["test_accuracy"],
-            "joins": self.joins,
-            "members_at_end": last.get("members"),
-            "stayed": self.stayed,
-            "hung": self.hung,
-        }
+        images_ok = all(row["images"] == 60000 for row in rows) and sorted(by_epoch) == list(range(1, epochs + 1))
+        out = {"identical": len(digests) == 1, "digests": sorted(digests)}
+        out |= {"images": [row["images"] for e in sorted(by_epoch) for row in by_epoch[e]], "images_ok": images_ok}
+        out |= {"epochs_once": all(len(v) == 1 for v in by_epoch.values()), "accuracy": last["test_accuracy"]}
+        out |= {"joins": self.joins, "members_at_end": last.get("members")}
+        return out | {"stayed": self.stayed, "hung": self.hung}
 
 
 if __name__ == "__main__":

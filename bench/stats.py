@@ -5,6 +5,7 @@ they run").
     load        proc_table, descendants, loadavg, cpu_snapshot, LoadWatch, quiet
     statistics  sign_test_p, p_text, paired_ratios, compare, ratios_to_gloo, quantile,
                 median_or_none, fmt
+    tables      md_row, md_head
 """
 
 from __future__ import annotations
@@ -78,9 +79,8 @@ class LoadWatch:
         before, after = self.before, cpu_snapshot()
         ours = self.ours | {p.pid for p in procs} | {os.getpid()}
         hz, wall = os.sysconf("SC_CLK_TCK"), max(after["t"] - before["t"], 1e-9)
-        used = [
-            (t - before["procs"].get(pid, (0, 0, ""))[1], name, pid) for pid, (_, t, name) in after["procs"].items()
-        ]
+        earlier = {pid: ticks for pid, (_, ticks, _) in before["procs"].items()}
+        used = [(t - earlier.get(pid, 0), name, pid) for pid, (_, t, name) in after["procs"].items()]
         used = sorted((u for u in used if u[2] not in ours and u[0] > 0), reverse=True)
         busy = (after["busy"] - before["busy"]) / max(after["total"] - before["total"], 1) * (os.cpu_count() or 1)
         return {
@@ -166,4 +166,14 @@ def fmt(x, spec="{:.2f}", none="-"):
     return none if x is None else spec.format(x)
 
 
-# --------------------------------------------------------------------------- results
+# --------------------------------------------------------------------------- tables
+def md_row(*cells) -> str:
+    """A markdown table's row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def md_head(names, aligns: str) -> list[str]:
+    """A markdown table's first two rows: the column names, and their alignments one letter each
+    (r --:, l :--, c :-:, - ---)."""
+    marks = {"r": "--:", "l": ":--", "c": ":-:", "-": "---"}
+    return [md_row(*names), "|" + "|".join(marks[a] for a in aligns) + "|"]

@@ -85,13 +85,8 @@ def parse_config(name: str) -> dict:
         kind == "ours" and every > 1 and merge.isascii() and merge.isdigit() and 1 <= int(merge) <= every
     ):
         raise ValueError(f"configuration {name!r}: ours@H:T merges T steps after a round's end, 1 <= T <= H")
-    return {
-        "name": name,
-        "kind": kind,
-        "compress": compress or "none",
-        "sync_every": every,
-        **({"merge_after": int(merge)} if colon else {}),
-    }
+    spec = {"name": name, "kind": kind, "compress": compress or "none", "sync_every": every}
+    return spec | ({"merge_after": int(merge)} if colon else {})
 
 
 def parse_ours(text: str) -> dict:
@@ -105,58 +100,36 @@ def parse_ours(text: str) -> dict:
 def results_stem(args, mode: str) -> str:
     """time_to_accuracy-<mode>, plus whatever this run changed from the default plan, so that a quick or
     partial run never overwrites the full one (e.g. time_to_accuracy-loopback-n2-e1-sub6400)."""
-    parts = [f"time_to_accuracy-{mode}"]
-    if mode == "cluster" and args.rates != [DEFAULTS["rate"]]:
-        parts.append("+".join(args.rates))
-    if args.world_sizes != DEFAULTS["world_sizes"]:
-        parts.append("n" + "+".join(map(str, args.world_sizes)))
-    if args.epochs != DEFAULTS["epochs"]:
-        parts.append(f"e{args.epochs}")
-    if args.evals_per_epoch != DEFAULTS["evals_per_epoch"]:
-        parts.append(f"ev{args.evals_per_epoch}")
-    if args.train_subset:
-        parts.append(f"sub{args.train_subset}")
-    if args.test_subset:
-        parts.append(f"test{args.test_subset}")
-    if args.global_batch != DEFAULTS["global_batch"]:
-        parts.append(f"gb{args.global_batch}")
-    if args.seed != DEFAULTS["seed"]:
-        parts.append(f"seed{args.seed}")
-    if args.ours != DEFAULTS["ours"]:
-        parts.append(args.ours)
-    if (args.powersgd_rank, args.powersgd_warmup) != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]):
-        parts.append(f"r{args.powersgd_rank}w{args.powersgd_warmup}")
-    lr, momentum = outer_settings(args)  # (stem_of leaves out the Nones)
-    parts += [
-        args.outer if args.outer != DEFAULTS["outer"] else None,
-        f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None,
-        f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None,
-        f"lw{args.localsgd_warmup}" if args.localsgd_warmup != DEFAULTS["localsgd_warmup"] else None,
-    ]
-    if sorted(args.configs) != sorted(DEFAULTS["configs"]):
-        parts.append("subset")
-    if args.repeats != DEFAULTS["repeats"]:
-        parts.append(f"x{args.repeats}")
-    return harness.results_stem(*parts)
+    lr, momentum = outer_settings(args)
+    named = dict(world_sizes=lambda v: "n" + "+".join(map(str, v)), epochs="e{}", evals_per_epoch="ev{}")
+    named |= dict(train_subset="sub{}", test_subset="test{}", global_batch="gb{}", seed="seed{}", ours="{}")
+    rates = "+".join(args.rates) if mode == "cluster" and args.rates != [DEFAULTS["rate"]] else None
+    parts = [f"time_to_accuracy-{mode}", rates]
+    parts += harness.differences(args, DEFAULTS, named)
+    psgd = (args.powersgd_rank, args.powersgd_warmup)
+    parts.append(f"r{psgd[0]}w{psgd[1]}" if psgd != (DEFAULTS["powersgd_rank"], DEFAULTS["powersgd_warmup"]) else None)
+    parts += harness.differences(args, DEFAULTS, {"outer": "{}"})
+    parts += [f"olr{lr:g}" if lr not in (None, DEFAULTS["outer_lr"]) else None]
+    parts += [f"om{momentum:g}" if momentum not in (None, DEFAULTS["outer_momentum"]) else None]
+    parts += harness.differences(args, DEFAULTS, {"localsgd_warmup": "lw{}"})
+    parts += ["subset" if sorted(args.configs) != sorted(DEFAULTS["configs"]) else None]
+    return harness.results_stem(*parts, *harness.differences(args, DEFAULTS, {"repeats": "x{}"}))
 
 
 def outer_settings(args) -> tuple:
     """(outer_lr, outer_momentum) of ours@H as train.py resolves them: None unless --outer nesterov."""
     if args.outer != "nesterov":
         return None, None
-    return (
-        DEFAULTS["outer_lr"] if args.outer_lr is None else args.outer_lr,
-        DEFAULTS["outer_momentum"] if args.outer_momentum is None else args.outer_momentum,
-    )
+    lr, momentum = args.outer_lr, args.outer_momentum
+    return DEFAULTS["outer_lr"] if lr is None else lr, DEFAULTS["outer_momentum"] if momentum is None else momentum
 
 
 # --------------------------------------------------------------------------- driver
-def estimate_seconds(n: int, rate_bits: float | None, steps: int, evals: int) -> float:
+def estimate_seconds(n: int, rate: str | None, steps: int, evals: int) -> float:
     """Rough, generous time of one world (start-up, compute-only timing, training, evaluations), for the
     hard timeout."""
-    cores = os.cpu_count() or 1
-    compute = 0.03 * max(1.0, n / cores)  # 64 images over N ranks
-    comm = 2 * (2 * MODEL_NUMEL * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
+    compute = 0.03 * max(1.0, n / (os.cpu_count() or 1))  # 64 images over N ranks
+    comm = harness.sum_seconds(n, harness.parse_rate(rate) if rate else None, MODEL_NUMEL)
     return 60 + steps * (compute + comm) + 5 * evals
 
 
@@ -173,9 +146,8 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
             timeout, t = args.timeout or (120 + 2 * est[n]), time.time()
             what = f"{link} N={n} {spec['name']}" + (f" run {run}" if args.repeats > 1 else "")
             tag = f"n{n}-{spec['name'].replace('+', '-')}-{run}"
-            raw = harness.launch_world(
-                WORKER, cfg | harness.world_config(cl, 29700, k, n) | {"spec": spec}, cl, tmp, tag, timeout, what
-            )
+            world = cfg | harness.world_config(cl, 29700, k, n) | {"spec": spec}
+            raw = harness.launch_world(WORKER, world, cl, tmp, tag, timeout, what)
             rec = report.summarize(raw, spec, n, args.target, args.epochs) | {"rate": rate}
             if spec["kind"] == "ours" and spec["sync_every"] > 1:
                 rec["outer"] = args.outer
@@ -184,10 +156,10 @@ def run_all(args, specs: list[dict], rate: str | None, est: dict, done=lambda re
             records.append(rec | {"load": raw["load"]})
             done(records)
             reached = stats.fmt(rec["time_to_target_s"], "{:.1f} s", "not reached")
+            trained = f"{rec['train_seconds']:.0f} s training, final {rec['final_accuracy']:.2%}"
+            took = f"({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)"
             print(
-                f"  {link} N={n} {report.label(rec, args.ours)}: {reached} to {args.target:.1%}, "
-                f"{rec['train_seconds']:.0f} s training, final {rec['final_accuracy']:.2%} "
-                f"({time.time() - t:.0f}s, hard timeout {timeout:.0f}s)",
+                f"  {link} N={n} {report.label(rec, args.ours)}: {reached} to {args.target:.1%}, {trained} {took}",
                 flush=True,
             )
     return records
@@ -197,18 +169,15 @@ def write_results_so_far(args, records, mode, rates, command, notes, started, co
     """The JSON, markdown and PNG of `records`; a run still going (complete=False) says so in both."""
     host = harness.host_info()
     md, tbl, title = report.markdown(records, args, rates, host, command, notes, complete)
-    outer_lr, outer_momentum = outer_settings(args)
     result = dict(mode=mode, rate=rates[0] if len(rates) == 1 else None, rates=rates, world_sizes=args.world_sizes)
     result |= dict(command=command, notes=notes, complete=complete)
     result |= harness.pick(args, "epochs evals_per_epoch target global_batch train_subset test_subset lr seed ours")
-    result |= harness.pick(args, "powersgd_rank powersgd_warmup outer") | dict(
-        outer_lr=outer_lr, outer_momentum=outer_momentum
-    )
+    result |= harness.pick(args, "powersgd_rank powersgd_warmup outer")
+    result |= dict(zip(("outer_lr", "outer_momentum"), outer_settings(args)))
     result |= harness.pick(args, "localsgd_warmup compute_steps configs repeats") | harness.run_info(host, started)
     # compute only sends nothing: the worlds of every link rate time the same thing
-    result["free_network"] = {
-        str(n): report.free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes
-    }
+    free = {str(n): report.free_network([r for r in records if r["world_size"] == n]) for n in args.world_sizes}
+    result["free_network"] = free
     result["results"] = records
     out = Path(args.results_dir) / results_stem(args, mode)
     harness.write_results(out, result, md, report.plot(records, title, args.world_sizes, args.ours, args.target, rates))
@@ -221,33 +190,18 @@ def driver(args) -> int:
     specs = [parse_config(c) for c in args.configs]
     subset = args.train_subset or 60000
     steps = {n: args.epochs * ((subset // n) // max(1, args.global_batch // n)) for n in args.world_sizes}
-    est = {
-        rate: {
-            n: estimate_seconds(
-                n, harness.parse_rate(rate) if rate else None, steps[n], args.epochs * args.evals_per_epoch + 1
-            )
-            for n in args.world_sizes
-        }
-        for rate in rates
-    }
+    evals = args.epochs * args.evals_per_epoch + 1
+    est = {rate: {n: estimate_seconds(n, rate, steps[n], evals) for n in args.world_sizes} for rate in rates}
     command = harness.command_line("time_to_accuracy.py")
     notes = report.plan_notes(args, specs, *outer_settings(args))
-    print(
-        f"# time-to-accuracy benchmark: mode={mode}, "
-        + (f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap")
-        + f", N={','.join(map(str, args.world_sizes))}; configurations {', '.join(args.configs)} "
-        f"(each in its own world, one after the other{f', {args.repeats} rounds' if args.repeats > 1 else ''})"
-    )
+    link = f"egress cap per host {', then '.join(rates)}" if rates != [None] else "127.0.0.1, no cap"
+    rounds = f", {args.repeats} rounds" if args.repeats > 1 else ""
+    plan = f"configurations {', '.join(args.configs)} (each in its own world, one after the other{rounds})"
+    print(f"# time-to-accuracy benchmark: mode={mode}, {link}, N={','.join(map(str, args.world_sizes))}; {plan}")
     print(f"# {notes}")
-    print(
-        "# estimate (generous) "
-        + ", ".join(
-            f"{rate or 'loopback'} N={n} ~{len(specs) * args.repeats * s:.0f}s"
-            for rate in rates
-            for n, s in est[rate].items()
-        ),
-        flush=True,
-    )
+    worlds = len(specs) * args.repeats
+    each = [f"{rate or 'loopback'} N={n} ~{worlds * s:.0f}s" for rate in rates for n, s in est[rate].items()]
+    print("# estimate (generous) " + ", ".join(each), flush=True)
     started = time.time()
     total = len(specs) * len(args.world_sizes) * args.repeats * len(rates)
     records = []
@@ -279,12 +233,8 @@ def main(argv=None) -> int:
     ap = harness.bench_parser(__doc__)
     harness.add_link_options(ap, d["rate"], one_rate=True)
     harness.add_options(ap, powersgd=True)
-    ap.add_argument(
-        "--configs",
-        default=",".join(d["configs"]),
-        type=lambda s: s.split(","),
-        help="ours[+C][@H], ddp[+C], localsgd@H; C fp16, bf16 or powersgd (with @H: fp16 or bf16)",
-    )
+    configs = "ours[+C][@H], ddp[+C], localsgd@H; C fp16, bf16 or powersgd (with @H: fp16 or bf16)"
+    ap.add_argument("--configs", default=",".join(d["configs"]), type=lambda s: s.split(","), help=configs)
     ap.add_argument("--ours", default=d["ours"], help="our configuration, <algorithm>[+overlap[+lazy]]")
     ap.add_argument("--epochs", type=positive(int), default=d["epochs"])
     ap.add_argument("--evals-per-epoch", type=positive(int), default=d["evals_per_epoch"], help="evaluation points")
@@ -295,16 +245,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=positive(float), default=d["lr"])
     ap.add_argument("--outer", choices=OUTERS, default=d["outer"], help="ours@H's outer step (nesterov: DiLoCo's)")
     ap.add_argument("--outer-lr", type=positive(float), help=f"with --outer nesterov (default {d['outer_lr']:g})")
-    ap.add_argument(
-        "--outer-momentum", type=momentum_value, help=f"with --outer nesterov (default {d['outer_momentum']:g})"
-    )
-    at_least = harness.at_least(0)
-    ap.add_argument(
-        "--localsgd-warmup", type=at_least, default=d["localsgd_warmup"], help="localsgd@H: DDP steps first"
-    )
-    ap.add_argument(
-        "--repeats", type=positive(int), default=d["repeats"], help="train each this many times, round-robin"
-    )
+    nesterov = f"with --outer nesterov (default {d['outer_momentum']:g})"
+    ap.add_argument("--outer-momentum", type=momentum_value, help=nesterov)
+    first = "localsgd@H: DDP steps first"
+    ap.add_argument("--localsgd-warmup", type=harness.at_least(0), default=d["localsgd_warmup"], help=first)
+    rounds = "train each this many times, round-robin"
+    ap.add_argument("--repeats", type=positive(int), default=d["repeats"], help=rounds)
     ap.add_argument("--compute-steps", type=positive(int), default=40, help="compute-only steps timed per world")
     ap.add_argument("--eval-cache", metavar="PATH", help="keep test accuracies by model sha256 in this JSON file")
     harness.add_world_options(ap)
@@ -318,17 +264,18 @@ def main(argv=None) -> int:
         parse_ours(args.ours)
     except ValueError as e:
         ap.error(str(e))
+    sizes, batch, train = args.world_sizes, args.global_batch, args.train_subset
     if len(set(args.configs)) != len(args.configs):
         ap.error("--configs: a configuration named twice")
-    if (args.outer_lr is not None or args.outer_momentum is not None) and args.outer != "nesterov":
+    if (args.outer_lr, args.outer_momentum) != (None, None) and args.outer != "nesterov":
         ap.error("--outer-lr and --outer-momentum are for --outer nesterov")
     if args.outer != d["outer"] and not any(s["kind"] == "ours" and s["sync_every"] > 1 for s in specs):
         ap.error(f"--outer {args.outer} is for ours@H configurations, and --configs has none")
-    if any(args.global_batch // n < 1 for n in args.world_sizes):
-        ap.error(f"--global-batch {args.global_batch} leaves no image per rank at N={max(args.world_sizes)}")
-    if args.train_subset and any(args.train_subset // n < args.global_batch // n for n in args.world_sizes):
-        ap.error(f"--train-subset {args.train_subset} is less than one step of {args.global_batch} images")
-    if args.train_subset and args.train_subset > 60000:
+    if any(batch // n < 1 for n in sizes):
+        ap.error(f"--global-batch {batch} leaves no image per rank at N={max(sizes)}")
+    if train and any(train // n < batch // n for n in sizes):
+        ap.error(f"--train-subset {train} is less than one step of {batch} images")
+    if train and train > 60000:
         ap.error("--train-subset: MNIST has 60000 training images")
     if args.test_subset and args.test_subset > 10000:
         ap.error("--test-subset: MNIST has 10000 test images")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from harness import figure, md_row, png_of
-from stats import fmt, median_or_none
+from harness import figure, pick, png_of
+from stats import fmt, md_head, md_row, median_or_none
 
 
 def time_to_target(points: list[dict], target: float) -> dict | None:
@@ -44,48 +44,28 @@ def summarize(raw: dict, spec: dict, n: int, target: float, epochs: int) -> dict
     hit = time_to_target(points, target)
     wire = [b for b in raw["wire_bytes"] if b is not None]
     sent = [b for b in raw["sent_bytes"] if b is not None]
-    steps = raw["steps"]
-    return {
-        "config": spec["name"],
-        "kind": spec["kind"],
-        "compress": spec["compress"],
-        "sync_every": spec.get("sync_every", 1),
-        "world_size": n,
-        "batch_size": raw["batch_size"],
-        "steps_per_epoch": spe,
-        "steps": steps,
-        "points": points,
-        "train_seconds": raw["train_seconds"],
-        "wall_seconds": raw["wall_seconds"],
-        "ms_per_step": raw["train_seconds"] / steps * 1e3 if steps else None,
-        "compute_ms_per_step": raw["compute_step_s"] * 1e3,
-        "compute_x_steps_s": raw["compute_step_s"] * steps,
-        "target": target,
-        "reached": hit is not None,
-        "time_to_target_s": hit["seconds"] if hit else None,
-        "steps_to_target": hit["step"] if hit else None,
-        "epochs_to_target": hit["epoch"] if hit else None,
-        "compute_x_steps_to_target_s": raw["compute_step_s"] * hit["step"] if hit else None,
-        "accuracy_by_epoch": {str(e): accuracy_after_epoch(points, e, spe) for e in range(1, epochs + 1)},
-        "final_accuracy": points[-1]["accuracy"] if points else None,
-        "wire_kb_per_step": statistics.mean(wire) / steps / 1e3 if wire and steps else None,
-        "sent_kb_per_step": statistics.mean(sent) / steps / 1e3 if sent and steps else None,
-        "counts_bytes": bool(sent),
-        "params_identical": raw["params_identical"],
-    }
+    steps, compute_s = raw["steps"], raw["compute_step_s"]
+    out = dict(config=spec["name"], kind=spec["kind"], compress=spec["compress"], sync_every=spec.get("sync_every", 1))
+    out |= dict(world_size=n, batch_size=raw["batch_size"], steps_per_epoch=spe, steps=steps, points=points)
+    out |= pick(raw, "train_seconds wall_seconds")
+    out |= dict(ms_per_step=raw["train_seconds"] / steps * 1e3 if steps else None)
+    out |= dict(compute_ms_per_step=compute_s * 1e3, compute_x_steps_s=compute_s * steps, target=target)
+    out |= dict(reached=hit is not None, time_to_target_s=hit["seconds"] if hit else None)
+    out |= dict(steps_to_target=hit["step"] if hit else None, epochs_to_target=hit["epoch"] if hit else None)
+    out |= dict(compute_x_steps_to_target_s=compute_s * hit["step"] if hit else None)
+    out |= dict(accuracy_by_epoch={str(e): accuracy_after_epoch(points, e, spe) for e in range(1, epochs + 1)})
+    out |= dict(final_accuracy=points[-1]["accuracy"] if points else None)
+    out |= dict(wire_kb_per_step=statistics.mean(wire) / steps / 1e3 if wire and steps else None)
+    out |= dict(sent_kb_per_step=statistics.mean(sent) / steps / 1e3 if sent and steps else None)
+    return out | dict(counts_bytes=bool(sent), params_identical=raw["params_identical"])
 
 
 def table(records: list[dict], ours: str, target: float, epochs: int) -> str:
     """One row per (N, configuration), then per N the free network's: compute only x the steps."""
-    acc_cols = [e for e in (1, 2, epochs) if e <= epochs]
-    acc_cols = sorted(set(acc_cols))
-    head = (
-        f"| N | configuration | time to {target:.1%} (s) | at step (epoch) | compute only x same steps (s) "
-        f"| x compute | "
-        + " | ".join(f"acc after {e} ep" for e in acc_cols)
-        + " | train s (all steps) | ms/step | wire KB/step/rank | identical |"
-    )
-    lines = [head, "|--:|:--|--:|--:|--:|--:|" + "--:|" * len(acc_cols) + "--:|--:|--:|:-:|"]
+    acc_cols = sorted({e for e in (1, 2, epochs) if e <= epochs})
+    names = ["N", "configuration", f"time to {target:.1%} (s)", "at step (epoch)", "compute only x same steps (s)"]
+    names += ["x compute", *(f"acc after {e} ep" for e in acc_cols), "train s (all steps)", "ms/step"]
+    lines = md_head([*names, "wire KB/step/rank", "identical"], "rl" + "r" * (len(acc_cols) + 7) + "c")
     for n in sorted({r["world_size"] for r in records}):
         rows = [r for r in records if r["world_size"] == n]
         for r in rows:
@@ -134,11 +114,9 @@ def medians(records: list[dict], ours: str, target: float) -> str:
     """With --repeats, for the records of one link rate: per N and configuration, the median over its
     runs, and each DDP and local SGD configuration against our best, run by run (the runs went
     round-robin, so run r of each saw the same machine); then per N the headline ratios."""
-    head = (
-        f"| N | configuration | runs | median time to {target:.1%} (s) | each run (s) | median ms/step "
-        f"| median x compute | our best's time to {target:.1%} / this one's, run by run |"
-    )
-    lines, footer = [head, "|--:|:--|--:|--:|:--|--:|--:|:--|"], []
+    names = ["N", "configuration", "runs", f"median time to {target:.1%} (s)", "each run (s)", "median ms/step"]
+    names += ["median x compute", f"our best's time to {target:.1%} / this one's, run by run"]
+    lines, footer = md_head(names, "rlrrlrrl"), []
     for n in sorted({r["world_size"] for r in records}):
         by_config = {}
         for r in records:
@@ -169,14 +147,9 @@ def headline(n: int, by_config: dict, ours: str, target: float) -> list[str]:
     timed = {c: median_time(runs) for c, runs in by_config.items()}
     first = {c: runs[0] for c, runs in by_config.items()}
     mine = [c for c, r in first.items() if r["kind"] == "ours"]
-    pairs = (
-        (
-            "best localsgd@H / best ours@H",
-            [c for c, r in first.items() if r["kind"] == "localsgd"],
-            [c for c in mine if first[c].get("sync_every", 1) > 1],
-        ),
-        ("ddp+powersgd / best ours", [c for c in first if c == "ddp+powersgd"], mine),
-    )
+    local = [c for c, r in first.items() if r["kind"] == "localsgd"]
+    periodic, psgd = [c for c in mine if first[c].get("sync_every", 1) > 1], [c for c in first if c == "ddp+powersgd"]
+    pairs = (("best localsgd@H / best ours@H", local, periodic), ("ddp+powersgd / best ours", psgd, mine))
 
     def best(configs):
         reached = [c for c in configs if timed[c] is not None]
@@ -190,11 +163,9 @@ def headline(n: int, by_config: dict, ours: str, target: float) -> list[str]:
     for what, theirs, ours_side in pairs:
         if theirs and ours_side:
             a, b = best(theirs), best(ours_side)
-            lines.append(
-                f"{rate} N={n}: {what}, median time to {target:.1%}: "
-                f"{fmt(timed[a] / timed[b] if a and b else None, '{:.2f}x')} "
-                f"({named(a, theirs)}; {named(b, ours_side)})  "
-            )
+            ratio = fmt(timed[a] / timed[b] if a and b else None, "{:.2f}x")
+            both = f"{named(a, theirs)}; {named(b, ours_side)}"
+            lines.append(f"{rate} N={n}: {what}, median time to {target:.1%}: {ratio} ({both})  ")
     return lines
 
 
@@ -208,23 +179,23 @@ def h_by_link(records: list[dict], rates: list, ours: str, target: float, epochs
     (the NIC's count: '-' on loopback)."""
     eps = [e for e in (1, 2) if e <= epochs]
     cols = [f"time to {target:.1%} (s)", "steps to it", *(f"acc after {e} ep" for e in eps), "wire KB/step/rank"]
-    lines = [
-        "| N | configuration | " + " | ".join(f"{link_name(rate)}: {c}" for rate in rates for c in cols) + " |",
-        "|--:|:--|" + "--:|" * (len(cols) * len(rates)),
-    ]
+    lines = md_head(
+        ["N", "configuration", *(f"{link_name(rate)}: {c}" for rate in rates for c in cols)],
+        "rl" + "r" * len(cols) * len(rates),
+    )
     for n in sorted({r["world_size"] for r in records}):
         for config in dict.fromkeys(r["config"] for r in records if r["world_size"] == n):
             cells = []
             for rate in rates:
                 runs = [r for r in records if (r["world_size"], r["config"], r.get("rate")) == (n, config, rate)]
                 t = median_time(runs) if runs else None
+                steps = statistics.median(r["steps_to_target"] for r in runs) if t is not None else None
+                cells += [fmt(t, "{:.1f}", "not reached" if runs else "-"), fmt(steps, "{:.0f}")]
                 cells += [
-                    fmt(t, "{:.1f}", "not reached" if runs else "-"),
-                    fmt(statistics.median(r["steps_to_target"] for r in runs) if t is not None else None, "{:.0f}"),
-                    *(fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}") for e in eps),
-                    fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}"),
+                    fmt(median_or_none([r["accuracy_by_epoch"].get(str(e)) for r in runs]), "{:.2%}") for e in eps
                 ]
-            lines.append("| " + " | ".join([str(n), label(config, ours), *cells]) + " |")
+                cells += [fmt(median_or_none([r["wire_kb_per_step"] for r in runs]), "{:.0f}")]
+            lines.append(md_row(n, label(config, ours), *cells))
     return "\n".join(lines)
 
 
@@ -236,15 +207,13 @@ def tables(records: list[dict], rates: list, ours: str, target: float, epochs: i
     for rate in rates:
         rows = [r for r in records if r.get("rate") == rate]
         if rows:
-            parts.append(
-                (f"#### {link_name(rate)}\n\n" if len(rates) > 1 else "")
-                + table(rows, ours, target, epochs)
-                + (
-                    f"\n\nMedians over {repeats} runs, run round-robin:\n\n" + medians(rows, ours, target)
-                    if repeats > 1
-                    else ""
-                )
+            heading = f"#### {link_name(rate)}\n\n" if len(rates) > 1 else ""
+            runs = (
+                f"\n\nMedians over {repeats} runs, run round-robin:\n\n" + medians(rows, ours, target)
+                if repeats > 1
+                else ""
             )
+            parts.append(heading + table(rows, ours, target, epochs) + runs)
     if records and (len(rates) > 1 or any(r.get("sync_every", 1) > 1 for r in records)):
         parts.append(
             f"H x link (medians over {repeats} run(s) each):\n\n" + h_by_link(records, rates, ours, target, epochs)
@@ -261,11 +230,11 @@ def markdown(records: list[dict], args, rates: list, host: dict, command: str, n
         f"{args.epochs} epoch(s)\n1 thread/rank, {host['cpus']} cores; {host['node']}, torch {host['torch']}"
     )
     tbl = tables(records, rates, args.ours, args.target, args.epochs, args.repeats)
-    load_line = "; ".join(
-        f"{link_name(r['rate'])} N={r['world_size']} {r['config']}: other processes "
-        f"{r['load']['foreign_cpu_cores']:.2f} cores"
-        for r in records
+    each = ((r, r["load"]["foreign_cpu_cores"]) for r in records)
+    loads = (
+        f"{link_name(r['rate'])} N={r['world_size']} {r['config']}: other processes {x:.2f} cores" for r, x in each
     )
+    load_line = "; ".join(loads)
     partial = "" if complete else f"**PARTIAL: {len(records)} world(s) done when this was written.**  \n"
     md = (
         f"### Time to {args.target:.1%} test accuracy, {link}\n\n{partial}`{command}`  \n{notes}.  \n"
@@ -284,31 +253,22 @@ def plan_notes(args, specs: list[dict], outer_lr, outer_momentum) -> str:
     per_rank = ", ".join(f"{args.global_batch // n}/rank at N={n}" for n in args.world_sizes)
     test = f" (test: the first {args.test_subset})" if args.test_subset else ""
     between = " (with @H: rank 0 as it stands between syncs)" if periodic or local else ""
-    return (
-        f"global batch {args.global_batch} ({per_rank}), "
-        f"{args.epochs} epoch(s) of {'the first ' + str(args.train_subset) if args.train_subset else 'all 60,000'} "
-        f"training images{test}, Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; "
-        f"ours = utils.sync.buckets {args.ours}; PowerSGD rank {args.powersgd_rank}, "
-        f"{args.powersgd_warmup} plain steps first (ours and DDP's); "
-        + (
-            f"ours@H (H = {', '.join(map(str, periodic))}): {args.ours.split('+')[0]}, the parameters' change "
-            f"averaged every H steps behind the next H (utils/sync/periodic.py), outer step {outer}, flushed at the "
-            f"end (on the clock); "
-            if periodic
-            else ""
-        )
-        + (
-            f"localsgd@H (H = {', '.join(map(str, local))}): torch's post-local SGD (DDP + post_localSGD_hook, "
-            f"PostLocalSGDOptimizer + PeriodicModelAverager), {args.localsgd_warmup} synchronous steps first, "
-            f"one more average at the end (on the clock); "
-            if local
-            else ""
-        )
-        + f"evaluated on the {args.test_subset or 10000:,} test images "
-        f"{args.evals_per_epoch}x per epoch, clock paused{between}; "
-        f"compute only = {args.compute_steps} steps of all N ranks at once without communication, per world; "
-        f"{os.cpu_count()} CPU cores"
-    )
+    images = f"the first {args.train_subset}" if args.train_subset else "all 60,000"
+    notes = f"global batch {args.global_batch} ({per_rank}), {args.epochs} epoch(s) of {images} training images{test}, "
+    notes += f"Adam + one-cycle (peak lr {args.lr:g}), seed {args.seed}, 1 thread per rank; ours = utils.sync.buckets "
+    notes += f"{args.ours}; PowerSGD rank {args.powersgd_rank}, {args.powersgd_warmup} plain steps first (ours and "
+    notes += "DDP's); "
+    if periodic:
+        notes += f"ours@H (H = {', '.join(map(str, periodic))}): {args.ours.split('+')[0]}, the parameters' change "
+        notes += "averaged every H steps behind the next H (utils/sync/periodic.py), outer step "
+        notes += f"{outer}, flushed at the end (on the clock); "
+    if local:
+        notes += f"localsgd@H (H = {', '.join(map(str, local))}): torch's post-local SGD (DDP + post_localSGD_hook, "
+        notes += f"PostLocalSGDOptimizer + PeriodicModelAverager), {args.localsgd_warmup} synchronous steps first, "
+        notes += "one more average at the end (on the clock); "
+    notes += f"evaluated on the {args.test_subset or 10000:,} test images {args.evals_per_epoch}x per epoch, "
+    notes += f"clock paused{between}; compute only = {args.compute_steps} steps of all N ranks at once without "
+    return notes + f"communication, per world; {os.cpu_count()} CPU cores"
 
 
 def color_of(r: dict, periods: list[int]):

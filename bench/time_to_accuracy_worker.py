@@ -1,16 +1,11 @@
-"""bench/time_to_accuracy.py's ranks: one configuration trained from scratch, the clock paused at
-every evaluation.
+"""bench/time_to_accuracy.py's ranks: one configuration trained from scratch with the trainer's recipe,
+the clock paused at every evaluation.
 
-Ours, DDP and local SGD run the trainer's own loop, utils.run.train_model (peers.train_steps), one
-segment between evaluation points at a time, with the trainer's recipe (utils.config.Recipe,
-make_optimizer, batches_of_epoch): ours with utils.sync.buckets's sync of the --ours configuration
-(ours@H: utils/sync/periodic.py), DDP, torch's local SGD (peers.make_localsgd) and the compute-only
-timing with peers.LocalStep.
-
-train_model ends every segment with the sync's finish(). The last evaluation point is the end of
-training: there the sync's flush() also makes every rank's parameters the same (ours@H: the rounds
-still in flight applied; local SGD: one more average), as train.py's end does, on the clock. At the
-other points, with @H, rank 0's model is evaluated as it stands between syncs.
+The trainer's own loop (peers.train_steps) runs one segment between evaluation points at a time and
+ends it with the sync's finish(). At the end of training the sync's flush() also makes every rank's
+parameters the same (ours@H: the rounds in flight applied; local SGD: one more average), as
+train.py's end does, on the clock. At the other points, with @H, rank 0's model is evaluated as it
+stands between syncs.
 """
 
 from __future__ import annotations
@@ -20,14 +15,13 @@ import os
 import time
 from pathlib import Path
 
-from harness import REPO, digest, pick, start_worker
+from harness import REPO, digest, end_worker, pick, start_worker
 from peers import (
     LocalStep,
     average_parameters,
     bytes_sent,
     make_ddp,
     make_localsgd,
-    make_sync,
     nic_tx_bytes,
     our_sync,
     train_steps,
@@ -59,9 +53,6 @@ class eval_cache(dict):
 
 
 def worker(args) -> int:
-    cfg = json.loads(Path(args.config).read_text())
-    rank, n, spec = args.rank, cfg["world_size"], cfg["spec"]
-
     import torch
     import torch.distributed as dist
 
@@ -70,26 +61,24 @@ def worker(args) -> int:
     from utils.exchange import all_gather_json
     from utils.run import batches_of_epoch
 
-    say = start_worker(cfg, rank)
+    cfg, say = start_worker(args)
+    rank, n, spec = args.rank, cfg["world_size"], cfg["spec"]
     prefix = f"  [{cfg['label']} N={n} {spec['name']}]"
     train_images, train_labels, test_images, test_labels = load_mnist(str(REPO / "data"))
     train, test = slice(cfg["train_subset"]), slice(cfg["test_subset"])  # (None: all)
     data = (train_images[train], train_labels[train], test_images[test], test_labels[test])
-    recipe = Recipe(
-        batch_size=max(1, cfg["global_batch"] // n), **pick(cfg, "global_batch lr seed epochs train_subset test_subset")
-    )
+    batch = max(1, cfg["global_batch"] // n)
+    recipe = Recipe(batch_size=batch, **pick(cfg, "global_batch lr seed epochs train_subset test_subset"))
     steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
     compute_s = max_over_ranks(time_compute(cfg, recipe, data, steps_per_epoch))
     torch.manual_seed(cfg["seed"])
     model = Net()
     forward, sync = make_run_sync(cfg, model, recipe, steps_per_epoch)
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "-")
-    say(
-        f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, "
-        f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={ifname})"
-    )
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    compute = f"compute only {compute_s * 1e3:.1f} ms/step (GLOO_SOCKET_IFNAME={ifname or '-'})"
+    say(f"{prefix} {n} ranks up, batch {recipe.batch_size}/rank, {steps_per_epoch} steps/epoch, {compute}")
     run = Run(model, data[2:], steps_per_epoch, cfg.get("eval_cache"), say if rank == 0 else None, prefix)
-    counts = [nic_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME")), bytes_sent(sync)]
+    counts = [nic_tx_bytes(ifname), bytes_sent(sync)]
     run.evaluate(0)
     at = eval_steps(steps_per_epoch, cfg["evals_per_epoch"])
     for epoch in range(1, cfg["epochs"] + 1):
@@ -103,19 +92,17 @@ def worker(args) -> int:
             run.seconds += max_over_ranks(time.perf_counter() - t0)
             run.loss_sum, run.loss_steps = stats.loss_sum, stats.steps
             run.evaluate((epoch - 1) * steps_per_epoch + last)
-    counts = [[a, b] for a, b in zip(counts, (nic_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME")), bytes_sent(sync)))]
+    counts = [[a, b] for a, b in zip(counts, (nic_tx_bytes(ifname), bytes_sent(sync)))]
     everyone = all_gather_json([digest(model), [None if None in c else c[1] - c[0] for c in counts]])
     if rank == 0:
         run.cache.save()
-        out = {"world_size": n, "steps_per_epoch": steps_per_epoch, "steps": cfg["epochs"] * steps_per_epoch}
-        out |= {"batch_size": recipe.batch_size, "compute_step_s": compute_s, "points": run.points}
-        out |= {"train_seconds": run.seconds, "wall_seconds": time.time() - run.wall_start}
-        out |= {"params_identical": len({d for d, _ in everyone}) == 1}
-        out |= {"wire_bytes": [c[0] for _, c in everyone], "sent_bytes": [c[1] for _, c in everyone]}
-        write_file(Path(cfg["out"]), json.dumps(out).encode())
+    out = {"world_size": n, "steps_per_epoch": steps_per_epoch, "steps": cfg["epochs"] * steps_per_epoch}
+    out |= {"batch_size": recipe.batch_size, "compute_step_s": compute_s, "points": run.points}
+    out |= {"train_seconds": run.seconds, "wall_seconds": time.time() - run.wall_start}
+    out |= {"params_identical": len({d for d, _ in everyone}) == 1}
+    out |= {"wire_bytes": [c[0] for _, c in everyone], "sent_bytes": [c[1] for _, c in everyone]}
     sync.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(cfg, rank, out)
     return 0
 
 
@@ -152,22 +139,14 @@ def time_compute(cfg: dict, recipe, data, steps_per_epoch: int) -> float:
 def make_run_sync(cfg: dict, model, recipe, steps_per_epoch: int):
     """(what the steps call forward, the gradient sync) of the configuration: ours, DDP or local SGD."""
     from utils.run import make_optimizer
+    from utils.sync.factory import make_gradient_sync
 
     spec = cfg["spec"]
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)
     if spec["kind"] == "ours":
-        outer = pick(cfg, "outer outer_lr outer_momentum")
-        psgd = {"powersgd_rank": cfg["powersgd_rank"], "powersgd_warmup": cfg["powersgd_warmup"]}
-        ours = our_sync(
-            **cfg["ours"],
-            compress=spec["compress"],
-            **psgd,
-            timeout=cfg["op_timeout"],
-            sync_every=spec["sync_every"],
-            merge_after=spec.get("merge_after"),
-            **outer,
-        )
-        return model, make_sync(model, ours, optimizer, scheduler, cfg["seed"])
+        settings = pick(cfg, "powersgd_rank powersgd_warmup outer outer_lr outer_momentum") | pick(spec, "sync_every")
+        settings |= {"compress": spec["compress"], "timeout": cfg["op_timeout"], "merge_after": spec.get("merge_after")}
+        return model, make_gradient_sync(model, our_sync(**cfg["ours"], **settings), optimizer, scheduler, cfg["seed"])
     if spec["kind"] == "localsgd":
         forward, wrapped = make_localsgd(model, optimizer, spec["sync_every"], cfg["localsgd_warmup"])
         return forward, LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(model))

@@ -39,6 +39,14 @@ DEFAULTS |= {"compress": list(DDP_HOOKS), "compress_with": ["ring+overlap+lazy"]
 DEFAULTS |= {"powersgd_rank": DEFAULT_POWERSGD_RANK, "powersgd_warmup": DEFAULT_POWERSGD_WARMUP}
 MODEL_NUMEL = {"trainer": harness.MODEL_NUMEL, "reference": harness.numel(make_model("reference"))}  # counted
 FLOORS = ("compute-alone", "compute", "compute+sync", "compute+wire")
+TIMING = (
+    "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
+    "rank; step time = max over ranks; median over timed rounds"
+)
+COMPUTE_BASELINES = (
+    "compute = all N ranks compute at once, no communication (fair on a shared machine); "
+    "compute-alone = rank 0 alone, the other ranks idle"
+)
 
 
 # --------------------------------------------------------------------------- configurations
@@ -98,12 +106,13 @@ def compression_configs(args, plain_chunks, bucket_chunks) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- driver
-def estimate_seconds(n: int, rate_bits: float | None, configs: list[dict], steps: int, batch: int, model: str) -> float:
-    """Rough, generous run time of one world (start-up + `steps` steps of every configuration), for the hard
-    timeout."""
+def estimate_seconds(args, n: int, rate_bits: float | None, configs: list[dict]) -> float:
+    """Rough, generous run time of a world of n ranks (start-up + the steps of every configuration), for the
+    hard timeout."""
+    steps, batch, model = (args.warmup + args.iters) * args.steps_per_sample, batch_for(args, n), args.model
     heavier = MODEL_NUMEL[model] / MODEL_NUMEL["trainer"]  # the reference model: ~3x of both
     compute = 0.03 * batch / 32 * max(1.0, n / (os.cpu_count() or 1)) * heavier  # ~16-20 ms/step alone, measured
-    comm = 2 * (2 * MODEL_NUMEL[model] * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)  # ~2x the slowest
+    comm = harness.sum_seconds(n, rate_bits, MODEL_NUMEL[model])
     return 30 + steps * sum(compute + (comm if c["kind"] != "compute" else 0.0) for c in configs)
 
 
@@ -121,9 +130,8 @@ def run_worlds(args, configs: list[dict], rates: list, rate_bits: dict, est: dic
                     world["addrs"] = [cl.addr(cl.host_of(r)) if cl else "127.0.0.1" for r in range(ranks)]
                     world |= {"batch_size": batch_for(args, ranks), "configs": configs, "label": label}
                     tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', label)}-n{ranks}"
-                    raw = harness.launch_world(
-                        WORKER, cfg | world, cl, tmp, tag, timeout, f"{label} N={ranks}", per_host=k
-                    )
+                    what = f"{label} N={ranks}"
+                    raw = harness.launch_world(WORKER, cfg | world, cl, tmp, tag, timeout, what, per_host=k)
                     print(f"  {label} N={n}: done in {time.time() - t:.0f}s (hard timeout {timeout:.0f}s)", flush=True)
                     records += report.summarize(raw, rate, rate_bits.get(rate), batch_for(args, ranks))
                     load[f"{label} N={n}"] = raw["load"]
@@ -131,25 +139,14 @@ def run_worlds(args, configs: list[dict], rates: list, rate_bits: dict, est: dic
 
 
 def driver(args) -> int:
-    mode, k, worlds, cores = (
-        "loopback" if args.loopback else "cluster",
-        args.ranks_per_host,
-        args.world_sizes,
-        os.cpu_count(),
-    )
-    rates: list[str | None] = [None] if args.loopback else args.rates
+    mode, rates = ("loopback", [None]) if args.loopback else ("cluster", args.rates)
+    k, worlds, cores = args.ranks_per_host, args.world_sizes, os.cpu_count()
     configs = make_configs(args)
     per_world = ", ".join(f"{batch_for(args, n * k)}/rank at N={n * k}" for n in worlds)
-    batch_note = (
-        f"global batch {args.global_batch} = {per_world}" if args.global_batch else f"batch {args.batch_size} per rank"
-    )
+    gb = args.global_batch
+    batch_note = f"global batch {gb} = {per_world}" if gb else f"batch {args.batch_size} per rank"
     rate_bits = {r: harness.parse_rate(r) for r in rates if r}
-    steps = (args.warmup + args.iters) * args.steps_per_sample
-    est = {
-        (r, n): estimate_seconds(n * k, rate_bits.get(r), configs, steps, batch_for(args, n * k), args.model)
-        for r in rates
-        for n in worlds
-    }
+    est = {(r, n): estimate_seconds(args, n * k, rate_bits.get(r), configs) for r in rates for n in worlds}
     if args.model != "trainer":
         batch_note = f"{args.model} model ({MODEL_NUMEL[args.model]:,} parameters), {batch_note}"
     notes = (
@@ -173,49 +170,33 @@ def driver(args) -> int:
 
     started = time.time()
     records, load = run_worlds(args, configs, rates, rate_bits, est)
-    not_identical = [
-        f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}"
-        for r in records
-        if r["params_identical"] is False
-    ]
+    differ = (r for r in records if r["params_identical"] is False)
+    not_identical = [f"{r['rate'] or 'loopback'} N={r['world_size']} {r['config']}" for r in differ]
     targets, host = report.evaluate_targets(records, mode, rates, worlds), harness.host_info()
     model_note = "" if args.model == "trainer" else f"{args.model} model, "
-    title = (
-        f"training step, {mode}; {model_note}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
-        f"{host['node']}, torch {host['torch']}"
-    )
+    title = f"training step, {mode}; {model_note}batch {args.batch_size}/rank, 1 thread/rank, {cores} cores; "
+    title += f"{host['node']}, torch {host['torch']}"
     command = harness.command_line("train_step.py")
+    loadavg = {w: f"loadavg {v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}" for w, v in load.items()}
     load_line = "; ".join(
-        f"{w}: other processes {v['foreign_cpu_cores']:.2f} cores, loadavg "
-        f"{v['loadavg_before']:.2f}->{v['loadavg_after']:.2f}"
-        for w, v in load.items()
+        f"{w}: other processes {v['foreign_cpu_cores']:.2f} cores, {loadavg[w]}" for w, v in load.items()
     )
     md = f"### Training-step benchmark, {mode}\n\n`{command}`  \n{notes}  \nLoad: {load_line}\n\n"
     md += f"{report.table(records, mode)}\n\n```\n{report.target_lines(targets)}\n```\n"
     result = {"mode": mode, "rates": rates, "world_sizes": worlds, "command": command}
     result["batch_size"] = {str(n * k): batch_for(args, n * k) for n in worlds}
-    result |= {"global_batch": args.global_batch, "ranks_per_host": k} | harness.pick(
-        args, "warmup iters steps_per_sample seed model"
-    )
+    result |= {"global_batch": args.global_batch, "ranks_per_host": k}
+    result |= harness.pick(args, "warmup iters steps_per_sample seed model")
     result |= {"model_parameters": MODEL_NUMEL[args.model], "threads_per_rank": 1, "chunks": args.chunks}
     result |= {"bucket_mb": args.bucket_mb, "configs": configs}
-    result["timing"] = (
-        "per round every configuration once (order rotated); per step: barrier, t0, step, t1 on every "
-        "rank; step time = max over ranks; median over timed rounds"
-    )
-    result["compute_baselines"] = (
-        "compute = all N ranks compute at once, no communication (fair on a shared machine); "
-        "compute-alone = rank 0 alone, the other ranks idle"
-    )
+    result |= {"timing": TIMING, "compute_baselines": COMPUTE_BASELINES}
     result |= harness.run_info(host, started) | {"load": load, "params_identical": not not_identical}
     result |= {"not_identical": not_identical, "targets": targets, "results": records}
     out = Path(args.results_dir) / results_stem(args, mode)
     harness.write_results(out, result, md, report.plot(records, title, rates, worlds))
 
     print(f"\n{report.table(records, mode)}\n\nLoad during the runs: {load_line}\n")
-    print(
-        "Targets" + ("" if mode == "cluster" else " (defined for the capped cluster; loopback ratios are info)") + ":"
-    )
+    print(f"Targets{'' if mode == 'cluster' else ' (defined for the capped cluster; loopback ratios are info)'}:")
     print(report.target_lines(targets))
     print(f"\nwrote {out}.json, .md, .png  ({time.time() - started:.0f}s)")
     if not_identical:
@@ -230,29 +211,18 @@ def results_stem(args, mode: str) -> str:
     or different run never overwrites the full one (train_step-cluster-1gbit-n2-b64.*)."""
     d, psgd = DEFAULTS, (args.powersgd_rank, args.powersgd_warmup)
     parts = [f"train_step-{mode}", "+".join(args.rates) if mode == "cluster" and args.rates != d["rates"] else None]
-    parts += ["n" + "+".join(map(str, args.world_sizes)) if args.world_sizes != d["world_sizes"] else None]
-    parts += [args.model if args.model != d["model"] else None]
-    parts += [
-        f"gb{args.global_batch}"
-        if args.global_batch
-        else f"b{args.batch_size}"
-        if args.batch_size != d["batch_size"]
-        else None
-    ]
+    parts += harness.differences(args, d, {"world_sizes": lambda v: "n" + "+".join(map(str, v)), "model": "{}"})
+    batch = harness.differences(args, d, {"batch_size": "b{}"})[0]
+    parts += [f"gb{args.global_batch}" if args.global_batch else batch]
     parts += ["subset" if args.only or args.algorithms != d["algorithms"] else None]
-    parts += [
-        f"{args.ranks_per_host}-per-host" if args.ranks_per_host > 1 else None,
-        "timeline" if args.timeline else None,
-    ]
+    parts += [f"{args.ranks_per_host}-per-host" if args.ranks_per_host > 1 else None]
+    parts += ["timeline" if args.timeline else None]
     if args.compression:
         with_ = "+".join(c.replace("+overlap", "-ov").replace("+lazy", "-lazy") for c in args.compress_with)
-        parts += ["compression", "+".join(args.compress) if args.compress != d["compress"] else None]
+        parts += ["compression", *harness.differences(args, d, {"compress": "+".join})]
         parts += ["with-" + with_ if args.compress_with != d["compress_with"] else None]
-        parts += [
-            f"r{psgd[0]}w{psgd[1]}"
-            if "powersgd" in args.compress and psgd != (d["powersgd_rank"], d["powersgd_warmup"])
-            else None
-        ]
+        changed = "powersgd" in args.compress and psgd != (d["powersgd_rank"], d["powersgd_warmup"])
+        parts += [f"r{psgd[0]}w{psgd[1]}" if changed else None]
     return harness.results_stem(*parts)
 
 
@@ -262,24 +232,14 @@ def main(argv=None) -> int:
             raise argparse.ArgumentTypeError(f"--chunks: 'auto' or a whole number >= 1, got {text!r}")
         return text
 
-    ap = harness.bench_parser(__doc__)
-    harness.add_link_options(ap, ",".join(DEFAULTS["rates"]))
-    harness.add_options(
-        ap, warmup=3, iters=15, algorithms=(ALGORITHMS, ",".join(DEFAULTS["algorithms"])), powersgd=True
-    )
-    ap.add_argument(
-        "--batch-size", type=harness.positive(int), default=DEFAULTS["batch_size"], help="images per step per rank"
-    )
-    ap.add_argument(
-        "--global-batch", type=harness.positive(int), help="images per step over all ranks instead (// N a rank)"
-    )
-    ap.add_argument(
-        "--steps-per-sample",
-        type=harness.positive(int),
-        default=6,
-        help="consecutive training steps per configuration and round, timed together (default 6; "
-        "each sample starts after a barrier, which drains what a lazy update would carry over)",
-    )
+    ap, d, positive = harness.bench_parser(__doc__), DEFAULTS, harness.positive
+    harness.add_link_options(ap, ",".join(d["rates"]))
+    harness.add_options(ap, warmup=3, iters=15, algorithms=(ALGORITHMS, ",".join(d["algorithms"])), powersgd=True)
+    ap.add_argument("--batch-size", type=positive(int), default=d["batch_size"], help="images per step per rank")
+    ap.add_argument("--global-batch", type=positive(int), help="images per step over all ranks instead (// N a rank)")
+    sample = "consecutive training steps per configuration and round, timed together (default 6; "
+    sample += "each sample starts after a barrier, which drains what a lazy update would carry over)"
+    ap.add_argument("--steps-per-sample", type=positive(int), default=6, help=sample)
     ap.add_argument("--chunks", type=chunks, default="auto", help="two-pass pieces (default auto: auto_chunks)")
     ap.add_argument("--bucket-mb", default="1", type=harness.number_list(float), help="overlap bucket size(s) in MB")
     ap.add_argument("--only", type=lambda s: s.split(","), help="only these configurations (and the floors and ddp)")
@@ -287,12 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compression", action="store_true", help="issue #13: add compressed rows, ours and DDP's hooks")
     hooks = harness.name_list(DDP_HOOKS, "compression(s)")
     ap.add_argument("--compress", default=",".join(DEFAULTS["compress"]), type=hooks, help="with --compression: which")
-    ap.add_argument(
-        "--compress-with",
-        default=",".join(DEFAULTS["compress_with"]),
-        type=lambda s: s.split(","),
-        help="with --compression: our configuration(s) that compress, <algorithm>[+overlap[+lazy]]",
-    )
+    with_ = "with --compression: our configuration(s) that compress, <algorithm>[+overlap[+lazy]]"
+    ap.add_argument("--compress-with", default=",".join(d["compress_with"]), type=lambda s: s.split(","), help=with_)
     ap.add_argument("--model", choices=sorted(MODEL_NUMEL), default=DEFAULTS["model"], help="reference: issue #6's CNN")
     harness.add_world_options(ap)
     args = ap.parse_args(argv)
@@ -309,9 +265,8 @@ def main(argv=None) -> int:
             ap.error(f"--compress-with: {e}")
     known = {c["name"] for c in make_configs(argparse.Namespace(**{**vars(args), "only": None}))}
     if args.only and set(args.only) - known:
-        ap.error(
-            f"--only: unknown configuration(s) {sorted(set(args.only) - known)}; choose from {', '.join(sorted(known))}"
-        )
+        unknown = sorted(set(args.only) - known)
+        ap.error(f"--only: unknown configuration(s) {unknown}; choose from {', '.join(sorted(known))}")
     return run_driver(driver, args, "train_step.py")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-from harness import figure, md_row, png_of
-from stats import compare, fmt, median_or_none, p_text, paired_ratios, quantile
+from harness import figure, png_of
+from stats import compare, fmt, md_head, md_row, median_or_none, p_text, paired_ratios, quantile
 from targets import bound
 
 
@@ -39,11 +39,9 @@ def summarize(raw: dict, rate: str | None, rate_bits: int | None, batch: int) ->
 
 
 def table(records: list[dict], mode: str) -> str:
-    head = (
-        "| rate | N | batch | configuration | chunks | bucket MB | ms/step | p25-p75 | fwd+bwd | sum/wait | opt "
-        "| cpu/rank (sys) | img/s/rank | x compute | x DDP | wire KB/step | identical |"
-    )
-    lines = [head, "|:--|--:|--:|:--|" + "--:|" * 12 + ":-:|"]
+    names = "rate,N,batch,configuration,chunks,bucket MB,ms/step,p25-p75,fwd+bwd,sum/wait,opt,cpu/rank (sys)"
+    names += ",img/s/rank,x compute,x DDP,wire KB/step,identical"
+    lines = md_head(names.split(","), "lrrl" + "r" * 12 + "c")
     for r in records:
         identical = {None: "-", True: "yes", False: "**NO**"}[r["params_identical"]]
         identical += ", = plain" if r["same_bits_as_plain"] else ""
@@ -71,13 +69,9 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
             best = fastest(ours)
             out.append(versus("best >= DDP throughput", best, by["ddp"], bound("ddp")))
             if n == 2 and rows[0]["rate_bits_per_s"] == 10**9 and "compute" in by:
-                compute = by["compute"]
-                target = dict(
-                    versus(f"1gbit N=2: best <= {bound('compute'):.2f}x compute", best, compute, bound("compute")),
-                    ratio_compute_alone=best["median_ms"] / by["compute-alone"]["median_ms"]
-                    if "compute-alone" in by
-                    else None,
-                )
+                compute, alone = by["compute"], by.get("compute-alone")
+                target = versus(f"1gbit N=2: best <= {bound('compute'):.2f}x compute", best, compute, bound("compute"))
+                target["ratio_compute_alone"] = best["median_ms"] / alone["median_ms"] if alone else None
                 for key in ("sync", "wire"):  # the floors, for comparison
                     if f"compute+{key}" in by:
                         target.update(floor(key, by[f"compute+{key}"], compute))
@@ -90,24 +84,18 @@ def evaluate_targets(records: list[dict], mode: str, rates: list[str | None], wo
 
 def versus(target: str, ours: dict, peer: dict, limit: float) -> dict:
     """A target's record: ours' ms/step against peer's, round by round (stats.compare)."""
-    return {
-        "target": target,
-        "rate": ours["rate"],
-        "world_size": ours["world_size"],
-        "best": ours["config"],
-        "best_ms": ours["median_ms"],
-        "peer": peer["config"],
-        "peer_ms": peer["median_ms"],
-        **compare(ours["step_ms"], peer["step_ms"], limit),
-    }
+    out = {"target": target, "rate": ours["rate"], "world_size": ours["world_size"], "best": ours["config"]}
+    out |= {"best_ms": ours["median_ms"], "peer": peer["config"], "peer_ms": peer["median_ms"]}
+    return out | compare(ours["step_ms"], peer["step_ms"], limit)
 
 
 def floor(key: str, row: dict, compute: dict) -> dict:
     """A floor (compute+sync, compute+wire) against compute only, shown under a target."""
+    paired = statistics.median(paired_ratios(row["step_ms"], compute["step_ms"]))
     return {
         f"{key}_ms": row["median_ms"],
         f"{key}_ratio": row["median_ms"] / compute["median_ms"],
-        f"{key}_paired": statistics.median(paired_ratios(row["step_ms"], compute["step_ms"])),
+        f"{key}_paired": paired,
     }
 
 
@@ -117,18 +105,9 @@ def fastest(rows: list[dict]) -> dict | None:
 
 def timeline_targets(records: list[dict]) -> list[dict]:
     """Issue #15: recording a timeline costs at most 2% of step time (any link, loopback too)."""
-    out = []
+    out, by = [], {(r["rate"], r["world_size"], r["config"]): r for r in records}
     for traced in (r for r in records if r["config"].endswith("+timeline")):
-        plain = next(
-            (
-                r
-                for r in records
-                if r["rate"] == traced["rate"]
-                and r["world_size"] == traced["world_size"]
-                and r["config"] == traced["config"][: -len("+timeline")]
-            ),
-            None,
-        )
+        plain = by.get((traced["rate"], traced["world_size"], traced["config"].removesuffix("+timeline")))
         if plain is not None:
             out.append(versus(f"timeline on <= {bound('timeline'):.2f}x off", traced, plain, bound("timeline")))
     return out
@@ -161,36 +140,25 @@ def compression_targets(rows: list[dict]) -> list[dict]:
 def target_lines(targets: list[dict]) -> str:
     lines = []
     for t in targets:
-        where = f"{t['rate'] or 'loopback'} N={t['world_size']}"
+        status, where = f"{t['status']:<5}", f"{t['rate'] or 'loopback'} N={t['world_size']}"
         paired = f"paired per round: median {t['paired_median_ratio']:.3f}x"
         sign = f"faster in {t['rounds_faster']}/{t['rounds']} rounds, sign test {p_text(t['sign_test_p'])}"
+        best = f"{t['best']} {t['best_ms']:.1f} ms vs"
+        peer = f"{t['peer_ms']:.1f} ms = {t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}"
         if t["target"] == "best >= DDP throughput":
-            lines.append(
-                f"{t['status']:<5} best config matches/beats DDP  {where:<14} best {t['best']} "
-                f"{t['best_ms']:.1f} ms vs ddp {t['peer_ms']:.1f} ms = {t['ratio']:.3f}x "
-                f"(bound {t['bound']:.2f}x; {paired}, {sign})"
-            )
+            lines.append(f"{status} best config matches/beats DDP  {where:<14} best {best} ddp {peer}, {sign})")
         elif t["target"].startswith("1gbit N=2"):
             alone = f"; vs compute-alone {t['ratio_compute_alone']:.3f}x" if t.get("ratio_compute_alone") else ""
             name = f"best <= {t['bound']:.2f}x compute-only"
-            lines.append(
-                f"{t['status']:<5} {name:<32}{where:<14} best "
-                f"{t['best']} {t['best_ms']:.1f} ms vs compute (N ranks at once) {t['peer_ms']:.1f} ms = "
-                f"{t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}{alone})"
-            )
+            lines.append(f"{status} {name:<32}{where:<14} best {best} compute (N ranks at once) {peer}{alone})")
         else:
             extra = f", {sign}" if t["peer"] != "compute" else ""
-            lines.append(
-                f"{t['status']:<5} {t['target']:<33} {where:<14} {t['best']} {t['best_ms']:.1f} ms vs "
-                f"{t['peer']} {t['peer_ms']:.1f} ms = {t['ratio']:.3f}x (bound {t['bound']:.2f}x; {paired}{extra})"
-            )
+            lines.append(f"{status} {t['target']:<33} {where:<14} {best} {t['peer']} {peer}{extra})")
         for key, what in (("sync", "lockstep alone"), ("wire", "+ the bytes")):
             if t.get(f"{key}_ms"):
-                lines.append(
-                    f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} "
-                    f"{t[key + '_ms']:.1f} ms = {t[key + '_ratio']:.3f}x compute (paired: "
-                    f"{t[key + '_paired']:.3f}x)"
-                )
+                ms, ratio, paired = (t[f"{key}_{x}"] for x in ("ms", "ratio", "paired"))
+                floor = f"{ms:.1f} ms = {ratio:.3f}x compute (paired: {paired:.3f}x)"
+                lines.append(f"{'':<5}   floor: compute+{key} ({what}){'':<{17 - len(what)}}{where:<14} {floor}")
     return "\n".join(lines)
 
 

@@ -1,24 +1,18 @@
 """bench/train_step.py's ranks: every configuration's steps, interleaved round by round, timed.
 
-Every configuration runs the trainer's own loop, utils.run.train_model (peers.train_steps), for a
-sample of consecutive steps, with a gradient sync in the place it takes: ours (peers.make_sync), or
-peers.LocalStep (compute only, DDP), or Lockstep (the floors). PhaseClock, wrapped around it, times
-the step's parts.
+Each runs the trainer's own loop (peers.train_steps) for a sample of steps with its gradient sync:
+ours, peers.LocalStep (compute only, DDP) or Lockstep (the floors); PhaseClock times the step's parts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
 import time
-from pathlib import Path
 
-from harness import REPO, digest, numel, rotated, start_worker
-from peers import LocalStep, bytes_sent, make_ddp, make_sync, nic_tx_bytes, our_sync, train_steps
-
-from utils.files import write_file
+from harness import REPO, digest, end_worker, numel, pick, rotated, start_worker
+from peers import LocalStep, bytes_sent, make_ddp, nic_tx_bytes, our_sync, train_steps
 
 
 def make_model(name: str):
@@ -95,6 +89,7 @@ class Runner:
         from utils import timeline
         from utils.config import Recipe
         from utils.run import make_optimizer
+        from utils.sync.factory import make_gradient_sync
         from utils.timeline import OFF
 
         self.skip = spec.get("alone") and rank != 0
@@ -104,30 +99,19 @@ class Runner:
         optimizer, scheduler = make_optimizer(self.model, Recipe(epochs=1), steps)
         # --timeline: records every step, as train.py --timeline does inside its window (writes nothing)
         self.recorder = timeline.Recorder(os.devnull, 1, 10**9, 10**9) if spec.get("timeline") else None
+        psgd = pick(cfg, "powersgd_rank powersgd_warmup")
         if spec["kind"] == "sum":
-            psgd = (cfg["powersgd_rank"], cfg["powersgd_warmup"])
-            settings = {
-                "timeout": cfg["op_timeout"],
-                "chunks": spec["chunks"] or "auto",
-                "bucket_mb": spec["bucket_mb"] or 1.0,
-            }
-            sync = our_sync(
-                spec["allreduce"],
-                spec["overlap"],
-                spec.get("lazy", False),
-                spec.get("compress", "none"),
-                *psgd,
-                **settings,
-            )
-            self.sync = make_sync(self.model, sync, optimizer, scheduler, cfg["seed"], self.recorder or OFF)
+            flags = (spec["allreduce"], spec["overlap"], spec.get("lazy", False), spec.get("compress", "none"))
+            layout = dict(timeout=cfg["op_timeout"], chunks=spec["chunks"] or "auto")
+            ours, seed = our_sync(*flags, **psgd, **layout, bucket_mb=spec["bucket_mb"] or 1.0), cfg["seed"]
+            self.sync = make_gradient_sync(self.model, ours, optimizer, scheduler, seed, timeline=self.recorder or OFF)
         elif spec["kind"] in ("sync", "wire"):
             self.sync = Lockstep(optimizer, scheduler, wire if spec["kind"] == "wire" else None)
             if spec["kind"] == "wire":  # the bytes start with backward, where a sum's would
                 self.model.register_forward_hook(lambda *_: wire.start())
         else:
             if spec["kind"] == "ddp":
-                hook = spec.get("hook")
-                self.forward, _ = make_ddp(self.model, hook, cfg["powersgd_rank"], cfg["powersgd_warmup"], cfg["seed"])
+                self.forward, _ = make_ddp(self.model, spec.get("hook"), *psgd.values(), cfg["seed"])
             self.sync = LocalStep(optimizer, scheduler)
 
     def sample(self, batches: list, images, labels) -> tuple:
@@ -150,9 +134,6 @@ class Runner:
 
 
 def worker(args) -> int:
-    cfg = json.loads(Path(args.config).read_text())
-    rank, n = args.rank, cfg["world_size"]
-
     import torch
     import torch.distributed as dist
 
@@ -161,8 +142,8 @@ def worker(args) -> int:
     from utils.exchange import all_gather_json
     from utils.run import batches_of_epoch
 
-    say = start_worker(cfg, rank)
-    prefix = f"  [{cfg['label']} N={n}]"
+    cfg, say = start_worker(args)
+    rank, n, prefix = args.rank, cfg["world_size"], f"  [{cfg['label']} N={cfg['world_size']}]"
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "-")
     say(f"{prefix} {n} ranks up ({cfg['init_method']}, GLOO_SOCKET_IFNAME={ifname}, torch {torch.__version__})")
     images, labels, _, _ = load_mnist(str(REPO / "data"))
@@ -186,14 +167,11 @@ def worker(args) -> int:
     say(f"{prefix} {cfg['iters']} timed rounds done ({time.time() - t_start:.0f}s)")
 
     everyone = all_gather_json({"times": times, "digests": [digest(r.model) for r in runners]})  # (tuples: lists)
-    if rank == 0:
-        write_file(Path(cfg["out"]), json.dumps(merge_ranks(cfg, everyone)).encode())
     for r in runners:
         r.sync.close()
     if wire is not None:
         wire.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(cfg, rank, merge_ranks(cfg, everyone) if rank == 0 else {})
     return 0
 
 
