@@ -30,18 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (
-    REPO,
-    RESULTS,
-    bench_parser,
-    command_line,
-    figure,
-    host_info,
-    md_row,
-    png_of,
-    throttle,
-    write_results,
-)
+from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, png_of, throttle, write_results
+from stats import md_head, md_row
 
 from utils.launch import free_port, kill
 
@@ -286,8 +276,7 @@ def report(result):
             r = result[part]
             lines += [
                 f"\n## {part}: ranks held to {r['fractions']} of a core, one epoch of {r['subset']} images\n",
-                md_row("configuration", "epoch s (median)", "per round"),
-                md_row("---", "---", "---"),
+                *md_head(("configuration", "epoch s (median)", "per round"), "lrl"),
             ]
             lines += [
                 md_row(name, f"{r['median'][name]:.2f}", ", ".join(f"{s:.2f}" for s in r["seconds"][name]))

@@ -32,7 +32,7 @@ from netns import PREFIX as PREFIX
 from netns import TBF_LATENCY as TBF_LATENCY
 from netns import parse_rate as parse_rate
 from netns import tbf_burst as tbf_burst
-from throttle import CpuQuota, ThrottleError, controller, remove_stale
+from throttle import MIN_FRACTION, CpuQuota, ThrottleError, controller, remove_stale
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -153,8 +153,10 @@ def cpu_limits(text: str) -> dict[int, tuple[float, float]]:
             raise argparse.ArgumentTypeError(
                 f"expected HOST=FRACTION[@SECONDS], e.g. 1=0.5 or 1=0.5@30, got {item!r}"
             ) from None
-        if not 0.01 <= fraction <= 64:
-            raise argparse.ArgumentTypeError(f"a host's CPU is 0.01 to 64 cores, got {fraction:g} for host {host}")
+        if not MIN_FRACTION <= fraction <= 64:
+            raise argparse.ArgumentTypeError(
+                f"a host's CPU is {MIN_FRACTION:g} to 64 cores, got {fraction:g} for host {host}"
+            )
         limits[host] = (fraction, after)
     return limits
 

@@ -4,7 +4,7 @@
         quota.add(rank.pid)                # the process and every child it starts from now on
         quota.set(0.5)                     # half a core (None: no limit); may change at any moment
 
-The kernel's CPU controller enforces it (CFS bandwidth: a quota of CPU time per 100 ms period),
+The kernel's CPU controller enforces it (CFS bandwidth: a quota of CPU time per 10 ms period),
 so a throttled rank computes, sends and waits at the speed it would have on a slower machine;
 nothing in the trainer knows. cgroup v1 (the cpu controller's cpu.cfs_quota_us) and v2
 (cpu.max) both work. Needs root. Groups are named after their owner's pid: one left behind by a
@@ -19,8 +19,11 @@ import re
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
-PERIOD_US = 100_000
-MIN_FRACTION = 0.01  # the kernel's least quota is 1 ms a period
+# 10 ms, not the kernel's default 100 ms: a rank held to half a core then runs half of every 10 ms,
+# as on a slower server, instead of 50 ms flat out and then 50 ms stalled, which stalls a job that
+# waits for it at every step in long bursts (bench/README.md: servers of unequal speed)
+PERIOD_US = 10_000
+MIN_FRACTION = 0.1  # the kernel's least quota is 1 ms a period
 NAME_PREFIX = "mnr-cpu"  # <prefix>-<owner pid>-<n>
 _NAME_RE = re.compile(rf"^{NAME_PREFIX}-(\d+)-\d+$")
 _counter = itertools.count()

@@ -45,7 +45,7 @@ def test_a_quota_holds_a_busy_process_to_its_share_and_changes_while_it_runs(nee
             quota.set(0.6)
             high = cores_used(busy.pid, 2.0)
             group = quota.path
-        # the quota is a ceiling (CFS bandwidth over 100 ms periods); a loaded machine may give less
+        # the quota is a ceiling (CFS bandwidth over 10 ms periods); a loaded machine may give less
         assert 0.05 < low <= 0.26, low
         assert 1.5 * low < high <= 0.66, (low, high)
         assert not group.exists() and group.name not in cgroup_of(busy.pid)  # moved back, group removed
@@ -89,7 +89,7 @@ def test_cluster_cpu_slows_one_emulated_host(needs_root):
     "cpu, message",
     [
         ("2=0.5", "--cpu names host 2, but the hosts are 0..1"),
-        ("1=0", "a host's CPU is 0.01 to 64 cores, got 0 for host 1"),
+        ("1=0", "a host's CPU is 0.1 to 64 cores, got 0 for host 1"),
         ("1", "expected HOST=FRACTION[@SECONDS]"),
         ("1=half", "expected HOST=FRACTION[@SECONDS]"),
     ],

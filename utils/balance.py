@@ -12,13 +12,11 @@ rank's gradient weighs its share (utils/run.py's weight), so the average counts 
 alike and the parameters stay identical on every rank.
 
 How the ranks agree, with no message of their own:
-  1. Each rank measures the time its own work would take if it never waited for the others,
-     over its last WINDOW steps: the CPU time of all its threads (usage()) divided by the cores
-     it can use (cores_available: its torch threads, times the share of the time its training
-     thread got a CPU when it was ready to run, which other people's jobs or an old server's
-     load reduce; at most a cgroup CPU quota, cpu_limit). It splits that time in two: forward
-     and backward, which grow with its images (its rate: images per second), and the rest of a
-     step (the optimizer, its part of the sum: its overhead, seconds a step).
+  1. Each rank measures the time its own work took over its last WINDOW steps, stalls included
+     but not its waits for the others (utils/cpu.py: CPU time, waits for a CPU, a quota's
+     stalls). It splits that time in two: forward and backward, which grow with its images (its
+     rate: images per second), and the rest of a step (the optimizer, its part of the sum: its
+     overhead, seconds a step).
   2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
      every wire format the sums use) in its own two slots of the values that ride with the
      gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
@@ -35,10 +33,10 @@ measuring; for comparisons, and for a resume test that must be bit for bit).
 """
 
 import math
-import os
-import time
 from collections import deque
 from fractions import Fraction
+
+from utils.cpu import CpuGroup, own_seconds, snapshot
 
 WINDOW = 20  # steps of this rank's timing in its speed: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 10  # steps between two looks at the speeds: a change is followed within about 20 steps
@@ -107,59 +105,6 @@ def shares_of(size, weights):
     return shares
 
 
-def usage():
-    """(CPU seconds of all this process's threads, seconds the calling thread ran, seconds it was
-    ready to run but waited for a CPU) so far: Linux's schedstat (nanoseconds run, nanoseconds
-    waiting on a run queue, time slices)."""
-    with open("/proc/thread-self/schedstat", "rb") as f:
-        ran, waited, _ = f.read().split()
-    return time.process_time(), int(ran) / 1e9, int(waited) / 1e9
-
-
-def cores_available(threads, ran, waited, limit):
-    """The cores a rank's work can use: its torch threads, times the share of the time its
-    training thread got a CPU when it was ready to run; at most `limit` (a CPU quota, or None).
-    A quota shows in the waiting only while the process uses all of it, so a rank that has some
-    left would otherwise look as fast as an unlimited one."""
-    cores = threads * (ran / (ran + waited) if ran > 0 else 1.0)
-    return cores if limit is None else min(cores, limit)
-
-
-def cpu_limit():
-    """The cores this process may use at most, if a cgroup CPU quota holds it (a container's CPU
-    limit, a shared server's share; cgroup v1 cpu.cfs_quota_us or v2 cpu.max, the group's own or
-    an enclosing one's); None without one. A quota shows in the schedstat only while the process
-    uses all of it, so a rank that has some left would look as fast as an unlimited one."""
-    limits = []
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            root, files = "/sys/fs/cgroup", ("cpu.max",)
-        elif "cpu" in controllers.split(","):  # v1
-            root, files = f"/sys/fs/cgroup/{controllers}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            limits.append(read_limit(os.path.join(root, *parts[:depth]), files))
-    limits = [limit for limit in limits if limit is not None]
-    return min(limits) if limits else None
-
-
-def read_limit(folder, files):
-    try:
-        values = " ".join(open(os.path.join(folder, name)).read().strip() for name in files).split()
-        quota, period = values[0], int(values[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None if quota in ("max", "-1") or period <= 0 else int(quota) / period
-
-
 def parse_fixed(text):
     """'5:2' -> (5, 2); ValueError with a message otherwise."""
     try:
@@ -179,9 +124,9 @@ class Balance:
     def __init__(self, mode, rank, world_size, global_batch, threads=1):
         self.fixed = None if mode == "measured" else parse_fixed(mode)
         self.global_batch, self.threads = global_batch, threads  # threads: torch's, on this rank
-        self.timings = deque(maxlen=WINDOW)  # (images, CPU s of compute, of the rest, ran, waited) a step
+        self.timings = deque(maxlen=WINDOW)  # (images, seconds of compute, of the rest) of its last steps
+        self.group = CpuGroup()
         self.changes = 0  # re-balances so far (the timeline and the log say them)
-        self.limit, self.limit_read = None, -math.inf  # cpu_limit(), and when it was read
         self.restart(rank, world_size)
 
     def restart(self, rank, world_size, weights=None):
@@ -197,12 +142,16 @@ class Balance:
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
         return shares_of(self.global_batch if size is None else size, self.weights)
 
+    def now(self):
+        """A snapshot of this rank's CPU, for timed() (utils/cpu.snapshot)."""
+        return snapshot(self.group)
+
     def timed(self, images, started, computed, ended):
-        """This rank's last step: `images`, and its usage() as it started, after its forward and
-        backward, and as it ended."""
+        """This rank's last step: `images`, and its snapshots (now()) as it started, after its
+        forward and backward, and as it ended."""
         if self.fixed is None and images > 0:
-            cpu, ran, waited = (b - a for a, b in zip(started, ended))
-            self.timings.append((images, computed[0] - started[0], cpu - (computed[0] - started[0]), ran, waited))
+            compute, rest = own_seconds(started, computed, self.threads), own_seconds(computed, ended, self.threads)
+            self.timings.append((images, compute, rest))
 
     def slots(self):
         """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
@@ -211,11 +160,8 @@ class Balance:
             return ()
         rate = overhead = 0
         if len(self.timings) >= WINDOW // 2:  # not the first steps alone: they pay for warming up
-            images, compute, rest, ran, waited = (sum(column) for column in zip(*self.timings))
-            if time.monotonic() > self.limit_read + 1.0:  # a quota may change at any moment; read it each second
-                self.limit, self.limit_read = cpu_limit(), time.monotonic()
-            cores = cores_available(self.threads, ran, waited, self.limit)
-            rate, overhead = speed_code(images, compute / cores), speed_code(len(self.timings), rest / cores)
+            images, compute, rest = (sum(column) for column in zip(*self.timings))
+            rate, overhead = speed_code(images, compute), speed_code(len(self.timings), rest)
         n = self.world_size
         return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n))
 

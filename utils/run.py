@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utils import checkpoint, stop
-from utils.balance import REVIEW, Balance, usage
+from utils.balance import REVIEW, Balance
 from utils.comm import hierarchical
 from utils.data import BalancedBatches, step_batches
 from utils.distributed import check_identical_parameters, model_name
@@ -75,18 +75,18 @@ def train_step(model, gradient_sync, images, labels, weight=1.0, timeline=OFF, b
     """One training step on `images`: the loss, before the step. balance (--balance): told the time
     the step's work needed, its forward and backward apart."""
     gradient_sync.weigh(weight)
-    started = usage() if balance is not None else None
+    started = balance.now() if balance is not None else None
     with timeline.span("step"):
         with timeline.span("forward"):
             loss = F.cross_entropy(model(images), labels)
         with timeline.span("backward"):
             loss.backward()
-        computed = usage() if balance is not None else None
+        computed = balance.now() if balance is not None else None
         faults.point("sum")
         gradient_sync.after_backward()  # the sum over all ranks (overlapped: already running)
         gradient_sync.step()
     if balance is not None:
-        balance.timed(len(images), started, computed, usage())
+        balance.timed(len(images), started, computed, balance.now())
     return loss
 
 

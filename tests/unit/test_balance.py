@@ -8,6 +8,7 @@ import torch
 
 from utils import balance
 from utils.balance import REVIEW, WINDOW, Balance, code_value, shares_of, solve, speed_code
+from utils.cpu import own_seconds
 from utils.data import BalancedBatches, epoch_permutation
 
 
@@ -86,10 +87,12 @@ def test_shares_cover_the_step_for_any_weights():
 
 
 def timed(b, per_second, overhead=0.005, steps=WINDOW):
-    """Steps of 32 images at `per_second`, `overhead` seconds of the rest, never kept from a CPU."""
+    """Steps of 32 images at `per_second`, `overhead` seconds of the rest, never held back."""
     for _ in range(steps):
         compute = 32 / per_second
-        b.timed(32, (0.0, 0.0, 0.0), (compute, 0.0, 0.0), (compute + overhead, compute + overhead, 0.0))
+        b.timed(
+            32, (0.0, 0.0, 0.0, 0.0), (compute, 0.0, 0.0, compute), (compute + overhead, 0.0, 0.0, compute + overhead)
+        )
 
 
 def test_a_rank_sends_its_codes_in_its_own_slots_once_it_has_measured_enough():
@@ -168,8 +171,10 @@ def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold():
     assert b.review(4 * REVIEW, (code(1000), code(1000), over, over)) and b.shares() == [32, 32]
 
 
-def test_the_cores_a_rank_can_use():
-    assert balance.cores_available(1, ran=1.0, waited=0.0, limit=None) == 1.0
-    assert balance.cores_available(1, ran=0.5, waited=0.5, limit=None) == 0.5  # other jobs had half of it
-    assert balance.cores_available(4, ran=1.0, waited=0.0, limit=0.4) == 0.4  # a quota not used up yet
-    assert balance.cores_available(2, ran=0.0, waited=0.0, limit=None) == 2.0
+def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():
+    start = (10.0, 1.0, 2.0, 100.0)  # CPU s, waited s, stalled s, clock
+    assert own_seconds(start, (10.5, 1.0, 2.0, 101.0), threads=1) == 0.5  # waiting for peers: not counted
+    assert own_seconds(start, (12.0, 1.0, 2.0, 101.0), threads=4) == 0.5  # 4 torch threads side by side
+    assert own_seconds(start, (10.5, 1.2, 2.0, 101.0), threads=1) == pytest.approx(0.7)  # no CPU for 0.2 s
+    assert own_seconds(start, (10.5, 1.2, 2.3, 101.0), threads=1) == pytest.approx(0.8)  # a quota's stall
+    assert own_seconds(start, (10.5, 1.0, 5.0, 101.0), threads=1) == pytest.approx(1.5)  # stalls on 2 CPUs: capped
