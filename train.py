@@ -102,8 +102,10 @@ def train(config, data):
     if job.join is not None:  # a server joining a running job: the members send it everything
         membership, decision = join_running_job(config, model_name(model))
         stop.arm()
-        run(model, data, config, membership=membership, joining=decision)
-        report_dropped(membership)
+        try:
+            run(model, data, config, membership=membership, joining=decision)
+        finally:  # (stopped, or a lost peer, too)
+            report_dropped(membership)
         return
     check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
@@ -145,13 +147,16 @@ def train(config, data):
         if job.slurm:
             print(slurm.describe(job.slurm), flush=True)
     stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
-    run(model, data, config, hosts, resume_from=resume_from, membership=membership)
-    report_dropped(membership)
+    try:
+        run(model, data, config, hosts, resume_from=resume_from, membership=membership)
+    finally:  # (stopped, or a lost peer, too)
+        report_dropped(membership)
     dist.destroy_process_group()
 
 
 def report_dropped(membership):
-    """Bad traffic on the control ports is dropped as it comes; each rank says how much at the end."""
+    """Bad traffic on the control ports (a --status with a wrong key among it) is dropped as it
+    comes; each rank says how much at the end."""
     if membership is None:
         return
     line = membership.dropped()

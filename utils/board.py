@@ -4,11 +4,12 @@
     board.scalars(step, {tag: value})    curves: utils/watch.py says which, and when
     board.text(tag, words, step)         a change of members, a re-balance
 
-`tensorboard --logdir DIR` shows them while the job runs: the writer flushes every FLUSH_SECONDS
-and after every epoch. A resume appends to the same DIR: a new event file whose first event
-purges (purge_step) what an earlier file holds from the step after the checkpoint's on, so that
-the steps trained again are not drawn twice; a run started afresh in the same DIR purges
-everything before it. tensorboard is imported only here, only with --tensorboard.
+`tensorboard --logdir DIR` shows them while the job runs: utils/watch.py flushes after each
+progress report (ten an epoch), a text, and an epoch (and the writer every FLUSH_SECONDS). A
+resume appends to the same DIR: a new event file whose first event purges (purge_step) what an
+earlier file holds from the step after the checkpoint's on, so that the steps trained again are
+not drawn twice; a run started afresh in the same DIR purges everything before it. tensorboard
+is imported only here, only with --tensorboard.
 """
 
 FLUSH_SECONDS = 10
@@ -27,6 +28,7 @@ class Board:
 
     def text(self, tag, words, step):
         self.writer.add_text(tag, words, step)
+        self.writer.flush()
 
     def flush(self):
         self.writer.flush()

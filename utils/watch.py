@@ -60,6 +60,7 @@ class Watch:
                     "job/members": len(self.ids or ()),
                 },
             )
+            self.board.flush()  # (on disk at once: tensorboard shows it, a stop or a crash loses nothing)
         self.since = (stats.loss_sum, stats.steps, stats.step_seconds, stats.comm_seconds)
 
     def members(self, ids, at, reports):
@@ -76,6 +77,7 @@ class Watch:
                     "job/membership", f"{'; '.join(change)}: {len(ids)} members ({', '.join(map(str, ids))})", at
                 )
             self.board.scalars(at, {"job/members": len(ids)})
+            self.board.flush()
         self.ids = ids
 
     def rebalanced(self, at, shares):
