@@ -252,6 +252,8 @@ class Detector:
             self.rejected["sender"] += 1
             return
         with self.lock:
+            if self.me not in self.members:  # a server still joining: a member answers instead
+                return
             now = time.monotonic()
             answer = status.answer(
                 message.nonce,
