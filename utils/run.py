@@ -10,7 +10,7 @@ The gradient sum is a utils.sync GradientSync (plain, overlapped, lazy or period
 stop flag (utils.sync.interface.Flags), so every rank learns of it after the same step; then rank
 0 saves the checkpoint and every rank raises Stopped. A checkpoint records the step and the global
 batch, not the ranks: it resumes on any number (utils/checkpoint.py). What rank 0 prints is
-utils/report.py's.
+utils/report.py's; what a rank shows those who watch the job (--status, --tensorboard), utils/watch.py's.
 """
 
 import time
