@@ -330,9 +330,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
     record = Record(recipe.epochs)  # this rank's progress: its heartbeats carry it (train.py --status)
     if membership is not None:
         membership.progress = record
-    board = None  # --tensorboard: rank 0's event files (utils/board.py)
-    if outputs.tensorboard and dist.get_rank() == 0:
-        board = Board(outputs.tensorboard, (epoch - 1) * steps_per_epoch + first_step)
+    board = (lambda at: Board(outputs.tensorboard, at)) if outputs.tensorboard else None  # rank 0 opens it
     watch = Watch(record, board, lambda: optimizer.param_groups[0]["lr"])
     done = Done(epoch, first_step, stats, first_step_after("joined") if joining is not None else None)
     accuracy = None

@@ -22,9 +22,10 @@ def every(steps):
 
 
 class Watch:
-    def __init__(self, record, board=None, lr=None, reports=False):
+    def __init__(self, record, make_board=None, lr=None, reports=False):
         self.record = record  # this rank's utils.elastic.status.Record
-        self.board = board  # rank 0 with --tensorboard: a utils.board.Board, else None
+        self.make_board = make_board  # --tensorboard: (global step) -> a utils.board.Board, opened by rank 0
+        self.board = None
         self.lr = lr  # () -> the learning rate now
         self.reports = reports  # rank 0: the progress reports (metrics.jsonl's losses; the board)
         self.losses = []  # this epoch's [global step, mean loss since the last report]
@@ -67,6 +68,12 @@ class Watch:
         """The members' ids when training starts or goes on at global step `at`; a change is noted.
         reports: whether this rank is rank 0 now (it reports; the board is written only then)."""
         ids, self.reports = list(ids), reports
+        if reports and self.board is None and self.make_board is not None:  # (the start, or a new rank 0)
+            try:
+                self.board = self.make_board(at)
+            except OSError as e:  # (checked at the start; a survivor that became rank 0 may lack the folder)
+                print(f"cannot write the --tensorboard files ({e}); going on without them", flush=True)
+            self.make_board = None
         if self.board is not None and reports and ids != self.ids:
             if self.ids is not None:
                 lost, joined = [i for i in self.ids if i not in ids], [i for i in ids if i not in self.ids]

@@ -114,7 +114,7 @@ class Board:
 
 def test_rank_0_reports_the_loss_every_tenth_of_an_epoch_and_each_change():
     board, stats = Board(), Stats()
-    watch = Watch(status.Record(1), board, lambda: 0.001)
+    watch = Watch(status.Record(1), lambda at: board, lambda: 0.001)
     watch.members([0, 1, 2], 0, True)
     watch.begin(1, stats)
     for step in range(1, 26):
