@@ -8,6 +8,7 @@ On one machine, all ranks over loopback:   python train.py
 Under torchrun:                             torchrun --nproc-per-node 2 train.py
 Under Slurm:                                sbatch scripts/slurm.sbatch   (its srun needs no rank flags)
 Evaluate a saved model:                     python train.py --eval --model_path model_state_dict.pth
+Ask a running job how it does:              python train.py --status 192.168.0.1:23456
 
 Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the same step, rank 0
 saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
@@ -28,9 +29,9 @@ import time
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
 from utils import cli, stop
 from utils.config import check_share, from_args
-from utils.elastic import faults
+from utils.elastic import faults, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
-from utils.files import check_writable, remove_stale_temps, set_aside
+from utils.files import check_folder, check_writable, remove_stale_temps, set_aside
 from utils.launch import launch_local
 from utils.mnist import ensure_mnist
 from utils.outputs import lock_outputs, release
@@ -52,6 +53,8 @@ def preflight(config, world_size, train_images):
     checkpoint or None, whether it is a finished run). It only looks; rank 0 takes the lock afterwards."""
     for option, path in config.outputs.files():
         check_writable(path, option)
+    if config.outputs.tensorboard:
+        check_folder(config.outputs.tensorboard, "--tensorboard")
     lock_outputs(config.outputs, hold=False)
     check_share(train_images, world_size, config.recipe.global_batch)
     if config.job.resume and os.path.exists(config.outputs.checkpoint):
@@ -99,8 +102,10 @@ def train(config, data):
     if job.join is not None:  # a server joining a running job: the members send it everything
         membership, decision = join_running_job(config, model_name(model))
         stop.arm()
-        run(model, data, config, membership=membership, joining=decision)
-        report_dropped(membership)
+        try:
+            run(model, data, config, membership=membership, joining=decision)
+        finally:  # (stopped, or a lost peer, too)
+            report_dropped(membership)
         return
     check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
@@ -142,13 +147,16 @@ def train(config, data):
         if job.slurm:
             print(slurm.describe(job.slurm), flush=True)
     stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
-    run(model, data, config, hosts, resume_from=resume_from, membership=membership)
-    report_dropped(membership)
+    try:
+        run(model, data, config, hosts, resume_from=resume_from, membership=membership)
+    finally:  # (stopped, or a lost peer, too)
+        report_dropped(membership)
     dist.destroy_process_group()
 
 
 def report_dropped(membership):
-    """Bad traffic on the control ports is dropped as it comes; each rank says how much at the end."""
+    """Bad traffic on the control ports (a --status with a wrong key among it) is dropped as it
+    comes; each rank says how much at the end."""
     if membership is None:
         return
     line = membership.dropped()
@@ -168,7 +176,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     rank = "?"
     try:
-        config = from_args(parse_args(argv))
+        args = parse_args(argv)
+        if args.status is not None:  # a question to a running job: no torch, no training
+            status.command(args.status, args.init_method, args.key_file, args.checkpoint, args.json)
+            return 0
+        config = from_args(args)
         job = config.job
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
             if job.model_path:  # the only check that needs torch

@@ -38,19 +38,34 @@ import time
 
 import harness  # noqa: F401  (first: puts the repository's utils/ on the path)
 
-from utils.elastic.wire import Alive, Decision, Envelope, FencedOut, Join, Refused, Rejected
+from utils.elastic.wire import KINDS, Alive, Ask, Decision, Envelope, FencedOut, Join, Refused, Rejected, Status
 from utils.launch import free_port, supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENTRY = {"address": ["127.0.0.1", 23457], "pid": 4242, "host": "node2"}
+PROGRESS = {
+    "epoch": 1,
+    "epochs": 2,
+    "step": 12,
+    "steps": 938,
+    "images_per_second": 450.5,
+    "share": 0.5,
+    "loss": 0.25,
+    "seconds_left": 61.5,
+    "host": "node2",
+    "pid": 4242,
+}
 SAMPLES = [
     Alive(3, "recovering", [1, 12], 1, 2),
+    Alive(3, "training", progress=PROGRESS),
     Decision(4, "4.0.0badcafe", [0, 2], ["127.0.0.1", 40000], 2, [1, 13], {"0": [1, 12], "2": [1, 13]}, 0),
     Decision(2, "2.0.deadbeef", [0, 1, 5], ["127.0.0.1", 40001], 0, [2, 0], book={"5": ENTRY}, joined={"ab" * 6: 5}),
     FencedOut(7),
     Join("ab" * 6, 1, {"lr": 0.004, "allreduce": "ring"}, ENTRY, {"torch": "2.14.1", "program": "0" * 16}),
     Refused("ab" * 6, "the job has --lr 0.004, this server has 0.01"),
+    Ask("ab" * 6),
+    Status("ab" * 6, 2, "training", [{"id": 0, "heard": None, "host": "node1", "pid": 41, "progress": PROGRESS}]),
 ]
 BAD_VALUES = (True, "x", -1, 2**40, 1.5, [], {}, [-1, -1], "y" * 70_000, [0] * 5000)
 
@@ -65,7 +80,7 @@ def mutations(message):
 
 
 def kind_of(message):
-    return {Alive: "alive", Decision: "decision", FencedOut: "fenced", Join: "join", Refused: "refused"}[type(message)]
+    return {cls: name for name, cls in KINDS.items()}[type(message)]
 
 
 def signed(secret, fields):

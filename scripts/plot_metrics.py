@@ -6,11 +6,15 @@
 train.py (rank 0) appends one JSON line per epoch to runs/metrics.jsonl:
     {"epoch": 1, "train_loss": 0.15, "test_accuracy": 0.9909, "seconds": 34.5,
      "comm_share": 0.24, "world_size": 2, "allreduce": "two-pass", "busbw_gbps": 0.11, "overlap": true}
-epoch, train_loss and test_accuracy are required; the others are optional.
+epoch, train_loss and test_accuracy are required; the others are optional. Newer lines also
+hold "losses": [[global step, mean loss since the report before], ...] (every progress report,
+ten an epoch) and "test_images": the number of test images the accuracy was measured on.
 
-The PNG has test accuracy and train loss against epoch (one line per run), and below them
-the seconds per epoch and, when the log has it, the achieved bus bandwidth of the gradient
-sums (busbw_gbps, GB/s; otherwise the share of step time spent communicating).
+The PNG has test accuracy and train loss against epoch (one line per run; the loss at every
+progress report where the log has it, the epoch's mean as dots), and below them the seconds per
+epoch and, when the log has it, the achieved bus bandwidth of the gradient sums (busbw_gbps,
+GB/s; otherwise the share of step time spent communicating). The accuracy's title names the
+number of test images when every run says the same.
 
 One file can hold several runs, as train.py appends: a line with epoch 1, an epoch lower than
 the one before, or another world size / algorithm / overlap setting starts a new run; the same
@@ -88,8 +92,9 @@ def read_runs(path: str) -> list[dict]:
             "train_loss": number(row["train_loss"], "train_loss", where, allow_none=True),
             "test_accuracy": number(row["test_accuracy"], "test_accuracy", where, allow_none=True),
         }
-        for key in ("seconds", "comm_share", "busbw_gbps"):
+        for key in ("seconds", "comm_share", "busbw_gbps", "test_images"):
             clean[key] = number(row[key], key, where, allow_none=True) if key in row else None
+        clean["losses"] = reports(row.get("losses"), where)
         ident = (row.get("world_size"), row.get("allreduce"), row.get("overlap"))
         last = runs[-1] if runs else None
         prev = last["rows"][-1]["epoch"] if last else None
@@ -109,6 +114,36 @@ def read_runs(path: str) -> list[dict]:
     if not runs:
         raise BadInput(f"{path}: empty (no metrics lines)")
     return runs
+
+
+def reports(value, where):
+    """A line's "losses": [[global step, loss], ...] with steps rising, or None (an older line)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise BadInput(f"{where}: 'losses' must be a list of [step, loss] pairs")
+    pairs = [(number(s, "losses", where), number(v, "losses", where, allow_none=True)) for s, v in value]
+    if any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])) or any(s <= 0 for s, _ in pairs):
+        raise BadInput(f"{where}: the steps in 'losses' must be positive and rising")
+    return pairs
+
+
+def progress_points(run):
+    """The run's loss at every progress report, against the epoch (step / steps per epoch: an
+    epoch's last report is at its last step), or [] when its lines have none."""
+    points = []
+    for r in run["rows"]:
+        if r["losses"] and r["epoch"] > 0:
+            per_epoch = r["losses"][-1][0] / r["epoch"]
+            points += [(s / per_epoch, v) for s, v in r["losses"] if v is not None and math.isfinite(v)]
+    return points
+
+
+def accuracy_title(series):
+    sizes = {r["test_images"] for _, run in series for r in run["rows"]}
+    if len(sizes) == 1 and None not in sizes:
+        return f"test accuracy ({int(sizes.pop()):,} images)"
+    return "test accuracy"
 
 
 def file_labels(paths: list[str]) -> list[str]:
@@ -148,14 +183,21 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
     def draw(ax, key, run, color, name, scale=1.0):
         pts = [(r["epoch"], r[key] * scale) for r in run["rows"] if r[key] is not None and math.isfinite(r[key])]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=3.5, lw=1.6, label=name)
+            line = dict(marker=marker or "o", ms=4, ls="none") if key == "train_loss" and not name else dict(lw=1.6)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, **{"marker": marker, "ms": 3.5, **line})
+            if name:
+                ax.lines[-1].set_label(name)
         return bool(pts)
 
     losses, accs = [], []
     for i, (name, run) in enumerate(series):
         c = colors[i % len(colors)]
         draw(acc_ax, "test_accuracy", run, c, name, 100.0)
-        draw(loss_ax, "train_loss", run, c, name)
+        points = progress_points(run)
+        if points:
+            loss_ax.plot([x for x, _ in points], [v for _, v in points], color=c, lw=1.2, label=name)
+            losses += [v for _, v in points]
+        draw(loss_ax, "train_loss", run, c, None if points else name)
         draw(sec_ax, "seconds", run, c, name)
         if have_busbw:
             draw(bw_ax, "busbw_gbps", run, c, name)
@@ -170,11 +212,16 @@ def plot(series: list[tuple[str, dict]], out: Path, title: str | None) -> None:
             r["train_loss"] for r in run["rows"] if r["train_loss"] is not None and math.isfinite(r["train_loss"])
         ]
 
-    acc_ax.set_title("test accuracy (10,000 images)")
+    acc_ax.set_title(accuracy_title(series))
     acc_ax.set_ylabel("accuracy, %")
     if accs and min(accs) > 90:  # zoom into the interesting range, but keep 100 % in view
         acc_ax.set_ylim(max(90.0, min(accs) - 0.2 * (100 - min(accs)) - 0.05), 100.0)
-    loss_ax.set_title("train loss (mean over the epoch)")
+    with_reports = any(progress_points(run) for _, run in series)
+    loss_ax.set_title(
+        "train loss (every tenth of an epoch; dots: the epoch's mean)"
+        if with_reports
+        else "train loss (mean over the epoch)"
+    )
     loss_ax.set_ylabel("cross-entropy")
     if losses and min(losses) > 0 and max(losses) / min(losses) > 8:
         loss_ax.set_yscale("log")

@@ -2,7 +2,7 @@
 """Where a step's time went, per rank, from a trace written by `train.py --timeline PATH`.
 
     python scripts/timeline_summary.py runs/timeline.json
-    python scripts/timeline_summary.py runs/timeline.json --plot timeline.png --plot-steps 3
+    python scripts/timeline_summary.py runs/timeline.json -o timeline.png --plot-steps 3
 
 Per rank: mean step time, and the training thread's time in forward, backward, waiting for
 communication (exposed: the thread had nothing else to do) and the optimizer, each without the
@@ -170,7 +170,9 @@ def plot(spans, meta, path, steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="the file train.py --timeline wrote")
-    p.add_argument("--plot", metavar="PNG", help="also draw the first steps to this PNG")
+    p.add_argument(  # -o, as scripts/plot_metrics.py spells it; --plot, the older spelling
+        "-o", "--output", "--plot", dest="plot", metavar="PNG", help="also draw the first steps to this PNG"
+    )
     p.add_argument("--plot-steps", type=int, default=3, help="steps to draw (default 3)")
     args = p.parse_args(argv)
     spans, meta = load(args.trace)

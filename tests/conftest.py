@@ -44,6 +44,7 @@ SLOWEST_FIRST = [
     "test_multihost.py",
     "test_bench_bad_input.py",
     "test_bench_allreduce.py",
+    "test_watch.py",
     "test_timeline.py",
     "test_tiny_world.py",
     "test_ring.py",

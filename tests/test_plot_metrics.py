@@ -111,3 +111,28 @@ def test_a_good_file_and_a_missing_one_writes_nothing(tmp_path):
 def test_no_arguments_is_one_line_and_exit_2():
     r = plot()
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_loss_at_every_report_and_the_test_images_in_the_title(tmp_path):
+    """Newer lines hold the loss of every progress report and the number of test images."""
+    import plot_metrics
+
+    lines = rows(2, "two-pass", 2)
+    for row in lines:
+        row["test_images"] = 2000
+        row["losses"] = [[(row["epoch"] - 1) * 30 + s, 1.0 / s] for s in range(3, 31, 3)]
+    f = write_jsonl(tmp_path / "m.jsonl", lines)
+    r = plot(f, "--output", tmp_path / "c.png")
+    assert r.returncode == 0 and "1 run(s), 2 epoch(s)" in r.stdout, r.stderr
+    assert_png(tmp_path / "c.png")
+    runs = plot_metrics.read_runs(str(f))
+    assert plot_metrics.accuracy_title([("m", runs[0])]) == "test accuracy (2,000 images)"
+    points = plot_metrics.progress_points(runs[0])
+    assert len(points) == 20 and points[0] == (0.1, 1 / 3) and points[-1] == (2.0, 1 / 30)
+    old = plot_metrics.read_runs(str(write_jsonl(tmp_path / "old.jsonl", rows(2, "ring", 2))))
+    assert plot_metrics.accuracy_title([("m", runs[0]), ("old", old[0])]) == "test accuracy"
+    assert plot_metrics.progress_points(old[0]) == []
+    bad = write_jsonl(tmp_path / "bad.jsonl", [dict(lines[0], losses=[[5, 0.1], [4, 0.2]])])
+    r = plot(bad, "-o", tmp_path / "d.png")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "rising" in r.stderr, r.stderr

@@ -136,7 +136,10 @@ def test_summary_of_a_file_that_is_not_a_trace_is_one_line(tmp_path):
         path = tmp_path / "t.json"
         if content is not None:
             path.write_text(content)
-        result = subprocess.run([sys.executable, SUMMARY, str(path)], capture_output=True, text=True, timeout=30)
-        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert "cannot read a trace" in result.stderr and "Traceback" not in result.stderr
+        for out in ([], ["-o", str(tmp_path / "t.png")], ["--plot", str(tmp_path / "t.png")]):  # (-o: plot_metrics')
+            result = subprocess.run(
+                [sys.executable, SUMMARY, str(path), *out], capture_output=True, text=True, timeout=30
+            )
+            assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert "cannot read a trace" in result.stderr and "Traceback" not in result.stderr
         path.unlink(missing_ok=True)

@@ -230,6 +230,23 @@ def make_parser(prog="train.py"):
         help=f"with --timeline: the steps to record, counted over the whole run (default {first}:{last})",
     )
 
+    outputs.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="rank 0 writes TensorBoard event files here: loss, accuracy, step time, ... (docs/watching.md)",
+    )
+
+    watching = p.add_argument_group("watching a running job (docs/watching.md)")
+    watching.add_argument(
+        "--status",
+        nargs="?",
+        const="",
+        metavar="HOST:PORT",
+        help="print the running job's members and their progress, asked of any member at HOST:PORT "
+        "(default: --init-method's), with the job's key as --join finds it; then exit",
+    )
+    watching.add_argument("--json", action="store_true", help="with --status: one JSON object instead of a table")
+
     local = p.add_argument_group("runs on one machine")
     local.add_argument(
         "--nproc",

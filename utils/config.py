@@ -2,7 +2,7 @@
 
     Recipe   what is trained: epochs, learning rate, batch, seed, data subsets
     Sync     how the gradients are summed: --allreduce, --chunks, --overlap, --compress, ...
-    Outputs  what rank 0 writes: model, checkpoint, metrics, timeline
+    Outputs  what rank 0 writes: model, checkpoint, metrics, timeline, TensorBoard files
     Job      where this process runs: its rank, the world, the rendezvous, the card
     Config   all four; the checkpoint stores it whole (Config.to_dict)
 
@@ -95,6 +95,7 @@ class Outputs:
     metrics: str = setting(os.path.join("runs", "metrics.jsonl"), "metrics")  # '' : off
     timeline: str | None = setting(None, "timeline")
     timeline_steps: tuple[int, int] | None = setting(None, "timeline-steps")  # set with timeline
+    tensorboard: str | None = setting(None, "tensorboard")  # a folder: utils/board.py
 
     def files(self):
         """(flag, path) of every file rank 0 writes, each file once however it is spelled."""
@@ -195,6 +196,8 @@ def from_args(args, environ=os.environ):
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.timeline_steps and not args.timeline:
         raise UsageError("--timeline-steps needs --timeline PATH")
+    if args.json:
+        raise UsageError("--json goes with --status")
     if args.join is not None:
         if args.rank is None:
             raise UsageError("--join needs this server's --rank, --world-size and --init-method (its original command)")
@@ -295,6 +298,7 @@ def from_args(args, environ=os.environ):
             metrics=args.metrics,
             timeline=args.timeline,
             timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None,
+            tensorboard=args.tensorboard or None,
         ),
     )
 

@@ -92,6 +92,18 @@ def check_writable(path, option):
         raise UsageError(f"cannot write {option} {path}: {e.strerror or e}") from None
 
 
+def check_folder(path, option):
+    """A folder the job writes files in (--tensorboard): made if need be; fail now, in one line, if
+    it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"cannot write {option} {path}: {e.strerror or e}") from None
+
+
 def current_umask():
     mask = os.umask(0)
     os.umask(mask)

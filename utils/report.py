@@ -66,9 +66,11 @@ class Progress:
             self.bar.close()
 
 
-def report_epoch(model, epoch, seconds, stats, accuracy, ranks, config, members, balance=None):
+def report_epoch(model, epoch, seconds, stats, accuracy, ranks, config, members, balance=None, extra=None):
     """Rank 0, after an epoch: the log line, the state dict, the metrics line. ranks: every rank's
-    epoch_by_rank; members: the ids of the ranks in the job now; balance: --balance's shares."""
+    epoch_by_rank; members: the ids of the ranks in the job now; balance: --balance's shares;
+    extra: more for the metrics line (the losses of every progress report, utils/watch.py; the
+    number of test images)."""
     world_size = len(ranks)
     sent = [r["bytes_sent_per_step"] for r in ranks]
     shares = [r["images"] / max(1, stats.steps) for r in ranks]  # images per step, this epoch's mean
@@ -111,6 +113,7 @@ def report_epoch(model, epoch, seconds, stats, accuracy, ranks, config, members,
                 shares=shares,
                 images_per_second=speeds,
                 rebalances=balance.changes if balance is not None else None,
+                **(extra or {}),
             ),
         )
 

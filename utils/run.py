@@ -10,7 +10,7 @@ The gradient sum is a utils.sync GradientSync (plain, overlapped, lazy or period
 stop flag (utils.sync.interface.Flags), so every rank learns of it after the same step; then rank
 0 saves the checkpoint and every rank raises Stopped. A checkpoint records the step and the global
 batch, not the ranks: it resumes on any number (utils/checkpoint.py). What rank 0 prints is
-utils/report.py's.
+utils/report.py's; what a rank shows those who watch the job (--status, --tensorboard), utils/watch.py's.
 """
 
 import time
@@ -21,11 +21,13 @@ import torch.nn.functional as F
 
 from utils import checkpoint, stop
 from utils.balance import REVIEW, Balance
+from utils.board import Board
 from utils.comm import hierarchical
 from utils.data import BalancedBatches, step_batches
 from utils.distributed import check_identical_parameters, model_name
 from utils.elastic import faults
 from utils.elastic.recovery import Recovery
+from utils.elastic.status import Record
 from utils.errors import PeerError, Stopped, first_line
 from utils.exchange import all_gather_state
 from utils.model import Net
@@ -34,6 +36,7 @@ from utils.report import Progress, SlowRankHint, epoch_by_rank, report_epoch, sa
 from utils.sync.factory import make_gradient_sync
 from utils.sync.interface import Flags
 from utils.timeline import OFF, Recorder
+from utils.watch import Watch
 
 
 def stop_flag(membership=None, balance=None):
@@ -148,10 +151,12 @@ def train_model(
     done=None,
     timeline=OFF,
     balance=None,
+    watch=None,
 ):
     """Train on `batches[first_step:]` of `epoch` (batches_of_epoch); `save(epoch, step, stats)`
     every save_every steps; `done` (a Done) notes each step; stats (an EpochStats) adds them up;
-    balance (--balance, utils/balance.py) times each step and reviews the shares.
+    balance (--balance, utils/balance.py) times each step and reviews the shares; watch (a
+    utils.watch.Watch) is told each step's progress.
 
     A stop flag summed with a step's gradients (any rank got a signal): save after that step and
     raise Stopped(epoch, step, steps in the epoch), on every rank alike."""
@@ -159,6 +164,8 @@ def train_model(
     progress = Progress(epoch, first_step, len(batches), enabled=dist.get_rank() == 0)
     step = first_step
     seen = gradient_sync.stats()  # what stats already holds of gradient_sync's running totals
+    watch = watch or Watch(Record())
+    watch.begin(epoch, stats)
 
     def count(names):
         """Add what gradient_sync did since the last count to stats: (stats field, its stats() key)."""
@@ -185,6 +192,7 @@ def train_model(
             if balance is not None and balance.review(step, flags.speeds):
                 now = timeline.now_ns()
                 timeline.add("re-balance", now, now, shares="/".join(map(str, balance.shares())))
+                watch.rebalanced((epoch - 1) * len(batches) + step, balance.shares())
             if balance is not None and step % REVIEW == 0:  # (bench/balance.py: the shares over time)
                 faults.log(event="shares", epoch=epoch, step=step, shares=balance.shares(), speeds=flags.speeds)
             saving = stopping or joining or (save_every and step % save_every == 0 and step < len(batches))
@@ -193,8 +201,10 @@ def train_model(
             count(TIMES)
             if saving:  # lazy: only now are all of this step's sums done, so bytes are counted here
                 count(BYTES)
-            stats.step_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            stats.step_seconds += seconds
             progress.update(step, stats.loss_sum / stats.steps)
+            watch.step(epoch, step, len(batches), len(batch), size, seconds, stats)
             if saving and not joining:
                 save(epoch, step, stats)
             if stopping:
@@ -317,10 +327,16 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
         if balance is not None:
             balance.restart(dist.get_rank(), dist.get_world_size())
     hint = SlowRankHint(dist.get_rank() == 0 and balance is None)
+    record = Record(recipe.epochs)  # this rank's progress: its heartbeats carry it (train.py --status)
+    if membership is not None:
+        membership.progress = record
+    board = (lambda at: Board(outputs.tensorboard, at)) if outputs.tensorboard else None  # rank 0 opens it
+    watch = Watch(record, board, lambda: optimizer.param_groups[0]["lr"])
     done = Done(epoch, first_step, stats, first_step_after("joined") if joining is not None else None)
     accuracy = None
     while epoch <= recipe.epochs:
         members = list(membership.members) if membership is not None else list(range(dist.get_world_size()))
+        watch.members(members, (epoch - 1) * steps_per_epoch + first_step, dist.get_rank() == 0)
         try:
             accuracy = train_epoch(
                 model,
@@ -334,6 +350,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
                 members,
                 balance,
                 hint,
+                watch,
             )
             epoch, first_step, stats = epoch + 1, 0, EpochStats()
             done = Done(epoch, first_step, stats)
@@ -363,13 +380,16 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
             flush=True,
         )
     gradient_sync.close()
+    watch.close()
     return accuracy
 
 
-def train_epoch(model, gradient_sync, data, config, position, save_checkpoint, done, timeline, members, balance, hint):
+def train_epoch(
+    model, gradient_sync, data, config, position, save_checkpoint, done, timeline, members, balance, hint, watch
+):
     """What is left of the epoch of `position` (epoch, first step, EpochStats): its steps, then rank
     0 evaluates and reports, and the checkpoint. members: the ids of the ranks in the job now, for
-    metrics.jsonl; balance: --balance's shares (or None); hint: a SlowRankHint."""
+    metrics.jsonl; balance: --balance's shares (or None); hint: a SlowRankHint; watch: a utils.watch.Watch."""
     epoch, first_step, stats = position
     train_images, train_labels, test_images, test_labels = data
     start, accuracy = time.time(), None
@@ -389,6 +409,7 @@ def train_epoch(model, gradient_sync, data, config, position, save_checkpoint, d
             done,
             timeline,
             balance,
+            watch,
         )
     except Stopped as e:
         timeline.write()
@@ -402,7 +423,9 @@ def train_epoch(model, gradient_sync, data, config, position, save_checkpoint, d
     if dist.get_rank() == 0:
         with timeline.span("evaluate"):
             accuracy = test_model(model, test_images, test_labels)
-        report_epoch(model, epoch, time.time() - start, stats, accuracy, ranks, config, members, balance)
+        losses = watch.epoch(epoch * len(batches), accuracy, max(r["bytes_sent_per_step"] for r in ranks))
+        extra = {"losses": losses, "test_images": len(test_labels)}
+        report_epoch(model, epoch, time.time() - start, stats, accuracy, ranks, config, members, balance, extra)
         hint.check(ranks, stats.steps)
     try:
         save_checkpoint(epoch + 1, 0, EpochStats())

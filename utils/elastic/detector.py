@@ -20,10 +20,10 @@ import socket
 import threading
 import time
 
-from utils.elastic import agreement, faults
+from utils.elastic import agreement, faults, status
 from utils.elastic.agreement import Fenced, State
 from utils.elastic.sockets import cut_connections
-from utils.elastic.wire import Alive, Decision, Envelope, FencedOut, Join, Refused, Rejected
+from utils.elastic.wire import Alive, Ask, Decision, Envelope, FencedOut, Join, Refused, Rejected
 from utils.errors import EXIT_LOST_PEER
 from utils.outputs import release
 
@@ -80,6 +80,8 @@ class Detector:
         self.forming = ()  # while join() forms a group: its members
         self.rejected = collections.Counter()  # datagrams dropped, by the check they failed
         self.cpu = {}  # thread -> its CPU seconds so far (bench/control_cost.py reads them)
+        self.progress = None  # this rank's utils.elastic.status.Record (utils/run.py sets it): its beats carry it
+        self.progress_of = {}  # id -> the last progress each member's beats carried (train.py --status)
 
     def start(self, book, token):
         """Begin: `book` maps every id to its address (this rank's `address` among them)."""
@@ -143,7 +145,8 @@ class Detector:
                 due = not training or now - sent >= min(0.5, self.heartbeat / 5)
                 if due:
                     report = self.report if self.state == State.RECOVERING else None
-                    message = Alive(self.generation, self.state.value, report, self.attempt, self.lost)
+                    mine = self.progress_of[self.me] = self.progress.snapshot() if self.progress else None
+                    message = Alive(self.generation, self.state.value, report, self.attempt, self.lost, mine)
                 targets = [m for m in self.members if m != self.me]
                 decision = self.sending
             if due:
@@ -181,12 +184,17 @@ class Detector:
         }
         while True:
             try:
-                datagram, _ = self.sock.recvfrom(65536)
+                datagram, source = self.sock.recvfrom(65536)
             except OSError:
                 continue
             try:
                 sender, job, message = self.envelope.open(datagram)
-                handlers[type(message)](sender, job, message)
+                if type(message) is Ask:  # (answered where it came from)
+                    self._on_ask(sender, message, source)
+                elif type(message) in handlers:
+                    handlers[type(message)](sender, job, message)
+                else:  # a kind only a non-member takes (an answer to train.py --status)
+                    self.rejected["not for a member"] += 1
             except Rejected as e:
                 self.rejected[str(e)] += 1
             except Exception:  # noqa: BLE001 (checked, yet it failed: count it; the thread goes on)
@@ -208,6 +216,8 @@ class Detector:
             return
         with self.lock:
             current, members, state = self.generation, self.members, self.state
+            if message.progress is not None:
+                self.progress_of[sender] = message.progress
             if message.state == State.RECOVERING.value:
                 self.reports[sender] = (message.g, message.attempt, message.report)
                 if message.lost is not None:
@@ -235,6 +245,31 @@ class Detector:
                 self.move(State.FENCED)
         if self.fenced_at is not None:
             self.break_("the job went on without this rank")
+
+    def _on_ask(self, sender, message, source):
+        """train.py --status (utils/elastic/status.py): every member's progress, to the asker's address."""
+        if sender != f"status-{message.nonce}":
+            self.rejected["sender"] += 1
+            return
+        with self.lock:
+            if self.me not in self.members:  # a server still joining: a member answers instead
+                return
+            now = time.monotonic()
+            answer = status.answer(
+                message.nonce,
+                self.generation,
+                self.state.value,
+                self.members,
+                self.book,
+                self.heard,
+                self.progress_of,
+                self.me,
+                now,
+            )
+        try:
+            self.sock.sendto(self.envelope.seal(answer, to=sender), source)
+        except OSError:  # (too large for a datagram, or the asker's address is unreachable)
+            self.rejected["answer not sent"] += 1
 
     def _on_refused(self, sender, job, message):
         if self.nonce is not None and message.nonce == self.nonce:

@@ -4,14 +4,16 @@
     tag      = HMAC-SHA256(job key, body)
     body     = {"kind": ..., "job": token, "from": sender, "n": counter, ...the kind's fields}
 
-A member's sender is its id (its first rank); a joining server's is "join-<nonce>". The counter
+A member's sender is its id (its first rank); a joining server's is "join-<nonce>"; train.py
+--status, which only asks (Ask) and is answered (Status), is "status-<nonce>". The counter
 grows with every datagram a process sends (it starts from the clock, so a restarted server's
 counter is past its earlier one's): a receiver keeps the highest counter each sender reached and
 refuses anything at or below it, so a replayed datagram is refused as surely as a forged one.
 The generation ("g") and the job's token are inside the signed body too.
 
-Each kind has a dataclass whose `parse` checks every field for type and range; `Envelope.open`
-raises Rejected (with a short reason, for the counts) for anything else.
+Each kind has a dataclass whose `parse` checks every field for type and range (the checks:
+utils/elastic/checks.py); `Envelope.open` raises Rejected (with a short reason, for the counts)
+for anything else.
 """
 
 import dataclasses
@@ -22,77 +24,35 @@ import re
 import threading
 import time
 
+from utils.elastic.checks import (
+    HEX,
+    MAX_ID,
+    PROGRESS,
+    Rejected,
+    address,
+    entry,
+    id_key,
+    integer,
+    member,
+    members,
+    need,
+    number,
+    optional,
+    pid,
+    position,
+    progress,
+    scalar,
+    table,
+    text,
+)
+
 MAX_BYTES = 60_000  # a decision names every member's address: room for hundreds, and under UDP's limit
-MAX_ID = 4095  # member ids: ranks, and the ranks joining servers are given
-MAX_GENERATION = 2**31
 TAG_BYTES = 32
-HEX = re.compile(r"[0-9a-f]{1,64}")
 NAME = re.compile(r"\d{1,10}\.\d{1,4}\.[0-9a-f]{8}")  # a group's store prefix: generation.leader.random
 JOINER = re.compile(r"join-[0-9a-f]{12}")
+ASKER = re.compile(r"status-[0-9a-f]{12}")  # train.py --status: not a member, it only asks
 STATES = ("training", "recovering", "growing", "fenced")
 MAX_SENDERS = 10_000  # counters kept; the oldest joiners' are forgotten past this
-
-
-class Rejected(Exception):
-    """A datagram that failed a check; str() is the reason, counted by kind of failure."""
-
-
-def need(ok, reason):
-    if not ok:
-        raise Rejected(reason)
-
-
-def integer(value, low=0, high=MAX_GENERATION):
-    need(type(value) is int and low <= value <= high, "field out of range")
-    return value
-
-
-def optional(check, value, *args):
-    return None if value is None else check(value, *args)
-
-
-def text(value, limit=256, pattern=None):
-    need(type(value) is str and len(value) <= limit, "bad text field")
-    need(pattern is None or pattern.fullmatch(value), "bad text field")
-    return value
-
-
-def position(value):
-    need(type(value) is list and len(value) == 2, "bad position")
-    return [integer(value[0]), integer(value[1])]
-
-
-def member(value):
-    return integer(value, 0, MAX_ID)
-
-
-def members(value):
-    need(type(value) is list and 0 < len(value) <= MAX_ID + 1, "bad member list")
-    need(len(set(map(member, value))) == len(value), "bad member list")
-    return value
-
-
-def address(value):
-    need(type(value) is list and len(value) == 2, "bad address")
-    return [text(value[0], 64), integer(value[1], 1, 65535)]
-
-
-def entry(value):
-    """A member's book entry: its control address, its job's pid and its host's name."""
-    need(type(value) is dict and set(value) == {"address", "pid", "host"}, "bad book entry")
-    need(type(value["pid"]) in (int, str) and len(str(value["pid"])) <= 20, "bad book entry")
-    return {"address": address(value["address"]), "pid": value["pid"], "host": text(value["host"], 255)}
-
-
-def table(value, check_key, check_value, limit=MAX_ID + 1):
-    need(type(value) is dict and len(value) <= limit, "bad table")
-    return {check_key(k): check_value(v) for k, v in value.items()}
-
-
-def id_key(key):
-    need(type(key) is str and key.isdigit() and len(key) <= 4, "bad table")
-    member(int(key))
-    return key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +64,7 @@ class Alive:
     report: list | None = None  # while recovering: [epoch, step] this rank last completed
     attempt: int = 0  # while recovering: which try at forming the next generation
     lost: int | None = None  # the member this rank saw fall silent or refuse
+    progress: dict | None = None  # its training's progress (checks.PROGRESS), for train.py --status
 
     @classmethod
     def parse(cls, f):
@@ -114,6 +75,7 @@ class Alive:
             optional(position, f.get("report")),
             integer(f.get("attempt"), 0, 1000),
             optional(member, f.get("lost")),
+            optional(progress, f.get("progress")),
         )
 
 
@@ -195,13 +157,58 @@ class Refused:
         return cls(text(f.get("nonce"), 12, HEX), text(f.get("reason"), 600))
 
 
-def scalar(value):
-    need(value is None or type(value) in (bool, int, float, str), "bad setting")
-    need(type(value) is not str or len(value) <= 256, "bad setting")
-    return value
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """train.py --status asks any member (sealed for none; its sender is "status-<nonce>")."""
+
+    nonce: str
+
+    @classmethod
+    def parse(cls, f):
+        return cls(text(f.get("nonce"), 12, HEX))
 
 
-KINDS = {"alive": Alive, "decision": Decision, "fenced": FencedOut, "join": Join, "refused": Refused}
+def listed(value):
+    """One member in a status answer: its id, seconds since the answering member heard it (None:
+    itself), its host and pid, its progress (None: no step reported yet)."""
+    need(type(value) is dict and set(value) == {"id", "heard", "host", "pid", "progress"}, "bad member")
+    return {
+        "id": member(value["id"]),
+        "heard": optional(number, value["heard"], 0.0, PROGRESS["seconds_left"][2]),
+        "host": text(value["host"], 255),
+        "pid": pid(value["pid"]),
+        "progress": optional(progress, value["progress"]),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """A member's answer to Ask, sealed for the asker: the generation, its state, every member in rank order."""
+
+    nonce: str
+    g: int
+    state: str
+    members: list
+
+    @classmethod
+    def parse(cls, f):
+        need(f.get("state") in STATES, "bad state")
+        listing = f.get("members")
+        need(type(listing) is list and 0 < len(listing) <= MAX_ID + 1, "bad member list")
+        status = cls(text(f.get("nonce"), 12, HEX), integer(f.get("g")), f["state"], [listed(m) for m in listing])
+        need(len({m["id"] for m in status.members}) == len(status.members), "bad member list")
+        return status
+
+
+KINDS = {
+    "alive": Alive,
+    "decision": Decision,
+    "fenced": FencedOut,
+    "join": Join,
+    "refused": Refused,
+    "ask": Ask,
+    "status": Status,
+}
 NAMES = {cls: name for name, cls in KINDS.items()}
 REQUIRED = {
     cls: {f.name for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING}
@@ -210,8 +217,10 @@ REQUIRED = {
 
 
 def identity(name):
-    """A member's id, or a joining server's name ("join-" and 12 hex digits)."""
-    return type(name) is int and 0 <= name <= MAX_ID or type(name) is str and JOINER.fullmatch(name) is not None
+    """A member's id, a joining server's name ("join-" and 12 hex digits) or an asker's ("status-")."""
+    if type(name) is int:
+        return 0 <= name <= MAX_ID
+    return type(name) is str and (JOINER.fullmatch(name) is not None or ASKER.fullmatch(name) is not None)
 
 
 class Envelope:
@@ -257,8 +266,8 @@ class Envelope:
         # Bound to its receiver: a datagram sealed for another rank, replayed here, is refused even
         # when this rank missed the sender's newer ones. A joining server cannot know the member id it
         # will have, so it takes what is sealed for any member (its counters still hold).
-        joining = type(self.sender) is str and type(to) is int
-        need(to == self.sender or joining or (to is None and kind is Join), "not for this rank")
+        joining = type(self.sender) is str and JOINER.fullmatch(self.sender) is not None and type(to) is int
+        need(to == self.sender or joining or (to is None and kind in (Join, Ask)), "not for this rank")
         with self.lock:
             need(counter > self.highest.get(sender, 0), "replay")
             self.highest[sender] = counter
