@@ -30,7 +30,9 @@ def needs_root():
 # not named here follow in their usual order. Only the order changes, never what runs.
 SLOWEST_FIRST = [
     "test_faults.py",
+    "test_watch.py",
     "test_recovery.py",
+    "test_balance.py",
     "test_compress_training.py",
     "test_outputs_lock.py",
     "test_bad_input.py",
@@ -44,7 +46,6 @@ SLOWEST_FIRST = [
     "test_multihost.py",
     "test_bench_bad_input.py",
     "test_bench_allreduce.py",
-    "test_watch.py",
     "test_timeline.py",
     "test_tiny_world.py",
     "test_ring.py",

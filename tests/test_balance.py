@@ -12,10 +12,10 @@ import pytest
 import throttle
 from procs import final_digest
 
-RUN = ["--epochs", "1", "--train-subset", "3200", "--test-subset", "200", "--timeout", "60"]
+RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
 
 
-def throttled_run(tmp_path, extra, fraction=0.3):
+def throttled_run(tmp_path, extra, fraction=0.5):
     """2 ranks over loopback, rank 1 held to `fraction` of a core from its start; (stdout of rank 0,
     the epoch's metrics row, the RING_EVENTS lines)."""
     events = tmp_path / "events.jsonl"
@@ -38,12 +38,12 @@ def throttled_run(tmp_path, extra, fraction=0.3):
 def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(needs_root, tmp_path):
     out, row, events = throttled_run(tmp_path, ["--balance"])
     assert "batch 64 (shared by measured speed)" in out and "parameters identical on all 2 ranks" in out, out
-    steps = 50
-    assert row["images"] == 3200 and round(sum(row["shares"]) * steps) == 3200, row  # every image, once
+    steps = 30
+    assert row["images"] == 1920 and round(sum(row["shares"]) * steps) == 1920, row  # every image, once
     assert row["shares"][0] > 1.3 * row["shares"][1] and row["rebalances"] >= 1, row
     assert row["images_per_second"][0] > row["images_per_second"][1], row
     reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
-    assert [e["step"] for e in reviews] == [10, 20, 30, 40, 50], reviews
+    assert [e["step"] for e in reviews] == [10, 20, 30], reviews
     assert reviews[-1]["shares"][0] > reviews[-1]["shares"][1] and sum(reviews[-1]["shares"]) == 64, reviews
     assert all(min(e["speeds"]) > 0 for e in reviews[1:]), reviews  # every rank's speed, from the second review
     assert "shares " in out.splitlines()[-2] and "images/s " in out.splitlines()[-2], out  # the epoch line
@@ -134,12 +134,15 @@ def test_a_server_joins_a_balanced_job(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_rank_sees_the_stalls_of_the_cpu_quota_that_holds_it(needs_root):
-    """A quota holds back a process that uses it up (its CPU group's stalls, utils/cpu.py), moved
-    into the group while it runs."""
+    """A busy process moved into a quota of 0.3 of a core while it runs: its own time
+    (utils/cpu.py: CPU time, plus the longer of its waits for a CPU and its group's stalls) is
+    about the time that passed, though it ran for less than half of it, and the group's stalls
+    show (on a busy machine, waits for a CPU may stand in for part of them)."""
     probe = (
-        "import time; from utils.cpu import CpuGroup; g = CpuGroup(); input(); t = time.monotonic(); s = g.stalled()\n"
-        "while time.monotonic() < t + 2: pass\n"
-        "print(g.stalled() - s)"
+        "import time; from utils.cpu import CpuGroup, own_seconds, snapshot; g = CpuGroup(); input()\n"
+        "a = snapshot(g)\n"
+        "while time.monotonic() < a[3] + 2: pass\n"
+        "b = snapshot(g); print(b[0] - a[0], b[2] - a[2], own_seconds(a, b, 1))"
     )
     busy = procs.subprocess.Popen(
         [procs.sys.executable, "-c", probe], stdin=procs.subprocess.PIPE, stdout=procs.subprocess.PIPE, text=True
@@ -151,4 +154,5 @@ def test_a_rank_sees_the_stalls_of_the_cpu_quota_that_holds_it(needs_root):
             out, _ = busy.communicate("go\n", timeout=30)
     finally:
         busy.kill()
-    assert 0.8 < float(out) < 1.6, out  # about 70% of 2 s held back
+    ran, stalled, own = map(float, out.split())
+    assert ran < 0.8 and stalled > 0.05 and 1.7 < own < 2.3, out
