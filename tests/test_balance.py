@@ -15,15 +15,17 @@ from procs import final_digest
 RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
 
 
-def throttled_run(tmp_path, extra, fraction=0.5):
-    """2 ranks over loopback, rank 1 held to `fraction` of a core from its start; (stdout of rank 0,
-    the epoch's metrics row, the RING_EVENTS lines)."""
+def throttled_run(tmp_path, extra, fractions=(0.8, 0.3)):
+    """2 ranks over loopback, each held to its fraction of a core from its start (both: so that on
+    a machine busy with other tests rank 0 is still well ahead of rank 1); (stdout of
+    rank 0, the epoch's metrics row, the RING_EVENTS lines)."""
     events = tmp_path / "events.jsonl"
     ranks = procs.start_ranks(2, [*RUN, *extra], cwd=str(tmp_path), env={"RING_EVENTS": str(events)})
     try:
-        with throttle.CpuQuota("test-balance") as quota:
-            quota.set(fraction)
-            quota.add(ranks[1].pid)
+        with throttle.CpuQuota("test-balance-0") as fast, throttle.CpuQuota("test-balance-1") as slow:
+            for quota, rank, fraction in ((fast, ranks[0], fractions[0]), (slow, ranks[1], fractions[1])):
+                quota.set(fraction)
+                quota.add(rank.pid)
             results = procs.wait_all(ranks, timeout=240)
     finally:
         for p in ranks:
@@ -40,11 +42,11 @@ def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(n
     assert "batch 64 (shared by measured speed)" in out and "parameters identical on all 2 ranks" in out, out
     steps = 30
     assert row["images"] == 1920 and round(sum(row["shares"]) * steps) == 1920, row  # every image, once
-    assert row["shares"][0] > 1.3 * row["shares"][1] and row["rebalances"] >= 1, row
+    assert row["shares"][0] > row["shares"][1] and row["rebalances"] >= 1, row
     assert row["images_per_second"][0] > row["images_per_second"][1], row
     reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
     assert [e["step"] for e in reviews] == [10, 20, 30], reviews
-    assert reviews[-1]["shares"][0] > reviews[-1]["shares"][1] and sum(reviews[-1]["shares"]) == 64, reviews
+    assert reviews[-1]["shares"][0] > 1.3 * reviews[-1]["shares"][1] and sum(reviews[-1]["shares"]) == 64, reviews
     assert all(min(e["speeds"]) > 0 for e in reviews[1:]), reviews  # every rank's speed, from the second review
     assert "shares " in out.splitlines()[-2] and "images/s " in out.splitlines()[-2], out  # the epoch line
 
