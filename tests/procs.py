@@ -1,4 +1,7 @@
-"""Starting real processes from tests, with a hard timeout that kills them all; reading what they left."""
+"""Starting real processes from tests, with a hard timeout that kills them all; reading what they left.
+
+`popen` is subprocess.Popen, but a `python SCRIPT` is forked from a process that has loaded torch
+(tests/forker.py): the suite's processes would otherwise spend most of its time loading torch."""
 
 import atexit
 import os
@@ -11,6 +14,7 @@ import time
 
 import torch
 from checkpoint_watch import Watch
+from forker import popen
 
 from utils.launch import free_port, kill, supervise  # noqa: F401  (free_port: for the tests)
 
@@ -33,7 +37,7 @@ def scratch_dir():
 
 def run(argv, timeout, cwd=None, env=None):
     """Run argv in its own process group; on timeout kill the whole group and fail."""
-    proc = subprocess.Popen(
+    proc = popen(
         argv,
         cwd=cwd or scratch_dir(),
         env=env,
@@ -60,7 +64,7 @@ def start_ranks(world_size, args, port=None, cwd=None, env=None):
     port, cwd = port or free_port(), cwd or scratch_dir()
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return [
-        subprocess.Popen(
+        popen(
             [
                 sys.executable,
                 TRAIN,
@@ -104,7 +108,7 @@ def run_workers(worker, world_size, tmp_path, extra=(), env=None, timeout=200):
     port = free_port()
     outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
     ranks = [
-        subprocess.Popen(
+        popen(
             [sys.executable, worker, str(r), str(world_size), str(port), str(outs[r]), *extra],
             env=env(r) if env else None,
             stdout=subprocess.PIPE,

@@ -114,7 +114,7 @@ def test_a_server_joins_a_balanced_job(tmp_path):
         procs.wait_for(
             lambda: procs.checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
         )
-        joiner = procs.subprocess.Popen(
+        joiner = procs.popen(
             [procs.sys.executable, procs.TRAIN, "--rank", "2", "--world-size", "3"]
             + ["--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *JOIN_RUN, "--join"],
             env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -146,7 +146,7 @@ def test_a_rank_sees_the_stalls_of_the_cpu_quota_that_holds_it(needs_root):
         "while time.monotonic() < a[3] + 2: pass\n"
         "b = snapshot(g); print(b[0] - a[0], b[2] - a[2], own_seconds(a, b, 1))"
     )
-    busy = procs.subprocess.Popen(
+    busy = procs.popen(
         [procs.sys.executable, "-c", probe], stdin=procs.subprocess.PIPE, stdout=procs.subprocess.PIPE, text=True
     )
     try:

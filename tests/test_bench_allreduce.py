@@ -65,7 +65,7 @@ def test_sigterm_kills_every_rank(tmp_path):
     import signal
     import time
 
-    job = subprocess.Popen(
+    job = procs.popen(
         [
             sys.executable,
             BENCH,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from forker import popen
 
 from utils.launch import supervise
 
@@ -93,7 +94,7 @@ def test_bad_benchmark_arguments_end_to_end(tmp_path):
     for case in END_TO_END:
         script, args, _ = CASES[case]
         (tmp_path / script).mkdir()
-        jobs[case] = subprocess.Popen(
+        jobs[case] = popen(
             [sys.executable, os.path.join(REPO, "bench", script), *args, "--results-dir", str(tmp_path / script)],
             cwd=REPO,
             stdout=subprocess.PIPE,

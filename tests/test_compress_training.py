@@ -12,7 +12,7 @@ from procs import checkpoint_position, final_digest, wait_for
 
 def interrupted_run(args, checkpoint):
     """Start a local job and kill it all just after its first mid-epoch checkpoint (step 6 or later)."""
-    job = subprocess.Popen(
+    job = procs.popen(
         [sys.executable, procs.TRAIN, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

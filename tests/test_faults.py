@@ -36,7 +36,7 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(straight, tmp
     # resumed run, must still match the plain, uninterrupted one bit for bit.
     checkpoint = tmp_path / "b.pt"
     args = [*common, "--lazy-update", "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "b.pth")]
-    job = subprocess.Popen(
+    job = procs.popen(
         [sys.executable, procs.TRAIN, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -85,7 +85,7 @@ def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     positions = []
     for attempt in range(4):
-        job = subprocess.Popen(
+        job = procs.popen(
             [sys.executable, procs.TRAIN, *alone(), *args, *(["--resume"] if attempt else [])],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -200,7 +200,7 @@ def test_a_rank_that_never_shows_up(tmp_path):
     ]
     started = time.time()
     ranks = [
-        subprocess.Popen(
+        procs.popen(
             [sys.executable, procs.TRAIN, "--rank", str(r), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -229,7 +229,7 @@ def test_a_rank_that_never_shows_up(tmp_path):
 def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_path):
     port = procs.free_port()
     ranks = [
-        subprocess.Popen(
+        procs.popen(
             [
                 sys.executable,
                 procs.TRAIN,
@@ -359,9 +359,7 @@ def test_torchrun_restarts_a_dead_worker_and_training_resumes(straight, tmp_path
         ] * 2
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the straight run: the thread count changes the bits
     jobs = [
-        subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+        procs.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for argv in launches
     ]
     try:

@@ -18,7 +18,7 @@ SMALL = ["--train-subset", "640", "--test-subset", "100", "--metrics", ""]
 
 def start(train, rank, world_size, port, folder, cwd=None):
     """One rank of `train` (a train.py) on loopback, its outputs in `folder`."""
-    return subprocess.Popen(
+    return procs.popen(
         [
             sys.executable,
             train,

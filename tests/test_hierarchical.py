@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from hierarchical_worker import inputs, sizes
-from procs import TRAIN, free_port, run_workers, scratch_dir, wait_all
+from procs import TRAIN, free_port, popen, run_workers, scratch_dir, wait_all
 
 from utils.comm.hierarchical import blocks, describe, hosts_of, plan
 
@@ -79,7 +79,7 @@ def test_uneven_hosts_train_and_say_so_once(tmp_path):
     line names the topology, one note says how uneven hosts are handled, all ranks end identical."""
     port, cwd, hosts = free_port(), scratch_dir(), ["a", "a", "b"]
     procs = [
-        subprocess.Popen(
+        popen(
             [
                 sys.executable,
                 TRAIN,

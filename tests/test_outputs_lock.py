@@ -26,7 +26,7 @@ HOST = socket.gethostname()
 
 def start(args, cwd):
     """The local launcher in its own process group, not waited for."""
-    return subprocess.Popen(
+    return procs.popen(
         [sys.executable, procs.TRAIN, *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -78,7 +78,7 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
     )
     lock_outputs(outputs, hold=False)  # nobody holds them; a look creates no file
     assert not list(tmp_path.iterdir())
-    holder = subprocess.Popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    holder = procs.popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         for hold in (False, True):
@@ -93,7 +93,7 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path):
     finally:
         procs.kill_group(holder)
     lock_outputs(outputs, hold=False)  # free again: the kernel dropped the dead holder's locks
-    again = subprocess.Popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    again = procs.popen(holder_script(tmp_path), stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert again.stdout.readline().strip() == "locked"
         assert read(tmp_path / "x.pt.lock") == f"pid {again.pid} on {HOST}"

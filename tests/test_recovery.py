@@ -131,7 +131,7 @@ def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
         "m.jsonl",
     ]
     events = tmp_path / "events.jsonl"
-    launcher = procs.subprocess.Popen(
+    launcher = procs.popen(
         [procs.sys.executable, procs.TRAIN, *args],
         cwd=tmp_path,
         env=dict(os.environ, RING_FAULT=f"2:{K + 1}:STOP", RING_EVENTS=str(events)),
@@ -151,10 +151,12 @@ def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
             for pid in ranks:
                 try:
                     cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+                    name = open(f"/proc/{pid}/comm").read().strip()  # a rank the launcher forked
                     state = procs.stat(pid)[0]
                 except OSError:
                     continue
-                if "--rank" in cmd and cmd[cmd.index("--rank") + 1] == "2" and state == "T":
+                rank_2 = name == "rank 2" or ("--rank" in cmd and cmd[cmd.index("--rank") + 1] == "2")
+                if rank_2 and state == "T":
                     return int(pid)
 
         def went_on():  # the survivors' first step without it (they have 200 steps to go: still running)
@@ -207,7 +209,7 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
             lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
         )
         started = time.monotonic()
-        joiner = procs.subprocess.Popen(
+        joiner = procs.popen(
             join_argv(port),
             env=dict(os.environ, OMP_NUM_THREADS="1"),
             cwd=str(tmp_path),
@@ -332,7 +334,7 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
         fenced = procs.supervise([ranks[0]], timeout=30, grace=None, poll=0.05)
         assert not fenced.timed_out and ranks[0].returncode == 1, fenced.outputs
         assert "train.py: rank 0: the job went on without this rank (generation 1)" in fenced.outputs[0][1]
-        joiner = procs.subprocess.Popen(
+        joiner = procs.popen(
             [
                 procs.sys.executable,
                 procs.TRAIN,

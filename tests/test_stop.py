@@ -117,7 +117,7 @@ def test_signals_stop_every_rank_at_one_step_and_the_job_resumes_bit_identical(s
     # twice (directly and passed on by the launcher), which counts once. Every step saves, so the
     # signal is likely to land during a save: the checkpoint must still be whole.
     before = checkpoint_position(checkpoint)
-    launcher = subprocess.Popen(
+    launcher = procs.popen(
         [
             sys.executable,
             procs.TRAIN,
@@ -207,7 +207,7 @@ def test_torchrun_stopped_by_sigterm_saves_and_torchrun_again_resumes(straight, 
             "--resume",
         ]
 
-    job = subprocess.Popen(
+    job = procs.popen(
         torchrun(), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:

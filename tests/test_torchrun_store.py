@@ -87,7 +87,7 @@ def agent_store_and_workers(tmp_path):
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             OMP_NUM_THREADS="1",
         )
-        return subprocess.Popen(
+        return procs.popen(
             [
                 sys.executable,
                 procs.TRAIN,

@@ -73,7 +73,7 @@ def test_status_of_a_live_job_through_a_loss_and_a_join(tmp_path):
 
         (tmp_path / "wrong.key").write_text("f" * 64)
         os.chmod(tmp_path / "wrong.key", 0o600)
-        wrong = subprocess.Popen(  # (it waits 5 s for an answer: meanwhile the job loses a rank)
+        wrong = procs.popen(  # (it waits 5 s for an answer: meanwhile the job loses a rank)
             [sys.executable, procs.TRAIN, "--status", f"127.0.0.1:{port}", "--key-file", "wrong.key"],
             cwd=str(tmp_path),
             stdout=subprocess.PIPE,
@@ -85,7 +85,7 @@ def test_status_of_a_live_job_through_a_loss_and_a_join(tmp_path):
         job = wait_for_members(port, tmp_path, 2, 60)
         assert [m["pid"] for m in job["members"]] == [p.pid for p in ranks[:2]] and job["generation"] == 1, job
 
-        joiner = subprocess.Popen(
+        joiner = procs.popen(
             [*procs_argv(port, 2, 3), *LONG, "--join"],
             env=dict(os.environ, OMP_NUM_THREADS="1"),
             cwd=str(tmp_path),

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from utils import stop
+from utils import fork, stop
 from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
 
 GRACE_SECONDS = 5.0
@@ -150,6 +150,19 @@ def stragglers_stopped(grace):
     return check
 
 
+def rank_flags(rank, world_size, port, interface):
+    return [
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--init-method",
+        f"tcp://127.0.0.1:{port}",
+        "--gloo_socket_ifname",
+        interface,
+    ]
+
+
 def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=False):
     """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code.
     keep_going: a rank that dies does not stop the others (they go on without it, --recover);
@@ -160,30 +173,24 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     env = dict(
         environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid())
     )  # the pid a refused job names: this launcher's
-    stop.install(prog)  # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
+    # each rank a fork of this launcher once it has loaded torch (utils/fork.py): ranks start in a
+    # moment instead of loading torch each; a variable torch reads at load set otherwise: exec them
+    fork.preload()
+    env["PYTHONUNBUFFERED"] = "1"
     procs = []
     try:
         for r in range(nproc):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-u",
-                        os.path.abspath(script),
-                        *argv,
-                        "--rank",
-                        str(r),
-                        "--world-size",
-                        str(nproc),
-                        "--init-method",
-                        f"tcp://127.0.0.1:{port}",
-                        "--gloo_socket_ifname",
-                        lo,
-                    ],
-                    env=env,
-                    preexec_fn=die_with_parent,
+            rank_argv = [*argv, *rank_flags(r, nproc, port, lo)]
+            if fork.forkable(env):
+                pid = fork.start(script, rank_argv, env, die_with_parent=signal.SIGTERM, name=f"rank {r}")
+                procs.append(fork.Child(pid, [script, *rank_argv]))
+            else:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-u", os.path.abspath(script), *rank_argv], env=env, preexec_fn=die_with_parent
+                    )
                 )
-            )
+        stop.install(prog)  # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
         stop.forward_to(procs)
         outcome = supervise(
             procs,

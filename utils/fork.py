@@ -1,0 +1,224 @@
+"""Starting a Python script in a forked child of a process that has loaded torch once.
+
+    preload()                       in the parent, before any thread: load torch; note its open files
+    forkable(env)                   can a child with this environment be forked here (else: exec it)
+    start(script, argv, env, ...)   fork; the child runs `python SCRIPT ARGV` and exits; its pid
+    Child(pid, args)                a forked child as a Popen-like handle: poll, wait, signals
+
+Most of a rank's start is `import torch`: about 3 s of CPU on a 2-core test machine, as long as a
+small run's training. The local launcher (utils/launch.py) and the tests (tests/forker.py) load it
+once and fork each rank from there, as torch's own DataLoader forks its workers. The child is a
+process of its own and runs the script as `python SCRIPT ARGV` would: the repository's modules
+imported afresh, its own environment, folder, standard streams and session, files it was not given
+closed (as Popen's close_fds), and the same exit code (a signal's death included).
+
+What a child cannot take afresh is what the libraries read when they loaded. torch sizes its thread
+pool from OMP_NUM_THREADS then, so the child sets the pool from its own (or, with none, keeps the
+parent's default, when the parent had none either); the other variables read at load (AT_LOAD)
+must be what the parent had, or `forkable` says no. The parent loads torch with
+TORCH_CPP_LOG_LEVEL=FATAL unless told otherwise, as train.py does.
+"""
+
+import ctypes
+import io
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+# variables the libraries (or Python) read once, at load: a child must see the parent's
+AT_LOAD = ("TORCH_CPP_LOG_LEVEL", "MKL_", "DNNL_", "ONEDNN_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON")
+# ... but these the child sets for itself
+OWN = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+LIBRARIES = ("/site-packages/", "/dist-packages/", f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/")
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+
+_loaded_env = None  # the environment torch loaded with
+_torch_files = frozenset()  # file descriptors torch opened as it loaded: a child keeps them, and no other
+
+
+def preload():
+    """Load torch here, once; call before starting any thread (a fork copies only the caller)."""
+    global _loaded_env, _torch_files
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    before = _open_files()
+    import torch
+    import torch.distributed  # noqa: F401
+
+    _loaded_env = dict(os.environ)
+    _torch_files = frozenset(_open_files() - before)
+    return torch
+
+
+def _open_files():
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def forkable(env, loaded_env=None):
+    """Whether a child with environment `env` behaves here as it would when started afresh, torch
+    having loaded with `loaded_env` (default: this process's, at preload)."""
+    loaded_env = _loaded_env if loaded_env is None else loaded_env
+    if loaded_env is None:
+        return False
+    threads = env.get("OMP_NUM_THREADS")
+    if threads is None and loaded_env.get("OMP_NUM_THREADS") is not None:
+        return False  # it would have torch's own default; this process has another
+    if threads is not None and not (threads.isdigit() and int(threads) > 0):
+        return False
+    names = {n for n in {*env, *loaded_env} if n.startswith(AT_LOAD) and n not in OWN}
+    return all(env.get(n) == loaded_env.get(n) for n in names)
+
+
+def start(script, argv, env, cwd=None, stdio=(None, None, None), new_session=False, die_with_parent=None, name=None):
+    """Fork a child that runs `python SCRIPT ARGV` with environment `env` in folder `cwd`, its
+    standard streams on the file descriptors `stdio` (None: the parent's). new_session: it leads a
+    session and process group of its own (Popen's start_new_session); die_with_parent: a signal it
+    gets when the parent dies; name: what `ps -o comm` and `top` show for it (the command line shown is
+    the parent's). Returns its pid once it has its session."""
+    assert forkable(env), "not forkable: start it with exec"
+    ready_read, ready_write = os.pipe()
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(ready_read)
+            code = _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready_write)
+        finally:
+            os._exit(code)
+    os.close(ready_write)
+    os.read(ready_read, 1)  # EOF: the child has its session and its streams (or is gone)
+    os.close(ready_read)
+    return pid
+
+
+def _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready):
+    if new_session:
+        os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if die_with_parent:
+        libc.prctl(PR_SET_PDEATHSIG, die_with_parent)
+    if name:
+        libc.prctl(PR_SET_NAME, name.encode()[:15])
+    for target, fd in enumerate(stdio):
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+    for fd in _open_files() - _torch_files - {0, 1, 2, ready}:  # as Popen's close_fds
+        try:
+            os.close(fd)
+        except OSError:  # the listing's own descriptor, closed already
+            pass
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCHLD, signal.SIGALRM):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    script = os.path.abspath(script)
+    _fresh_modules(script, env)
+    sys.argv = [script, *argv]
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdin = open(0, closefd=False, encoding="utf-8")  # noqa: SIM115
+    sys.stdout = _text_stream(1, unbuffered, "strict")
+    sys.stderr = _text_stream(2, True, "backslashreplace")
+    import torch
+
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    os.close(ready)
+    code = _exit_code(lambda: runpy.run_path(script, run_name="__main__"))
+    threading._shutdown()  # as the interpreter does at exit: wait for threads that are not daemons
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:  # died of a signal (an uncaught KeyboardInterrupt): die of it again
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _fresh_modules(script, env):
+    """sys.path as `python SCRIPT` would have it, and no module from outside the Python installation
+    (the repository's) left loaded: the script imports its own afresh."""
+    loaded_paths = [p for p in _loaded_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    base = [p for p in sys.path[1:] if p not in loaded_paths]
+    sys.path[:] = [os.path.dirname(script), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *base]
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and not any(part in path for part in LIBRARIES):
+            del sys.modules[name]
+
+
+def _text_stream(fd, write_through, errors):
+    raw = io.FileIO(fd, "w", closefd=False)
+    binary = raw if write_through else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        binary, encoding="utf-8", errors=errors, write_through=write_through, line_buffering=os.isatty(fd)
+    )
+
+
+def _exit_code(run):
+    """What `python SCRIPT` exits with; negative: the signal it dies of."""
+    try:
+        run()
+        return 0
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code & 0xFF
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+class Child:
+    """A forked child of this process, handled like a subprocess.Popen without pipes."""
+
+    def __init__(self, pid, args):
+        self.pid, self.args, self.returncode = pid, args, None
+        self.stdin = self.stdout = self.stderr = None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
