@@ -3,8 +3,9 @@
     popen(argv, **popen_args)   like subprocess.Popen; a Python script is forked from the server
 
 The suite starts some 450 processes that load torch, at about 3 s of CPU each on a 2-core machine:
-more than half of its time. Each pytest worker has one server (started at its first use, gone with
-the worker) that loads torch and forks every `python SCRIPT` a test starts (utils/fork.py: the
+more than half of its time. Each pytest worker has a server (started at its first use, gone with
+the worker; one for each set of values of the variables torch reads at load) that loads torch and
+forks every `python SCRIPT` a test starts (utils/fork.py: the
 child runs the script as `python SCRIPT` would, in a session of its own if asked, with its own
 environment, folder and streams). The handle is a real process's: its pid, signals, process group
 and exit code are the child's own; the server reaps it and passes its exit code on through a pipe.
@@ -27,7 +28,7 @@ from utils import fork
 
 KNOWN = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
 SETS_LOG_LEVEL = ("train.py",)  # scripts that set TORCH_CPP_LOG_LEVEL=FATAL themselves before torch loads
-_server = None
+_servers = {}  # the variables read at load -> (server process, socket, its environment)
 _lock = threading.Lock()
 
 
@@ -48,34 +49,30 @@ def popen(argv, **kwargs):
         or argv[0] != sys.executable
         or not script.endswith(".py")
         or not os.path.isfile(script)
-        or not fork.forkable(env, _connect()[1])
+        or not fork.forkable(env, _server(env)[1])
     ):
         return subprocess.Popen(argv, **kwargs)
     kwargs.pop("env", None)
     return Forked(argv, script, argv[script_at + 1 :], env, **kwargs)
 
 
-def _server_env():
-    env = dict(os.environ)
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    env.pop("OMP_NUM_THREADS", None)
-    return env
-
-
-def _connect():
-    """This worker's server, started at the first call: (its socket, the environment torch loaded with)."""
-    global _server
+def _server(env):
+    """(socket, environment) of this worker's server whose torch loaded with what `env` has of the
+    variables read at load (utils.fork.AT_LOAD); started at the first call for such an environment."""
+    at_load = {n: v for n, v in env.items() if n.startswith(fork.AT_LOAD) and n not in fork.OWN}
     with _lock:
-        if _server is None or _server[0].poll() is not None:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            env = _server_env()
-            proc = subprocess.Popen(
-                [sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env
-            )
+        proc, sock, loaded = _servers.get(tuple(sorted(at_load.items())), (None, None, None))
+        if proc is None or proc.poll() is not None:
+            loaded = {n: v for n, v in os.environ.items() if not n.startswith(fork.AT_LOAD) or n in fork.OWN}
+            loaded.pop("OMP_NUM_THREADS", None)
+            loaded.update(at_load)
+            sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            serving = [sys.executable, __file__, str(theirs.fileno())]
+            proc = subprocess.Popen(serving, pass_fds=[theirs.fileno()], env=loaded)
             theirs.close()
             atexit.register(proc.kill)
-            _server = (proc, ours, env)
-        return _server[1:]
+            _servers[tuple(sorted(at_load.items()))] = (proc, sock, loaded)
+        return sock, loaded
 
 
 class Forked:
@@ -125,15 +122,21 @@ class Forked:
         self.stdin, self.stdout, self.stderr = mine
         self._status, status_write = os.pipe()
         ends.append(status_write)
-        request = {"script": script, "argv": argv, "env": env, "cwd": cwd or os.getcwd(), "session": start_new_session}
-        server = _connect()[0]
+        request = {
+            "script": script,
+            "argv": argv,
+            "env": env,
+            "cwd": os.fspath(cwd or os.getcwd()),
+            "session": start_new_session,
+        }
+        server = _server(env)[0]
         with _lock:
             socket.send_fds(server, [json.dumps(request).encode()], [*fds, status_write])
             reply = server.recv(64)
         for fd in ends:
             os.close(fd)
-        if not reply:
-            raise OSError("the test's fork server is gone")
+        if not reply or reply == b"-":
+            raise OSError(f"the tests' fork server could not start {script}")
         self.pid = int(reply)
 
     def poll(self):
@@ -197,7 +200,7 @@ def serve(fd):
     """The server: load torch, then fork what is asked and pass each child's exit code on."""
     libc = __import__("ctypes").CDLL("libc.so.6", use_errno=True)
     libc.prctl(fork.PR_SET_PDEATHSIG, signal.SIGKILL)  # gone with the pytest worker
-    fork.preload()
+    loaded = fork.preload()
     server = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -223,20 +226,27 @@ def serve(fd):
             message, fds, _, _ = socket.recv_fds(server, 1 << 20, 4)
             if not message:
                 return  # the pytest worker is gone
-            request = json.loads(message)
             stdio, status_write = fds[:3], fds[3]
-            pid = fork.start(
-                request["script"],
-                request["argv"],
-                request["env"],
-                request["cwd"],
-                stdio,
-                new_session=request["session"],
-            )
+            try:
+                request = json.loads(message)
+                pid = fork.start(
+                    loaded,
+                    request["script"],
+                    request["argv"],
+                    request["env"],
+                    request["cwd"],
+                    stdio,
+                    new_session=request["session"],
+                )
+            except Exception as e:  # a bad request fails its test, not the server
+                print(f"forker: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                os.close(status_write)
+                pid = "-"
+            else:
+                status[pid] = status_write
             for end in set(stdio):
                 if end > 2:
                     os.close(end)
-            status[pid] = status_write
             server.send(str(pid).encode())
 
 

@@ -1,8 +1,8 @@
 """Starting a Python script in a forked child of a process that has loaded torch once.
 
-    preload()                       in the parent, before any thread: load torch; note its open files
-    forkable(env)                   can a child with this environment be forked here (else: exec it)
-    start(script, argv, env, ...)   fork; the child runs `python SCRIPT ARGV` and exits; its pid
+    loaded = preload()                      in the parent, before any thread: load torch
+    forkable(env, loaded.env)               can a child with this environment be forked (else: exec it)
+    start(loaded, script, argv, env, ...)   fork; the child runs `python SCRIPT ARGV` and exits; its pid
     Child(pid, args)                a forked child as a Popen-like handle: poll, wait, signals
 
 Most of a rank's start is `import torch`: about 3 s of CPU on a 2-core test machine, as long as a
@@ -15,8 +15,7 @@ closed (as Popen's close_fds), and the same exit code (a signal's death included
 What a child cannot take afresh is what the libraries read when they loaded. torch sizes its thread
 pool from OMP_NUM_THREADS then, so the child sets the pool from its own (or, with none, keeps the
 parent's default, when the parent had none either); the other variables read at load (AT_LOAD)
-must be what the parent had, or `forkable` says no. The parent loads torch with
-TORCH_CPP_LOG_LEVEL=FATAL unless told otherwise, as train.py does.
+must be what the parent had, or `forkable` says no.
 """
 
 import ctypes
@@ -29,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 # variables the libraries (or Python) read once, at load: a child must see the parent's
 AT_LOAD = ("TORCH_CPP_LOG_LEVEL", "MKL_", "DNNL_", "ONEDNN_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON")
@@ -37,33 +37,31 @@ OWN = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTE
 LIBRARIES = ("/site-packages/", "/dist-packages/", f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/")
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 
-_loaded_env = None  # the environment torch loaded with
-_torch_files = frozenset()  # file descriptors torch opened as it loaded: a child keeps them, and no other
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a parent that has loaded torch hands its children."""
+
+    env: dict  # the environment torch loaded with
+    files: frozenset  # the file descriptors torch opened as it loaded: a child keeps these, no others
 
 
 def preload():
     """Load torch here, once; call before starting any thread (a fork copies only the caller)."""
-    global _loaded_env, _torch_files
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     before = _open_files()
-    import torch
+    import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    _loaded_env = dict(os.environ)
-    _torch_files = frozenset(_open_files() - before)
-    return torch
+    return Loaded(dict(os.environ), frozenset(_open_files() - before))
 
 
 def _open_files():
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
-def forkable(env, loaded_env=None):
-    """Whether a child with environment `env` behaves here as it would when started afresh, torch
-    having loaded with `loaded_env` (default: this process's, at preload)."""
-    loaded_env = _loaded_env if loaded_env is None else loaded_env
-    if loaded_env is None:
-        return False
+def forkable(env, loaded_env):
+    """Whether a child with environment `env` behaves as it would when started afresh, in a parent
+    whose torch loaded with `loaded_env`."""
     threads = env.get("OMP_NUM_THREADS")
     if threads is None and loaded_env.get("OMP_NUM_THREADS") is not None:
         return False  # it would have torch's own default; this process has another
@@ -73,13 +71,15 @@ def forkable(env, loaded_env=None):
     return all(env.get(n) == loaded_env.get(n) for n in names)
 
 
-def start(script, argv, env, cwd=None, stdio=(None, None, None), new_session=False, die_with_parent=None, name=None):
+def start(
+    loaded, script, argv, env, cwd=None, stdio=(None, None, None), new_session=False, die_with_parent=None, name=None
+):
     """Fork a child that runs `python SCRIPT ARGV` with environment `env` in folder `cwd`, its
     standard streams on the file descriptors `stdio` (None: the parent's). new_session: it leads a
     session and process group of its own (Popen's start_new_session); die_with_parent: a signal it
     gets when the parent dies; name: what `ps -o comm` and `top` show for it (the command line shown is
     the parent's). Returns its pid once it has its session."""
-    assert forkable(env), "not forkable: start it with exec"
+    assert forkable(env, loaded.env), "not forkable: start it with exec"
     ready_read, ready_write = os.pipe()
     sys.stdout.flush(), sys.stderr.flush()
     pid = os.fork()
@@ -87,7 +87,7 @@ def start(script, argv, env, cwd=None, stdio=(None, None, None), new_session=Fal
         code = 1
         try:
             os.close(ready_read)
-            code = _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready_write)
+            code = _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready_write)
         finally:
             os._exit(code)
     os.close(ready_write)
@@ -96,7 +96,7 @@ def start(script, argv, env, cwd=None, stdio=(None, None, None), new_session=Fal
     return pid
 
 
-def _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready):
+def _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready):
     if new_session:
         os.setsid()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -107,7 +107,7 @@ def _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name
     for target, fd in enumerate(stdio):
         if fd is not None and fd != target:
             os.dup2(fd, target)
-    for fd in _open_files() - _torch_files - {0, 1, 2, ready}:  # as Popen's close_fds
+    for fd in _open_files() - loaded.files - {0, 1, 2, ready}:  # as Popen's close_fds
         try:
             os.close(fd)
         except OSError:  # the listing's own descriptor, closed already
@@ -121,7 +121,7 @@ def _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name
     os.environ.clear()
     os.environ.update(env)
     script = os.path.abspath(script)
-    _fresh_modules(script, env)
+    _fresh_modules(script, env, loaded.env)
     sys.argv = [script, *argv]
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdin = open(0, closefd=False, encoding="utf-8")  # noqa: SIM115
@@ -148,10 +148,10 @@ def _run_child(script, argv, env, cwd, stdio, new_session, die_with_parent, name
     return code
 
 
-def _fresh_modules(script, env):
+def _fresh_modules(script, env, loaded_env):
     """sys.path as `python SCRIPT` would have it, and no module from outside the Python installation
     (the repository's) left loaded: the script imports its own afresh."""
-    loaded_paths = [p for p in _loaded_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    loaded_paths = [p for p in loaded_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in loaded_paths]
     sys.path[:] = [os.path.dirname(script), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *base]
     for name, module in list(sys.modules.items()):

@@ -175,14 +175,14 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     )  # the pid a refused job names: this launcher's
     # each rank a fork of this launcher once it has loaded torch (utils/fork.py): ranks start in a
     # moment instead of loading torch each; a variable torch reads at load set otherwise: exec them
-    fork.preload()
+    loaded = fork.preload()
     env["PYTHONUNBUFFERED"] = "1"
     procs = []
     try:
         for r in range(nproc):
             rank_argv = [*argv, *rank_flags(r, nproc, port, lo)]
-            if fork.forkable(env):
-                pid = fork.start(script, rank_argv, env, die_with_parent=signal.SIGTERM, name=f"rank {r}")
+            if fork.forkable(env, loaded.env):
+                pid = fork.start(loaded, script, rank_argv, env, die_with_parent=signal.SIGTERM, name=f"rank {r}")
                 procs.append(fork.Child(pid, [script, *rank_argv]))
             else:
                 procs.append(
