@@ -199,6 +199,7 @@ def main(argv=None):
                 PROG,
                 dict(os.environ, RING_RESUME_COMMAND=resume_command(argv)),
                 keep_going=job.recover,
+                fork_ranks=not job.model_path,  # (its check ran torch here)
             )
         rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
         if not job.eval:

@@ -16,13 +16,7 @@ QUICK = ["--world-sizes", "2", "--sizes", "4K,64K", "--iters", "2", "--warmup", 
 
 def bench(tmp_path, *extra):
     # The benchmark kills its own ranks on every exit path; the outer timeout is a last resort.
-    return subprocess.run(
-        [sys.executable, BENCH, *QUICK, "--results-dir", str(tmp_path), *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    return procs.run([sys.executable, BENCH, *QUICK, "--results-dir", str(tmp_path), *extra], cwd=REPO, timeout=110)
 
 
 @pytest.mark.timeout(120)
@@ -147,7 +141,7 @@ def test_each_rate_and_tcp_setting_writes_its_own_results_files():
 def test_the_gloo_schedule_candidate_sums_correctly(tmp_path):
     """bench/candidates/gloo_schedule.py is measured against gloo in the README: it must be right too
     (N = 3 and the model's 421,642 floats: segments that do not divide evenly)."""
-    r = subprocess.run(
+    r = procs.run(
         [
             sys.executable,
             BENCH,
@@ -169,8 +163,6 @@ def test_the_gloo_schedule_candidate_sums_correctly(tmp_path):
             os.path.join(REPO, "bench", "candidates", "gloo_schedule.py"),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=110,
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -4,9 +4,9 @@ numbers themselves are the benchmark's (bench/README.md)."""
 
 import json
 import os
-import subprocess
 import sys
 
+import procs
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.timeout(400)
 def test_one_trial_of_each(tmp_path):
-    result = subprocess.run(
+    result = procs.run(
         [
             sys.executable,
             os.path.join(REPO, "bench", "recovery.py"),
@@ -27,8 +27,6 @@ def test_one_trial_of_each(tmp_path):
             "--results-dir",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
         timeout=360,
     )
     assert result.returncode == 0, result.stderr[-3000:]

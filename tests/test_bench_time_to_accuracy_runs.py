@@ -3,9 +3,9 @@ parts: test_bench_time_to_accuracy.py)."""
 
 import json
 import os
-import subprocess
 import sys
 
+import procs
 import pytest
 import time_to_accuracy as tta
 
@@ -17,7 +17,7 @@ BENCH = os.path.join(REPO, "bench", "time_to_accuracy.py")
 def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
     # The benchmark kills its own ranks on every exit path (and has its own --timeout per world);
     # the outer timeout is a last resort.
-    r = subprocess.run(
+    r = procs.run(
         [
             sys.executable,
             BENCH,
@@ -50,8 +50,6 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
             str(tmp_path),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=170,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -85,7 +83,7 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
 def test_loopback_run_trains_ours_every_h_steps_and_torchs_local_sgd(tmp_path):
     # 1600 images at N=2: 25 steps of 32 a rank; ours@8 sums at steps 8, 16, 24 and its flush at 25,
     # local SGD (4 synchronous steps first) averages after steps 5, 13, 21: neither ends on a sync.
-    r = subprocess.run(
+    r = procs.run(
         [
             sys.executable,
             BENCH,
@@ -114,8 +112,6 @@ def test_loopback_run_trains_ours_every_h_steps_and_torchs_local_sgd(tmp_path):
             str(tmp_path),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=110,
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -2,9 +2,9 @@
 
 import json
 import os
-import subprocess
 import sys
 
+import procs
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ CONFIGS = {
 def test_loopback_run_measures_every_configuration(tmp_path):
     # The benchmark kills its own ranks on every exit path (and has its own --timeout per world);
     # the outer timeout is a last resort.
-    r = subprocess.run(
+    r = procs.run(
         [
             sys.executable,
             BENCH,
@@ -50,8 +50,6 @@ def test_loopback_run_measures_every_configuration(tmp_path):
             str(tmp_path),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=170,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -83,7 +81,7 @@ def test_loopback_run_measures_every_configuration(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_reference_model_is_the_issues_baseline_cnn(tmp_path):
-    r = subprocess.run(
+    r = procs.run(
         [
             sys.executable,
             BENCH,
@@ -106,8 +104,6 @@ def test_reference_model_is_the_issues_baseline_cnn(tmp_path):
             str(tmp_path),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=110,
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -10,7 +10,8 @@ small run's training. The local launcher (utils/launch.py) and the tests (tests/
 once and fork each rank from there, as torch's own DataLoader forks its workers. The child is a
 process of its own and runs the script as `python SCRIPT ARGV` would: the repository's modules
 imported afresh, its own environment, folder, standard streams and session, files it was not given
-closed (as Popen's close_fds), and the same exit code (a signal's death included).
+closed (as Popen's close_fds), none of the parent's exit handlers, and the same exit code (a
+signal's death included).
 
 What a child cannot take afresh is what the libraries read when they loaded. torch sizes its thread
 pool from OMP_NUM_THREADS then, so the child sets the pool from its own (or, with none, keeps the
@@ -18,8 +19,10 @@ parent's default, when the parent had none either); the other variables read at 
 must be what the parent had, or `forkable` says no.
 """
 
+import atexit
 import ctypes
 import io
+import logging
 import os
 import runpy
 import signal
@@ -28,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 
 # variables the libraries (or Python) read once, at load: a child must see the parent's
@@ -47,7 +51,9 @@ class Loaded:
 
 
 def preload():
-    """Load torch here, once; call before starting any thread (a fork copies only the caller)."""
+    """Load torch here, once; call before starting any thread (a fork copies only the caller), and
+    fork only from a process that has not run torch since (a fork after OpenMP's threads have run is
+    not safe: the child's pool would wait for threads it does not have)."""
     before = _open_files()
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -112,6 +118,7 @@ def _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_pare
             os.close(fd)
         except OSError:  # the listing's own descriptor, closed already
             pass
+    _own_exit_handlers()
     signal.set_wakeup_fd(-1)
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCHLD, signal.SIGALRM):
         signal.signal(signum, signal.SIG_DFL)
@@ -134,8 +141,6 @@ def _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_pare
     os.close(ready)
     code = _exit_code(lambda: runpy.run_path(script, run_name="__main__"))
     threading._shutdown()  # as the interpreter does at exit: wait for threads that are not daemons
-    import atexit
-
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -146,6 +151,16 @@ def _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_pare
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def _own_exit_handlers():
+    """The parent's exit handlers are the parent's (a driver's temporary folder, say): the child's
+    exit runs only its own, and logging's flush, which every Python process runs."""
+    atexit._clear()
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.detach()
+    weakref.finalize._registered_with_atexit = False  # the child's own finalizers register afresh
+    atexit.register(logging.shutdown)
 
 
 def _fresh_modules(script, env, loaded_env):

@@ -163,10 +163,11 @@ def rank_flags(rank, world_size, port, interface):
     ]
 
 
-def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=False):
+def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=False, fork_ranks=True):
     """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code.
     keep_going: a rank that dies does not stop the others (they go on without it, --recover);
-    the job then succeeds if every rank that ended by itself succeeded."""
+    the job then succeeds if every rank that ended by itself succeeded. fork_ranks=False: this
+    process has run torch (a fork after OpenMP has run threads is not safe): start them afresh."""
     port, lo = free_port(), loopback_interface()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
@@ -175,13 +176,13 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     )  # the pid a refused job names: this launcher's
     # each rank a fork of this launcher once it has loaded torch (utils/fork.py): ranks start in a
     # moment instead of loading torch each; a variable torch reads at load set otherwise: exec them
-    loaded = fork.preload()
+    loaded = fork.preload() if fork_ranks else None
     env["PYTHONUNBUFFERED"] = "1"
     procs = []
     try:
         for r in range(nproc):
             rank_argv = [*argv, *rank_flags(r, nproc, port, lo)]
-            if fork.forkable(env, loaded.env):
+            if loaded and fork.forkable(env, loaded.env):
                 pid = fork.start(loaded, script, rank_argv, env, die_with_parent=signal.SIGTERM, name=f"rank {r}")
                 procs.append(fork.Child(pid, [script, *rank_argv]))
             else:
