@@ -181,7 +181,9 @@ class Cluster:
     namespaces and deletes everything, also when the body raised.
     """
 
-    def __init__(self, hosts: int, rate: str | None = None, nics: list[str] | None = None, ranks_per_host: int = 1):
+    def __init__(
+        self, hosts: int, rate: str | None = None, nics: list[str] | None = None, ranks_per_host: int = 1, starter=None
+    ):
         if not 1 <= hosts <= 253:
             raise ClusterError(f"hosts must be 1..253, got {hosts}")
         if not 1 <= ranks_per_host <= MAX_RANKS_PER_HOST:
@@ -191,6 +193,9 @@ class Cluster:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", n) or n == "lo":
                 raise ClusterError(f"bad NIC name {n!r}")
         self.hosts = hosts
+        # how processes start in a host: starter(argv, netns=NAME, **popen_kwargs), Popen-like (the
+        # tests fork theirs from a process that has loaded torch); None: `ip netns exec NAME argv`
+        self.starter = starter
         self.ranks_per_host = ranks_per_host  # ranks 0..K-1 on host 0, K..2K-1 on host 1, ...
         self.world_size = hosts * ranks_per_host
         self.rate = rate
@@ -328,9 +333,12 @@ class Cluster:
         """
         if env is not None:
             env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-        p = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[rank], *argv], env=env, start_new_session=True, **popen_kwargs
-        )
+        if self.starter is not None:
+            p = self.starter(argv, netns=self.names[rank], env=env, start_new_session=True, **popen_kwargs)
+        else:
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", self.names[rank], *argv], env=env, start_new_session=True, **popen_kwargs
+            )
         with self._lock:
             self._procs.append(p)
         return p

@@ -26,14 +26,15 @@ import threading
 
 from utils import fork
 
-KNOWN = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
+KNOWN = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session", "netns"}
 SETS_LOG_LEVEL = ("train.py",)  # scripts that set TORCH_CPP_LOG_LEVEL=FATAL themselves before torch loads
 _servers = {}  # the variables read at load -> (server process, socket, its environment)
 _lock = threading.Lock()
 
 
-def popen(argv, **kwargs):
-    """subprocess.Popen(argv, **kwargs), forked from the server when argv is `python [-u] SCRIPT ...`."""
+def popen(argv, netns=None, **kwargs):
+    """subprocess.Popen(argv, **kwargs), forked from the server when argv is `python [-u] SCRIPT ...`;
+    netns: in that network namespace, as `ip netns exec NETNS argv` (scripts/netns.py's hosts)."""
     argv = [str(a) for a in argv]
     unbuffered = len(argv) > 2 and argv[1] == "-u"
     script_at = 2 if unbuffered else 1
@@ -51,9 +52,9 @@ def popen(argv, **kwargs):
         or not os.path.isfile(script)
         or not fork.forkable(env, _server(env)[1])
     ):
-        return subprocess.Popen(argv, **kwargs)
+        return subprocess.Popen(["ip", "netns", "exec", netns, *argv] if netns else argv, **kwargs)
     kwargs.pop("env", None)
-    return Forked(argv, script, argv[script_at + 1 :], env, **kwargs)
+    return Forked(argv, script, argv[script_at + 1 :], env, netns=netns, **kwargs)
 
 
 def _server(env):
@@ -90,6 +91,7 @@ class Forked:
         text=False,
         cwd=None,
         start_new_session=False,
+        netns=None,
     ):
         self.args, self.returncode = args, None
         ends, mine = [], []  # the child's ends (sent, then closed here) and ours
@@ -128,6 +130,7 @@ class Forked:
             "env": env,
             "cwd": os.fspath(cwd or os.getcwd()),
             "session": start_new_session,
+            "netns": netns,
         }
         server = _server(env)[0]
         with _lock:
@@ -237,6 +240,7 @@ def serve(fd):
                     request["cwd"],
                     stdio,
                     new_session=request["session"],
+                    netns=request["netns"],
                 )
             except Exception as e:  # a bad request fails its test, not the server
                 print(f"forker: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

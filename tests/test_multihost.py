@@ -23,6 +23,7 @@ import cluster
 import netns
 import pytest
 import torch
+from forker import popen
 
 from utils.model import Net
 
@@ -140,7 +141,7 @@ def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path)
     subset, world, batch, trace = 1500, 3, 32, tmp_path / "timeline.json"
     saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]  # one filesystem: a path each
     window = ["--timeline", str(trace), "--timeline-steps", f"{FIRST}:{LAST}"]  # 16 steps: the window fits
-    with remember(cluster.Cluster(world, nics=NICS)) as c:
+    with remember(cluster.Cluster(world, nics=NICS, starter=popen)) as c:
         assert [c.nic(r) for r in range(world)] == NICS
         argvs = [
             c.train_argv(
@@ -223,7 +224,7 @@ def test_two_ranks_per_host_train_hierarchically_to_identical_parameters(tmp_pat
     hosts, k, subset, batch = 2, 2, 1280, 16
     world = hosts * k
     save = tmp_path / "host0" / "model.pth"
-    with remember(cluster.Cluster(hosts, nics=NICS, ranks_per_host=k)) as c:
+    with remember(cluster.Cluster(hosts, nics=NICS, ranks_per_host=k, starter=popen)) as c:
         argvs = [
             c.train_argv(
                 r,
@@ -326,7 +327,7 @@ def test_cli_trains_on_two_hosts_with_prefixed_output(tmp_path):
 @pytest.mark.timeout(90)
 def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
     world, timeout = 3, 8
-    with remember(cluster.Cluster(world, nics=NICS)) as c:
+    with remember(cluster.Cluster(world, nics=NICS, starter=popen)) as c:
         argvs = [
             c.train_argv(
                 r,
@@ -371,7 +372,7 @@ def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
 @pytest.mark.timeout(60)
 def test_no_namespace_veth_or_bridge_is_left():
     if not _created:  # run on its own: make (and tear down) a cluster with a process in it
-        with remember(cluster.Cluster(2, nics=NICS)) as c:
+        with remember(cluster.Cluster(2, nics=NICS, starter=popen)) as c:
             assert left_of(_created) == sorted(_created)
             c.popen(1, ["sleep", "300"])
     assert left_of(_created) == []
@@ -385,7 +386,7 @@ def test_survivors_stop_within_the_timeout_when_a_host_drops_off(fault, tmp_path
     dies mid-epoch: every other rank exits 1 within --timeout + 10 s, with one line that says what
     happened, and the last step is saved (tests/test_recovery*.py: without --no-recover they go on)."""
     world, timeout = 3, 10
-    with remember(cluster.Cluster(world, nics=NICS)) as c:
+    with remember(cluster.Cluster(world, nics=NICS, starter=popen)) as c:
         argvs = [
             c.train_argv(
                 r,

@@ -8,6 +8,7 @@ import time
 
 import cluster  # noqa: F401  (scripts/, on the path through tests/conftest.py)
 import pytest
+from forker import popen
 from procs import checkpoint_position
 from test_multihost import NICS, remember, report, start_ranks, wait_ranks
 
@@ -32,7 +33,7 @@ RUN = [
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [0, 2], ids=["rank0-cut-off", "last-rank-cut-off"])
 def test_a_server_cut_off_stops_alone_and_the_majority_goes_on(victim, tmp_path):
-    with remember(cluster.Cluster(3, nics=NICS)) as c:
+    with remember(cluster.Cluster(3, nics=NICS, starter=popen)) as c:
         procs = start_ranks(c, [c.train_argv(r, 29500, RUN) for r in range(3)], tmp_path)
         home = tmp_path / "host0" / "runs" / "checkpoint.pt"
         deadline = time.monotonic() + 120

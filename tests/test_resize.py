@@ -132,7 +132,7 @@ def test_a_job_stopped_on_three_hosts_resumes_on_two(needs_root, tmp_path):
 
     checkpoint = tmp_path / "c.pt"
     job = [*settings, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "m.pth")]
-    with cluster.Cluster(3, nics=NICS) as c:
+    with cluster.Cluster(3, nics=NICS, starter=procs.popen) as c:
         (tmp_path / "three").mkdir()
         started = start_ranks(c, [c.train_argv(r, 29500, job) for r in range(3)], tmp_path / "three")
         wait_for(lambda: checkpoint.exists() or any(p.poll() is not None for p in started), 240, "training")

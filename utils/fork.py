@@ -39,7 +39,7 @@ AT_LOAD = ("TORCH_CPP_LOG_LEVEL", "MKL_", "DNNL_", "ONEDNN_", "KMP_", "GOMP_", "
 # ... but these the child sets for itself
 OWN = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
 LIBRARIES = ("/site-packages/", "/dist-packages/", f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/")
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+PR_SET_PDEATHSIG, PR_SET_NAME, CLONE_NEWNET = 1, 15, 0x40000000
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,23 @@ def forkable(env, loaded_env):
 
 
 def start(
-    loaded, script, argv, env, cwd=None, stdio=(None, None, None), new_session=False, die_with_parent=None, name=None
+    loaded,
+    script,
+    argv,
+    env,
+    cwd=None,
+    stdio=(None, None, None),
+    new_session=False,
+    die_with_parent=None,
+    name=None,
+    netns=None,
 ):
     """Fork a child that runs `python SCRIPT ARGV` with environment `env` in folder `cwd`, its
     standard streams on the file descriptors `stdio` (None: the parent's). new_session: it leads a
     session and process group of its own (Popen's start_new_session); die_with_parent: a signal it
     gets when the parent dies; name: what `ps -o comm` and `top` show for it (the command line shown is
-    the parent's). Returns its pid once it has its session."""
+    the parent's); netns: the network namespace (`ip netns` name) it runs in, as under `ip netns exec`.
+    Returns its pid once it has its session."""
     assert forkable(env, loaded.env), "not forkable: start it with exec"
     ready_read, ready_write = os.pipe()
     sys.stdout.flush(), sys.stderr.flush()
@@ -93,7 +103,9 @@ def start(
         code = 1
         try:
             os.close(ready_read)
-            code = _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready_write)
+            code = _run_child(
+                loaded, script, argv, env, cwd, stdio, (new_session, die_with_parent, name, netns), ready_write
+            )
         finally:
             os._exit(code)
     os.close(ready_write)
@@ -102,10 +114,16 @@ def start(
     return pid
 
 
-def _run_child(loaded, script, argv, env, cwd, stdio, new_session, die_with_parent, name, ready):
+def _run_child(loaded, script, argv, env, cwd, stdio, process, ready):
+    new_session, die_with_parent, name, netns = process
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if netns:
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {netns}")
+        os.close(fd)
     if new_session:
         os.setsid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
     if die_with_parent:
         libc.prctl(PR_SET_PDEATHSIG, die_with_parent)
     if name:
