@@ -32,7 +32,7 @@ from utils.config import check_share, from_args
 from utils.elastic import faults, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
 from utils.files import check_folder, check_writable, remove_stale_temps, set_aside
-from utils.launch import launch_local
+from utils.launch import launch_local, threads_per_rank
 from utils.mnist import ensure_mnist
 from utils.outputs import lock_outputs, release
 
@@ -183,6 +183,8 @@ def main(argv=None):
         config = from_args(args)
         job = config.job
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
+            # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh
+            os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(job.nproc))
             if job.model_path:  # the only check that needs torch
                 from utils.checkpoint import load_model_state
                 from utils.model import Net

@@ -28,6 +28,7 @@ import netns  # noqa: E402
 import throttle  # noqa: E402, F401  (scripts/throttle.py: CPU quotas, for bench/balance.py)
 from stats import LoadWatch, quiet  # noqa: E402  (bench/stats.py: the load check, the paired statistics)
 
+from utils import fork, forkserver  # noqa: E402
 from utils.errors import UsageError  # noqa: E402
 from utils.files import write_file  # noqa: E402
 from utils.launch import free_port, kill, supervise  # noqa: E402
@@ -239,8 +240,7 @@ def world_config(cl, base: int, i: int, world_size: int) -> dict:
 
 
 def sum_seconds(n: int, rate_bits: float | None, numel: int) -> float:
-    """A generous time for one step's gradient sum of `numel` floats among n ranks (about twice the
-    slowest algorithm's), for the worlds' hard timeouts."""
+    """A generous time (twice the slowest's) for one gradient sum of `numel` floats among n ranks."""
     return 2 * (2 * numel * 4) / ((rate_bits or 8e9) / 8) * max(1.0, (n - 1) / 2)
 
 
@@ -269,7 +269,7 @@ def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float
             if cl:
                 procs.append(cl.popen(host, argv, env=env, **kw))
             else:
-                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **kw))
+                procs.append(start_loopback(argv, {**os.environ, **env}, kw, f"worker {r}"))
         outcome = supervise(procs, timeout=timeout, grace=GRACE, poll=POLL, ok_codes=ok_codes, while_running=watch.note)
     finally:
         for p in procs:  # a rank that failed to start, or Ctrl-C while they start
@@ -294,6 +294,19 @@ def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float
         busy = f"the machine was busy besides this benchmark: {busy}, {others}"
         print(f"  WARNING {what}: {busy}; timings may be inflated", flush=True)
     return raw
+
+
+def start_loopback(argv: list, env: dict, kw: dict, name: str):
+    """A loopback worker, forked by this driver's fork server (torch loaded once for all), else exec'd."""
+    key = tuple(sorted(fork.at_load(env).items()))
+    if key not in _fork_servers or not _fork_servers[key].alive():
+        _fork_servers[key] = forkserver.ForkServer(env)
+    if fork.forkable(env, _fork_servers[key].env):
+        return _fork_servers[key].popen(argv, env=env, start_new_session=True, name=name, **kw)
+    return subprocess.Popen(argv, env=env, start_new_session=True, **kw)
+
+
+_fork_servers = {}  # the variables torch reads at load -> this driver's ForkServer
 
 
 def run_driver(driver, args, prog: str) -> int:

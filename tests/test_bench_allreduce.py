@@ -103,9 +103,14 @@ def _is_rank(pid, parent=None):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read().split(b"\0")
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            forked = f.read().startswith(b"worker ")  # by the driver's fork server: the command line is its
         ppid = int(procs.stat(pid)[1])
+        grandparent = int(procs.stat(ppid)[1]) if forked else None
     except (OSError, ValueError, IndexError):
         return False
+    if forked:
+        return cmdline != [b""] and (parent is None or grandparent == parent)
     is_worker = b"--worker" in cmdline and any(BENCH.encode() in part for part in cmdline)
     return is_worker and (parent is None or ppid == parent)
 

@@ -13,15 +13,18 @@ imported afresh, its own environment, folder, standard streams and session, file
 closed (as Popen's close_fds), none of the parent's exit handlers, and the same exit code (a
 signal's death included).
 
-What a child cannot take afresh is what the libraries read when they loaded. torch sizes its thread
-pool from OMP_NUM_THREADS then, so the child sets the pool from its own (or, with none, keeps the
-parent's default, when the parent had none either); the other variables read at load (AT_LOAD)
-must be what the parent had, or `forkable` says no.
+What a child cannot take afresh is what the libraries read when they loaded (AT_LOAD): those must
+be what the parent had, or `forkable` says no. OMP_NUM_THREADS is one of them: torch.set_num_threads
+sets the calling thread's pools, but a thread torch did not start (gloo's, running a DDP hook's
+matrix products) keeps the count the libraries loaded with, and two ranks' bits then differ. A
+process forked from such a parent (a launcher forked by the tests' server) finds in LOADED_WITH
+what its torch loaded with.
 """
 
 import atexit
 import ctypes
 import io
+import json
 import logging
 import os
 import runpy
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 # variables the libraries (or Python) read once, at load: a child must see the parent's
 AT_LOAD = ("TORCH_CPP_LOG_LEVEL", "MKL_", "DNNL_", "ONEDNN_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON")
 # ... but these the child sets for itself
-OWN = ("OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+OWN = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+LOADED_WITH = "RING_TORCH_LOADED_WITH"  # in a process that did not load its torch: the AT_LOAD variables it did
 LIBRARIES = ("/site-packages/", "/dist-packages/", f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/")
 PR_SET_PDEATHSIG, PR_SET_NAME, CLONE_NEWNET = 1, 15, 0x40000000
 
@@ -46,19 +50,28 @@ PR_SET_PDEATHSIG, PR_SET_NAME, CLONE_NEWNET = 1, 15, 0x40000000
 class Loaded:
     """What a parent that has loaded torch hands its children."""
 
-    env: dict  # the environment torch loaded with
+    env: dict | None  # the AT_LOAD variables torch loaded with (None: not known, never fork)
+    pythonpath: str  # PYTHONPATH then
     files: frozenset  # the file descriptors torch opened as it loaded: a child keeps these, no others
+
+
+def at_load(env):
+    return {n: v for n, v in env.items() if n.startswith(AT_LOAD) and n not in OWN}
 
 
 def preload():
     """Load torch here, once; call before starting any thread (a fork copies only the caller), and
     fork only from a process that has not run torch since (a fork after OpenMP's threads have run is
     not safe: the child's pool would wait for threads it does not have)."""
-    before = _open_files()
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    if "torch" in sys.modules:  # loaded before: only a fork parent's note says with what
+        said = os.environ.get(LOADED_WITH)
+        return Loaded(json.loads(said) if said else None, pythonpath, frozenset())
+    before, loaded_with = _open_files(), at_load(os.environ)
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    return Loaded(dict(os.environ), frozenset(_open_files() - before))
+    return Loaded(loaded_with, pythonpath, frozenset(_open_files() - before))
 
 
 def _open_files():
@@ -67,14 +80,8 @@ def _open_files():
 
 def forkable(env, loaded_env):
     """Whether a child with environment `env` behaves as it would when started afresh, in a parent
-    whose torch loaded with `loaded_env`."""
-    threads = env.get("OMP_NUM_THREADS")
-    if threads is None and loaded_env.get("OMP_NUM_THREADS") is not None:
-        return False  # it would have torch's own default; this process has another
-    if threads is not None and not (threads.isdigit() and int(threads) > 0):
-        return False
-    names = {n for n in {*env, *loaded_env} if n.startswith(AT_LOAD) and n not in OWN}
-    return all(env.get(n) == loaded_env.get(n) for n in names)
+    whose torch loaded with the AT_LOAD variables `loaded_env`."""
+    return loaded_env is not None and at_load(env) == at_load(loaded_env)
 
 
 def start(
@@ -144,18 +151,15 @@ def _run_child(loaded, script, argv, env, cwd, stdio, process, ready):
     if cwd is not None:
         os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(env, **{LOADED_WITH: json.dumps(loaded.env)})
     script = os.path.abspath(script)
-    _fresh_modules(script, env, loaded.env)
+    _fresh_modules(script, env, loaded.pythonpath)
     sys.argv = [script, *argv]
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdin = open(0, closefd=False, encoding="utf-8")  # noqa: SIM115
     sys.stdout = _text_stream(1, unbuffered, "strict")
     sys.stderr = _text_stream(2, True, "backslashreplace")
-    import torch
 
-    if "OMP_NUM_THREADS" in env:
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.close(ready)
     code = _exit_code(lambda: runpy.run_path(script, run_name="__main__"))
     threading._shutdown()  # as the interpreter does at exit: wait for threads that are not daemons
@@ -181,10 +185,10 @@ def _own_exit_handlers():
     atexit.register(logging.shutdown)
 
 
-def _fresh_modules(script, env, loaded_env):
+def _fresh_modules(script, env, loaded_pythonpath):
     """sys.path as `python SCRIPT` would have it, and no module from outside the Python installation
     (the repository's) left loaded: the script imports its own afresh."""
-    loaded_paths = [p for p in loaded_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    loaded_paths = [p for p in loaded_pythonpath.split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in loaded_paths]
     sys.path[:] = [os.path.dirname(script), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *base]
     for name, module in list(sys.modules.items()):

@@ -150,6 +150,11 @@ def stragglers_stopped(grace):
     return check
 
 
+def threads_per_rank(nproc):
+    """The local launcher's torch threads per rank: this machine's cores, shared."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def rank_flags(rank, world_size, port, interface):
     return [
         "--rank",
@@ -169,7 +174,7 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     the job then succeeds if every rank that ended by itself succeeded. fork_ranks=False: this
     process has run torch (a fork after OpenMP has run threads is not safe): start them afresh."""
     port, lo = free_port(), loopback_interface()
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads_per_rank(nproc)
     print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
     env = dict(
         environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid())
