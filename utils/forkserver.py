@@ -63,8 +63,9 @@ class ForkServer:
         self.socket.close()
 
 
-class Forked:
-    """A process forked by a ForkServer, handled like the subprocess.Popen it stands for."""
+class Forked(fork.Child):
+    """A process forked by a ForkServer, handled like the subprocess.Popen it stands for (its exit
+    code comes from the server, which reaps it)."""
 
     def __init__(
         self,
@@ -167,16 +168,6 @@ class Forked:
         for reader in readers:
             reader.join()
         return parts.get("out"), parts.get("err")
-
-    def send_signal(self, sig):
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self):
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self):
-        self.send_signal(signal.SIGKILL)
 
     def __enter__(self):
         return self
