@@ -28,8 +28,8 @@ SERVE = "import sys; from utils.forkserver import serve; serve(int(sys.argv[1]))
 
 
 class ForkServer:
-    """A server process whose torch loaded with `env`; `env` must not set OMP_NUM_THREADS (each
-    child sets its own)."""
+    """A server process whose torch loaded with `env`: it forks children whose variables read at
+    load (OMP_NUM_THREADS among them) are the same (fork.forkable(child_env, server.env))."""
 
     def __init__(self, env):
         paths = [REPO, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != REPO)]
