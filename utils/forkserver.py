@@ -50,8 +50,8 @@ class ForkServer:
         fork.forkable(env, self.env)."""
         argv = [str(a) for a in argv]
         unbuffered = argv[1] == "-u"
-        env = dict(os.environ if kwargs.get("env") is None else kwargs.pop("env"))
-        kwargs.pop("env", None)
+        env = kwargs.pop("env", None)
+        env = dict(os.environ if env is None else env)
         if unbuffered:
             env["PYTHONUNBUFFERED"] = "1"
         script_at = 2 if unbuffered else 1
