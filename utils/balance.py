@@ -12,11 +12,15 @@ rank's gradient weighs its share (utils/run.py's weight), so the average counts 
 alike and the parameters stay identical on every rank.
 
 How the ranks agree, with no message of their own:
-  1. Each rank measures the time its own work took over its last WINDOW steps, stalls included
-     but not its waits for the others (utils/cpu.py: CPU time, waits for a CPU, a quota's
-     stalls). It splits that time in two: forward and backward, which grow with its images (its
-     rate: images per second), and the rest of a step (the optimizer, its part of the sum: its
-     overhead, seconds a step).
+  1. Each rank measures the time its own work took over its last WINDOW steps, in two parts:
+     - forward and backward, which grow with its images (its rate: images per second), on
+       own_clock: the clock, less the time its training thread waited for the others. Whatever
+       held it back counts: an old CPU, other people's jobs, a CPU quota's stalls, its own sum's
+       thread taking its CPU.
+     - the rest of a step (its overhead, seconds a step): what it still has to do once its
+       gradient is ready, its part of the sum and the optimizer, as CPU time and the stalls it
+       met (utils/cpu.py), not its waits. A rank that is the last one ready makes every rank
+       wait this long, so a slow rank's part of the sum counts against its share.
   2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
      every wire format the sums use) in its own two slots of the values that ride with the
      gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
@@ -24,8 +28,13 @@ How the ranks agree, with no message of their own:
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine), and
      the ranks adopt them only if a share turns back by more than THRESHOLD of itself and 2
-     images, or moves on by 2 images in the direction of its last move (noise in the timings does not make the shares
-     flap). A change of speed is followed at the next reviews that see it, within about 20 steps.
+     images, or moves on by 2 images in the direction of its last move (noise in the timings
+     does not make the shares flap). A change of speed is followed at the next reviews that see
+     it, within about 20 steps.
+  4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
+     sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
+     lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
+     The lean rides with the sums after the codes, so every rank solves with the same one.
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -33,6 +42,8 @@ measuring; for comparisons, and for a resume test that must be bit for bit).
 """
 
 import math
+import statistics
+import time
 from collections import deque
 from fractions import Fraction
 
@@ -40,13 +51,25 @@ from utils.cpu import CpuGroup, own_seconds, snapshot
 
 WINDOW = 20  # steps of this rank's timing in its speed: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 10  # steps between two looks at the speeds: a change is followed within about 20 steps
+MEASURED = 5  # steps a rank times (after its first, which pays for warming up) before it sends codes
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
+LEAN_STEPS = 8  # a lean of 8 solves a rank at half the fastest's rate as if at a quarter of it
+MAX_LEAN = 8  # either way
+MARGIN = 0.01  # a try of a lean must make a step shorter by more than this to be kept
+QUIET = 3  # reviews at the best lean before rank 0 tries the other way
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
 # CPU and maths library) computes the same shares
 FRACTIONS = (65536, 68438, 71468, 74632, 77936, 81386, 84990, 88752, 92682, 96785, 101070, 105545, 110218, 115098)
 FRACTIONS += (120194, 125515)
+
+
+def own_clock(sync):
+    """This rank's own clock: the seconds that passed, less those its training thread waited for
+    the others (sync: the GradientSync, whose seconds_waited() counts them). Waiting for a slower
+    rank is nobody's work; a CPU taken by someone else, or a quota's stall, is this rank's."""
+    return time.monotonic() - sync.seconds_waited()
 
 
 def speed_code(count, seconds):
@@ -124,8 +147,9 @@ class Balance:
     def __init__(self, mode, rank, world_size, global_batch, threads=1):
         self.fixed = None if mode == "measured" else parse_fixed(mode)
         self.global_batch, self.threads = global_batch, threads  # threads: torch's, on this rank
-        self.timings = deque(maxlen=WINDOW)  # (images, seconds of compute, of the rest) of its last steps
         self.group = CpuGroup()
+        self.timings = deque(maxlen=WINDOW)  # (images, seconds of compute, of the rest) of its last steps
+        self.warm = False  # its first step has run (it is not timed: it pays for warming up)
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.restart(rank, world_size)
 
@@ -137,48 +161,122 @@ class Balance:
             weights = self.fixed
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
+        self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
         return shares_of(self.global_batch if size is None else size, self.weights)
 
-    def now(self):
-        """A snapshot of this rank's CPU, for timed() (utils/cpu.snapshot)."""
-        return snapshot(self.group)
+    def now(self, sync):
+        """This rank's clocks for timed(): own_clock(sync) and its CPU's snapshot (utils/cpu.py)."""
+        return own_clock(sync), snapshot(self.group)
 
     def timed(self, images, started, computed, ended):
-        """This rank's last step: `images`, and its snapshots (now()) as it started, after its
-        forward and backward, and as it ended."""
+        """This rank's last step: `images`, and its clocks (now()) as it started, after its forward
+        and backward, and as it ended."""
         if self.fixed is None and images > 0:
-            compute, rest = own_seconds(started, computed, self.threads), own_seconds(computed, ended, self.threads)
-            self.timings.append((images, compute, rest))
+            if self.warm:
+                rest = own_seconds(computed[1], ended[1], self.threads)
+                self.timings.append((images, computed[0] - started[0], rest))
+            self.warm = True
 
     def slots(self):
         """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
-        r and N + r), zeros elsewhere."""
+        r and N + r), zeros elsewhere; after them the lean, from rank 0 only."""
         if self.fixed is not None:
             return ()
         rate = overhead = 0
-        if len(self.timings) >= WINDOW // 2:  # not the first steps alone: they pay for warming up
+        if len(self.timings) >= MEASURED:  # (so the first review, at step REVIEW, has every rank's)
             images, compute, rest = (sum(column) for column in zip(*self.timings))
             rate, overhead = speed_code(images, compute), speed_code(len(self.timings), rest)
         n = self.world_size
-        return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n))
+        lean = self.search.lean if self.rank == 0 else 0
+        return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n)) + (lean,)
 
     def review(self, step, codes):
-        """After `step` (of the epoch), with every rank's codes from its sum: new shares if it is
-        time to look and they have moved enough. True when they changed."""
+        """After `step` (of the epoch), with the codes of its sum (every rank's rate and overhead,
+        then the lean): new shares if it is time to look and they have moved enough. True when
+        they changed. Rank 0 also times its steps here for the lean's search."""
         n = self.world_size
-        if self.fixed is not None or step % REVIEW or len(codes) != 2 * n or min(codes) < 1:
+        if self.fixed is not None or len(codes) != 2 * n + 1:
             return False
-        old, new = self.shares(), solve(self.global_batch, codes[:n], codes[n:])
+        if self.rank == 0:
+            self.search.timed(step, time.monotonic())
+        if step % REVIEW or min(codes[: 2 * n]) < 1:
+            return False
+        lean, leaned = codes[2 * n], self.lean != codes[2 * n]
+        self.lean, self.search.measuring = lean, True
+        old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
         moves = [b - a for a, b in zip(old, new)]
         # a move on in the direction of the last one (a rank at a share far from its last, whose
         # speed per image grows with its share, gets there in several moves) needs 2 images; a
-        # move back, more than THRESHOLD: noise turns the shares back and forth, a change does not
+        # move back, more than THRESHOLD: noise turns the shares back and forth, a change does not.
+        # A new lean is rank 0's try: taken as it is
         onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
-        if not any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old)):
+        least = 0 if leaned else 1 if onward else None
+        if not any(abs(m) > (least if least is not None else max(2, THRESHOLD * a)) for m, a in zip(moves, old)):
             return False
         self.weights, self.direction = tuple(new), moves
         self.changes += 1
         return True
+
+
+def leaned_codes(rate_codes, lean):
+    """The rate codes the shares are solved with: each rank's drawn away from the fastest's by
+    lean/LEAN_STEPS of the distance between them (a negative lean: toward it). Codes are a log
+    scale, so a rank at half the fastest's rate is solved as if at 2**-(1 + lean/LEAN_STEPS) of it."""
+    top = max(rate_codes)
+    return [max(1, c - (lean * (top - c) + LEAN_STEPS // 2) // LEAN_STEPS) for c in rate_codes]
+
+
+class LeanSearch:
+    """Rank 0's search for the lean that makes a step shortest, on its own clock; the lean it
+    settles on rides with the sums (Balance.slots), so every rank solves with the same one.
+
+    Equal own times are not always the shortest step: a rank that has used up its CPU quota by
+    the time the sum reaches it stalls in the middle of the sum, and every rank waits (measured:
+    bench/README.md). So every REVIEW steps rank 0 looks at how long the last ones took: at
+    first it tries one lean further (away from equal own times), and keeps going while each try
+    is shorter than the lean it came from by more than MARGIN; a try that is not shorter is
+    taken back. Then it stays QUIET reviews before it tries the other way, so that a change of
+    speeds, or of what the quota costs, is found again."""
+
+    def __init__(self):
+        self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
+        self.best_seconds = None  # a step at the best lean, as last measured
+        self.measuring = False  # set at a review that solved with every rank's speed
+        self.window = None  # the clock after the review's step, then after each step since
+
+    @property
+    def lean(self):
+        """The lean to send with the next sums."""
+        return self.best if self.trying is None else self.trying
+
+    def timed(self, step, clock):
+        """After each step: at the last step before a review, decide from the steps since the
+        review before it (all at the shares that review set), by their median (a step that
+        saved a checkpoint or evaluated says nothing of the shares)."""
+        if step % REVIEW == 0:
+            self.window = [clock]
+        elif self.window is not None:
+            self.window.append(clock)
+            if step % REVIEW == REVIEW - 1 and self.measuring:
+                self.decide(statistics.median(b - a for a, b in zip(self.window, self.window[1:])))
+                self.window = None
+
+    def decide(self, seconds):
+        """The window just measured took `seconds` a step at self.lean: the next lean."""
+        if self.trying is None:
+            self.best_seconds = seconds  # speeds drift: the best lean's time is refreshed
+            if self.quiet > 0:
+                self.quiet -= 1
+                return
+            if not -MAX_LEAN <= self.best + self.direction <= MAX_LEAN:
+                self.direction = -self.direction
+            self.trying = self.best + self.direction
+        elif seconds < self.best_seconds * (1 - MARGIN):  # shorter: keep going that way
+            self.best, self.best_seconds = self.trying, seconds
+            further = self.best + self.direction
+            self.trying = further if -MAX_LEAN <= further <= MAX_LEAN else None
+        else:  # no better: back, and the other way after a while
+            self.trying, self.direction, self.quiet = None, -self.direction, QUIET

@@ -78,18 +78,18 @@ def train_step(model, gradient_sync, images, labels, weight=1.0, timeline=OFF, b
     """One training step on `images`: the loss, before the step. balance (--balance): told the time
     the step's work needed, its forward and backward apart."""
     gradient_sync.weigh(weight)
-    started = balance.now() if balance is not None else None
+    started = balance.now(gradient_sync) if balance is not None else None
     with timeline.span("step"):
         with timeline.span("forward"):
             loss = F.cross_entropy(model(images), labels)
         with timeline.span("backward"):
             loss.backward()
-        computed = balance.now() if balance is not None else None
+        computed = balance.now(gradient_sync) if balance is not None else None
         faults.point("sum")
         gradient_sync.after_backward()  # the sum over all ranks (overlapped: already running)
         gradient_sync.step()
     if balance is not None:
-        balance.timed(len(images), started, computed, balance.now())
+        balance.timed(len(images), started, computed, balance.now(gradient_sync))
     return loss
 
 

@@ -2,12 +2,13 @@
 each step's images cut by the shares of the moment (utils/data.BalancedBatches)."""
 
 import math
+import time
 
 import pytest
 import torch
 
 from utils import balance
-from utils.balance import REVIEW, WINDOW, Balance, code_value, shares_of, solve, speed_code
+from utils.balance import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
 from utils.cpu import own_seconds
 from utils.data import BalancedBatches, epoch_permutation
 
@@ -87,34 +88,34 @@ def test_shares_cover_the_step_for_any_weights():
 
 
 def timed(b, per_second, overhead=0.005, steps=WINDOW):
-    """Steps of 32 images at `per_second`, `overhead` seconds of the rest, never held back."""
+    """Steps of 32 images at `per_second`, then `overhead` seconds of CPU (and 1 s of waiting)."""
     for _ in range(steps):
         compute = 32 / per_second
-        b.timed(
-            32, (0.0, 0.0, 0.0, 0.0), (compute, 0.0, 0.0, compute), (compute + overhead, 0.0, 0.0, compute + overhead)
-        )
+        cpu = (0.0, 0.0, 0.0, 0.0)  # (utils/cpu.snapshot: CPU s, waited s, stalled s, clock)
+        b.timed(32, (0.0, cpu), (compute, cpu), (compute + 1.0, (overhead, 0.0, 0.0, 1.0)))
 
 
 def test_a_rank_sends_its_codes_in_its_own_slots_once_it_has_measured_enough():
     b = Balance("measured", rank=1, world_size=3, global_batch=64)
-    assert b.slots() == (0,) * 6
-    timed(b, 1000.0, steps=WINDOW // 2 - 1)
-    assert b.slots() == (0,) * 6  # the first steps alone pay for warming up
+    assert b.slots() == (0,) * 7
+    timed(b, 10.0, steps=1)  # the first step pays for warming up: not timed
+    timed(b, 1000.0, steps=balance.MEASURED - 1)
+    assert b.slots() == (0,) * 7  # not enough steps yet
     timed(b, 1000.0, steps=1)
-    assert b.slots() == (0, code(1000), 0, 0, code(200), 0)  # rate, then overhead (1 / 5 ms)
+    assert b.slots() == (0, code(1000), 0, 0, code(200), 0, 0)  # rate, then overhead (1 / 5 ms); no lean (rank 0's)
     timed(b, 500.0, 0.01)  # the window holds only the last WINDOW steps
-    assert b.slots() == (0, code(500), 0, 0, code(100), 0)
+    assert b.slots() == (0, code(500), 0, 0, code(100), 0, 0)
 
 
 def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     fast, slow, over = code(1000), code(500), code(10**6)
-    assert not b.review(REVIEW - 1, (fast, slow, over, over)) and b.shares() == [32, 32]  # not a review step
-    assert not b.review(REVIEW, (fast, 0, over, over)) and b.shares() == [32, 32]  # a rank not measured yet
-    assert b.review(REVIEW, (fast, slow, over, over)) and b.shares() == [43, 21] and b.changes == 1
-    assert not b.review(2 * REVIEW, (fast, slow - 1, over, over))  # 4% slower: noise, no flapping
+    assert not b.review(REVIEW - 1, (fast, slow, over, over, 0)) and b.shares() == [32, 32]  # not a review step
+    assert not b.review(REVIEW, (fast, 0, over, over, 0)) and b.shares() == [32, 32]  # a rank not measured yet
+    assert b.review(REVIEW, (fast, slow, over, over, 0)) and b.shares() == [43, 21] and b.changes == 1
+    assert not b.review(2 * REVIEW, (fast, slow - 1, over, over, 0))  # 4% slower: noise, no flapping
     assert b.shares() == [43, 21] and b.changes == 1
-    assert b.review(3 * REVIEW, (fast, fast, over, over)) and b.shares() == [32, 32]
+    assert b.review(3 * REVIEW, (fast, fast, over, over, 0)) and b.shares() == [32, 32]
     assert b.shares(7) == [4, 3]  # a smaller last step, cut in the same proportions
 
 
@@ -122,10 +123,10 @@ def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     timed(b, 800.0)
     over = code(10**6)
-    b.review(REVIEW, (code(800), code(400), over, over))
+    b.review(REVIEW, (code(800), code(400), over, over, 0))
     assert b.shares() == [43, 21]
     b.restart(1, 3)
-    assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0)
+    assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0, 0)
     b.restart(0, 2, weights=(43, 21))  # a resume: the checkpoint's shares
     assert b.shares() == [43, 21]
 
@@ -134,7 +135,7 @@ def test_fixed_proportions_never_change_and_hold_only_for_their_number_of_ranks(
     b = Balance("5:2", rank=0, world_size=2, global_batch=64)
     assert b.shares() == [46, 18] and b.slots() == ()
     timed(b, 100.0)
-    assert not b.review(REVIEW, (200, 100, 100, 100)) and b.shares() == [46, 18]
+    assert not b.review(REVIEW, (200, 100, 100, 100, 0)) and b.shares() == [46, 18]
     b.restart(0, 3)  # after a lost rank or a join: equal shares
     assert b.shares() == [22, 21, 21]
     b.restart(0, 2)
@@ -165,10 +166,10 @@ def test_balanced_batches_train_every_image_once_whatever_the_shares_do(num_exam
 def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     over = code(10**6)
-    assert b.review(REVIEW, (code(1000), code(500), over, over)) and b.shares() == [43, 21]
-    assert b.review(2 * REVIEW, (code(1000), code(420), over, over)) and b.shares() == [45, 19]  # onward: 2 images
-    assert not b.review(3 * REVIEW, (code(1000), code(480), over, over))  # back by 2 of 19: noise
-    assert b.review(4 * REVIEW, (code(1000), code(1000), over, over)) and b.shares() == [32, 32]
+    assert b.review(REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
+    assert b.review(2 * REVIEW, (code(1000), code(420), over, over, 0)) and b.shares() == [45, 19]  # onward: 2 images
+    assert not b.review(3 * REVIEW, (code(1000), code(480), over, over, 0))  # back by 2 of 19: noise
+    assert b.review(4 * REVIEW, (code(1000), code(1000), over, over, 0)) and b.shares() == [32, 32]
 
 
 def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():
@@ -178,3 +179,71 @@ def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():
     assert own_seconds(start, (10.5, 1.2, 2.0, 101.0), threads=1) == pytest.approx(0.7)  # no CPU for 0.2 s
     assert own_seconds(start, (10.5, 1.2, 2.3, 101.0), threads=1) == pytest.approx(0.8)  # a quota's stall
     assert own_seconds(start, (10.5, 1.0, 5.0, 101.0), threads=1) == pytest.approx(1.5)  # stalls on 2 CPUs: capped
+
+
+class WaitingSync:
+    """A GradientSync's one method own_clock reads: how long the training thread waited so far."""
+
+    def __init__(self):
+        self.waited = 0.0
+
+    def seconds_waited(self):
+        return self.waited
+
+
+def test_a_ranks_own_clock_counts_its_work_and_leaves_out_its_waits_for_the_others():
+    sync = WaitingSync()
+    started = own_clock(sync)
+    time.sleep(0.1)  # its own work, or a stall that held it back: counted
+    computed = own_clock(sync)
+    waiting = time.monotonic()
+    time.sleep(0.3)  # waiting for a slower rank's part of the sum: not counted
+    sync.waited += time.monotonic() - waiting
+    ended = own_clock(sync)
+    assert computed - started >= 0.1
+    assert abs(ended - computed) < 0.05
+
+
+def test_a_lean_solves_slower_ranks_as_slower_still_and_never_below_code_1():
+    fast, half, quarter = 160, 144, 128  # 16 codes: half the rate
+    assert balance.leaned_codes([fast, half, quarter], 0) == [fast, half, quarter]
+    assert balance.leaned_codes([fast, half, quarter], 8) == [fast, 128, 96]  # solved as a quarter, a sixteenth
+    assert balance.leaned_codes([fast, half, quarter], 1) == [fast, 142, 124]
+    assert balance.leaned_codes([fast, half, quarter], -8) == [fast, fast, fast]  # toward the fastest
+    assert balance.leaned_codes([fast, 3], 8) == [fast, 1]
+
+
+def search_over(step_seconds, steps):
+    """Rank 0's LeanSearch over `steps` steps whose time depends on the lean in force (the one its
+    sums carried at the review before): the lean in force after each review."""
+    search, clock, in_force, history = balance.LeanSearch(), 0.0, 0, []
+    for step in range(1, steps + 1):
+        clock += step_seconds(in_force)
+        search.timed(step, clock)
+        if step % REVIEW == 0:  # the review: every rank solves with the lean rank 0 sent
+            in_force, search.measuring = search.lean, True
+            history.append(in_force)
+    return history
+
+
+def test_rank_0_finds_the_lean_of_the_shortest_step_and_tries_around_it_now_and_then():
+    history = search_over(lambda lean: 0.06 * (1 + 0.02 * (lean - 3) ** 2), 600)
+    assert history[:5] == [0, 1, 2, 3, 4]  # measured at 0 first, then one further while shorter
+    assert history[5:7] == [3, 3]  # 4 was longer: back
+    settled = history[10:]
+    assert settled.count(3) >= 0.7 * len(settled) and set(settled) <= {2, 3, 4}  # a try now and then
+
+
+def test_a_lean_that_makes_no_step_shorter_is_taken_back():
+    history = search_over(lambda lean: 0.06, 300)
+    assert history.count(0) >= 0.7 * len(history) and set(history) <= {-1, 0, 1}
+
+
+def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_once():
+    ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
+    over = code(10**6)
+    codes = (code(1000), code(500), over, over, 0)
+    assert all(b.review(REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
+    assert not any(b.review(2 * REVIEW, codes) for b in ranks)
+    leaned = (*codes[:4], 1)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
+    assert all(b.review(3 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image: taken

@@ -69,6 +69,11 @@ class GradientSync(abc.ABC):
         """Whether each rank's state_dict() differs (compression error feedback, --sync-every's
         own optimizer): then a checkpoint holds every rank's."""
 
+    def seconds_waited(self) -> float:
+        """How long the training thread has waited for communication so far (--balance leaves it
+        out of a rank's own time: utils/balance.own_clock)."""
+        return self.waited_seconds
+
     def weigh(self, weight: float) -> None:
         """This step's weight of this rank's gradient: its share of the step's images times N."""
         return None

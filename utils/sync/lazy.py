@@ -38,8 +38,11 @@ class LazySync(OverlappedSync):
     def finish(self):
         self.lazy.finish()
 
+    def seconds_waited(self):  # (the next forward waits for the buckets it updates)
+        return self.waited_seconds + self.lazy.waited_seconds
+
     def stats(self):
-        return dict(super().stats(), waited_seconds=self.waited_seconds + self.lazy.waited_seconds)
+        return dict(super().stats(), waited_seconds=self.seconds_waited())
 
     def close(self):
         self.lazy.close()
