@@ -62,31 +62,22 @@ def start_ranks(world_size, args, port=None, cwd=None, env=None):
     """Start every rank of a loopback job as its own process (in `cwd`, default a fresh folder,
     with `env` laid over os.environ); returns the Popen list."""
     port, cwd = port or free_port(), cwd or scratch_dir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return [
-        popen(
-            [
-                sys.executable,
-                TRAIN,
-                "--rank",
-                str(r),
-                "--world-size",
-                str(world_size),
-                "--init-method",
-                f"tcp://127.0.0.1:{port}",
-                "--gloo_socket_ifname",
-                "lo",
-                *args,
-            ],
-            env=env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for r in range(world_size)
-    ]
+    return [start_rank(r, world_size, args, port, cwd, env) for r in range(world_size)]
+
+
+def start_rank(rank, world_size, args, port, cwd, env=None):
+    """One rank of a loopback job on `port` (a server that joins: `args` end with --join), 1
+    thread, its own session, its output piped."""
+    return popen(
+        [sys.executable, TRAIN, "--rank", str(rank), "--world-size", str(world_size)]
+        + ["--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *args],
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+        cwd=str(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_all(procs, timeout):

@@ -114,16 +114,7 @@ def test_a_server_joins_a_balanced_job(tmp_path):
         procs.wait_for(
             lambda: procs.checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
         )
-        joiner = procs.popen(
-            [procs.sys.executable, procs.TRAIN, "--rank", "2", "--world-size", "3"]
-            + ["--init-method", f"tcp://127.0.0.1:{port}", "--gloo_socket_ifname", "lo", *JOIN_RUN, "--join"],
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            cwd=str(tmp_path),
-            text=True,
-            stdout=procs.subprocess.PIPE,
-            stderr=procs.subprocess.PIPE,
-            start_new_session=True,
-        )
+        joiner = procs.start_rank(2, 3, [*JOIN_RUN, "--join"], port, tmp_path)
         results = procs.wait_all([*ranks, joiner], timeout=240)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:

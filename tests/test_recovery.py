@@ -209,15 +209,7 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
             lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
         )
         started = time.monotonic()
-        joiner = procs.popen(
-            join_argv(port),
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            cwd=str(tmp_path),
-            text=True,
-            stdout=procs.subprocess.PIPE,
-            stderr=procs.subprocess.PIPE,
-            start_new_session=True,
-        )
+        joiner = procs.start_rank(2, 3, [*JOIN_RUN, "--join"], port, tmp_path)
         other = procs.run(join_argv(port, "--lr", "0.01"), timeout=60, cwd=str(tmp_path))
         results = procs.wait_all([*ranks, joiner], timeout=300)
     finally:
@@ -334,28 +326,7 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
         fenced = procs.supervise([ranks[0]], timeout=30, grace=None, poll=0.05)
         assert not fenced.timed_out and ranks[0].returncode == 1, fenced.outputs
         assert "train.py: rank 0: the job went on without this rank (generation 1)" in fenced.outputs[0][1]
-        joiner = procs.popen(
-            [
-                procs.sys.executable,
-                procs.TRAIN,
-                "--rank",
-                "0",
-                "--world-size",
-                "5",
-                "--init-method",
-                f"tcp://127.0.0.1:{port}",
-                "--gloo_socket_ifname",
-                "lo",
-                *args,
-                "--join",
-            ],
-            env=dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(events)),
-            cwd=str(tmp_path),
-            text=True,
-            stdout=procs.subprocess.PIPE,
-            stderr=procs.subprocess.PIPE,
-            start_new_session=True,
-        )
+        joiner = procs.start_rank(0, 5, [*args, "--join"], port, tmp_path, env={"RING_EVENTS": str(events)})
         results = procs.wait_all([*ranks[1:], joiner], timeout=300)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:

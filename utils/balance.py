@@ -51,7 +51,7 @@ from utils.cpu import CpuGroup, own_seconds, snapshot
 
 WINDOW = 20  # steps of this rank's timing in its speed: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 10  # steps between two looks at the speeds: a change is followed within about 20 steps
-MEASURED = 5  # steps a rank times (after its first, which pays for warming up) before it sends codes
+MEASURED = 3  # steps a rank times (after its first, which pays for warming up) before it sends codes
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
 LEAN_STEPS = 8  # a lean of 8 solves a rank at half the fastest's rate as if at a quarter of it
 MAX_LEAN = 8  # either way
@@ -162,6 +162,7 @@ class Balance:
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
+        self.solved = False  # a review has solved with every rank's speed (until then: every REVIEW // 2 steps)
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
@@ -186,7 +187,7 @@ class Balance:
         if self.fixed is not None:
             return ()
         rate = overhead = 0
-        if len(self.timings) >= MEASURED:  # (so the first review, at step REVIEW, has every rank's)
+        if len(self.timings) >= MEASURED:  # (so the first review, at step REVIEW // 2, has every rank's)
             images, compute, rest = (sum(column) for column in zip(*self.timings))
             rate, overhead = speed_code(images, compute), speed_code(len(self.timings), rest)
         n = self.world_size
@@ -200,21 +201,26 @@ class Balance:
         n = self.world_size
         if self.fixed is not None or len(codes) != 2 * n + 1:
             return False
-        if self.rank == 0:
+        if self.rank == 0 and self.solved:
             self.search.timed(step, time.monotonic())
-        if step % REVIEW or min(codes[: 2 * n]) < 1:
+        due = step % REVIEW == 0 or (not self.solved and step % REVIEW == REVIEW // 2)
+        if not due or min(codes[: 2 * n]) < 1:
             return False
         lean, leaned = codes[2 * n], self.lean != codes[2 * n]
-        self.lean, self.search.measuring = lean, True
+        self.lean, self.solved = lean, True
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
         moves = [b - a for a, b in zip(old, new)]
-        # a move on in the direction of the last one (a rank at a share far from its last, whose
-        # speed per image grows with its share, gets there in several moves) needs 2 images; a
-        # move back, more than THRESHOLD: noise turns the shares back and forth, a change does not.
-        # A new lean is rank 0's try: taken as it is
-        onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
-        least = 0 if leaned else 1 if onward else None
-        if not any(abs(m) > (least if least is not None else max(2, THRESHOLD * a)) for m, a in zip(moves, old)):
+        if leaned:  # rank 0 tries another lean: taken as it is (one that moves nothing is no try)
+            moved = any(moves)
+            if not moved and self.rank == 0:
+                self.search.moved_nothing(lean)
+        else:
+            # a move on in the direction of the last one (a rank at a share far from its last, whose
+            # speed per image grows with its share, gets there in several moves) needs 2 images; a
+            # move back, more than THRESHOLD: noise turns the shares back and forth, a change does not
+            onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
+            moved = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
+        if not moved:
             return False
         self.weights, self.direction = tuple(new), moves
         self.changes += 1
@@ -244,7 +250,6 @@ class LeanSearch:
     def __init__(self):
         self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
         self.best_seconds = None  # a step at the best lean, as last measured
-        self.measuring = False  # set at a review that solved with every rank's speed
         self.window = None  # the clock after the review's step, then after each step since
 
     @property
@@ -260,9 +265,16 @@ class LeanSearch:
             self.window = [clock]
         elif self.window is not None:
             self.window.append(clock)
-            if step % REVIEW == REVIEW - 1 and self.measuring:
+            if step % REVIEW == REVIEW - 1:
                 self.decide(statistics.median(b - a for a, b in zip(self.window, self.window[1:])))
                 self.window = None
+
+    def moved_nothing(self, lean):
+        """The lean being tried did not move the shares (speeds too close for it): no try; the
+        best lean again, and another try after a while. (So the lean does not wander on noise
+        while the ranks are equal, to strike when one slows down.)"""
+        if self.trying == lean:
+            self.trying, self.quiet = None, QUIET
 
     def decide(self, seconds):
         """The window just measured took `seconds` a step at self.lean: the next lean."""

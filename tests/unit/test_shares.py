@@ -221,7 +221,7 @@ def search_over(step_seconds, steps):
         clock += step_seconds(in_force)
         search.timed(step, clock)
         if step % REVIEW == 0:  # the review: every rank solves with the lean rank 0 sent
-            in_force, search.measuring = search.lean, True
+            in_force = search.lean
             history.append(in_force)
     return history
 
@@ -247,3 +247,23 @@ def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_
     assert not any(b.review(2 * REVIEW, codes) for b in ranks)
     leaned = (*codes[:4], 1)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
     assert all(b.review(3 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image: taken
+
+
+def test_until_every_speed_has_come_the_ranks_look_every_half_review():
+    b = Balance("measured", rank=1, world_size=2, global_batch=64)
+    over = code(10**6)
+    codes = (code(1000), code(500), over, over, 0)
+    assert not b.review(REVIEW // 2, (code(1000), 0, over, over, 0))  # rank 1's speed not here yet
+    assert b.review(REVIEW + REVIEW // 2, codes) and b.shares() == [43, 21]  # the first look: early
+    faster = (code(1000), code(1000), over, over, 0)
+    assert not b.review(2 * REVIEW + REVIEW // 2, faster)  # then every REVIEW steps only
+    assert b.review(3 * REVIEW, faster) and b.shares() == [32, 32]
+
+
+def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_ranks_are_equal():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    equal = (code(1000), code(1000), code(200), code(200))
+    assert not b.review(REVIEW, (*equal, 0)) and b.solved  # solved: equal shares, nothing to move
+    b.search.trying = 1  # (its decision at the step before the review; its lean rode with the sum)
+    assert not b.review(2 * REVIEW, (*equal, 1)) and b.shares() == [32, 32]
+    assert b.search.lean == 0 and b.search.quiet == balance.QUIET
