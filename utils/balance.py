@@ -54,8 +54,8 @@ REVIEW = 10  # steps between two looks at the speeds: a change is followed withi
 MEASURED = 3  # steps a rank times (after its first, which pays for warming up) before it sends codes
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
 LEAN_STEPS = 8  # a lean of 8 solves a rank at half the fastest's rate as if at a quarter of it
-MAX_LEAN = 8  # either way
-MARGIN = 0.01  # a try of a lean must make a step shorter by more than this to be kept
+MAX_LEAN = 8  # leans go from 0 (equal own times) to this
+MARGIN = 0.02  # a try of a lean must make a step shorter by more than this to be kept
 QUIET = 3  # reviews at the best lean before rank 0 tries the other way
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
@@ -229,8 +229,8 @@ class Balance:
 
 def leaned_codes(rate_codes, lean):
     """The rate codes the shares are solved with: each rank's drawn away from the fastest's by
-    lean/LEAN_STEPS of the distance between them (a negative lean: toward it). Codes are a log
-    scale, so a rank at half the fastest's rate is solved as if at 2**-(1 + lean/LEAN_STEPS) of it."""
+    lean/LEAN_STEPS of the distance between them. Codes are a log scale, so a rank at half the
+    fastest's rate is solved as if at 2**-(1 + lean/LEAN_STEPS) of it."""
     top = max(rate_codes)
     return [max(1, c - (lean * (top - c) + LEAN_STEPS // 2) // LEAN_STEPS) for c in rate_codes]
 
@@ -241,11 +241,13 @@ class LeanSearch:
 
     Equal own times are not always the shortest step: a rank that has used up its CPU quota by
     the time the sum reaches it stalls in the middle of the sum, and every rank waits (measured:
-    bench/README.md). So every REVIEW steps rank 0 looks at how long the last ones took: at
-    first it tries one lean further (away from equal own times), and keeps going while each try
-    is shorter than the lean it came from by more than MARGIN; a try that is not shorter is
-    taken back. Then it stays QUIET reviews before it tries the other way, so that a change of
-    speeds, or of what the quota costs, is found again."""
+    bench/README.md). So every REVIEW steps rank 0 looks at how long the last ones took (their
+    median): it tries one lean further toward the faster ranks, and keeps going while each try
+    is shorter than the lean it came from by more than MARGIN; a try that is not shorter is taken
+    back. After QUIET reviews it tries again, the other way (so a change of speeds, or of what the
+    stalls cost, is found again). Never below 0: the measure's one known error leans one way, and
+    a slow rank given more than it can carry is the costly mistake (every step waits for it).
+    """
 
     def __init__(self):
         self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
@@ -283,12 +285,12 @@ class LeanSearch:
             if self.quiet > 0:
                 self.quiet -= 1
                 return
-            if not -MAX_LEAN <= self.best + self.direction <= MAX_LEAN:
+            if not 0 <= self.best + self.direction <= MAX_LEAN:
                 self.direction = -self.direction
             self.trying = self.best + self.direction
         elif seconds < self.best_seconds * (1 - MARGIN):  # shorter: keep going that way
             self.best, self.best_seconds = self.trying, seconds
             further = self.best + self.direction
-            self.trying = further if -MAX_LEAN <= further <= MAX_LEAN else None
+            self.trying = further if 0 <= further <= MAX_LEAN else None
         else:  # no better: back, and the other way after a while
             self.trying, self.direction, self.quiet = None, -self.direction, QUIET

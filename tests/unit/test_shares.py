@@ -209,7 +209,6 @@ def test_a_lean_solves_slower_ranks_as_slower_still_and_never_below_code_1():
     assert balance.leaned_codes([fast, half, quarter], 0) == [fast, half, quarter]
     assert balance.leaned_codes([fast, half, quarter], 8) == [fast, 128, 96]  # solved as a quarter, a sixteenth
     assert balance.leaned_codes([fast, half, quarter], 1) == [fast, 142, 124]
-    assert balance.leaned_codes([fast, half, quarter], -8) == [fast, fast, fast]  # toward the fastest
     assert balance.leaned_codes([fast, 3], 8) == [fast, 1]
 
 
@@ -227,7 +226,7 @@ def search_over(step_seconds, steps):
 
 
 def test_rank_0_finds_the_lean_of_the_shortest_step_and_tries_around_it_now_and_then():
-    history = search_over(lambda lean: 0.06 * (1 + 0.02 * (lean - 3) ** 2), 600)
+    history = search_over(lambda lean: 0.06 * (1 + 0.05 * (lean - 3) ** 2), 600)
     assert history[:5] == [0, 1, 2, 3, 4]  # measured at 0 first, then one further while shorter
     assert history[5:7] == [3, 3]  # 4 was longer: back
     settled = history[10:]
@@ -236,7 +235,7 @@ def test_rank_0_finds_the_lean_of_the_shortest_step_and_tries_around_it_now_and_
 
 def test_a_lean_that_makes_no_step_shorter_is_taken_back():
     history = search_over(lambda lean: 0.06, 300)
-    assert history.count(0) >= 0.7 * len(history) and set(history) <= {-1, 0, 1}
+    assert history.count(0) >= 0.7 * len(history) and set(history) <= {0, 1}  # never below 0
 
 
 def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_once():
