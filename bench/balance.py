@@ -9,7 +9,7 @@ turns round by round (a slow minute hits them all alike); each figure is a media
     two     2 ranks, rank 1 held to half a core, one epoch of --train-subset 12800: equal shares,
             --balance, a sweep of fixed splits (--balance A:B), and the fast rank alone (64 a step)
     four    4 ranks held to 60/40/30/20% of a core (150% in all): equal, --balance, fixed splits
-            around their speeds
+            in proportion to the quotas and around where --balance settles
     change  2 ranks at full speed; rank 1 held to 40% of a core from step 100 to step 300 of 500:
             the steps --balance takes to follow each change (the shares every 10 steps, plotted)
     equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1-3: --balance against
@@ -39,7 +39,7 @@ TRAIN = str(REPO / "train.py")
 PARTS = ("two", "four", "change", "equal")
 TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14")
 FOUR = (0.6, 0.4, 0.3, 0.2)
-FOUR_SPLITS = ("26:17:13:8", "27:18:13:6", "25:17:13:9", "28:17:12:7", "24:18:13:9")
+FOUR_SPLITS = ("26:17:13:8", "28:17:12:7", "34:18:10:2", "37:17:9:1", "40:16:7:1")  # by quota, and by --balance
 EPOCH = re.compile(r"^epoch (\d+)/\d+ .*test accuracy ([\d.]+)% +time ([\d.]+) s", re.M)
 
 
@@ -335,9 +335,9 @@ def main(argv=None):
     print(f"logs in {folder}", flush=True)
     result = dict(command=command_line("balance.py"), host=host_info())
     if "two" in parts:
-        result["two"] = sweep([None, 0.5], TWO_SPLITS, args.reps, folder, args.train_subset, alone=True)
+        result["two"] = sweep([None, 0.5], TWO_SPLITS, args.reps, folder / "two", args.train_subset, alone=True)
     if "four" in parts:
-        result["four"] = sweep(list(FOUR), FOUR_SPLITS, args.reps, folder, args.train_subset)
+        result["four"] = sweep(list(FOUR), FOUR_SPLITS, args.reps, folder / "four", args.train_subset)
     if "change" in parts:
         result["change"] = change(args.reps, folder)
     if "equal" in parts:
