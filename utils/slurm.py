@@ -23,6 +23,7 @@ its `--resume` continues from the checkpoint. A finished run exits 0 and is not 
 
 import itertools
 import re
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -148,14 +149,24 @@ def requeue(step, checkpoint):
             return f"not requeued: Slurm job {step.job_id} was not started by sbatch"
         if fields.get("Requeue") != "1":
             return f"not requeued: Slurm job {step.job_id} may not be requeued (sbatch --requeue allows it)"
-        scontrol("requeue", step.job_id)
+        try:
+            scontrol("requeue", step.job_id)
+        except Requeuing:  # Slurm ended this run (and scontrol with it) to queue the job again
+            pass
     except (OSError, subprocess.SubprocessError, ValueError) as e:
         return f"could not requeue Slurm job {step.job_id}: {e}"
     return f"requeued Slurm job {step.job_id}: when it runs again it continues from {checkpoint}"
 
 
+class Requeuing(Exception):
+    """`scontrol requeue` was killed by SIGTERM: a requeue ends the running step at once, and
+    slurmstepd signals every process of it, scontrol too, sometimes before it has exited."""
+
+
 def scontrol(*words):
     done = subprocess.run(["scontrol", *words], capture_output=True, text=True, timeout=SCONTROL_SECONDS)
+    if done.returncode == -signal.SIGTERM and words[0] == "requeue":
+        raise Requeuing()
     if done.returncode != 0:
         raise ValueError(f"scontrol {' '.join(words)}: {(done.stderr or done.stdout).strip() or done.returncode}")
     return done.stdout

@@ -1,12 +1,14 @@
-"""srun's environment becomes the rank, the world and the rendezvous (utils/slurm.py)."""
+"""srun's environment becomes the rank, the world and the rendezvous; rank 0 requeues (utils/slurm.py)."""
 
 import os
 import shutil
 import subprocess
+import types
 
 import pytest
 
 import train
+from utils import slurm
 from utils.config import from_args
 from utils.errors import UsageError
 from utils.slurm import FIRST_PORT, describe, expand_hostlist, step_from
@@ -130,3 +132,26 @@ def test_a_broken_slurm_environment_is_one_line(change, message):
     environ = {k: v for k, v in {**TASK, **change}.items() if v is not None}
     with pytest.raises(UsageError, match=message):
         config(environ=environ)
+
+
+def fake_scontrol(tmp_path, monkeypatch, on_requeue):
+    """An `scontrol` on PATH: `show job` says the job may be requeued; `requeue` runs `on_requeue`."""
+    script = tmp_path / "scontrol"
+    script.write_text(
+        '#!/bin/sh\nif [ "$1" = show ]; then echo "JobId=7 BatchFlag=1 Requeue=1"; exit 0; fi\n' + on_requeue + "\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+
+def test_a_requeue_whose_scontrol_slurm_kills_with_the_step_is_a_requeue(tmp_path, monkeypatch):
+    fake_scontrol(tmp_path, monkeypatch, "kill -TERM $$")  # as slurmstepd ends the step at once
+    step = types.SimpleNamespace(job_id="7")
+    assert slurm.requeue(step, "runs/checkpoint.pt").startswith("requeued Slurm job 7")
+
+
+def test_a_requeue_slurm_refuses_says_so(tmp_path, monkeypatch):
+    fake_scontrol(tmp_path, monkeypatch, "echo 'Requested operation is presently disabled' >&2; exit 1")
+    step = types.SimpleNamespace(job_id="7")
+    line = slurm.requeue(step, "runs/checkpoint.pt")
+    assert line == "could not requeue Slurm job 7: scontrol requeue 7: Requested operation is presently disabled"
