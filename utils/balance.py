@@ -49,14 +49,19 @@ from fractions import Fraction
 
 from utils.cpu import CpuGroup, own_seconds, snapshot
 
-WINDOW = 20  # steps of this rank's timing in its speed: long enough to span 10 of a CPU quota's 100 ms periods
-REVIEW = 10  # steps between two looks at the speeds: a change is followed within about 20 steps
-MEASURED = 3  # steps a rank times (after its first, which pays for warming up) before it sends codes
+WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
+REVIEW = 5  # steps between two looks at the speeds: a change is followed within about 20 steps
+MEASURED = 3  # steps a rank times at the current shares (after its first, which warms up) before it sends codes
+RECENT = 5  # a rank's last steps, against the window's older ones: has its speed changed?
+CHANGED = 1.25  # the recent steps' time per image, this many times the older ones' (or 1/this): a change
+SEARCH = 10  # steps of rank 0's timing in each measure of a lean
+LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
+SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
 LEAN_STEPS = 8  # a lean of 8 solves a rank at half the fastest's rate as if at a quarter of it
 MAX_LEAN = 8  # leans go from 0 (equal own times) to this
 MARGIN = 0.02  # a try of a lean must make a step shorter by more than this to be kept
-QUIET = 3  # reviews at the best lean before rank 0 tries the other way
+QUIET = 3  # measures at the best lean before rank 0 tries the other way
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
@@ -149,6 +154,7 @@ class Balance:
         self.global_batch, self.threads = global_batch, threads  # threads: torch's, on this rank
         self.group = CpuGroup()
         self.timings = deque(maxlen=WINDOW)  # (images, seconds of compute, of the rest) of its last steps
+        self.levels = deque(maxlen=LEVELS)  # (images, seconds of compute) a step, at its earlier shares
         self.warm = False  # its first step has run (it is not timed: it pays for warming up)
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.restart(rank, world_size)
@@ -162,7 +168,7 @@ class Balance:
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
-        self.solved = False  # a review has solved with every rank's speed (until then: every REVIEW // 2 steps)
+        self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
@@ -179,7 +185,19 @@ class Balance:
             if self.warm:
                 rest = own_seconds(computed[1], ended[1], self.threads)
                 self.timings.append((images, computed[0] - started[0], rest))
+                self.forget_if_changed()
             self.warm = True
+
+    def forget_if_changed(self):
+        """If this rank's last RECENT steps took CHANGED times longer per image than the window's
+        older ones, or shorter (medians: one slow step is no change), its speed has changed
+        (another job on its server started or ended, a quota changed): the window keeps only the
+        recent steps, so that the next review sees the new speed whole, not diluted by the old."""
+        if len(self.timings) >= 2 * RECENT:
+            older, recent = list(self.timings)[:-RECENT], list(self.timings)[-RECENT:]
+            ratio = seconds_per_image(recent) / seconds_per_image(older)
+            if not 1 / CHANGED < ratio < CHANGED:
+                self.timings, self.levels = deque(recent, maxlen=WINDOW), deque(maxlen=LEVELS)
 
     def slots(self):
         """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
@@ -187,9 +205,11 @@ class Balance:
         if self.fixed is not None:
             return ()
         rate = overhead = 0
-        if len(self.timings) >= MEASURED:  # (so the first review, at step REVIEW // 2, has every rank's)
-            images, compute, rest = (sum(column) for column in zip(*self.timings))
-            rate, overhead = speed_code(images, compute), speed_code(len(self.timings), rest)
+        steps = len(self.timings)
+        if steps >= MEASURED:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
+            images, compute, rest = (sum(column) / steps for column in zip(*self.timings))
+            per_step, per_image = fit([*self.levels, (images, compute)]) or (0.0, compute / images)
+            rate, overhead = speed_code(1, per_image), speed_code(1, rest + per_step)
         n = self.world_size
         lean = self.search.lean if self.rank == 0 else 0
         return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n)) + (lean,)
@@ -203,8 +223,7 @@ class Balance:
             return False
         if self.rank == 0 and self.solved:
             self.search.timed(step, time.monotonic())
-        due = step % REVIEW == 0 or (not self.solved and step % REVIEW == REVIEW // 2)
-        if not due or min(codes[: 2 * n]) < 1:
+        if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
         lean, leaned = codes[2 * n], self.lean != codes[2 * n]
         self.lean, self.solved = lean, True
@@ -224,7 +243,37 @@ class Balance:
             return False
         self.weights, self.direction = tuple(new), moves
         self.changes += 1
+        if len(self.timings) >= MEASURED:  # a rank's time per image depends on its share: measured afresh
+            self.levels.append(tuple(sum(column) / len(self.timings) for column in zip(*self.timings))[:2])
+        self.timings.clear()
+        self.search.disturbed(step)
         return True
+
+
+def fit(levels):
+    """(seconds a step takes whatever its images, seconds an image), fitted by least squares to
+    `levels`, (images, seconds of compute) a step at different shares; None if their shares are
+    too close (within SPAN of their mean, or 4 images) to tell the two apart, or the line is not a
+    cost: more images in less time, or a step's own cost more than half its compute (timings are
+    noisy, and a rank's speed also moves with what else its server runs).
+
+    Why: a step has a cost of its own besides its images (measured: a rank's images per second
+    fall as its share shrinks, bench/README.md). Speeds taken as images over seconds make a rank
+    given more images look faster, and the shares creep to their balance over many reviews."""
+    if len(levels) < 2:
+        return None
+    mx, my = statistics.fmean(x for x, _ in levels), statistics.fmean(y for _, y in levels)
+    if max(x for x, _ in levels) - min(x for x, _ in levels) < max(4, SPAN * mx):
+        return None
+    per_image = sum((x - mx) * (y - my) for x, y in levels) / sum((x - mx) ** 2 for x, _ in levels)
+    per_step = my - per_image * mx
+    x, y = levels[-1]
+    return (per_step, per_image) if 0 <= per_step <= y / 2 else None
+
+
+def seconds_per_image(timings):
+    """Forward and backward's seconds per image in the median step of (images, compute, rest) timings."""
+    return statistics.median(compute / images for images, compute, _ in timings)
 
 
 def leaned_codes(rate_codes, lean):
@@ -241,16 +290,17 @@ class LeanSearch:
 
     Equal own times are not always the shortest step: a rank that has used up its CPU quota by
     the time the sum reaches it stalls in the middle of the sum, and every rank waits (measured:
-    bench/README.md). So every REVIEW steps rank 0 looks at how long the last ones took (their
+    bench/README.md). So every SEARCH steps rank 0 looks at how long the last ones took (their
     median): it tries one lean further toward the faster ranks, and keeps going while each try
     is shorter than the lean it came from by more than MARGIN; a try that is not shorter is taken
-    back. After QUIET reviews it tries again, the other way (so a change of speeds, or of what the
+    back. After QUIET looks it tries again, the other way (so a change of speeds, or of what the
     stalls cost, is found again). Never below 0: the measure's one known error leans one way, and
     a slow rank given more than it can carry is the costly mistake (every step waits for it).
     """
 
     def __init__(self):
-        self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
+        import os
+        self.best, self.trying, self.direction, self.quiet = int(os.environ.get('LEAN_START', 0)), None, 1, 0
         self.best_seconds = None  # a step at the best lean, as last measured
         self.window = None  # the clock after the review's step, then after each step since
 
@@ -260,16 +310,21 @@ class LeanSearch:
         return self.best if self.trying is None else self.trying
 
     def timed(self, step, clock):
-        """After each step: at the last step before a review, decide from the steps since the
-        review before it (all at the shares that review set), by their median (a step that
-        saved a checkpoint or evaluated says nothing of the shares)."""
-        if step % REVIEW == 0:
+        """After each step: every SEARCH steps, decide from the steps since the last decision
+        (all at the same shares, and the lean being tried), by their median (a step that saved a
+        checkpoint or evaluated says nothing of the shares)."""
+        if step % SEARCH == 0:
             self.window = [clock]
         elif self.window is not None:
             self.window.append(clock)
-            if step % REVIEW == REVIEW - 1:
+            if step % SEARCH == SEARCH - 1:
                 self.decide(statistics.median(b - a for a, b in zip(self.window, self.window[1:])))
                 self.window = None
+
+    def disturbed(self, step):
+        """The shares changed after `step`: the steps measured so far say nothing of the lean."""
+        if step % SEARCH != 0:
+            self.window = None
 
     def moved_nothing(self, lean):
         """The lean being tried did not move the shares (speeds too close for it): no try; the

@@ -125,6 +125,7 @@ def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     over = code(10**6)
     b.review(REVIEW, (code(800), code(400), over, over, 0))
     assert b.shares() == [43, 21]
+    timed(b, 800.0, steps=balance.MEASURED)  # (new shares are measured afresh)
     b.restart(1, 3)
     assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0, 0)
     b.restart(0, 2, weights=(43, 21))  # a resume: the checkpoint's shares
@@ -219,7 +220,7 @@ def search_over(step_seconds, steps):
     for step in range(1, steps + 1):
         clock += step_seconds(in_force)
         search.timed(step, clock)
-        if step % REVIEW == 0:  # the review: every rank solves with the lean rank 0 sent
+        if step % balance.SEARCH == 0:  # the review: every rank solves with the lean rank 0 sent
             in_force = search.lean
             history.append(in_force)
     return history
@@ -248,15 +249,30 @@ def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_
     assert all(b.review(3 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image: taken
 
 
-def test_until_every_speed_has_come_the_ranks_look_every_half_review():
+def test_a_changed_speed_leaves_the_older_steps_out_of_the_window():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    timed(b, 1000.0, steps=WINDOW + 1)
+    timed(b, 900.0, steps=balance.RECENT)  # 10% slower: noise
+    assert len(b.timings) == WINDOW
+    timed(b, 400.0, steps=2)  # 2.5 times slower, but not yet in most of the recent steps
+    assert len(b.timings) == WINDOW
+    timed(b, 400.0, steps=1)  # now in most: the next look sees only the recent steps
+    assert len(b.timings) == balance.RECENT and b.slots()[0] == code(5 / (2 / 900 + 3 / 400))
+
+
+def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_time():
     b = Balance("measured", rank=1, world_size=2, global_batch=64)
-    over = code(10**6)
-    codes = (code(1000), code(500), over, over, 0)
-    assert not b.review(REVIEW // 2, (code(1000), 0, over, over, 0))  # rank 1's speed not here yet
-    assert b.review(REVIEW + REVIEW // 2, codes) and b.shares() == [43, 21]  # the first look: early
-    faster = (code(1000), code(1000), over, over, 0)
-    assert not b.review(2 * REVIEW + REVIEW // 2, faster)  # then every REVIEW steps only
-    assert b.review(3 * REVIEW, faster) and b.shares() == [32, 32]
+    over, step = code(10**6), lambda images: 0.010 + images * 0.001  # 10 ms a step, 1 ms an image
+    for _ in range(WINDOW):
+        b.timed(32, (0.0, (0.0,) * 4), (step(32), (0.0,) * 4), (step(32), (0.005, 0.0, 0.0, 1.0)))
+    assert b.slots()[:4] == (0, code(32 / step(32)), 0, code(1 / 0.005))  # one share: images over seconds
+    assert b.review(REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
+    assert b.slots()[:4] == (0, 0, 0, 0)  # nothing measured at the new shares yet
+    for _ in range(balance.MEASURED):
+        b.timed(21, (0.0, (0.0,) * 4), (step(21), (0.0,) * 4), (step(21), (0.005, 0.0, 0.0, 1.0)))
+    assert b.slots()[:4] == (0, code(1000), 0, code(1 / 0.015))  # two shares: 1 ms an image, 10 + 5 ms a step
+    assert balance.fit([(32, 0.042), (31, 0.041)]) is None  # shares too close to tell the two apart
+    assert balance.fit([(32, 0.030), (21, 0.035)]) is None  # noise: more images took less time
 
 
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_ranks_are_equal():
