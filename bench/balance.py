@@ -11,7 +11,7 @@ turns round by round (a slow minute hits them all alike); each figure is a media
     four    4 ranks held to 60/40/30/20% of a core (150% in all): equal, --balance, fixed splits
             in proportion to the quotas and around where --balance settles
     change  2 ranks at full speed; rank 1 held to 40% of a core from step 100 to step 300 of 500:
-            the steps --balance takes to follow each change (the shares every 10 steps, plotted)
+            the steps --balance takes to balance each change (shares and step times, plotted)
     equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1-3: --balance against
             equal shares, time and test accuracy
 
@@ -154,8 +154,8 @@ def sweep(fractions, splits, reps, folder, subset, alone=False):
 
 
 def change(reps, folder, subset=32000, at=(100, 300), fraction=0.4):
-    """Rank 1 held to `fraction` of a core from step at[0] to step at[1]: per run, the shares over
-    steps and the steps until they follow each change."""
+    """Rank 1 held to `fraction` of a core from step at[0] to step at[1]: per run, the shares and
+    the time a step took over steps, and the steps until each change is balanced."""
     runs = []
     for rnd in range(reps):
         args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--balance"]
@@ -164,24 +164,44 @@ def change(reps, folder, subset=32000, at=(100, 300), fraction=0.4):
         reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
         steps = [e["step"] for e in reviews]
         share = [e["shares"][1] for e in reviews]
-        run = dict(steps=steps, rank1_share=share, changed_at=[])
+        pace = [None] + [1000 * (b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(reviews, reviews[1:])]
+        run = dict(steps=steps, rank1_share=share, step_ms=pace, changed_at=[])
         for (moment, seen, _, _), until in zip(job.applied, (at[1], subset // 64)):
-            start = step_at(reviews, moment, seen)
-            settled = statistics.median(s for st, s in zip(steps, share) if until - 100 <= st <= until)
-            followed = next(
-                (st for st, s in zip(steps, share) if st > start and abs(s - settled) <= max(2, 0.1 * settled)), None
-            )
-            run["changed_at"].append(
-                dict(
-                    step=round(start, 1),
-                    settled=settled,
-                    followed_at=followed,
-                    steps=None if followed is None else round(followed - start, 1),
-                )
-            )
+            run["changed_at"].append(followed(steps, share, pace, step_at(reviews, moment, seen), until))
         runs.append(run)
         print(f"  change {rnd + 1}/{reps}: {run['changed_at']}", flush=True)
     return dict(fraction=fraction, at=at, runs=runs)
+
+
+def followed(steps, share, pace, start, until):
+    """When a change at step `start` is balanced, measured against the 100 steps before `until`
+    (the next change, or the end), where the shares have settled:
+    - on step time: the first two reviews in a row after which the steps since the one before
+      took at most 10% longer than the settled steps' median (the steps it counts are all after
+      the change);
+    - on rank 1's share: when it enters the band the settled shares keep (their 10th to 90th
+      percentile, at least their median ± max(2, 10%)), and when it comes within max(2, 10%) of
+      their median."""
+    held = [(s, p) for st, s, p in zip(steps, share, pace) if until - 100 < st <= until]
+    settled, settled_ms = statistics.median(s for s, _ in held), statistics.median(p for _, p in held)
+    near = max(2, 0.1 * settled)
+    deciles = statistics.quantiles([s for s, _ in held], n=10)
+    band = (min(deciles[0], settled - near), max(deciles[-1], settled + near))
+    after = [(i, st) for i, st in enumerate(steps) if i > 0 and steps[i - 1] >= start]
+    paced_at = next(
+        (st for i, st in after if i + 1 < len(steps) and max(pace[i], pace[i + 1]) <= 1.1 * settled_ms), None
+    )
+    band_at = next((st for st, s in zip(steps, share) if st > start and band[0] <= s <= band[1]), None)
+    near_at = next((st for st, s in zip(steps, share) if st > start and abs(s - settled) <= near), None)
+    return dict(
+        step=round(start, 1),
+        settled_ms=round(settled_ms, 1),
+        steps=None if paced_at is None else round(paced_at - start, 1),
+        settled=settled,
+        band=[round(b, 1) for b in band],
+        steps_to_band=None if band_at is None else round(band_at - start, 1),
+        steps_to_near=None if near_at is None else round(near_at - start, 1),
+    )
 
 
 def step_at(reviews, moment, seen):
@@ -250,7 +270,7 @@ def targets(result):
         ok = all(s is not None and s <= 20 for s in follows)
         rows.append(
             (
-                "change: followed within 20 steps (slowdown, recovery)",
+                "change: balanced within 20 steps (slowdown, recovery; step time)",
                 ", ".join("-" if s is None else f"{s:.0f}" for s in follows),
                 ok,
             )
@@ -285,11 +305,35 @@ def report(result):
     if "change" in result:
         lines += [
             "\n## change: rank 1 held to 40% of a core from step 100 to step 300\n",
-            md_row("run", "change at step", "settled share of rank 1", "followed at step", "steps"),
-            md_row("---", "---", "---", "---", "---"),
+            "A change is balanced when two reviews in a row (5 steps apart) end steps that took at most"
+            " 10% longer than the median step of the 100 steps before the next change, where the shares"
+            " have settled (all of those steps after the change). Rank 1's share enters the band its"
+            " settled shares keep (their 10th to 90th percentile, at least their median ± max(2, 10%)),"
+            " and comes within max(2, 10%) of their median.\n",
+            md_row(
+                "run",
+                "change at step",
+                "settled step ms",
+                "balanced in steps",
+                "settled share (band)",
+                "steps to the band",
+                "steps to the median",
+            ),
+            md_row("---", "---", "---", "---", "---", "---", "---"),
         ]
         for i, run in enumerate(result["change"]["runs"]):
-            lines += [md_row(i + 1, c["step"], c["settled"], c["followed_at"], c["steps"]) for c in run["changed_at"]]
+            lines += [
+                md_row(
+                    i + 1,
+                    c["step"],
+                    c["settled_ms"],
+                    c["steps"],
+                    f"{c['settled']} ({c['band'][0]}-{c['band'][1]})",
+                    c["steps_to_band"],
+                    c["steps_to_near"],
+                )
+                for c in run["changed_at"]
+            ]
     if "equal" in result:
         lines += [
             "\n## equal: 2 ranks at full speed, 2 epochs\n",
@@ -306,16 +350,17 @@ def report(result):
 def plot(result):
     if "change" not in result:
         return None
-    fig, axes = figure(1, 1, (8, 4))
-    ax = axes[0][0]
+    fig, axes = figure(2, 1, (8, 6))
+    shares, pace = axes[0][0], axes[1][0]
     for i, run in enumerate(result["change"]["runs"]):
-        ax.plot(run["steps"], run["rank1_share"], marker=".", label=f"run {i + 1}")
-    for step in result["change"]["at"]:
-        ax.axvline(step, color="grey", linestyle="--")
-    ax.set(
-        xlabel="step", ylabel="rank 1's images of 64", title="--balance: rank 1 held to 40% of a core, steps 100-300"
-    )
-    ax.legend()
+        shares.plot(run["steps"], run["rank1_share"], marker=".", label=f"run {i + 1}")
+        pace.plot(run["steps"][1:], run["step_ms"][1:], marker=".", label=f"run {i + 1}")
+    for ax in (shares, pace):
+        for step in result["change"]["at"]:
+            ax.axvline(step, color="grey", linestyle="--")
+    shares.set(ylabel="rank 1's images of 64", title="--balance: rank 1 held to 40% of a core, steps 100-300")
+    pace.set(xlabel="step", ylabel="ms a step (the last 5 steps)")
+    shares.legend()
     return png_of(fig)
 
 

@@ -12,25 +12,31 @@ rank's gradient weighs its share (utils/run.py's weight), so the average counts 
 alike and the parameters stay identical on every rank.
 
 How the ranks agree, with no message of their own:
-  1. Each rank measures the time its own work took over its last WINDOW steps, in two parts:
-     - forward and backward, which grow with its images (its rate: images per second), on
-       own_clock: the clock, less the time its training thread waited for the others. Whatever
-       held it back counts: an old CPU, other people's jobs, a CPU quota's stalls, its own sum's
-       thread taking its CPU.
+  1. Each rank measures its own work, in two parts:
+     - forward and backward, which grow with its images (its rate: images per second): their
+       CPU time over its last WINDOW steps at the current shares, fitted over the shares it has
+       had (fit: a step has a cost of its own besides its images), times its stretch: how much
+       longer than their CPU time they took on own_clock, the clock less the time its training
+       thread waited for the others, over its last HISTORY steps. Whatever held it back counts:
+       an old CPU, other people's jobs, a CPU quota's stalls, its own sum's thread taking its
+       CPU. Under a quota of q cores the stretch is at least its process's CPU time over q: a
+       rank that saved up quota runs fast for a while, then stalls every rank.
      - the rest of a step (its overhead, seconds a step): what it still has to do once its
        gradient is ready, its part of the sum and the optimizer, as CPU time and the stalls it
        met (utils/cpu.py), not its waits. A rank that is the last one ready makes every rank
        wait this long, so a slow rank's part of the sum counts against its share.
+     When its last RECENT steps' stretch differs from the older ones' by CHANGED (a quota came
+     or went, another job started or ended), it forgets the older ones.
   2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
      every wire format the sums use) in its own two slots of the values that ride with the
      gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
      the same step.
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
-     time, overhead + share / rate (solve, in exact fractions: the same on every machine), and
-     the ranks adopt them only if a share turns back by more than THRESHOLD of itself and 2
-     images, or moves on by 2 images in the direction of its last move (noise in the timings
-     does not make the shares flap). A change of speed is followed at the next reviews that see
-     it, within about 20 steps.
+     time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
+     ranks adopt them when two looks in a row want the same move, and only if a share turns
+     back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
+     direction of its last move (noise in the timings does not make the shares flap). A change
+     of speed is followed within about 20 steps (bench/balance.py measures it).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
@@ -52,8 +58,9 @@ from utils.cpu import CpuGroup, own_seconds, snapshot
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds: a change is followed within about 20 steps
 MEASURED = 3  # steps a rank times at the current shares (after its first, which warms up) before it sends codes
-RECENT = 5  # a rank's last steps, against the window's older ones: has its speed changed?
-CHANGED = 1.25  # the recent steps' time per image, this many times the older ones' (or 1/this): a change
+HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
+RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
+CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
 SEARCH = 10  # steps of rank 0's timing in each measure of a lean
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
@@ -153,8 +160,9 @@ class Balance:
         self.fixed = None if mode == "measured" else parse_fixed(mode)
         self.global_batch, self.threads = global_batch, threads  # threads: torch's, on this rank
         self.group = CpuGroup()
-        self.timings = deque(maxlen=WINDOW)  # (images, seconds of compute, of the rest) of its last steps
-        self.levels = deque(maxlen=LEVELS)  # (images, seconds of compute) a step, at its earlier shares
+        self.timings = deque(maxlen=WINDOW)  # (images, CPU seconds of compute, of the rest) at the current shares
+        self.levels = deque(maxlen=LEVELS)  # (images, CPU seconds of compute) a step, at its earlier shares
+        self.history = deque(maxlen=HISTORY)  # (CPU s, own s) of compute, of the rest; process CPU s: its stretch
         self.warm = False  # its first step has run (it is not timed: it pays for warming up)
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.restart(rank, world_size)
@@ -167,6 +175,7 @@ class Balance:
             weights = self.fixed
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
+        self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
         self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
@@ -175,29 +184,45 @@ class Balance:
         return shares_of(self.global_batch if size is None else size, self.weights)
 
     def now(self, sync):
-        """This rank's clocks for timed(): own_clock(sync) and its CPU's snapshot (utils/cpu.py)."""
-        return own_clock(sync), snapshot(self.group)
+        """This rank's clocks for timed(): own_clock(sync), the training thread's CPU time, and its
+        process's CPU snapshot (utils/cpu.py)."""
+        return own_clock(sync), time.thread_time(), snapshot(self.group)
 
     def timed(self, images, started, computed, ended):
         """This rank's last step: `images`, and its clocks (now()) as it started, after its forward
         and backward, and as it ended."""
         if self.fixed is None and images > 0:
             if self.warm:
-                rest = own_seconds(computed[1], ended[1], self.threads)
-                self.timings.append((images, computed[0] - started[0], rest))
+                compute_cpu, compute = computed[1] - started[1], computed[0] - started[0]
+                rest_cpu = (ended[2][0] - computed[2][0]) / self.threads
+                self.timings.append((images, compute_cpu, rest_cpu))
+                rest, process_cpu = own_seconds(computed[2], ended[2], self.threads), ended[2][0] - started[2][0]
+                self.history.append((compute_cpu, compute, rest_cpu, rest, process_cpu))
                 self.forget_if_changed()
             self.warm = True
 
+    def stretch(self):
+        """How much longer than its CPU time this rank's work takes, over its history: (for its
+        forward and backward, for the rest of a step); about 1 on a server of its own.
+
+        In a CPU group with a quota of q cores, at least its process's CPU time over q: however
+        fast the steps it was timed on ran, its quota holds it to q CPU-seconds a second on
+        average, and a step that overdraws it stalls every rank for the rest of a quota period."""
+        compute_cpu, compute, rest_cpu, rest, process_cpu = (sum(column) for column in zip(*self.history))
+        cores = self.group.cores()
+        least = process_cpu / cores / max(compute_cpu + rest_cpu, 1e-9) if cores else 0.0
+        return max(least, compute / max(compute_cpu, 1e-9)), max(least, rest / max(rest_cpu, 1e-9))
+
     def forget_if_changed(self):
-        """If this rank's last RECENT steps took CHANGED times longer per image than the window's
-        older ones, or shorter (medians: one slow step is no change), its speed has changed
-        (another job on its server started or ended, a quota changed): the window keeps only the
-        recent steps, so that the next review sees the new speed whole, not diluted by the old."""
-        if len(self.timings) >= 2 * RECENT:
-            older, recent = list(self.timings)[:-RECENT], list(self.timings)[-RECENT:]
-            ratio = seconds_per_image(recent) / seconds_per_image(older)
-            if not 1 / CHANGED < ratio < CHANGED:
-                self.timings, self.levels = deque(recent, maxlen=WINDOW), deque(maxlen=LEVELS)
+        """If this rank's last RECENT steps were stretched CHANGED times more than its history's
+        older ones, or less, its speed has changed (a quota changed, another job on its server
+        started or ended): the history keeps only the recent steps, so that the next review sees
+        the new speed whole, not diluted by the old."""
+        if len(self.history) >= 2 * RECENT:
+            older, recent = list(self.history)[:-RECENT], list(self.history)[-RECENT:]
+            ratio = stretched(recent) / stretched(older)
+            if not 1 / CHANGED < ratio < CHANGED:  # (the change came within the recent steps: their last half)
+                self.history = deque(recent[RECENT // 2 :], maxlen=HISTORY)
 
     def slots(self):
         """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
@@ -209,7 +234,8 @@ class Balance:
         if steps >= MEASURED:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
             images, compute, rest = (sum(column) / steps for column in zip(*self.timings))
             per_step, per_image = fit([*self.levels, (images, compute)]) or (0.0, compute / images)
-            rate, overhead = speed_code(1, per_image), speed_code(1, rest + per_step)
+            stretch, rest_stretch = self.stretch()
+            rate, overhead = speed_code(1, per_image * stretch), speed_code(1, rest * rest_stretch + per_step * stretch)
         n = self.world_size
         lean = self.search.lean if self.rank == 0 else 0
         return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n)) + (lean,)
@@ -234,14 +260,17 @@ class Balance:
             if not moved and self.rank == 0:
                 self.search.moved_nothing(lean)
         else:
-            # a move on in the direction of the last one (a rank at a share far from its last, whose
-            # speed per image grows with its share, gets there in several moves) needs 2 images; a
-            # move back, more than THRESHOLD: noise turns the shares back and forth, a change does not
+            # two looks in a row must want the move (one slow stretch of steps is no change); a move
+            # on in the direction of the last one (a change of speed is followed in a few moves)
+            # needs 2 images, a move back more than THRESHOLD: noise turns shares back and forth
+            wish = tuple((m > 1) - (m < -1) for m in moves)
             onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
-            moved = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
+            enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
+            moved = enough and any(wish) and wish == self.wished
+            self.wished = wish
         if not moved:
             return False
-        self.weights, self.direction = tuple(new), moves
+        self.weights, self.direction, self.wished = tuple(new), moves, None
         self.changes += 1
         if len(self.timings) >= MEASURED:  # a rank's time per image depends on its share: measured afresh
             self.levels.append(tuple(sum(column) / len(self.timings) for column in zip(*self.timings))[:2])
@@ -271,9 +300,10 @@ def fit(levels):
     return (per_step, per_image) if 0 <= per_step <= y / 2 else None
 
 
-def seconds_per_image(timings):
-    """Forward and backward's seconds per image in the median step of (images, compute, rest) timings."""
-    return statistics.median(compute / images for images, compute, _ in timings)
+def stretched(history):
+    """Own seconds over CPU seconds, over steps of a rank's history."""
+    compute_cpu, compute, rest_cpu, rest, _ = (sum(column) for column in zip(*history))
+    return (compute + rest) / max(compute_cpu + rest_cpu, 1e-9)
 
 
 def leaned_codes(rate_codes, lean):
@@ -299,8 +329,7 @@ class LeanSearch:
     """
 
     def __init__(self):
-        import os
-        self.best, self.trying, self.direction, self.quiet = int(os.environ.get('LEAN_START', 0)), None, 1, 0
+        self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
         self.best_seconds = None  # a step at the best lean, as last measured
         self.window = None  # the clock after the review's step, then after each step since
 

@@ -42,8 +42,7 @@ class CpuGroup:
         self.stat, self.looked = None, -math.inf
 
     def stalled(self):
-        if time.monotonic() > self.looked + 1.0:
-            self.stat, self.looked = stat_file(), time.monotonic()
+        self.look()
         if self.stat is None:
             return 0.0
         try:
@@ -54,6 +53,31 @@ class CpuGroup:
         if "throttled_time" in fields:  # v1: nanoseconds
             return int(fields["throttled_time"]) / 1e9
         return int(fields.get("throttled_usec", 0)) / 1e6  # v2
+
+    def cores(self):
+        """The group's CPU quota in cores (v1: cpu.cfs_quota_us over cpu.cfs_period_us, v2: cpu.max),
+        or None: no quota (or none to be read)."""
+        self.look()
+        if self.stat is None:
+            return None
+        folder = os.path.dirname(self.stat)
+        try:
+            if os.path.exists(os.path.join(folder, "cpu.max")):
+                with open(os.path.join(folder, "cpu.max")) as f:
+                    quota, period = f.read().split()[:2]
+            else:
+                with (
+                    open(os.path.join(folder, "cpu.cfs_quota_us")) as f,
+                    open(os.path.join(folder, "cpu.cfs_period_us")) as g,
+                ):
+                    quota, period = f.read().strip(), g.read().strip()
+            return int(quota) / int(period) if quota != "max" and int(quota) > 0 and int(period) > 0 else None
+        except (OSError, ValueError):
+            return None
+
+    def look(self):
+        if time.monotonic() > self.looked + 1.0:
+            self.stat, self.looked = stat_file(), time.monotonic()
 
 
 def stat_file():

@@ -9,7 +9,7 @@ import torch
 
 from utils import balance
 from utils.balance import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
-from utils.cpu import own_seconds
+from utils.cpu import CpuGroup, own_seconds
 from utils.data import BalancedBatches, epoch_permutation
 
 
@@ -87,12 +87,23 @@ def test_shares_cover_the_step_for_any_weights():
         assert all(abs(s - e) < 1 for s, e in zip(shares, exact)) or min(exact) < 1
 
 
-def timed(b, per_second, overhead=0.005, steps=WINDOW):
-    """Steps of 32 images at `per_second`, then `overhead` seconds of CPU (and 1 s of waiting)."""
+def timed(b, per_second, overhead=0.005, steps=WINDOW, stretch=1.0):
+    """Steps of 32 images at `per_second` of CPU, their forward and backward `stretch` times longer
+    on the rank's own clock; then `overhead` seconds of CPU (and 1 s of waiting)."""
     for _ in range(steps):
-        compute = 32 / per_second
-        cpu = (0.0, 0.0, 0.0, 0.0)  # (utils/cpu.snapshot: CPU s, waited s, stalled s, clock)
-        b.timed(32, (0.0, cpu), (compute, cpu), (compute + 1.0, (overhead, 0.0, 0.0, 1.0)))
+        step(b, 32, 32 / per_second, overhead, stretch)
+
+
+def step(b, images, compute_cpu, overhead=0.005, stretch=1.0):
+    """One step, as timed() gets it: the clocks of now() (own clock, the training thread's CPU
+    time, utils/cpu.snapshot: process CPU s, waited s, stalled s, clock) at its start, after its
+    backward and at its end."""
+    b.timed(
+        images,
+        (0.0, 0.0, (0.0, 0.0, 0.0, 0.0)),
+        (compute_cpu * stretch, compute_cpu, (compute_cpu, 0.0, 0.0, 0.0)),
+        (compute_cpu * stretch + 1.0, compute_cpu, (compute_cpu + overhead, 0.0, 0.0, 1.0)),
+    )
 
 
 def test_a_rank_sends_its_codes_in_its_own_slots_once_it_has_measured_enough():
@@ -112,10 +123,15 @@ def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold(
     fast, slow, over = code(1000), code(500), code(10**6)
     assert not b.review(REVIEW - 1, (fast, slow, over, over, 0)) and b.shares() == [32, 32]  # not a review step
     assert not b.review(REVIEW, (fast, 0, over, over, 0)) and b.shares() == [32, 32]  # a rank not measured yet
-    assert b.review(REVIEW, (fast, slow, over, over, 0)) and b.shares() == [43, 21] and b.changes == 1
-    assert not b.review(2 * REVIEW, (fast, slow - 1, over, over, 0))  # 4% slower: noise, no flapping
+    assert not b.review(2 * REVIEW, (fast, slow, over, over, 0)) and b.shares() == [32, 32]  # a first look
+    assert not b.review(3 * REVIEW, (fast, fast, over, over, 0))  # the next does not want it: a slow spell
+    assert not b.review(4 * REVIEW, (fast, slow, over, over, 0)) and b.shares() == [32, 32]
+    assert b.review(5 * REVIEW, (fast, slow, over, over, 0)) and b.shares() == [43, 21] and b.changes == 1
+    assert not b.review(6 * REVIEW, (fast, slow - 1, over, over, 0))  # 4% slower: noise, no flapping
+    assert not b.review(7 * REVIEW, (fast, slow - 1, over, over, 0))  # (not even at a second look)
     assert b.shares() == [43, 21] and b.changes == 1
-    assert b.review(3 * REVIEW, (fast, fast, over, over, 0)) and b.shares() == [32, 32]
+    assert not b.review(8 * REVIEW, (fast, fast, over, over, 0))
+    assert b.review(9 * REVIEW, (fast, fast, over, over, 0)) and b.shares() == [32, 32]
     assert b.shares(7) == [4, 3]  # a smaller last step, cut in the same proportions
 
 
@@ -123,7 +139,8 @@ def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     timed(b, 800.0)
     over = code(10**6)
-    b.review(REVIEW, (code(800), code(400), over, over, 0))
+    for look in (1, 2):  # (a move needs two looks)
+        b.review(look * REVIEW, (code(800), code(400), over, over, 0))
     assert b.shares() == [43, 21]
     timed(b, 800.0, steps=balance.MEASURED)  # (new shares are measured afresh)
     b.restart(1, 3)
@@ -164,13 +181,19 @@ def test_balanced_batches_train_every_image_once_whatever_the_shares_do(num_exam
     assert seen == epoch_permutation(num_examples, epoch, seed).tolist()
 
 
-def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold():
+def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold_and_a_second_look():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     over = code(10**6)
-    assert b.review(REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
-    assert b.review(2 * REVIEW, (code(1000), code(420), over, over, 0)) and b.shares() == [45, 19]  # onward: 2 images
-    assert not b.review(3 * REVIEW, (code(1000), code(480), over, over, 0))  # back by 2 of 19: noise
-    assert b.review(4 * REVIEW, (code(1000), code(1000), over, over, 0)) and b.shares() == [32, 32]
+
+    def codes(slow):
+        return (code(1000), code(slow), over, over, 0)
+
+    assert not b.review(REVIEW, codes(500)) and b.review(2 * REVIEW, codes(500)) and b.shares() == [43, 21]
+    assert not b.review(3 * REVIEW, codes(420))
+    assert b.review(4 * REVIEW, codes(420)) and b.shares() == [45, 19]  # onward: 2 images
+    assert not b.review(5 * REVIEW, codes(1000))  # back, at a first look
+    assert not b.review(6 * REVIEW, codes(480))  # looked at again, but back by 2 of 19: noise
+    assert b.review(7 * REVIEW, codes(1000)) and b.shares() == [32, 32]
 
 
 def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():
@@ -243,33 +266,73 @@ def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_
     ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
     over = code(10**6)
     codes = (code(1000), code(500), over, over, 0)
-    assert all(b.review(REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
-    assert not any(b.review(2 * REVIEW, codes) for b in ranks)
+    assert not any(b.review(REVIEW, codes) for b in ranks)  # a first look
+    assert all(b.review(2 * REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
+    assert not any(b.review(3 * REVIEW, codes) for b in ranks)
     leaned = (*codes[:4], 1)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
-    assert all(b.review(3 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image: taken
+    assert all(b.review(4 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image, at once: taken
 
 
-def test_a_changed_speed_leaves_the_older_steps_out_of_the_window():
+def test_a_changed_speed_leaves_the_older_steps_out_of_its_stretch():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
-    timed(b, 1000.0, steps=WINDOW + 1)
-    timed(b, 900.0, steps=balance.RECENT)  # 10% slower: noise
-    assert len(b.timings) == WINDOW
-    timed(b, 400.0, steps=2)  # 2.5 times slower, but not yet in most of the recent steps
-    assert len(b.timings) == WINDOW
-    timed(b, 400.0, steps=1)  # now in most: the next look sees only the recent steps
-    assert len(b.timings) == balance.RECENT and b.slots()[0] == code(5 / (2 / 900 + 3 / 400))
+    timed(b, 1000.0, steps=balance.HISTORY)
+    timed(b, 1000.0, steps=balance.RECENT, stretch=1.2)  # 20% longer on its own clock: noise
+    assert len(b.history) == balance.HISTORY
+    timed(b, 1000.0, steps=balance.RECENT // 2, stretch=3.0)  # a quota, or another job: 3 times longer
+    assert len(b.history) < balance.HISTORY  # the older steps are forgotten
+    stretch, _ = b.stretch()
+    assert stretch > 2.0 and b.slots()[0] == code(1000.0 / stretch)  # its rate: CPU speed over the stretch
+
+
+class QuotaGroup:
+    """A CpuGroup of a CPU quota of `cores` cores that has stalled nothing yet."""
+
+    def __init__(self, cores):
+        self.quota = cores
+
+    def cores(self):
+        return self.quota
+
+    def stalled(self):
+        return 0.0
+
+
+def test_a_rank_under_a_quota_is_measured_at_no_more_than_the_quota_allows():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    b.group = QuotaGroup(0.5)
+    timed(b, 1000.0, overhead=0.008)  # its steps ran at full speed: it had saved up quota
+    assert b.stretch() == pytest.approx((2.0, 2.0))  # half a core: twice its CPU time, on average
+    assert b.slots()[:4] == (code(500.0), 0, code(1 / 0.016), 0)
+    b.group = QuotaGroup(None)  # the quota is lifted
+    assert b.stretch() == pytest.approx((1.0, 1.0)) and b.slots()[:4] == (code(1000.0), 0, code(1 / 0.008), 0)
+
+
+def test_a_cpu_groups_quota_is_read_in_cores_from_cgroup_v1_and_v2(tmp_path):
+    group = CpuGroup()
+    group.stat, group.looked = str(tmp_path / "cpu.stat"), time.monotonic() + 3600  # (looked up: this folder)
+    assert group.cores() is None  # nothing to read
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    assert group.cores() is None  # v1, no quota
+    (tmp_path / "cpu.cfs_quota_us").write_text("50000\n")
+    assert group.cores() == 0.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert group.cores() is None  # v2, no quota
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert group.cores() == 1.5
 
 
 def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_time():
     b = Balance("measured", rank=1, world_size=2, global_batch=64)
-    over, step = code(10**6), lambda images: 0.010 + images * 0.001  # 10 ms a step, 1 ms an image
+    over, cost = code(10**6), lambda images: 0.010 + images * 0.001  # 10 ms a step, 1 ms an image
     for _ in range(WINDOW):
-        b.timed(32, (0.0, (0.0,) * 4), (step(32), (0.0,) * 4), (step(32), (0.005, 0.0, 0.0, 1.0)))
-    assert b.slots()[:4] == (0, code(32 / step(32)), 0, code(1 / 0.005))  # one share: images over seconds
-    assert b.review(REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
+        step(b, 32, cost(32))
+    assert b.slots()[:4] == (0, code(32 / cost(32)), 0, code(1 / 0.005))  # one share: images over seconds
+    assert not b.review(REVIEW, (code(1000), code(500), over, over, 0))
+    assert b.review(2 * REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
     assert b.slots()[:4] == (0, 0, 0, 0)  # nothing measured at the new shares yet
     for _ in range(balance.MEASURED):
-        b.timed(21, (0.0, (0.0,) * 4), (step(21), (0.0,) * 4), (step(21), (0.005, 0.0, 0.0, 1.0)))
+        step(b, 21, cost(21))
     assert b.slots()[:4] == (0, code(1000), 0, code(1 / 0.015))  # two shares: 1 ms an image, 10 + 5 ms a step
     assert balance.fit([(32, 0.042), (31, 0.041)]) is None  # shares too close to tell the two apart
     assert balance.fit([(32, 0.030), (21, 0.035)]) is None  # noise: more images took less time
