@@ -37,7 +37,7 @@ from utils.launch import free_port, kill
 
 TRAIN = str(REPO / "train.py")
 PARTS = ("two", "four", "change", "equal")
-TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14")
+TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14", "53:11", "56:8")
 FOUR = (0.6, 0.4, 0.3, 0.2)
 FOUR_SPLITS = ("26:17:13:8", "28:17:12:7", "34:18:10:2", "37:17:9:1", "40:16:7:1")  # by quota, and by --balance
 EPOCH = re.compile(r"^epoch (\d+)/\d+ .*test accuracy ([\d.]+)% +time ([\d.]+) s", re.M)

@@ -26,7 +26,8 @@ How the ranks agree, with no message of their own:
        met (utils/cpu.py), not its waits. A rank that is the last one ready makes every rank
        wait this long, so a slow rank's part of the sum counts against its share.
      When its last RECENT steps' stretch differs from the older ones' by CHANGED (a quota came
-     or went, another job started or ended), it forgets the older ones.
+     or went, another job started or ended), it forgets the older ones and says so with its
+     codes: one look then moves.
   2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
      every wire format the sums use) in its own two slots of the values that ride with the
      gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
@@ -162,9 +163,11 @@ class Balance:
         self.group = CpuGroup()
         self.timings = deque(maxlen=WINDOW)  # (images, CPU seconds of compute, of the rest) at the current shares
         self.levels = deque(maxlen=LEVELS)  # (images, CPU seconds of compute) a step, at its earlier shares
+        self.cost = None  # (CPU seconds a step, an image) of compute, as last fitted on the levels
         self.history = deque(maxlen=HISTORY)  # (CPU s, own s) of compute, of the rest; process CPU s: its stretch
         self.warm = False  # its first step has run (it is not timed: it pays for warming up)
         self.changes = 0  # re-balances so far (the timeline and the log say them)
+        self.changed = False  # its speed changed since the last review (forget_if_changed)
         self.restart(rank, world_size)
 
     def restart(self, rank, world_size, weights=None):
@@ -222,7 +225,7 @@ class Balance:
             older, recent = list(self.history)[:-RECENT], list(self.history)[-RECENT:]
             ratio = stretched(recent) / stretched(older)
             if not 1 / CHANGED < ratio < CHANGED:  # (the change came within the recent steps: their last half)
-                self.history = deque(recent[RECENT // 2 :], maxlen=HISTORY)
+                self.history, self.changed = deque(recent[RECENT // 2 :], maxlen=HISTORY), True
 
     def slots(self):
         """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
@@ -233,26 +236,29 @@ class Balance:
         steps = len(self.timings)
         if steps >= MEASURED:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
             images, compute, rest = (sum(column) / steps for column in zip(*self.timings))
-            per_step, per_image = fit([*self.levels, (images, compute)]) or (0.0, compute / images)
+            self.cost = fit([*self.levels, (images, compute)]) or self.cost
+            per_step = min(self.cost[0], compute / 2) if self.cost else 0.0
+            per_image = (compute - per_step) / images
             stretch, rest_stretch = self.stretch()
             rate, overhead = speed_code(1, per_image * stretch), speed_code(1, rest * rest_stretch + per_step * stretch)
         n = self.world_size
         lean = self.search.lean if self.rank == 0 else 0
-        return tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n)) + (lean,)
+        codes = tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n))
+        return (*codes, lean, int(self.changed and rate > 0))
 
     def review(self, step, codes):
         """After `step` (of the epoch), with the codes of its sum (every rank's rate and overhead,
         then the lean): new shares if it is time to look and they have moved enough. True when
         they changed. Rank 0 also times its steps here for the lean's search."""
         n = self.world_size
-        if self.fixed is not None or len(codes) != 2 * n + 1:
+        if self.fixed is not None or len(codes) != 2 * n + 2:
             return False
         if self.rank == 0 and self.solved:
             self.search.timed(step, time.monotonic())
         if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
-        lean, leaned = codes[2 * n], self.lean != codes[2 * n]
-        self.lean, self.solved = lean, True
+        lean, leaned, changed = codes[2 * n], self.lean != codes[2 * n], codes[2 * n + 1] > 0
+        self.lean, self.solved, self.changed = lean, True, False
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
         moves = [b - a for a, b in zip(old, new)]
         if leaned:  # rank 0 tries another lean: taken as it is (one that moves nothing is no try)
@@ -260,13 +266,14 @@ class Balance:
             if not moved and self.rank == 0:
                 self.search.moved_nothing(lean)
         else:
-            # two looks in a row must want the move (one slow stretch of steps is no change); a move
-            # on in the direction of the last one (a change of speed is followed in a few moves)
-            # needs 2 images, a move back more than THRESHOLD: noise turns shares back and forth
+            # two looks in a row must want the move (one slow stretch of steps is no change), or one
+            # if a rank saw its speed change; a move on in the direction of the last one (a change
+            # of speed is followed in a few moves) needs 2 images, a move back more than THRESHOLD:
+            # noise turns shares back and forth
             wish = tuple((m > 1) - (m < -1) for m in moves)
             onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
             enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
-            moved = enough and any(wish) and wish == self.wished
+            moved = enough and any(wish) and (wish == self.wished or changed)
             self.wished = wish
         if not moved:
             return False
@@ -284,7 +291,8 @@ def fit(levels):
     `levels`, (images, seconds of compute) a step at different shares; None if their shares are
     too close (within SPAN of their mean, or 4 images) to tell the two apart, or the line is not a
     cost: more images in less time, or a step's own cost more than half its compute (timings are
-    noisy, and a rank's speed also moves with what else its server runs).
+    noisy, and a rank's speed also moves with what else its server runs). Half of the largest
+    level's compute, not the last's: at a share of a few images a step's own cost is most of it.
 
     Why: a step has a cost of its own besides its images (measured: a rank's images per second
     fall as its share shrinks, bench/README.md). Speeds taken as images over seconds make a rank
@@ -296,8 +304,7 @@ def fit(levels):
         return None
     per_image = sum((x - mx) * (y - my) for x, y in levels) / sum((x - mx) ** 2 for x, _ in levels)
     per_step = my - per_image * mx
-    x, y = levels[-1]
-    return (per_step, per_image) if 0 <= per_step <= y / 2 else None
+    return (per_step, per_image) if 0 <= per_step <= max(y for _, y in levels) / 2 else None
 
 
 def stretched(history):

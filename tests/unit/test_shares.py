@@ -108,30 +108,30 @@ def step(b, images, compute_cpu, overhead=0.005, stretch=1.0):
 
 def test_a_rank_sends_its_codes_in_its_own_slots_once_it_has_measured_enough():
     b = Balance("measured", rank=1, world_size=3, global_batch=64)
-    assert b.slots() == (0,) * 7
+    assert b.slots() == (0,) * 8
     timed(b, 10.0, steps=1)  # the first step pays for warming up: not timed
     timed(b, 1000.0, steps=balance.MEASURED - 1)
-    assert b.slots() == (0,) * 7  # not enough steps yet
+    assert b.slots() == (0,) * 8  # not enough steps yet
     timed(b, 1000.0, steps=1)
-    assert b.slots() == (0, code(1000), 0, 0, code(200), 0, 0)  # rate, then overhead (1 / 5 ms); no lean (rank 0's)
+    assert b.slots() == (0, code(1000), 0, 0, code(200), 0, 0, 0)  # rate, then overhead (1 / 5 ms); no lean (rank 0's)
     timed(b, 500.0, 0.01)  # the window holds only the last WINDOW steps
-    assert b.slots() == (0, code(500), 0, 0, code(100), 0, 0)
+    assert b.slots() == (0, code(500), 0, 0, code(100), 0, 0, 0)
 
 
 def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     fast, slow, over = code(1000), code(500), code(10**6)
-    assert not b.review(REVIEW - 1, (fast, slow, over, over, 0)) and b.shares() == [32, 32]  # not a review step
-    assert not b.review(REVIEW, (fast, 0, over, over, 0)) and b.shares() == [32, 32]  # a rank not measured yet
-    assert not b.review(2 * REVIEW, (fast, slow, over, over, 0)) and b.shares() == [32, 32]  # a first look
-    assert not b.review(3 * REVIEW, (fast, fast, over, over, 0))  # the next does not want it: a slow spell
-    assert not b.review(4 * REVIEW, (fast, slow, over, over, 0)) and b.shares() == [32, 32]
-    assert b.review(5 * REVIEW, (fast, slow, over, over, 0)) and b.shares() == [43, 21] and b.changes == 1
-    assert not b.review(6 * REVIEW, (fast, slow - 1, over, over, 0))  # 4% slower: noise, no flapping
-    assert not b.review(7 * REVIEW, (fast, slow - 1, over, over, 0))  # (not even at a second look)
+    assert not b.review(REVIEW - 1, (fast, slow, over, over, 0, 0)) and b.shares() == [32, 32]  # not a review step
+    assert not b.review(REVIEW, (fast, 0, over, over, 0, 0)) and b.shares() == [32, 32]  # a rank not measured yet
+    assert not b.review(2 * REVIEW, (fast, slow, over, over, 0, 0)) and b.shares() == [32, 32]  # a first look
+    assert not b.review(3 * REVIEW, (fast, fast, over, over, 0, 0))  # the next does not want it: a slow spell
+    assert not b.review(4 * REVIEW, (fast, slow, over, over, 0, 0)) and b.shares() == [32, 32]
+    assert b.review(5 * REVIEW, (fast, slow, over, over, 0, 0)) and b.shares() == [43, 21] and b.changes == 1
+    assert not b.review(6 * REVIEW, (fast, slow - 1, over, over, 0, 0))  # 4% slower: noise, no flapping
+    assert not b.review(7 * REVIEW, (fast, slow - 1, over, over, 0, 0))  # (not even at a second look)
     assert b.shares() == [43, 21] and b.changes == 1
-    assert not b.review(8 * REVIEW, (fast, fast, over, over, 0))
-    assert b.review(9 * REVIEW, (fast, fast, over, over, 0)) and b.shares() == [32, 32]
+    assert not b.review(8 * REVIEW, (fast, fast, over, over, 0, 0))
+    assert b.review(9 * REVIEW, (fast, fast, over, over, 0, 0)) and b.shares() == [32, 32]
     assert b.shares(7) == [4, 3]  # a smaller last step, cut in the same proportions
 
 
@@ -140,11 +140,11 @@ def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     timed(b, 800.0)
     over = code(10**6)
     for look in (1, 2):  # (a move needs two looks)
-        b.review(look * REVIEW, (code(800), code(400), over, over, 0))
+        b.review(look * REVIEW, (code(800), code(400), over, over, 0, 0))
     assert b.shares() == [43, 21]
     timed(b, 800.0, steps=balance.MEASURED)  # (new shares are measured afresh)
     b.restart(1, 3)
-    assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0, 0)
+    assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0, 0, 0)
     b.restart(0, 2, weights=(43, 21))  # a resume: the checkpoint's shares
     assert b.shares() == [43, 21]
 
@@ -186,7 +186,7 @@ def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold_and_
     over = code(10**6)
 
     def codes(slow):
-        return (code(1000), code(slow), over, over, 0)
+        return (code(1000), code(slow), over, over, 0, 0)
 
     assert not b.review(REVIEW, codes(500)) and b.review(2 * REVIEW, codes(500)) and b.shares() == [43, 21]
     assert not b.review(3 * REVIEW, codes(420))
@@ -265,11 +265,11 @@ def test_a_lean_that_makes_no_step_shorter_is_taken_back():
 def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_once():
     ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
     over = code(10**6)
-    codes = (code(1000), code(500), over, over, 0)
+    codes = (code(1000), code(500), over, over, 0, 0)
     assert not any(b.review(REVIEW, codes) for b in ranks)  # a first look
     assert all(b.review(2 * REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
     assert not any(b.review(3 * REVIEW, codes) for b in ranks)
-    leaned = (*codes[:4], 1)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
+    leaned = (*codes[:4], 1, 0)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
     assert all(b.review(4 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image, at once: taken
 
 
@@ -328,8 +328,8 @@ def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_tim
     for _ in range(WINDOW):
         step(b, 32, cost(32))
     assert b.slots()[:4] == (0, code(32 / cost(32)), 0, code(1 / 0.005))  # one share: images over seconds
-    assert not b.review(REVIEW, (code(1000), code(500), over, over, 0))
-    assert b.review(2 * REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
+    assert not b.review(REVIEW, (code(1000), code(500), over, over, 0, 0))
+    assert b.review(2 * REVIEW, (code(1000), code(500), over, over, 0, 0)) and b.shares() == [43, 21]
     assert b.slots()[:4] == (0, 0, 0, 0)  # nothing measured at the new shares yet
     for _ in range(balance.MEASURED):
         step(b, 21, cost(21))
@@ -341,7 +341,7 @@ def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_tim
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_ranks_are_equal():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     equal = (code(1000), code(1000), code(200), code(200))
-    assert not b.review(REVIEW, (*equal, 0)) and b.solved  # solved: equal shares, nothing to move
+    assert not b.review(REVIEW, (*equal, 0, 0)) and b.solved  # solved: equal shares, nothing to move
     b.search.trying = 1  # (its decision at the step before the review; its lean rode with the sum)
-    assert not b.review(2 * REVIEW, (*equal, 1)) and b.shares() == [32, 32]
+    assert not b.review(2 * REVIEW, (*equal, 1, 0)) and b.shares() == [32, 32]
     assert b.search.lean == 0 and b.search.quiet == balance.QUIET
