@@ -345,3 +345,19 @@ def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_rank
     b.search.trying = 1  # (its decision at the step before the review; its lean rode with the sum)
     assert not b.review(2 * REVIEW, (*equal, 1, 0)) and b.shares() == [32, 32]
     assert b.search.lean == 0 and b.search.quiet == balance.QUIET
+
+
+def test_no_lean_is_tried_between_ranks_of_about_equal_speed_and_one_is_once_they_part():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    over = code(10**6)
+
+    def leans(slow, steps):
+        seen = set()
+        for step in range(steps):
+            b.review(step, (code(1000), slow, over, over, b.search.lean, 0))
+            seen.add(b.search.lean)
+        return seen
+
+    assert leans(code(1000) - balance.LEAN_FROM + 1, 20 * balance.SEARCH) == {0}  # noise would steer it
+    assert leans(code(1000) - balance.LEAN_FROM, 2 * balance.SEARCH) == {0, 1}  # they part: a search at once
+    assert leans(code(1000), 2 * balance.SEARCH) == {0}  # together again: the lean is let go
