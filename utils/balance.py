@@ -339,10 +339,14 @@ class LeanSearch:
     """
 
     def __init__(self):
+        self.held = False  # the ranks' speeds are too close for a lean (hold)
+        self.begin()
+
+    def begin(self):
+        """A search from lean 0, as at the start."""
         self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
         self.best_seconds = None  # a step at the best lean, as last measured
         self.window = None  # the clock after the review's step, then after each step since
-        self.held = False  # the ranks' speeds are too close for a lean (hold)
 
     @property
     def lean(self):
@@ -372,7 +376,7 @@ class LeanSearch:
         of the step times and of the rates (measured: on equal servers it wandered to 37:27 and
         cost 6%, bench/README.md). A search starts afresh once they part."""
         if held and not self.held:
-            self.best, self.trying, self.direction, self.quiet, self.window = 0, None, 1, 0, None
+            self.begin()
         self.held = held
 
     def moved_nothing(self, lean):

@@ -338,6 +338,28 @@ def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_tim
     assert balance.fit([(32, 0.030), (21, 0.035)]) is None  # noise: more images took less time
 
 
+def test_a_small_share_keeps_its_steps_own_cost_and_the_last_good_fit_stays():
+    b = Balance("measured", rank=1, world_size=2, global_batch=64)
+    b.levels.append((32, 0.042))  # 10 ms a step, 1 ms an image
+    for _ in range(WINDOW):
+        step(b, 8, 0.018)  # at 8 images the step's own cost is more than half the compute
+    rate = code(8 / 0.009)  # the step's own cost taken out, at most half its compute: not 8 / 18 ms
+    assert b.slots()[1] == rate and b.cost == pytest.approx((0.010, 0.001))
+    b.levels.clear()  # (as after a change of speed): nothing to fit on, the last fit stands
+    assert b.slots()[1] == rate
+
+
+def test_a_rank_that_saw_its_speed_change_says_so_and_one_look_moves_the_shares():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    timed(b, 1000.0, steps=balance.HISTORY)
+    assert b.slots()[-1] == 0
+    timed(b, 1000.0, steps=balance.RECENT // 2, stretch=3.0)  # a quota came
+    assert b.slots()[-1] == 1
+    over = code(10**6)
+    assert b.review(REVIEW, (code(1000), code(500), over, over, 0, 1)) and b.shares() == [43, 21]  # one look
+    assert b.slots()[-1] == 0  # said once
+
+
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_ranks_are_equal():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     equal = (code(1000), code(1000), code(200), code(200))
