@@ -137,6 +137,14 @@ class Forked(fork.Child):
             self._read_status()
         return self.returncode
 
+    def send_signal(self, sig):
+        # The server reaps the child before its exit code reaches us, so between the two the pid is
+        # gone while poll() still says running: that is an exit, not an error.
+        try:
+            super().send_signal(sig)
+        except ProcessLookupError:
+            pass
+
     def _read_status(self):
         said = b""
         while chunk := os.read(self._status, 64):

@@ -83,3 +83,19 @@ def test_other_programs_are_started_as_before():
     for argv in ([sys.executable, "-c", "pass"], ["true"]):
         proc = forker.popen(argv)
         assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=30) == 0
+
+
+def test_a_signal_in_the_moment_between_the_servers_reap_and_its_word_is_no_error():
+    # The server reaps a child before it writes the exit code, so for a moment poll() says running
+    # while the pid is gone. CI once saw kill() raise ProcessLookupError there.
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    status_read, status_write = os.pipe()
+    child = Forked.__new__(Forked)
+    child.pid, child.args, child.returncode, child._status = gone.pid, ["true"], None, status_read
+    assert child.poll() is None  # no word from the server yet
+    child.kill()
+    child.terminate()
+    os.write(status_write, b"0")
+    os.close(status_write)
+    assert child.poll() == 0
