@@ -263,7 +263,8 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
 
     def new_sync(hosts):
         flags = lambda: stop_flag(membership, balance)  # noqa: E731
-        return make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, flags, hosts, timeline)
+        broken = membership.broken if membership is not None else None
+        return make_gradient_sync(model, config.sync, optimizer, scheduler, recipe.seed, flags, hosts, timeline, broken)
 
     gradient_sync = None  # a joining server makes its own with the members (Recovery.form)
     if joining is None:

@@ -143,11 +143,22 @@ class PlainSync(BucketSync):
         self.waited_seconds += time.perf_counter() - start
 
 
-class OverlappedSync(BucketSync):
-    """Each bucket is summed as soon as backward has made all its gradients."""
+ABANDON_SECONDS = 2.0  # how long a bucket's sum may go on after this rank's group broke
 
-    def __init__(self, model, *parts, **named):
+
+class OverlappedSync(BucketSync):
+    """Each bucket is summed as soon as backward has made all its gradients.
+
+    broken: an Event set when this rank's group has broken (utils/elastic: a peer was lost and
+    every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after it is given
+    up: gloo fails the receives still waiting for data when a connection is cut, but not one whose
+    data was arriving at that moment, which would wait out the whole --timeout (measured: 1 cut
+    in 10 in tests/test_recovery_multihost.py). Its thread is left to that timeout; the group it
+    waits on is not used again."""
+
+    def __init__(self, model, *parts, broken=None, **named):
         super().__init__(*parts, **named)
+        self.broken = broken
         self.weights = [1.0] * len(self.buckets)  # the weight each bucket was started with
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]  # gradients still to come, this step
@@ -208,6 +219,14 @@ class OverlappedSync(BucketSync):
             for event in self.summed:
                 event.set()
 
+    def _wait_summed(self, i):
+        broken_at = None
+        while not self.summed[i].wait(None if self.broken is None else 0.1):
+            if self.broken.is_set():
+                broken_at = broken_at or time.monotonic()
+                if time.monotonic() - broken_at > ABANDON_SECONDS:
+                    raise PeerError(f"the sum did not end within {ABANDON_SECONDS:g} s of the cut")
+
     def backward_done(self):
         """After loss.backward(): buckets whose parameters took no part are summed as zeros."""
         with self.lock:  # backward is over: every hook that was going to run has run
@@ -225,7 +244,7 @@ class OverlappedSync(BucketSync):
         """Block until bucket i is averaged; raises PeerError if communication failed."""
         with self.timeline.span("wait", bucket=i):
             if not self.native:
-                self.summed[i].wait()
+                self._wait_summed(i)
                 if self.error is not None:
                     raise PeerError(first_line(self.error))  # the trainer says where
                 self.summed[i].clear()

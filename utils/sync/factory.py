@@ -13,12 +13,15 @@ from utils.sync.periodic import PeriodicSync
 from utils.timeline import OFF
 
 
-def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=Flags, hosts=None, timeline=OFF):
+def make_gradient_sync(
+    model, sync, optimizer, scheduler, seed=0, local_flag=Flags, hosts=None, timeline=OFF, broken=None
+):
     """The gradient sync of a utils.config.Sync for `model` (a collective: every rank makes it
     at the same point, since it makes the buckets' process groups).
 
     local_flag: () -> this rank's Flags; hosts: the servers' ranks, for the hierarchical sum
-    (utils.comm.hierarchical.discover; None: it asks); timeline: where the sync draws its spans."""
+    (utils.comm.hierarchical.discover; None: it asks); timeline: where the sync draws its spans;
+    broken: the membership's Event of a broken group (OverlappedSync), or None."""
     params = list(model.parameters())
     timeout = datetime.timedelta(seconds=sync.timeout)
 
@@ -44,4 +47,4 @@ def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, local_flag=Fla
     parts = (buckets, allreduces, compressor, optimizer, scheduler, local_flag, timeline)
     if not sync.overlap:
         return PlainSync(*parts)
-    return (LazySync if sync.lazy_update else OverlappedSync)(model, *parts)
+    return (LazySync if sync.lazy_update else OverlappedSync)(model, *parts, broken=broken)
