@@ -36,8 +36,9 @@ How the ranks agree, with no message of their own:
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
      ranks adopt them when two looks in a row want the same move, and only if a share turns
      back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
-     direction of its last move (noise in the timings does not make the shares flap). A change
-     of speed is followed within about 20 steps (bench/balance.py measures it).
+     direction of its last move (noise in the timings does not make the shares flap). Measured
+     (bench/balance.py, 20 runs): a slowdown's end is balanced in a median of 17 steps, its
+     start in 37 (bench/README.md says why).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
@@ -57,8 +58,8 @@ from fractions import Fraction
 from utils.cpu import CpuGroup, own_seconds, snapshot
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
-REVIEW = 5  # steps between two looks at the speeds: a change is followed within about 20 steps
-MEASURED = 3  # steps a rank times at the current shares (after its first, which warms up) before it sends codes
+REVIEW = 5  # steps between two looks at the speeds
+MEASURED = 3  # steps a rank times at the current shares before it sends codes (a run's first is not timed)
 HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
