@@ -150,8 +150,8 @@ class OverlappedSync(BucketSync):
     """Each bucket is summed as soon as backward has made all its gradients.
 
     broken: an Event set when this rank's group has broken (utils/elastic: a peer was lost and
-    every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after it is given
-    up: gloo fails the receives still waiting for data when a connection is cut, but not one whose
+    every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after the group
+    broke is given up: gloo fails the receives still waiting for data when a connection is cut, but not one whose
     data was arriving at that moment, which would wait out the whole --timeout (measured: 3 cuts
     in 46 in tests/test_recovery_multihost.py). Its thread is left to that timeout; the group it
     waits on is not used again."""
