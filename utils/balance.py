@@ -34,11 +34,12 @@ How the ranks agree, with no message of their own:
      the same step.
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
-     ranks adopt them when two looks in a row want the same move, and only if a share turns
-     back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
+     ranks adopt them when two looks in a row want the same move (one look when a rank saw its
+     speed change, and for each move on in that move's direction after it), and only if a share
+     turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
      direction of its last move (noise in the timings does not make the shares flap). Measured
-     (bench/balance.py, 20 runs): a slowdown's end is balanced in a median of 17 steps, its
-     start in 37 (bench/README.md says why).
+     (bench/balance.py, 20 runs): a slowdown's end is balanced in a median of 15 steps, its
+     start in 24 (bench/README.md says why not 20).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
@@ -64,6 +65,7 @@ HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is me
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
 SEARCH = 10  # steps of rank 0's timing in each measure of a lean
+FIRST_TRIES = 2  # notches of a new lean search's tries, each measured over REVIEW steps, until one is no shorter
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
@@ -181,6 +183,7 @@ class Balance:
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
+        self.following = False  # the last move followed a change of speed: a move on needs one look
         self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
         self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
@@ -271,14 +274,16 @@ class Balance:
                 self.search.moved_nothing(lean)
         else:
             # two looks in a row must want the move (one slow stretch of steps is no change), or one
-            # if a rank saw its speed change; a move on in the direction of the last one (a change
-            # of speed is followed in a few moves) needs 2 images, a move back more than THRESHOLD:
-            # noise turns shares back and forth
+            # if a rank saw its speed change, and for each move on after that one while they go on
+            # (a change of speed is followed in a few moves: the first solves are off by the old
+            # speeds still in the timings); a move on in the direction of the last one needs 2
+            # images, a move back more than THRESHOLD: noise turns shares back and forth
             wish = tuple((m > 1) - (m < -1) for m in moves)
             onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
             enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
-            moved = enough and any(wish) and (wish == self.wished or changed)
-            self.wished = wish
+            following = changed or (self.following and onward)
+            moved = enough and any(wish) and (wish == self.wished or following)
+            self.wished, self.following = wish, moved and following
         if not moved:
             return False
         self.weights, self.direction, self.wished = tuple(new), moves, None
@@ -335,8 +340,12 @@ class LeanSearch:
     median): it tries one lean further toward the faster ranks, and keeps going while each try
     is shorter than the lean it came from by more than MARGIN; a try that is not shorter is taken
     back. After QUIET looks it tries again, the other way (so a change of speeds, or of what the
-    stalls cost, is found again). Never below 0: the measure's one known error leans one way, and
-    a slow rank given more than it can carry is the costly mistake (every step waits for it).
+    stalls cost, is found again). Never below 0: the measure's one known error leans one way,
+    and a slow rank given more than it can carry is the costly mistake (every step waits for it).
+
+    A new search (the ranks' speeds just parted: a slowdown) goes in strides of FIRST_TRIES
+    notches, each measured over REVIEW steps, until a try is no shorter: the last images of a
+    slowdown are the lean's to find, and one notch every SEARCH steps took 20-80 steps for them.
     """
 
     def __init__(self):
@@ -344,8 +353,9 @@ class LeanSearch:
         self.begin()
 
     def begin(self):
-        """A search from lean 0, as at the start."""
+        """A search from lean 0, as at the start, in quick strides."""
         self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
+        self.quick = True  # tries of FIRST_TRIES notches every REVIEW steps, until one is no shorter
         self.best_seconds = None  # a step at the best lean, as last measured
         self.window = None  # the clock after the review's step, then after each step since
 
@@ -354,21 +364,26 @@ class LeanSearch:
         """The lean to send with the next sums."""
         return self.best if self.trying is None else self.trying
 
+    @property
+    def every(self):
+        """Steps between two decisions: REVIEW in the quick strides, then SEARCH."""
+        return REVIEW if self.quick else SEARCH
+
     def timed(self, step, clock):
-        """After each step: every SEARCH steps, decide from the steps since the last decision
+        """After each step: every `every` steps, decide from the steps since the last decision
         (all at the same shares, and the lean being tried), by their median (a step that saved a
         checkpoint or evaluated says nothing of the shares)."""
-        if step % SEARCH == 0:
+        if step % self.every == 0:
             self.window = [clock]
         elif self.window is not None:
             self.window.append(clock)
-            if step % SEARCH == SEARCH - 1:
+            if step % self.every == self.every - 1:
                 self.decide(statistics.median(b - a for a, b in zip(self.window, self.window[1:])))
                 self.window = None
 
     def disturbed(self, step):
         """The shares changed after `step`: the steps measured so far say nothing of the lean."""
-        if step % SEARCH != 0:
+        if step % self.every != 0:
             self.window = None
 
     def hold(self, held):
@@ -389,6 +404,7 @@ class LeanSearch:
 
     def decide(self, seconds):
         """The window just measured took `seconds` a step at self.lean: the next lean."""
+        stride = FIRST_TRIES if self.quick else 1
         if self.trying is None:
             self.best_seconds = seconds  # speeds drift: the best lean's time is refreshed
             if self.quiet > 0:
@@ -396,10 +412,12 @@ class LeanSearch:
                 return
             if not 0 <= self.best + self.direction <= MAX_LEAN:
                 self.direction = -self.direction
-            self.trying = self.best + self.direction
+            self.trying = min(MAX_LEAN, max(0, self.best + stride * self.direction))
         elif seconds < self.best_seconds * (1 - MARGIN):  # shorter: keep going that way
             self.best, self.best_seconds = self.trying, seconds
-            further = self.best + self.direction
-            self.trying = further if 0 <= further <= MAX_LEAN else None
-        else:  # no better: back, and the other way after a while
-            self.trying, self.direction, self.quiet = None, -self.direction, QUIET
+            further = min(MAX_LEAN, max(0, self.trying + stride * self.direction))
+            self.trying = further if further != self.trying else None
+            if self.trying is None:
+                self.quick = False
+        else:  # no better: back, and the other way after a while, one notch at a time from now on
+            self.trying, self.direction, self.quiet, self.quick = None, -self.direction, QUIET, False

@@ -243,23 +243,23 @@ def search_over(step_seconds, steps):
     for step in range(1, steps + 1):
         clock += step_seconds(in_force)
         search.timed(step, clock)
-        if step % balance.SEARCH == 0:  # the review: every rank solves with the lean rank 0 sent
+        if step % REVIEW == 0:  # the review: every rank solves with the lean rank 0 sent
             in_force = search.lean
             history.append(in_force)
     return history
 
 
 def test_rank_0_finds_the_lean_of_the_shortest_step_and_tries_around_it_now_and_then():
-    history = search_over(lambda lean: 0.06 * (1 + 0.05 * (lean - 3) ** 2), 600)
-    assert history[:5] == [0, 1, 2, 3, 4]  # measured at 0 first, then one further while shorter
-    assert history[5:7] == [3, 3]  # 4 was longer: back
+    history = search_over(lambda lean: 0.06 * (1 + 0.05 * (lean - 4) ** 2), 1200)
+    assert history[:4] == [0, 2, 4, 6]  # measured at 0 first, then two further every review while shorter
+    assert history[4:8] == [4, 4, 4, 4]  # 6 was longer: back, and from now on one notch every SEARCH steps
     settled = history[10:]
-    assert settled.count(3) >= 0.7 * len(settled) and set(settled) <= {2, 3, 4}  # a try now and then
+    assert settled.count(4) >= 0.7 * len(settled) and set(settled) <= {3, 4, 5}  # a try now and then
 
 
 def test_a_lean_that_makes_no_step_shorter_is_taken_back():
-    history = search_over(lambda lean: 0.06, 300)
-    assert history.count(0) >= 0.7 * len(history) and set(history) <= {0, 1}  # never below 0
+    history = search_over(lambda lean: 0.06, 600)
+    assert history.count(0) >= 0.7 * len(history) and set(history) <= {0, 1, 2}  # never below 0
 
 
 def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_once():
@@ -360,6 +360,20 @@ def test_a_rank_that_saw_its_speed_change_says_so_and_one_look_moves_the_shares(
     assert b.slots()[-1] == 0  # said once
 
 
+def test_after_a_change_of_speed_a_move_on_in_its_direction_takes_one_look():
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    over = code(10**6)
+
+    def codes(slow, changed=0):
+        return (code(1000), code(slow), over, over, 0, changed)
+
+    assert b.review(REVIEW, codes(500, changed=1)) and b.shares() == [43, 21]  # a change: one look
+    assert b.review(2 * REVIEW, codes(420)) and b.shares() == [45, 19]  # on in its direction: one look
+    assert not b.review(3 * REVIEW, codes(1000))  # back: two looks, as ever; and the change is followed
+    assert not b.review(4 * REVIEW, codes(350))  # so a move on takes two looks again
+    assert b.review(5 * REVIEW, codes(350)) and b.shares()[1] < 19
+
+
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_ranks_are_equal():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     equal = (code(1000), code(1000), code(200), code(200))
@@ -381,5 +395,6 @@ def test_no_lean_is_tried_between_ranks_of_about_equal_speed_and_one_is_once_the
         return seen
 
     assert leans(code(1000) - balance.LEAN_FROM + 1, 20 * balance.SEARCH) == {0}  # noise would steer it
-    assert leans(code(1000) - balance.LEAN_FROM, 2 * balance.SEARCH) == {0, 1}  # they part: a search at once
+    parted = leans(code(1000) - balance.LEAN_FROM, 2 * balance.SEARCH)
+    assert {0, balance.FIRST_TRIES} <= parted  # they part: a search at once, in strides (on this clock's noise)
     assert leans(code(1000), 2 * balance.SEARCH) == {0}  # together again: the lean is let go
