@@ -16,16 +16,26 @@ turns round by round (a slow minute hits them all alike); each figure is a media
             equal shares, time and test accuracy
 
 The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
+
+Side by side with another revision (whole runs drift by more than a change moves them):
+
+    python bench/balance.py --only two --only four --only equal --against bf13417 \
+        --splits 53:11,37:17:9:1 --reps 6
+
+adds `--balance` of that revision (git archive'd into the logs' folder) to parts two, four and
+equal as one more configuration; --splits replaces the sweeps of fixed splits.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -47,8 +57,8 @@ class Job:
     """A loopback job of len(fractions) ranks, each held to its fraction of a core (None: free);
     `changes`: (step, rank, fraction) applied once rank 0 reports that step (RING_EVENTS)."""
 
-    def __init__(self, fractions, args, folder, changes=(), timeout=900.0):
-        self.fractions, self.args, self.folder = fractions, args, Path(folder)
+    def __init__(self, fractions, args, folder, changes=(), timeout=900.0, train=TRAIN):
+        self.fractions, self.args, self.folder, self.train = fractions, args, Path(folder), train
         self.changes, self.timeout = sorted(changes), timeout
         self.events = self.folder / "events.jsonl"
         self.applied = []  # (time, step seen, rank, fraction)
@@ -63,7 +73,7 @@ class Job:
         try:
             for r in range(n):
                 where = ["--rank", str(r), "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}"]
-                command = [sys.executable, TRAIN, *where, "--gloo_socket_ifname", "lo", *self.args]
+                command = [sys.executable, self.train, *where, "--gloo_socket_ifname", "lo", *self.args]
                 ranks.append(
                     subprocess.Popen(
                         command,
@@ -105,6 +115,14 @@ class Job:
             time.sleep(0.05)
 
 
+def export(rev, folder):
+    """The tree of git revision `rev`, written into `folder`: its train.py."""
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(folder, filter="data")
+    return str(Path(folder) / "train.py")
+
+
 def read_events(path):
     if not os.path.exists(path):
         return []
@@ -132,22 +150,31 @@ def part_name(name):
     return re.sub(r"[^\w.-]+", "_", name)
 
 
-def epoch_seconds(fractions, flags, subset):
-    args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--timeout", "120", *flags]
-    return lambda spec, folder: epochs_of(
-        Job(fractions if spec != "alone" else [None], args + spec_flags(spec), folder).run()[0]
-    )[-1][2]
+def epoch_seconds(fractions, subset, against=None):
+    """rounds()' run_one: one epoch's seconds of a configuration: 'equal', 'alone' (rank 0 alone),
+    'measured' (--balance), a split A:B..., or 'against' (--balance of the revision `against`)."""
+    args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--timeout", "120"]
+
+    def run_one(spec, folder):
+        ranks, train = fractions if spec != "alone" else [None], against[1] if spec == "against" else TRAIN
+        return epochs_of(Job(ranks, args + spec_flags(spec), folder, train=train).run()[0])[-1][2]
+
+    return run_one
 
 
 def spec_flags(spec):
-    return [] if spec in ("equal", "alone") else ["--balance"] if spec == "measured" else ["--balance", spec]
+    if spec in ("equal", "alone"):
+        return []
+    return ["--balance"] if spec in ("measured", "against") else ["--balance", spec]
 
 
-def sweep(fractions, splits, reps, folder, subset, alone=False):
+def sweep(fractions, splits, reps, folder, subset, alone=False, against=None):
     configs = [("equal shares", "equal"), ("--balance", "measured")] + [(f"fixed {s}", s) for s in splits]
+    if against:
+        configs.insert(2, (f"--balance at {against[0]}", "against"))
     if alone:
         configs.append(("fast rank alone", "alone"))
-    times = rounds(configs, reps, folder, epoch_seconds(fractions, [], subset))
+    times = rounds(configs, reps, folder, epoch_seconds(fractions, subset, against))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     best = min((n for n in medians if n.startswith("fixed")), key=medians.get)
     return dict(fractions=fractions, subset=subset, seconds=times, median=medians, best_fixed=best)
@@ -214,22 +241,28 @@ def step_at(reviews, moment, seen):
     return a["step"] + (b["step"] - a["step"]) * (moment - a["time"]) / (b["time"] - a["time"])
 
 
-def equal(reps, folder, seeds=(1, 2, 3)):
+def equal(reps, folder, seeds=(1, 2, 3), against=None):
+    """Seeds 1, 2, 3, 1, 2, ... (`reps` of them), each a round of equal shares and --balance (and
+    --balance of the revision `against`)."""
+    kinds = [("equal", [], TRAIN), ("--balance", ["--balance"], TRAIN)]
+    if against:
+        kinds.append((f"--balance at {against[0]}", ["--balance"], against[1]))
     configs = [
-        (f"{name} seed {s}", (flags, s))
-        for s in seeds[:reps]
-        for name, flags in (("equal", []), ("--balance", ["--balance"]))
+        (f"{name} seed {seeds[i % len(seeds)]} #{i}", (flags, seeds[i % len(seeds)], train))
+        for i in range(reps)
+        for name, flags, train in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]  # (each goes first in turn)
     ]
 
     def run_one(spec, folder):
-        flags, seed = spec
-        epochs = epochs_of(Job([None, None], ["--epochs", "2", "--seed", str(seed), *flags], folder).run()[0])
-        return dict(seconds=sum(s for _, _, s in epochs), accuracy=epochs[-1][1])
+        flags, seed, train = spec
+        args = ["--epochs", "2", "--seed", str(seed), *flags]
+        epochs = epochs_of(Job([None, None], args, folder, train=train).run()[0])
+        return dict(seed=seed, seconds=sum(s for _, _, s in epochs), accuracy=epochs[-1][1])
 
     results = rounds(configs, 1, folder, run_one)
-    by = {name: [r[0] for n, r in results.items() if n.startswith(name + " ")] for name in ("equal", "--balance")}
-    ratio = [b["seconds"] / a["seconds"] for a, b in zip(by["equal"], by["--balance"])]
-    return dict(runs=by, time_ratio=ratio)
+    by = {name: [r[0] for n, r in results.items() if n.startswith(name + " seed")] for name, _, _ in kinds}
+    ratios = {name: [b["seconds"] / a["seconds"] for a, b in zip(by["equal"], by[name])] for name in list(by)[1:]}
+    return dict(runs=by, time_ratio=ratios["--balance"], time_ratios=ratios)
 
 
 def targets(result):
@@ -341,7 +374,10 @@ def report(result):
             md_row("---", "---", "---"),
         ]
         for name, runs in result["equal"]["runs"].items():
-            lines += [md_row(f"{name} seed {i + 1}", f"{r['seconds']:.1f}", r["accuracy"]) for i, r in enumerate(runs)]
+            lines += [md_row(f"{name} seed {r['seed']}", f"{r['seconds']:.1f}", r["accuracy"]) for r in runs]
+        for name, ratios in result["equal"]["time_ratios"].items():
+            each = ", ".join(f"{x:.3f}" for x in ratios)
+            lines.append(f"\n{name}: {statistics.median(ratios):.3f}× the time of equal shares (median; {each})")
     lines += ["\n## Targets\n", md_row("target", "measured", ""), md_row("---", "---", "---")]
     lines += [md_row(*row) for row in result["targets"]]
     return "\n".join(lines) + "\n"
@@ -370,7 +406,15 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="rounds per part (default 3)")
     ap.add_argument("--results-dir", default=str(RESULTS / "balance"))
     ap.add_argument("--train-subset", type=int, default=12800, help="images of an epoch in parts two and four")
+    ap.add_argument("--against", metavar="REV", help="also --balance of this git revision, side by side")
+    ap.add_argument("--splits", help="fixed splits to try instead of the sweeps, e.g. 53:11,37:17:9:1")
     args = ap.parse_args(argv)
+    splits = args.splits.split(",") if args.splits else []
+    if not all(re.fullmatch(r"[1-9]\d*(:[1-9]\d*)", s) or re.fullmatch(r"[1-9]\d*(:[1-9]\d*){3}", s) for s in splits):
+        print(f"balance.py: --splits: expected A:B or A:B:C:D, comma-separated, not {args.splits!r}", file=sys.stderr)
+        return 2
+    two_splits = tuple(s for s in splits if s.count(":") == 1) or TWO_SPLITS
+    four_splits = tuple(s for s in splits if s.count(":") == 3) or FOUR_SPLITS
     try:
         throttle.controller()
     except throttle.ThrottleError as e:
@@ -378,15 +422,22 @@ def main(argv=None):
         return 2
     parts, folder = args.only or list(PARTS), Path(tempfile.mkdtemp(prefix="bench-balance-"))
     print(f"logs in {folder}", flush=True)
+    against = None
+    if args.against:
+        try:
+            against = (args.against, export(args.against, folder / "against"))
+        except subprocess.CalledProcessError as e:
+            print(f"balance.py: --against {args.against}: {e.stderr.decode().strip()}", file=sys.stderr)
+            return 2
     result = dict(command=command_line("balance.py"), host=host_info())
     if "two" in parts:
-        result["two"] = sweep([None, 0.5], TWO_SPLITS, args.reps, folder / "two", args.train_subset, alone=True)
+        result["two"] = sweep([None, 0.5], two_splits, args.reps, folder / "two", args.train_subset, True, against)
     if "four" in parts:
-        result["four"] = sweep(list(FOUR), FOUR_SPLITS, args.reps, folder / "four", args.train_subset)
+        result["four"] = sweep(list(FOUR), four_splits, args.reps, folder / "four", args.train_subset, False, against)
     if "change" in parts:
         result["change"] = change(args.reps, folder)
     if "equal" in parts:
-        result["equal"] = equal(args.reps, folder)
+        result["equal"] = equal(args.reps, folder, against=against)
     result["targets"] = targets(result)
     os.makedirs(args.results_dir, exist_ok=True)
     stem = Path(args.results_dir) / ("balance" if not args.only else "balance-" + "-".join(args.only))
