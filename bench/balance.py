@@ -257,7 +257,7 @@ def equal(reps, folder, seeds=(1, 2, 3), against=None):
         flags, seed, train = spec
         args = ["--epochs", "2", "--seed", str(seed), *flags]
         epochs = epochs_of(Job([None, None], args, folder, train=train).run()[0])
-        return dict(seed=seed, seconds=sum(s for _, _, s in epochs), accuracy=epochs[-1][1])
+        return dict(seed=seed, seconds=round(sum(s for _, _, s in epochs), 1), accuracy=epochs[-1][1])
 
     results = rounds(configs, 1, folder, run_one)
     by = {name: [r[0] for n, r in results.items() if n.startswith(name + " seed")] for name, _, _ in kinds}
