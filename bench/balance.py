@@ -12,15 +12,14 @@ turns round by round (a slow minute hits them all alike); each figure is a media
             in proportion to the quotas and around where --balance settles
     change  2 ranks at full speed; rank 1 held to 40% of a core from step 100 to step 300 of 500:
             the steps --balance takes to balance each change (shares and step times, plotted)
-    equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1-3: --balance against
-            equal shares, time and test accuracy
+    equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1, 2, 3 (then again):
+            --balance against equal shares, time and test accuracy
 
 The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
 
 Side by side with another revision (whole runs drift by more than a change moves them):
 
-    python bench/balance.py --only two --only four --only equal --against bf13417 \
-        --splits 53:11,37:17:9:1 --reps 6
+    python bench/balance.py --only two --only four --reps 6 --against bf13417 --splits 53:11,37:17:9:1
 
 adds `--balance` of that revision (git archive'd into the logs' folder) to parts two, four and
 equal as one more configuration; --splits replaces the sweeps of fixed splits.
