@@ -38,6 +38,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, png_of, throttle, write_results
 from stats import md_head, md_row
@@ -114,12 +115,19 @@ class Job:
             time.sleep(0.05)
 
 
+class Revision(NamedTuple):
+    """Another revision of the program, for --against: its name and its train.py."""
+
+    name: str
+    train: str
+
+
 def export(rev, folder):
-    """The tree of git revision `rev`, written into `folder`: its train.py."""
+    """The tree of git revision `rev`, written into `folder` (a Revision)."""
     tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(folder, filter="data")
-    return str(Path(folder) / "train.py")
+    return Revision(rev, str(Path(folder) / "train.py"))
 
 
 def read_events(path):
@@ -151,11 +159,11 @@ def part_name(name):
 
 def epoch_seconds(fractions, subset, against=None):
     """rounds()' run_one: one epoch's seconds of a configuration: 'equal', 'alone' (rank 0 alone),
-    'measured' (--balance), a split A:B..., or 'against' (--balance of the revision `against`)."""
+    'measured' (--balance), a split A:B..., or 'against' (--balance of `against`, a Revision)."""
     args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--timeout", "120"]
 
     def run_one(spec, folder):
-        ranks, train = fractions if spec != "alone" else [None], against[1] if spec == "against" else TRAIN
+        ranks, train = fractions if spec != "alone" else [None], against.train if spec == "against" else TRAIN
         return epochs_of(Job(ranks, args + spec_flags(spec), folder, train=train).run()[0])[-1][2]
 
     return run_one
@@ -170,7 +178,7 @@ def spec_flags(spec):
 def sweep(fractions, splits, reps, folder, subset, alone=False, against=None):
     configs = [("equal shares", "equal"), ("--balance", "measured")] + [(f"fixed {s}", s) for s in splits]
     if against:
-        configs.insert(2, (f"--balance at {against[0]}", "against"))
+        configs.insert(2, (f"--balance at {against.name}", "against"))
     if alone:
         configs.append(("fast rank alone", "alone"))
     times = rounds(configs, reps, folder, epoch_seconds(fractions, subset, against))
@@ -242,10 +250,10 @@ def step_at(reviews, moment, seen):
 
 def equal(reps, folder, seeds=(1, 2, 3), against=None):
     """Seeds 1, 2, 3, 1, 2, ... (`reps` of them), each a round of equal shares and --balance (and
-    --balance of the revision `against`)."""
+    --balance of `against`, a Revision)."""
     kinds = [("equal", [], TRAIN), ("--balance", ["--balance"], TRAIN)]
     if against:
-        kinds.append((f"--balance at {against[0]}", ["--balance"], against[1]))
+        kinds.append((f"--balance at {against.name}", ["--balance"], against.train))
     configs = [
         (f"{name} seed {seeds[i % len(seeds)]} #{i}", (flags, seeds[i % len(seeds)], train))
         for i in range(reps)
@@ -409,7 +417,7 @@ def main(argv=None):
     ap.add_argument("--splits", help="fixed splits to try instead of the sweeps, e.g. 53:11,37:17:9:1")
     args = ap.parse_args(argv)
     splits = args.splits.split(",") if args.splits else []
-    if not all(re.fullmatch(r"[1-9]\d*(:[1-9]\d*)", s) or re.fullmatch(r"[1-9]\d*(:[1-9]\d*){3}", s) for s in splits):
+    if not all(re.fullmatch(r"[1-9]\d*:[1-9]\d*(:[1-9]\d*:[1-9]\d*)?", s) for s in splits):
         print(f"balance.py: --splits: expected A:B or A:B:C:D, comma-separated, not {args.splits!r}", file=sys.stderr)
         return 2
     two_splits = tuple(s for s in splits if s.count(":") == 1) or TWO_SPLITS
@@ -424,7 +432,7 @@ def main(argv=None):
     against = None
     if args.against:
         try:
-            against = (args.against, export(args.against, folder / "against"))
+            against = export(args.against, folder / "against")
         except subprocess.CalledProcessError as e:
             print(f"balance.py: --against {args.against}: {e.stderr.decode().strip()}", file=sys.stderr)
             return 2

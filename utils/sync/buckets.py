@@ -151,10 +151,10 @@ class OverlappedSync(BucketSync):
 
     broken: an Event set when this rank's group has broken (utils/elastic: a peer was lost and
     every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after the group
-    broke is given up: gloo fails the receives still waiting for data when a connection is cut, but not one whose
-    data was arriving at that moment, which would wait out the whole --timeout (measured: 3 cuts
-    in 46 in tests/test_recovery_multihost.py). Its thread is left to that timeout; the group it
-    waits on is not used again."""
+    broke is given up: gloo fails the receives still waiting for data when a connection is cut,
+    but not one whose data was arriving at that moment, which would wait out the whole --timeout
+    (measured: 3 cuts in 46 in tests/test_recovery_multihost.py). Its thread is left to that
+    timeout; the group it waits on is not used again."""
 
     def __init__(self, model, *parts, broken=None, **named):
         super().__init__(*parts, **named)
