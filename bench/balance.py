@@ -17,12 +17,11 @@ turns round by round (a slow minute hits them all alike); each figure is a media
 
 The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
 
-Side by side with another revision (whole runs drift by more than a change moves them):
+Side by side with another revision (whole runs drift by more than a change moves them): --against
+adds its --balance (git archive'd into the logs' folder) to parts two, four and equal, and --splits
+replaces the sweeps of fixed splits:
 
     python bench/balance.py --only two --only four --reps 6 --against bf13417 --splits 53:11,37:17:9:1
-
-adds `--balance` of that revision (git archive'd into the logs' folder) to parts two, four and
-equal as one more configuration; --splits replaces the sweeps of fixed splits.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import namedtuple
 from pathlib import Path
-from typing import NamedTuple
 
 from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, png_of, throttle, write_results
 from stats import md_head, md_row
@@ -115,11 +114,7 @@ class Job:
             time.sleep(0.05)
 
 
-class Revision(NamedTuple):
-    """Another revision of the program, for --against: its name and its train.py."""
-
-    name: str
-    train: str
+Revision = namedtuple("Revision", "name train")  # for --against: a revision, and its train.py
 
 
 def export(rev, folder):
@@ -170,9 +165,7 @@ def epoch_seconds(fractions, subset, against=None):
 
 
 def spec_flags(spec):
-    if spec in ("equal", "alone"):
-        return []
-    return ["--balance"] if spec in ("measured", "against") else ["--balance", spec]
+    return dict(equal=[], alone=[], measured=["--balance"], against=["--balance"]).get(spec, ["--balance", spec])
 
 
 def sweep(fractions, splits, reps, folder, subset, alone=False, against=None):
