@@ -11,6 +11,7 @@ or is interrupted, is killed (its whole process group, if it leads one).
 """
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
 
 GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.2
+LOWEST_PORT = 10000  # free_port's draws: from here to the kernel's ephemeral range
 
 
 @dataclass
@@ -115,6 +117,25 @@ def kill(proc, group=None):
 
 
 def free_port():
+    """A TCP port of 127.0.0.1 that is free now, for a job's store to bind. Drawn at random below
+    the kernel's ephemeral range: a port from bind(0) comes from that range, and once released
+    the kernel may give it to any other socket before the store binds it (gloo's listeners and
+    every outgoing connection take theirs from there), which failed a job now and then when many
+    started on one machine."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    draw = random.SystemRandom()  # (not the random module's state: a seeded process would repeat it)
+    for _ in range(100 if ephemeral > 2 * LOWEST_PORT else 0):
+        port = draw.randrange(LOWEST_PORT, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
