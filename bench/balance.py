@@ -26,7 +26,6 @@ replaces the sweeps of fixed splits:
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -39,6 +38,7 @@ import time
 from collections import namedtuple
 from pathlib import Path
 
+import harness
 from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, png_of, throttle, write_results
 from stats import md_head, md_row
 
@@ -118,10 +118,10 @@ Revision = namedtuple("Revision", "name train")  # for --against: a revision, an
 
 
 def export(rev, folder):
-    """The tree of git revision `rev`, written into `folder` (a Revision)."""
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        archive.extractall(folder, filter="data")
+    """The tree of git revision `rev` (a commit: see main), streamed into `folder` (a Revision)."""
+    with subprocess.Popen(["git", "-C", str(REPO), "archive", rev], stdout=subprocess.PIPE) as git:
+        with tarfile.open(fileobj=git.stdout, mode="r|") as archive:
+            archive.extractall(folder, filter="data")
     return Revision(rev, str(Path(folder) / "train.py"))
 
 
@@ -420,15 +420,13 @@ def main(argv=None):
     except throttle.ThrottleError as e:
         print(f"balance.py: {e}; it needs root", file=sys.stderr)
         return 2
+    commit = ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"]
+    if args.against is not None and subprocess.run(commit, capture_output=True).returncode != 0:
+        print(f"balance.py: --against: {args.against!r} is no commit of {REPO}", file=sys.stderr)
+        return 2
     parts, folder = args.only or list(PARTS), Path(tempfile.mkdtemp(prefix="bench-balance-"))
     print(f"logs in {folder}", flush=True)
-    against = None
-    if args.against:
-        try:
-            against = export(args.against, folder / "against")
-        except subprocess.CalledProcessError as e:
-            print(f"balance.py: --against {args.against}: {e.stderr.decode().strip()}", file=sys.stderr)
-            return 2
+    against = export(args.against, folder / "against") if args.against is not None else None
     result = dict(command=command_line("balance.py"), host=host_info())
     if "two" in parts:
         result["two"] = sweep([None, 0.5], two_splits, args.reps, folder / "two", args.train_subset, True, against)
@@ -447,4 +445,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.run_driver(main, None, "balance.py"))  # SIGTERM, SIGHUP: the ranks are killed, the quotas undone

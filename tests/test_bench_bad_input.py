@@ -1,4 +1,4 @@
-"""The benchmarks' bad arguments: one line, exit code 2, and no results file touched.
+"""The benchmarks' bad arguments: one line, exit code 2, no results file touched and no temporary folder left.
 
 Every case runs its driver's main(argv) in this process (the drivers' `sys.exit(main())` exits with
 what main returns, or with the SystemExit of its OneLineParser), which spares a Python and a torch
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from forker import popen
@@ -21,6 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = {
     "allreduce: size 0": ("allreduce.py", ["--sizes", "0"], "size '0'"),
+    "balance: --against no commit": ("balance.py", ["--against", "nosuchrev"], "no commit"),  # (checks as root)
+    "balance: a split of 0": ("balance.py", ["--splits", "53:11,5:0"], "--splits"),
     "allreduce: world sizes not numbers": ("allreduce.py", ["--world-sizes", "x"], "comma-separated whole numbers"),
     "allreduce: cluster without a cap": ("allreduce.py", ["--cluster"], "--cluster needs --rate"),
     "allreduce: missing candidate": ("allreduce.py", ["--candidate", "/nonexistent/ring.py"], "no such file"),
@@ -55,7 +58,12 @@ CASES = {
     "time_to_accuracy: outer lr without nesterov": ("time_to_accuracy.py", ["--outer-lr", "0.5"], "--outer nesterov"),
 }
 # one case of each driver as a real process: `python bench/<driver>.py ...` end to end
-END_TO_END = ["allreduce: missing ring file", "train_step: unknown --only", "time_to_accuracy: bad rate in --rates"]
+END_TO_END = [
+    "allreduce: missing ring file",
+    "balance: --against no commit",
+    "train_step: unknown --only",
+    "time_to_accuracy: bad rate in --rates",
+]
 
 
 def assert_refused(code, stderr, needle, script, results_dir):
@@ -73,10 +81,14 @@ def test_bad_benchmark_arguments(case, tmp_path, capfd, monkeypatch):
     driver = importlib.import_module(script.removesuffix(".py"))
     monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "bench", script)])  # argparse's prog, as when run
     monkeypatch.chdir(REPO)
+    scratch, results = tmp_path / "scratch", tmp_path / "results"  # scratch: the drivers' temporary folders
+    scratch.mkdir()
+    results.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         try:  # what `sys.exit(main())` exits with
-            code = driver.main([*args, "--results-dir", str(tmp_path)])
+            code = driver.main([*args, "--results-dir", str(results)])
         except SystemExit as e:
             code = e.code
     finally:  # run_driver's handlers, had a case got that far, must not outlive it
@@ -84,7 +96,8 @@ def test_bad_benchmark_arguments(case, tmp_path, capfd, monkeypatch):
             signal.signal(sig, handler)
     out, err = capfd.readouterr()
     assert out == "", out
-    assert_refused(code, err, needle, script, tmp_path)
+    assert os.listdir(scratch) == []  # none left
+    assert_refused(code, err, needle, script, results)
 
 
 @pytest.mark.timeout(120)
