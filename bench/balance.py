@@ -42,7 +42,7 @@ import harness
 from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, png_of, throttle, write_results
 from stats import md_head, md_row
 
-from utils.launch import free_port, kill
+from utils.launch import die_with_parent, free_port, kill
 
 TRAIN = str(REPO / "train.py")
 PARTS = ("two", "four", "change", "equal")
@@ -81,6 +81,7 @@ class Job:
                         stdout=logs[r],
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
+                        preexec_fn=die_with_parent,  # SIGTERM if this process dies, even by SIGKILL
                     )
                 )
                 quotas.append(throttle.CpuQuota(f"bench-balance-{r}").__enter__())
