@@ -128,7 +128,8 @@ def free_port():
     except (OSError, ValueError, IndexError):
         ephemeral = 32768
     draw = random.SystemRandom()  # (not the random module's state: a seeded process would repeat it)
-    for _ in range(100 if ephemeral > 2 * LOWEST_PORT else 0):
+    draws = 100 if ephemeral > 2 * LOWEST_PORT else 0  # (a range that starts low: bind(0), as before)
+    for _ in range(draws):
         port = draw.randrange(LOWEST_PORT, ephemeral)
         with socket.socket() as s:
             try:

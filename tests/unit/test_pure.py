@@ -1,13 +1,10 @@
 """Pure functions: bytes on the wire, the hierarchical plan, the data order, buckets, compression helpers."""
 
-import socket
-
 import pytest
 import torch
 
 from utils import config, data, mnist
 from utils.comm import compress, hierarchical, ring
-from utils.launch import LOWEST_PORT, free_port
 from utils.model import Net
 from utils.sync.buckets import flat_buffer, make_buckets, set_gradients
 from utils.sync.lazy import step_only
@@ -142,14 +139,3 @@ def test_a_subset_is_the_first_images_of_the_whole_normalised_alike():
         assert torch.equal(w[:n], p) and len(p) == n
     raw = data.read_idx(os.path.join(root, "MNIST", "raw", "t10k-images-idx3-ubyte"))
     assert torch.equal(whole[2], ((raw.float() / 255.0 - data.MEAN) / data.STD).unsqueeze(1))  # the bits as ever
-
-
-def test_a_free_port_is_below_the_ephemeral_range_and_free():
-    # below the range that bind(0), gloo's listeners and outgoing connections draw from: a port
-    # from there could be taken by another job's socket before the store binds it
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral = int(f.read().split()[0])
-    ports = [free_port() for _ in range(20)]
-    assert all(LOWEST_PORT <= p < ephemeral for p in ports) and len(set(ports)) > 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", ports[-1]))  # free, as it says
