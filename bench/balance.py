@@ -11,7 +11,9 @@ turns round by round (a slow minute hits them all alike); each figure is a media
     four    4 ranks held to 60/40/30/20% of a core (150% in all): equal, --balance, fixed splits
             in proportion to the quotas and around where --balance settles
     change  2 ranks at full speed; rank 1 held to 40% of a core from step 100 to step 300 of 500:
-            the steps --balance takes to balance each change (shares and step times, plotted)
+            the steps --balance takes to balance each change (shares and step times, plotted),
+            and the same with fixed shares right from the change: the measure's floor
+            (bench/balance_change.py)
     equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1, 2, 3 (then again):
             --balance against equal shares, time and test accuracy
 
@@ -26,7 +28,6 @@ replaces the sweeps of fixed splits:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -34,85 +35,20 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections import namedtuple
 from pathlib import Path
 
+import balance_change
 import harness
-from harness import REPO, RESULTS, bench_parser, command_line, figure, host_info, png_of, throttle, write_results
+from balance_job import TRAIN, Job
+from harness import REPO, RESULTS, bench_parser, command_line, host_info, throttle, write_results
 from stats import md_head, md_row
 
-from utils.launch import die_with_parent, free_port, kill
-
-TRAIN = str(REPO / "train.py")
 PARTS = ("two", "four", "change", "equal")
 TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14", "53:11", "56:8")
 FOUR = (0.6, 0.4, 0.3, 0.2)
 FOUR_SPLITS = ("26:17:13:8", "28:17:12:7", "34:18:10:2", "37:17:9:1", "40:16:7:1")  # by quota, and by --balance
 EPOCH = re.compile(r"^epoch (\d+)/\d+ .*test accuracy ([\d.]+)% +time ([\d.]+) s", re.M)
-
-
-class Job:
-    """A loopback job of len(fractions) ranks, each held to its fraction of a core (None: free);
-    `changes`: (step, rank, fraction) applied once rank 0 reports that step (RING_EVENTS)."""
-
-    def __init__(self, fractions, args, folder, changes=(), timeout=900.0, train=TRAIN):
-        self.fractions, self.args, self.folder, self.train = fractions, args, Path(folder), train
-        self.changes, self.timeout = sorted(changes), timeout
-        self.events = self.folder / "events.jsonl"
-        self.applied = []  # (time, step seen, rank, fraction)
-
-    def run(self):
-        """(rank 0's stdout, the RING_EVENTS lines); raises if a rank fails or the job overruns."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        n, port = len(self.fractions), free_port()
-        env = dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(self.events))
-        ranks, quotas = [], []
-        logs = [open(self.folder / f"rank{r}.log", "w+") for r in range(n)]
-        try:
-            for r in range(n):
-                where = ["--rank", str(r), "--world-size", str(n), "--init-method", f"tcp://127.0.0.1:{port}"]
-                command = [sys.executable, self.train, *where, "--gloo_socket_ifname", "lo", *self.args]
-                ranks.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=self.folder,
-                        env=env,
-                        stdout=logs[r],
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        preexec_fn=die_with_parent,  # SIGTERM if this process dies, even by SIGKILL
-                    )
-                )
-                quotas.append(throttle.CpuQuota(f"bench-balance-{r}").__enter__())
-                quotas[r].add(ranks[r].pid)
-                quotas[r].set(self.fractions[r])
-            self._wait(ranks, quotas)
-        finally:
-            for p in ranks:
-                kill(p, group=True)
-            for q in quotas:
-                q.__exit__(None, None, None)
-            for f in logs:
-                f.close()
-        out = (self.folder / "rank0.log").read_text()
-        failed = [r for r, p in enumerate(ranks) if p.returncode != 0]
-        if failed:
-            raise RuntimeError(f"rank {failed[0]} failed in {self.folder}:\n{out[-2000:]}")
-        return out, read_events(self.events)
-
-    def _wait(self, ranks, quotas):
-        deadline, pending = time.monotonic() + self.timeout, list(self.changes)
-        while any(p.poll() is None for p in ranks):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"a job overran {self.timeout:.0f} s: {self.folder}")
-            if pending:
-                step = max((e["step"] for e in read_events(self.events) if e["event"] == "shares"), default=0)
-                while pending and step >= pending[0][0]:
-                    at, rank, fraction = pending.pop(0)
-                    quotas[rank].set(fraction)
-                    self.applied.append((time.time(), step, rank, fraction))
-            time.sleep(0.05)
 
 
 Revision = namedtuple("Revision", "name train")  # for --against: a revision, and its train.py
@@ -124,12 +60,6 @@ def export(rev, folder):
         with tarfile.open(fileobj=git.stdout, mode="r|") as archive:
             archive.extractall(folder, filter="data")
     return Revision(rev, str(Path(folder) / "train.py"))
-
-
-def read_events(path):
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.endswith("}")]
 
 
 def epochs_of(out):
@@ -179,67 +109,6 @@ def sweep(fractions, splits, reps, folder, subset, alone=False, against=None):
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     best = min((n for n in medians if n.startswith("fixed")), key=medians.get)
     return dict(fractions=fractions, subset=subset, seconds=times, median=medians, best_fixed=best)
-
-
-def change(reps, folder, subset=32000, at=(100, 300), fraction=0.4):
-    """Rank 1 held to `fraction` of a core from step at[0] to step at[1]: per run, the shares and
-    the time a step took over steps, and the steps until each change is balanced."""
-    runs = []
-    for rnd in range(reps):
-        args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--balance"]
-        job = Job([None, None], args, Path(folder) / f"change-{rnd}", [(at[0], 1, fraction), (at[1], 1, None)])
-        _, events = job.run()
-        reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
-        steps = [e["step"] for e in reviews]
-        share = [e["shares"][1] for e in reviews]
-        pace = [None] + [1000 * (b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(reviews, reviews[1:])]
-        run = dict(steps=steps, rank1_share=share, step_ms=pace, changed_at=[])
-        for (moment, seen, _, _), until in zip(job.applied, (at[1], subset // 64)):
-            run["changed_at"].append(followed(steps, share, pace, step_at(reviews, moment, seen), until))
-        runs.append(run)
-        print(f"  change {rnd + 1}/{reps}: {run['changed_at']}", flush=True)
-    return dict(fraction=fraction, at=at, runs=runs)
-
-
-def followed(steps, share, pace, start, until):
-    """When a change at step `start` is balanced, measured against the 100 steps before `until`
-    (the next change, or the end), where the shares have settled:
-    - on step time: the first two reviews in a row after which the steps since the one before
-      took at most 10% longer than the settled steps' median (the steps it counts are all after
-      the change);
-    - on rank 1's share: when it enters the band the settled shares keep (their 10th to 90th
-      percentile, at least their median ± max(2, 10%)), and when it comes within max(2, 10%) of
-      their median."""
-    held = [(s, p) for st, s, p in zip(steps, share, pace) if until - 100 < st <= until]
-    settled, settled_ms = statistics.median(s for s, _ in held), statistics.median(p for _, p in held)
-    near = max(2, 0.1 * settled)
-    deciles = statistics.quantiles([s for s, _ in held], n=10)
-    band = (min(deciles[0], settled - near), max(deciles[-1], settled + near))
-    after = [(i, st) for i, st in enumerate(steps) if i > 0 and steps[i - 1] >= start]
-    paced_at = next(
-        (st for i, st in after if i + 1 < len(steps) and max(pace[i], pace[i + 1]) <= 1.1 * settled_ms), None
-    )
-    band_at = next((st for st, s in zip(steps, share) if st > start and band[0] <= s <= band[1]), None)
-    near_at = next((st for st, s in zip(steps, share) if st > start and abs(s - settled) <= near), None)
-    return dict(
-        step=round(start, 1),
-        settled_ms=round(settled_ms, 1),
-        steps=None if paced_at is None else round(paced_at - start, 1),
-        settled=settled,
-        band=[round(b, 1) for b in band],
-        steps_to_band=None if band_at is None else round(band_at - start, 1),
-        steps_to_near=None if near_at is None else round(near_at - start, 1),
-    )
-
-
-def step_at(reviews, moment, seen):
-    """The step rank 0 was at when the quota changed at time `moment` (between two reviews' times)."""
-    before = [e for e in reviews if e["time"] <= moment]
-    after = [e for e in reviews if e["time"] > moment]
-    if not before or not after:
-        return float(seen)
-    a, b = before[-1], after[0]
-    return a["step"] + (b["step"] - a["step"]) * (moment - a["time"]) / (b["time"] - a["time"])
 
 
 def equal(reps, folder, seeds=(1, 2, 3), against=None):
@@ -300,15 +169,7 @@ def targets(result):
             )
         )
     if "change" in result:
-        follows = [c["steps"] for r in result["change"]["runs"] for c in r["changed_at"]]
-        ok = all(s is not None and s <= 20 for s in follows)
-        rows.append(
-            (
-                "change: balanced within 20 steps (slowdown, recovery; step time)",
-                ", ".join("-" if s is None else f"{s:.0f}" for s in follows),
-                ok,
-            )
-        )
+        rows.append(balance_change.target(result["change"]))
     if "equal" in result:
         ratio = statistics.median(result["equal"]["time_ratio"])
         acc = {k: [r["accuracy"] for r in v] for k, v in result["equal"]["runs"].items()}
@@ -337,37 +198,7 @@ def report(result):
                 for name in r["median"]
             ]
     if "change" in result:
-        lines += [
-            "\n## change: rank 1 held to 40% of a core from step 100 to step 300\n",
-            "A change is balanced when two reviews in a row (5 steps apart) end steps that took at most"
-            " 10% longer than the median step of the 100 steps before the next change, where the shares"
-            " have settled (all of those steps after the change). Rank 1's share enters the band its"
-            " settled shares keep (their 10th to 90th percentile, at least their median ± max(2, 10%)),"
-            " and comes within max(2, 10%) of their median.\n",
-            md_row(
-                "run",
-                "change at step",
-                "settled step ms",
-                "balanced in steps",
-                "settled share (band)",
-                "steps to the band",
-                "steps to the median",
-            ),
-            md_row("---", "---", "---", "---", "---", "---", "---"),
-        ]
-        for i, run in enumerate(result["change"]["runs"]):
-            lines += [
-                md_row(
-                    i + 1,
-                    c["step"],
-                    c["settled_ms"],
-                    c["steps"],
-                    f"{c['settled']} ({c['band'][0]}-{c['band'][1]})",
-                    c["steps_to_band"],
-                    c["steps_to_near"],
-                )
-                for c in run["changed_at"]
-            ]
+        lines += balance_change.report(result["change"])
     if "equal" in result:
         lines += [
             "\n## equal: 2 ranks at full speed, 2 epochs\n",
@@ -382,23 +213,6 @@ def report(result):
     lines += ["\n## Targets\n", md_row("target", "measured", ""), md_row("---", "---", "---")]
     lines += [md_row(*row) for row in result["targets"]]
     return "\n".join(lines) + "\n"
-
-
-def plot(result):
-    if "change" not in result:
-        return None
-    fig, axes = figure(2, 1, (8, 6))
-    shares, pace = axes[0][0], axes[1][0]
-    for i, run in enumerate(result["change"]["runs"]):
-        shares.plot(run["steps"], run["rank1_share"], marker=".", label=f"run {i + 1}")
-        pace.plot(run["steps"][1:], run["step_ms"][1:], marker=".", label=f"run {i + 1}")
-    for ax in (shares, pace):
-        for step in result["change"]["at"]:
-            ax.axvline(step, color="grey", linestyle="--")
-    shares.set(ylabel="rank 1's images of 64", title="--balance: rank 1 held to 40% of a core, steps 100-300")
-    pace.set(xlabel="step", ylabel="ms a step (the last 5 steps)")
-    shares.legend()
-    return png_of(fig)
 
 
 def main(argv=None):
@@ -434,13 +248,14 @@ def main(argv=None):
     if "four" in parts:
         result["four"] = sweep(list(FOUR), four_splits, args.reps, folder / "four", args.train_subset, False, against)
     if "change" in parts:
-        result["change"] = change(args.reps, folder)
+        result["change"] = balance_change.change(args.reps, folder)
     if "equal" in parts:
         result["equal"] = equal(args.reps, folder, against=against)
     result["targets"] = targets(result)
     os.makedirs(args.results_dir, exist_ok=True)
     stem = Path(args.results_dir) / ("balance" if not args.only else "balance-" + "-".join(args.only))
-    write_results(stem, result, report(result), plot(result))
+    png = balance_change.plot(result["change"]) if "change" in result else None
+    write_results(stem, result, report(result), png)
     print(report(result))
     return 0 if all(ok == "PASS" for _, _, ok in result["targets"]) else 1
 
