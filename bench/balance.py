@@ -20,7 +20,7 @@ turns round by round (a slow minute hits them all alike); each figure is a media
 The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
 
 Side by side with another revision (whole runs drift by more than a change moves them): --against
-adds its --balance (git archive'd into the logs' folder) to parts two, four and equal, and --splits
+adds its --balance (git archive'd into the logs' folder) to every part, and --splits
 replaces the sweeps of fixed splits:
 
     python bench/balance.py --only two --only four --reps 6 --against bf13417 --splits 53:11,37:17:9:1
@@ -248,7 +248,7 @@ def main(argv=None):
     if "four" in parts:
         result["four"] = sweep(list(FOUR), four_splits, args.reps, folder / "four", args.train_subset, False, against)
     if "change" in parts:
-        result["change"] = balance_change.change(args.reps, folder)
+        result["change"] = balance_change.change(args.reps, folder, against)
     if "equal" in parts:
         result["equal"] = equal(args.reps, folder, against=against)
     result["targets"] = targets(result)

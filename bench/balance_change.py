@@ -11,10 +11,11 @@ after the change. So --balance's steps beyond the floor's are its own.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 
-from balance_job import Job
+from balance_job import TRAIN, Job
 from harness import figure, png_of
 from stats import md_row
 
@@ -22,24 +23,31 @@ FLOOR = {"58:6": 0, "32:32": 1}  # a fixed split, and the change (0: the start, 
 AT, FRACTION, SUBSET = (100, 300), 0.4, 32000
 
 
-def change(reps, folder):
-    """Every round: --balance, then each FLOOR split, in turns; the shares and the time a step took
-    over steps, and the steps until each change is balanced."""
-    configs = [("--balance", ["--balance"])] + [(split, ["--balance", split]) for split in FLOOR]
-    runs = {name: [] for name, _ in configs}
+def change(reps, folder, against=None):
+    """Every round: --balance, then each FLOOR split (and --balance of `against`, a Revision), in
+    turns; the shares and the time a step took over steps, and the steps until each change is
+    balanced."""
+    configs = [("--balance", ["--balance"], TRAIN)] + [(split, ["--balance", split], TRAIN) for split in FLOOR]
+    if against:
+        configs.insert(1, (f"--balance at {against.name}", ["--balance"], against.train))
+    runs = {name: [] for name, _, _ in configs}
     for rnd in range(reps):
-        for name, flags in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
-            run = slowdown(flags, Path(folder) / f"change-{name.strip('-').replace(':', '_')}-{rnd}")
+        for name, flags, train in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
+            folder_name = re.sub(r"[^\w.-]+", "_", name.strip("-"))
+            run = slowdown(flags, Path(folder) / f"change-{folder_name}-{rnd}", train)
             runs[name].append(run)
             print(f"  round {rnd + 1}/{reps}  {name:<10} {[c['steps'] for c in run['changed_at']]}", flush=True)
-    floor = {split: runs[split] for split in FLOOR}
-    return dict(fraction=FRACTION, at=AT, runs=runs["--balance"], floor=floor)
+    result = dict(fraction=FRACTION, at=AT, runs=runs.pop("--balance"))
+    result["floor"] = {split: runs.pop(split) for split in FLOOR}
+    result["against"] = runs  # {"--balance at REV": [runs]}, or empty
+    return result
 
 
-def slowdown(flags, folder):
-    """One job of 2 ranks, rank 1 held to FRACTION of a core from step AT[0] to AT[1]."""
+def slowdown(flags, folder, train=TRAIN):
+    """One job of 2 ranks (of `train`, a train.py), rank 1 held to FRACTION of a core from step
+    AT[0] to AT[1]."""
     args = ["--epochs", "1", "--train-subset", str(SUBSET), "--test-subset", "500", *flags]
-    job = Job([None, None], args, folder, [(AT[0], 1, FRACTION), (AT[1], 1, None)])
+    job = Job([None, None], args, folder, [(AT[0], 1, FRACTION), (AT[1], 1, None)], train=train)
     _, events = job.run()
     reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
     steps = [e["step"] for e in reviews]
@@ -124,8 +132,9 @@ def report(result):
         " shares that are right from the first step after the change.\n",
         md_row("steps to balance", "the start", "the end"),
         md_row("---", "---", "---"),
-        md_row("--balance", *(summary([r["changed_at"][i]["steps"] for r in result["runs"]]) for i in (0, 1))),
     ]
+    for name, runs in {"--balance": result["runs"], **result.get("against", {})}.items():
+        lines.append(md_row(name, *(summary([r["changed_at"][i]["steps"] for r in runs]) for i in (0, 1))))
     for split, i in FLOOR.items():
         cells = ["", ""]
         cells[i] = summary([r["changed_at"][i]["steps"] for r in result["floor"][split]])
