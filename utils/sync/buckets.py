@@ -32,11 +32,13 @@ from utils.sync.interface import GradientSync
 from utils.timeline import OFF
 
 
-def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None, timeline=OFF):
+def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None, timeline=OFF, step=None):
     """Replace every rank's gradients of `params` by their average over all ranks, as one flat
     buffer (each hop of the ring is one message). sum_: an all-reduce; compressor: what travels;
-    bucket: which of the compressor's buckets `params` are. Returns the flags' sums (or None)."""
-    with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
+    bucket: which of the compressor's buckets `params` are; step: the step whose gradients they
+    are, for the timeline (None: the one under way). Returns the flags' sums (or None)."""
+    named = {} if step is None else dict(step=step)
+    with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__, **named):
         flat, numel = flat_buffer(params, weight, flag)
         compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
         set_gradients(params, flat[:numel])
@@ -123,9 +125,12 @@ class BucketSync(GradientSync):
         self.close()
         return False
 
-    def _average(self, i, weight):
+    def _average(self, i, weight, timeline=None, step=None):
         flag = self.local_flag().values() if i == self.flag_bucket else None
-        summed = average_gradients(self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag, self.timeline)
+        timeline = self.timeline if timeline is None else timeline
+        summed = average_gradients(
+            self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag, timeline, step
+        )
         if flag is not None:
             self.flag_sums = summed
 
@@ -160,6 +165,7 @@ class OverlappedSync(BucketSync):
         super().__init__(*parts, **named)
         self.broken = broken
         self.weights = [1.0] * len(self.buckets)  # the weight each bucket was started with
+        self.steps = [None] * len(self.buckets)  # the step it was started in, if the timeline recorded it
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]  # gradients still to come, this step
         self.started = 0  # buckets 0..started-1 are being summed
@@ -189,7 +195,10 @@ class OverlappedSync(BucketSync):
             self.started += 1
 
     def _start(self, i):
-        self.weights[i] = self.weight  # a lazy step's bucket thread may run after the next weight is set
+        # a lazy step's bucket thread may run after the next step has begun: its weight is set by
+        # then, and its span would be drawn in that step (or left out of the timeline's window)
+        self.weights[i] = self.weight
+        self.steps[i] = self.timeline.current_step() if self.timeline.recording else None
         if self.timeline.recording:  # handed over, inside backward (its thread may start a moment later)
             now = self.timeline.now_ns()
             self.timeline.add("ready", now, now, bucket=i)
@@ -210,7 +219,8 @@ class OverlappedSync(BucketSync):
                 if self.closed:
                     return
                 start = time.perf_counter()
-                self._average(i, self.weights[i])
+                drawn = OFF if self.steps[i] is None else self.timeline
+                self._average(i, self.weights[i], drawn, self.steps[i])
                 with self.lock:
                     self.busy_seconds += time.perf_counter() - start
                 self.summed[i].set()
