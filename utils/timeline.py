@@ -56,6 +56,11 @@ class Off:
     def now_ns(self):
         return time.perf_counter_ns()
 
+    def drawn_in(self, step):
+        """`with timeline.drawn_in(step):` the spans this thread draws in the block are of `step`
+        (None: none are drawn), whatever step is under way when they begin."""
+        return _NO_SPAN
+
     def at_step(self, step):
         """Step `step` (counted over the whole run) begins."""
 
@@ -82,6 +87,7 @@ class Recorder(Off):
         self.path, self.first, self.last, self.total_steps = path, first, last, total_steps
         self.step, self.recording, self.written = 0, False, False
         self.spans = []  # (name, row, start_ns on rank 0's clock, end_ns, args)
+        self.here = threading.local()  # .step: drawn_in's, on a thread inside one
         # For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number
         # of seconds, as another server's clock would be; the clock alignment must take it out.
         skews = os.environ.get("TIMELINE_TEST_CLOCK_SKEW_S", "0").split(",")
@@ -101,13 +107,26 @@ class Recorder(Off):
     def current_step(self):
         return self.step
 
+    @contextlib.contextmanager
+    def drawn_in(self, step):
+        # a bucket's sum runs on a thread of its own, which may start after the next step began
+        self.here.step = step
+        try:
+            yield
+        finally:
+            del self.here.step
+
+    def _step_here(self):
+        """The step this thread's spans are of now (None: not drawn)."""
+        return getattr(self.here, "step", self.step) if self.recording else None
+
     def span(self, name, **args):
-        return self._span(name, args) if self.recording else _NO_SPAN
+        return self._span(name, args) if self._step_here() is not None else _NO_SPAN
 
     @contextlib.contextmanager
     def _span(self, name, args):
         """Yields `args`, which the block may add to (what it learns on the way: bytes sent)."""
-        args.setdefault("step", self.step)  # the step it began in, though it may end in the next
+        args.setdefault("step", self._step_here())  # the step it began in, though it may end in the next
         start = self.now_ns()
         try:
             yield args
@@ -115,11 +134,11 @@ class Recorder(Off):
             self._add(name, start, self.now_ns(), None, args)
 
     def add(self, name, start_ns, end_ns, row=None, **args):
-        if self.recording:
+        if self._step_here() is not None:
             self._add(name, start_ns, end_ns, row, args)
 
     def _add(self, name, start_ns, end_ns, row, args):
-        args.setdefault("step", self.step)
+        args.setdefault("step", getattr(self.here, "step", self.step))
         row = row or threading.current_thread().name
         self.spans.append((name, row, start_ns + self.offset_ns, end_ns + self.offset_ns, args))
 

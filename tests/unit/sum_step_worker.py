@@ -1,6 +1,7 @@
 """One rank, a world of its own, for tests/unit/test_sum_step.py: a bucket's sum whose thread starts
 only after the training thread has begun the next step (as under load with --lazy-update, whose
-next step begins before its sums are waited for). Prints the step each sum's span was drawn in."""
+next step begins before its sums are waited for). Prints the step each span of a sum was drawn in,
+by name ("sum", and the "all-reduce" inside it)."""
 
 import json
 import sys
@@ -34,7 +35,10 @@ def main(port, trace):
     timeline.at_step(2)
     gate.set()
     sync.after_backward()
-    print(json.dumps([args["step"] for name, _, _, _, args in timeline.spans if name == "sum"]))
+    drawn = {name: [] for name in ("sum", "all-reduce")}
+    for name, _, _, _, args in timeline.spans:
+        drawn.setdefault(name, []).append(args["step"])
+    print(json.dumps(drawn))
     dist.destroy_process_group()
 
 

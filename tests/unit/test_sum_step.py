@@ -1,4 +1,4 @@
-"""A bucket's sum is drawn in the step whose gradient it sums, however late its thread starts
+"""A bucket's sum (and the all-reduce in it) is drawn in the step whose gradient it sums, however late its thread starts
 (tests/unit/sum_step_worker.py: one rank over real gloo)."""
 
 import json
@@ -17,6 +17,7 @@ def test_a_sum_whose_thread_starts_in_the_next_step_is_drawn_in_its_own(tmp_path
         worker, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     assert done.returncode == 0, done.stderr
-    steps = json.loads(done.stdout.splitlines()[-1])
-    assert len(steps) > 2  # one span a bucket (0.05 MB buckets)
-    assert steps == [1] * len(steps)  # not 2: the step under way when the thread began
+    drawn = json.loads(done.stdout.splitlines()[-1])
+    buckets = len(drawn["sum"])
+    assert buckets > 2  # one sum a bucket (0.05 MB buckets)
+    assert drawn["sum"] == drawn["all-reduce"] == [1] * buckets  # not 2: the step under way when a thread began

@@ -32,13 +32,11 @@ from utils.sync.interface import GradientSync
 from utils.timeline import OFF
 
 
-def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None, timeline=OFF, step=None):
+def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None, timeline=OFF):
     """Replace every rank's gradients of `params` by their average over all ranks, as one flat
     buffer (each hop of the ring is one message). sum_: an all-reduce; compressor: what travels;
-    bucket: which of the compressor's buckets `params` are; step: the step whose gradients they
-    are, for the timeline (None: the one under way). Returns the flags' sums (or None)."""
-    named = {} if step is None else dict(step=step)
-    with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__, **named):
+    bucket: which of the compressor's buckets `params` are. Returns the flags' sums (or None)."""
+    with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
         flat, numel = flat_buffer(params, weight, flag)
         compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
         set_gradients(params, flat[:numel])
@@ -125,12 +123,9 @@ class BucketSync(GradientSync):
         self.close()
         return False
 
-    def _average(self, i, weight, timeline=None, step=None):
+    def _average(self, i, weight):
         flag = self.local_flag().values() if i == self.flag_bucket else None
-        timeline = self.timeline if timeline is None else timeline
-        summed = average_gradients(
-            self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag, timeline, step
-        )
+        summed = average_gradients(self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag, self.timeline)
         if flag is not None:
             self.flag_sums = summed
 
@@ -196,7 +191,7 @@ class OverlappedSync(BucketSync):
 
     def _start(self, i):
         # a lazy step's bucket thread may run after the next step has begun: its weight is set by
-        # then, and its span would be drawn in that step (or left out of the timeline's window)
+        # then, and its spans would be drawn in that step (or left out of the timeline's window)
         self.weights[i] = self.weight
         self.steps[i] = self.timeline.current_step() if self.timeline.recording else None
         if self.timeline.recording:  # handed over, inside backward (its thread may start a moment later)
@@ -219,8 +214,8 @@ class OverlappedSync(BucketSync):
                 if self.closed:
                     return
                 start = time.perf_counter()
-                drawn = OFF if self.steps[i] is None else self.timeline
-                self._average(i, self.weights[i], drawn, self.steps[i])
+                with self.timeline.drawn_in(self.steps[i]):
+                    self._average(i, self.weights[i])
                 with self.lock:
                     self.busy_seconds += time.perf_counter() - start
                 self.summed[i].set()
