@@ -40,8 +40,8 @@ from pathlib import Path
 
 import balance_change
 import harness
-from balance_job import TRAIN, Job
-from harness import REPO, RESULTS, bench_parser, command_line, host_info, throttle, write_results
+from balance_job import TRAIN, Job, part_name
+from harness import REPO, RESULTS, bench_parser, command_line, host_info, rotated, throttle, write_results
 from stats import md_head, md_row
 
 PARTS = ("two", "four", "change", "equal")
@@ -71,16 +71,11 @@ def rounds(configs, reps, folder, run_one):
     """Every configuration once per round, in turns; {name: [result per round]}."""
     results = {name: [] for name, _ in configs}
     for rnd in range(reps):
-        order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
-        for name, spec in order:
+        for name, spec in rotated(configs, rnd):
             result = run_one(spec, Path(folder) / f"{part_name(name)}-{rnd}")
             results[name].append(result)
             print(f"  round {rnd + 1}/{reps}  {name:<22} {result}", flush=True)
     return results
-
-
-def part_name(name):
-    return re.sub(r"[^\w.-]+", "_", name)
 
 
 def epoch_seconds(fractions, subset, against=None):
@@ -120,7 +115,7 @@ def equal(reps, folder, seeds=(1, 2, 3), against=None):
     configs = [
         (f"{name} seed {seeds[i % len(seeds)]} #{i}", (flags, seeds[i % len(seeds)], train))
         for i in range(reps)
-        for name, flags, train in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]  # (each goes first in turn)
+        for name, flags, train in rotated(kinds, i)  # (each goes first in turn)
     ]
 
     def run_one(spec, folder):

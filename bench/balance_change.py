@@ -11,12 +11,11 @@ after the change. So --balance's steps beyond the floor's are its own.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from pathlib import Path
 
-from balance_job import TRAIN, Job
-from harness import figure, png_of
+from balance_job import TRAIN, Job, part_name
+from harness import figure, png_of, rotated
 from stats import md_row
 
 FLOOR = {"58:6": 0, "32:32": 1}  # a fixed split, and the change (0: the start, 1: the end) it is right after
@@ -32,9 +31,8 @@ def change(reps, folder, against=None):
         configs.insert(1, (f"--balance at {against.name}", ["--balance"], against.train))
     runs = {name: [] for name, _, _ in configs}
     for rnd in range(reps):
-        for name, flags, train in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
-            folder_name = re.sub(r"[^\w.-]+", "_", name.strip("-"))
-            run = slowdown(flags, Path(folder) / f"change-{folder_name}-{rnd}", train)
+        for name, flags, train in rotated(configs, rnd):
+            run = slowdown(flags, Path(folder) / f"change-{part_name(name.strip('-'))}-{rnd}", train)
             runs[name].append(run)
             print(f"  round {rnd + 1}/{reps}  {name:<10} {[c['steps'] for c in run['changed_at']]}", flush=True)
     result = dict(fraction=FRACTION, at=AT, runs=runs.pop("--balance"))

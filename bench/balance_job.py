@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,3 +86,8 @@ def read_events(path):
     if not os.path.exists(path):
         return []
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.endswith("}")]
+
+
+def part_name(name):
+    """A configuration's name as a folder name."""
+    return re.sub(r"[^\w.-]+", "_", name)

@@ -138,7 +138,7 @@ class Recorder(Off):
             self._add(name, start_ns, end_ns, row, args)
 
     def _add(self, name, start_ns, end_ns, row, args):
-        args.setdefault("step", getattr(self.here, "step", self.step))
+        args.setdefault("step", self._step_here())
         row = row or threading.current_thread().name
         self.spans.append((name, row, start_ns + self.offset_ns, end_ns + self.offset_ns, args))
 
