@@ -38,12 +38,17 @@ How the ranks agree, with no message of their own:
      speed change, and for each move on in that move's direction after it), and only if a share
      turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
      direction of its last move (noise in the timings does not make the shares flap). Measured
-     (bench/balance.py, 20 runs): a slowdown's end is balanced in a median of 15 steps, its
-     start in 24 (bench/README.md says why not 20).
+     (bench/balance.py --only change): a slowdown's start and its end are balanced in a median of
+     10 and 15 steps (bench/README.md).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
      The lean rides with the sums after the codes, so every rank solves with the same one.
+  5. A slowdown (the speeds part at a look where a rank said its speed changed) is solved at that
+     look with the lean at PARTED_LEAN, and rank 0's search goes down from there. The first
+     solve after a change comes from timings that hold the old speeds still, and gives the slowed
+     rank about twice the images it settles at; one image too many costs it a few times what one
+     too few costs the others (bench/README.md). Every rank sees the parting in the codes.
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -72,6 +77,7 @@ THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 
 LEAN_STEPS = 8  # a lean of 8 solves a rank at half the fastest's rate as if at a quarter of it
 MAX_LEAN = 8  # leans go from 0 (equal own times) to this
 LEAN_FROM = 8  # rate codes (a factor of 1.41) between the fastest and the slowest rank before a lean is tried
+PARTED_LEAN = 8  # the lean a slowdown is solved with at the look that sees it, and rank 0's search starts from
 MARGIN = 0.02  # a try of a lean must make a step shorter by more than this to be kept
 QUIET = 3  # measures at the best lean before rank 0 tries the other way
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
@@ -185,6 +191,7 @@ class Balance:
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
+        self.held = True  # the ranks' rates were within LEAN_FROM codes at the last look (or none yet)
         self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
     def shares(self, size=None):
@@ -262,9 +269,12 @@ class Balance:
             self.search.timed(step, time.monotonic())
         if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
+        held, changed = max(codes[:n]) - min(codes[:n]) < LEAN_FROM, codes[2 * n + 1] > 0
+        parting, self.held = self.held and not held and changed, held  # (a slowdown: every rank sees it)
         if self.rank == 0:
-            self.search.hold(max(codes[:n]) - min(codes[:n]) < LEAN_FROM)
-        lean, leaned, changed = codes[2 * n], self.lean != codes[2 * n], codes[2 * n + 1] > 0
+            self.search.hold(held, parting)
+        lean = PARTED_LEAN if parting else codes[2 * n]
+        leaned = self.lean != lean
         self.lean, self.solved, self.changed = lean, True, False
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
         moves = [b - a for a, b in zip(old, new)]
@@ -343,18 +353,19 @@ class LeanSearch:
     stalls cost, is found again). Never below 0: the measure's one known error leans one way,
     and a slow rank given more than it can carry is the costly mistake (every step waits for it).
 
-    A new search (the ranks' speeds just parted: a slowdown) goes in strides of FIRST_TRIES
-    notches, each measured over REVIEW steps, until a try is no shorter: the last images of a
-    slowdown are the lean's to find, and one notch every SEARCH steps took 20-80 steps for them.
+    A new search (the ranks' speeds just parted) goes in strides of FIRST_TRIES notches, each
+    measured over REVIEW steps, until a try is no shorter: up from 0, or down from PARTED_LEAN
+    after a slowdown (Balance.review). One notch every SEARCH steps took 20-80 steps for the last
+    images of a slowdown.
     """
 
     def __init__(self):
-        self.held = False  # the ranks' speeds are too close for a lean (hold)
+        self.held = True  # the ranks' speeds are too close for a lean (hold), or not known yet
         self.begin()
 
-    def begin(self):
-        """A search from lean 0, as at the start, in quick strides."""
-        self.best, self.trying, self.direction, self.quiet = 0, None, 1, 0
+    def begin(self, lean=0):
+        """A search from `lean` in quick strides: up from 0, down from any other."""
+        self.best, self.trying, self.direction, self.quiet = lean, None, 1 if lean == 0 else -1, 0
         self.quick = True  # tries of FIRST_TRIES notches every REVIEW steps, until one is no shorter
         self.best_seconds = None  # a step at the best lean, as last measured
         self.window = None  # the clock after the review's step, then after each step since
@@ -386,13 +397,16 @@ class LeanSearch:
         if step % self.every != 0:
             self.window = None
 
-    def hold(self, held):
+    def hold(self, held, parting=False):
         """At a review: whether the ranks' rates are within LEAN_FROM codes of each other. Then no
         lean (0) and no search: between ranks of about equal speed a lean is steered by the noise
         of the step times and of the rates (measured: on equal servers it wandered to 37:27 and
-        cost 6%, bench/README.md). A search starts afresh once they part."""
+        cost 6%, bench/README.md). Once they part, a search starts afresh: from PARTED_LEAN at a
+        slowdown (`parting`: the lean every rank solved with at that look), else from 0."""
         if held and not self.held:
             self.begin()
+        elif parting:
+            self.begin(PARTED_LEAN)
         self.held = held
 
     def moved_nothing(self, lean):

@@ -236,10 +236,11 @@ def test_a_lean_solves_slower_ranks_as_slower_still_and_never_below_code_1():
     assert balance.leaned_codes([fast, 3], 8) == [fast, 1]
 
 
-def search_over(step_seconds, steps):
-    """Rank 0's LeanSearch over `steps` steps whose time depends on the lean in force (the one its
-    sums carried at the review before): the lean in force after each review."""
-    search, clock, in_force, history = balance.LeanSearch(), 0.0, 0, []
+def search_over(step_seconds, steps, search=None):
+    """Rank 0's LeanSearch (a new one by default) over `steps` steps whose time depends on the lean
+    in force (the one its sums carried at the review before): the lean in force after each review."""
+    search = search or balance.LeanSearch()
+    clock, in_force, history = 0.0, search.lean, []
     for step in range(1, steps + 1):
         clock += step_seconds(in_force)
         search.timed(step, clock)
@@ -356,7 +357,8 @@ def test_a_rank_that_saw_its_speed_change_says_so_and_one_look_moves_the_shares(
     timed(b, 1000.0, steps=balance.RECENT // 2, stretch=3.0)  # a quota came
     assert b.slots()[-1] == 1
     over = code(10**6)
-    assert b.review(REVIEW, (code(1000), code(500), over, over, 0, 1)) and b.shares() == [43, 21]  # one look
+    slower = code(1000) - balance.LEAN_FROM + 1  # (not so much slower that the speeds part: no lean)
+    assert b.review(REVIEW, (code(1000), slower, over, over, 0, 1)) and b.shares() == [37, 27]  # one look
     assert b.slots()[-1] == 0  # said once
 
 
@@ -367,11 +369,52 @@ def test_after_a_change_of_speed_a_move_on_in_its_direction_takes_one_look():
     def codes(slow, changed=0):
         return (code(1000), code(slow), over, over, 0, changed)
 
+    b.held = False  # (the speeds parted before: no parting lean, test_a_slowdown_...)
     assert b.review(REVIEW, codes(500, changed=1)) and b.shares() == [43, 21]  # a change: one look
     assert b.review(2 * REVIEW, codes(420)) and b.shares() == [45, 19]  # on in its direction: one look
     assert not b.review(3 * REVIEW, codes(1000))  # back: two looks, as ever; and the change is followed
     assert not b.review(4 * REVIEW, codes(350))  # so a move on takes two looks again
     assert b.review(5 * REVIEW, codes(350)) and b.shares()[1] < 19
+
+
+def test_a_slowdown_is_solved_at_once_with_the_parting_lean_and_rank_0_searches_down_from_it():
+    """Speeds that part at a look where a rank saw its speed change (a slowdown has begun): every
+    rank solves with PARTED_LEAN at that look, and rank 0's search starts there and tries less."""
+    ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
+    over = code(10**6)
+    equal, slow = (code(1000), code(1000) - 2, over, over, 0, 0), (code(1000), code(500), over, over, 0, 1)
+    assert not any(b.review(REVIEW, equal) for b in ranks)  # about equal: held
+    leaned = solve(64, balance.leaned_codes(slow[:2], balance.PARTED_LEAN), slow[2:4])
+    assert leaned[1] < solve(64, slow[:2], slow[2:4])[1]  # (solved as slower than it measured)
+    assert all(b.review(2 * REVIEW, slow) and b.shares() == leaned for b in ranks)  # at once, alike
+    assert all(b.lean == balance.PARTED_LEAN for b in ranks)
+    search = ranks[0].search
+    assert search.lean == balance.PARTED_LEAN and search.direction == -1 and search.quick
+    # the next looks carry rank 0's lean: no new parting while the speeds stay apart
+    assert not any(b.review(3 * REVIEW, (*slow[:4], search.lean, 0)) for b in ranks)
+
+
+def test_speeds_that_part_with_no_change_seen_are_solved_with_no_lean():
+    """At the start of a run (no rank saw its speed change: it has been as it is from the first
+    step) the first solve is leanless, and moves after two looks as ever."""
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    codes = (code(1000), code(500), code(10**6), code(10**6), 0, 0)
+    assert not b.review(REVIEW, codes) and b.lean == 0 and b.search.lean == 0
+    assert b.review(2 * REVIEW, codes) and b.shares() == [43, 21]
+
+
+def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
+    def from_parted(step_seconds, steps):
+        search = balance.LeanSearch()
+        search.hold(False, parting=True)
+        return search_over(step_seconds, steps, search)
+
+    history = from_parted(lambda lean: 0.06 * (1 + 0.05 * (lean - 2) ** 2), 200)
+    start, tries = balance.PARTED_LEAN, balance.PARTED_LEAN // 2 + 1
+    assert history[:tries] == list(range(start, -1, -2))  # measured where it started, then 2 lower a look
+    assert set(history[tries:]) <= {1, 2, 3}  # 0 was no shorter than 2: back to 2, one notch at a time
+    history = from_parted(lambda lean: 0.06 * (1 + 0.05 * (lean - start) ** 2), 200)
+    assert history[:3] == [start, start - 2, start]  # less was longer: back at once
 
 
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_while_the_ranks_are_equal():
