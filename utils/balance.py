@@ -44,11 +44,14 @@ How the ranks agree, with no message of their own:
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
      The lean rides with the sums after the codes, so every rank solves with the same one.
-  5. A slowdown (the speeds part at a look where a rank said its speed changed) is solved at that
-     look with the lean at PARTED_LEAN, and rank 0's search goes down from there. The first
-     solve after a change comes from timings that hold the old speeds still, and gives the slowed
-     rank about twice the images it settles at; one image too many costs it a few times what one
-     too few costs the others (bench/README.md). Every rank sees the parting in the codes.
+  5. A look where a rank said its speed changed and the rate codes' spread moved by LEAN_FROM or
+     more restarts the lean there, for every rank alike (they all see it in the codes): at
+     PARTED_LEAN if they parted (a slowdown), at 0 if they came together (its end); rank 0's
+     search goes on from there. Why: the first solve after a slowdown, from timings that hold
+     the old speeds still, gave the slowed rank about twice the images it settles at, and one
+     image too many costs a step a few times what one too few does (bench/README.md); a lean
+     left over from a slowdown holds a rank that has recovered at an image or two, where its
+     speed cannot show.
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -178,6 +181,7 @@ class Balance:
         self.warm = False  # its first step has run (it is not timed: it pays for warming up)
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.changed = False  # its speed changed since the last review (forget_if_changed)
+        self.cores = None  # its CPU group's quota in cores when it was last timed (None: no quota)
         self.restart(rank, world_size)
 
     def restart(self, rank, world_size, weights=None):
@@ -191,7 +195,7 @@ class Balance:
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
-        self.held = True  # the ranks' rates were within LEAN_FROM codes at the last look (or none yet)
+        self.spread = None  # the rate codes' spread (fastest less slowest) at the last look
         self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
     def shares(self, size=None):
@@ -229,11 +233,16 @@ class Balance:
         return max(least, compute / max(compute_cpu, 1e-9)), max(least, rest / max(rest_cpu, 1e-9))
 
     def forget_if_changed(self):
-        """If this rank's last RECENT steps were stretched CHANGED times more than its history's
-        older ones, or less, its speed has changed (a quota changed, another job on its server
-        started or ended): the history keeps only the recent steps, so that the next review sees
-        the new speed whole, not diluted by the old."""
-        if len(self.history) >= 2 * RECENT:
+        """If this rank's CPU quota changed, or its last RECENT steps were stretched CHANGED times
+        more than its history's older ones, or less, its speed has changed (a quota came or went,
+        another job on its server started or ended): the history keeps only the steps since, so
+        that the next review sees the new speed whole, not diluted by the old. (A rank given an
+        image or two a step under a quota is seldom stalled, so the stretch misses the quota's
+        end; the quota itself is certain.)"""
+        cores, self.cores = self.cores, self.group.cores()
+        if cores != self.cores and len(self.history) > 1:
+            self.history, self.changed = deque(list(self.history)[-1:], maxlen=HISTORY), True
+        elif len(self.history) >= 2 * RECENT:
             older, recent = list(self.history)[:-RECENT], list(self.history)[-RECENT:]
             ratio = stretched(recent) / stretched(older)
             if not 1 / CHANGED < ratio < CHANGED:  # (the change came within the recent steps: their last half)
@@ -269,11 +278,14 @@ class Balance:
             self.search.timed(step, time.monotonic())
         if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
-        held, changed = max(codes[:n]) - min(codes[:n]) < LEAN_FROM, codes[2 * n + 1] > 0
-        parting, self.held = self.held and not held and changed, held  # (a slowdown: every rank sees it)
+        spread, changed = max(codes[:n]) - min(codes[:n]), codes[2 * n + 1] > 0
+        held, last, self.spread = spread < LEAN_FROM, self.spread, spread
+        restart = None  # a change of speed that parted the ranks (a slowdown) or drew them together
+        if changed and not held and last is not None and abs(spread - last) >= LEAN_FROM:
+            restart = PARTED_LEAN if spread > last else 0
         if self.rank == 0:
-            self.search.hold(held, parting)
-        lean = PARTED_LEAN if parting else codes[2 * n]
+            self.search.hold(held, restart)
+        lean = 0 if held else codes[2 * n] if restart is None else restart  # (every rank sees them)
         leaned = self.lean != lean
         self.lean, self.solved, self.changed = lean, True, False
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
@@ -397,16 +409,17 @@ class LeanSearch:
         if step % self.every != 0:
             self.window = None
 
-    def hold(self, held, parting=False):
+    def hold(self, held, restart=None):
         """At a review: whether the ranks' rates are within LEAN_FROM codes of each other. Then no
         lean (0) and no search: between ranks of about equal speed a lean is steered by the noise
         of the step times and of the rates (measured: on equal servers it wandered to 37:27 and
-        cost 6%, bench/README.md). Once they part, a search starts afresh: from PARTED_LEAN at a
-        slowdown (`parting`: the lean every rank solved with at that look), else from 0."""
+        cost 6%, bench/README.md). Once they part, a search starts afresh from 0; and from
+        `restart` when a change of speed moved them apart or together (Balance.review: the lean
+        every rank solved with at that look)."""
         if held and not self.held:
             self.begin()
-        elif parting:
-            self.begin(PARTED_LEAN)
+        elif restart is not None:
+            self.begin(restart)
         self.held = held
 
     def moved_nothing(self, lean):
