@@ -241,7 +241,7 @@ class Balance:
         end; the quota itself is certain.)"""
         cores, self.cores = self.cores, self.group.cores()
         if cores != self.cores and len(self.history) > 1:
-            self.history, self.changed = deque(list(self.history)[-1:], maxlen=HISTORY), True
+            self.history, self.changed = deque([self.history[-1]], maxlen=HISTORY), True
         elif len(self.history) >= 2 * RECENT:
             older, recent = list(self.history)[:-RECENT], list(self.history)[-RECENT:]
             ratio = stretched(recent) / stretched(older)
@@ -285,7 +285,9 @@ class Balance:
             restart = PARTED_LEAN if spread > last else 0
         if self.rank == 0:
             self.search.hold(held, restart)
-        lean = 0 if held else codes[2 * n] if restart is None else restart  # (every rank sees them)
+        lean = codes[2 * n] if restart is None else restart  # (every rank sees a restart in the codes)
+        if held:
+            lean = 0
         leaned = self.lean != lean
         self.lean, self.solved, self.changed = lean, True, False
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
