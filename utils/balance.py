@@ -285,9 +285,7 @@ class Balance:
             restart = PARTED_LEAN if spread > last else 0
         if self.rank == 0:
             self.search.hold(held, restart)
-        lean = codes[2 * n] if restart is None else restart  # (every rank sees a restart in the codes)
-        if held:
-            lean = 0
+        lean = 0 if held else codes[2 * n] if restart is None else restart  # (every rank sees them)
         leaned = self.lean != lean
         self.lean, self.solved, self.changed = lean, True, False
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
