@@ -34,20 +34,21 @@ How the ranks agree, with no message of their own:
      the same step.
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
-     ranks adopt them when two looks in a row want the same move (one look when a rank saw its
-     speed change, and for each move on in that move's direction after it), and only if a share
-     turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
-     direction of its last move (noise in the timings does not make the shares flap). Measured
-     (bench/balance.py --only change, 10 runs): a slowdown's start and its end are balanced in a
-     median of 10 and 12 steps (bench/README.md).
+     ranks adopt them when two looks in a row want the same move (one look at a group's first
+     look, or when a rank saw its speed change, and for each move on in that move's direction
+     after it), and only if a share turns back by more than THRESHOLD of itself and 2 images,
+     or moves on by 2 images in the direction of its last move (noise in the timings does not
+     make the shares flap). Measured (bench/balance.py --only change, 10 runs): a slowdown's
+     start and its end are balanced in a median of 10 and 12 steps (bench/README.md).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
-     lean that makes them shortest (LeanSearch): slower ranks solved as slower still, or faster.
+     lean that makes them shortest (utils/lean.py): slower ranks solved as slower still, or faster.
      The lean rides with the sums after the codes, so every rank solves with the same one.
-  5. A look where a rank said its speed changed and the rate codes' spread moved by LEAN_FROM or
-     more restarts the lean there, for every rank alike (they all see it in the codes): at
-     PARTED_LEAN if they parted (a slowdown), at 0 if they came together (its end); rank 0's
-     search goes on from there. Why: the first solve after a slowdown, from timings that hold
+  5. A look where a rank said its speed changed (or a group's first: its equal shares are as if
+     at equal speeds) and the rate codes' spread moved by LEAN_FROM or more restarts the lean
+     there, for every rank alike (they all see it in the codes): at PARTED_LEAN if they parted (a
+     slowdown, or servers of unequal speed at the start), at 0 if they came together (its end);
+     rank 0's search goes on from there. Why: the first solve after a slowdown, from timings that hold
      the old speeds still, gave the slowed rank about twice the images it settles at, and one
      image too many costs a step a few times what one too few does (bench/README.md); a lean
      left over from a slowdown holds a rank that has recovered at an image or two, where its
@@ -65,6 +66,7 @@ from collections import deque
 from fractions import Fraction
 
 from utils.cpu import CpuGroup, own_seconds, snapshot
+from utils.lean import LeanSearch, leaned_codes
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds
@@ -72,17 +74,11 @@ MEASURED = 3  # steps a rank times at the current shares before it sends codes (
 HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
-SEARCH = 10  # steps of rank 0's timing in each measure of a lean
-FIRST_TRIES = 2  # notches of a new lean search's tries, each measured over REVIEW steps, until one is no shorter
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
-LEAN_STEPS = 8  # a lean of 8 solves a rank at half the fastest's rate as if at a quarter of it
-MAX_LEAN = 8  # leans go from 0 (equal own times) to this
 LEAN_FROM = 8  # rate codes (a factor of 1.41) between the fastest and the slowest rank before a lean is tried
 PARTED_LEAN = 8  # the lean a slowdown is solved with at the look that sees it, and rank 0's search starts from
-MARGIN = 0.02  # a try of a lean must make a step shorter by more than this to be kept
-QUIET = 3  # measures at the best lean before rank 0 tries the other way
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
@@ -194,8 +190,8 @@ class Balance:
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
-        self.lean, self.search = 0, LeanSearch()  # the agreed lean; rank 0's search for it
-        self.spread = None  # the rate codes' spread (fastest less slowest) at the last look
+        self.lean, self.search = 0, LeanSearch(REVIEW)  # the agreed lean; rank 0's search for it
+        self.spread = 0  # the rate codes' spread (fastest less slowest) at the last look (equal shares: 0)
         self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
     def shares(self, size=None):
@@ -227,9 +223,8 @@ class Balance:
         In a CPU group with a quota of q cores, at least its process's CPU time over q: however
         fast the steps it was timed on ran, its quota holds it to q CPU-seconds a second on
         average, and a step that overdraws it stalls every rank for the rest of a quota period."""
-        compute_cpu, compute, rest_cpu, rest, process_cpu = (sum(column) for column in zip(*self.history))
-        cores = self.group.cores()
-        least = process_cpu / cores / max(compute_cpu + rest_cpu, 1e-9) if cores else 0.0
+        compute_cpu, compute, rest_cpu, rest, _ = (sum(column) for column in zip(*self.history))
+        least = quota_stretch(self.history, self.cores)  # (the quota as it was read at its last step)
         return max(least, compute / max(compute_cpu, 1e-9)), max(least, rest / max(rest_cpu, 1e-9))
 
     def forget_if_changed(self):
@@ -244,7 +239,7 @@ class Balance:
             self.history, self.changed = deque([self.history[-1]], maxlen=HISTORY), True
         elif len(self.history) >= 2 * RECENT:
             older, recent = list(self.history)[:-RECENT], list(self.history)[-RECENT:]
-            ratio = stretched(recent) / stretched(older)
+            ratio = stretched(recent, self.cores) / stretched(older, self.cores)
             if not 1 / CHANGED < ratio < CHANGED:  # (the change came within the recent steps: their last half)
                 self.history, self.changed = deque(recent[RECENT // 2 :], maxlen=HISTORY), True
 
@@ -278,10 +273,11 @@ class Balance:
             self.search.timed(step, time.monotonic())
         if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
-        spread, changed = max(codes[:n]) - min(codes[:n]), codes[2 * n + 1] > 0
+        spread = max(codes[:n]) - min(codes[:n])
+        changed = codes[2 * n + 1] > 0 or not self.solved  # (a group's first look: as a change from equal speeds)
         held, last, self.spread = spread < LEAN_FROM, self.spread, spread
         restart = None  # a change of speed that parted the ranks (a slowdown) or drew them together
-        if changed and not held and last is not None and abs(spread - last) >= LEAN_FROM:
+        if changed and not held and abs(spread - last) >= LEAN_FROM:
             restart = PARTED_LEAN if spread > last else 0
         if self.rank == 0:
             self.search.hold(held, restart)
@@ -338,113 +334,16 @@ def fit(levels):
     return (per_step, per_image) if 0 <= per_step <= max(y for _, y in levels) / 2 else None
 
 
-def stretched(history):
-    """Own seconds over CPU seconds, over steps of a rank's history."""
+def stretched(history, cores):
+    """Own seconds over CPU seconds, over steps of a rank's history, and at least what a quota of
+    `cores` holds it to (quota_stretch): under a quota, a few steps that ran on saved-up quota,
+    or that met a stall, are no change of speed (they flipped the shares back and forth)."""
     compute_cpu, compute, rest_cpu, rest, _ = (sum(column) for column in zip(*history))
-    return (compute + rest) / max(compute_cpu + rest_cpu, 1e-9)
+    return max(quota_stretch(history, cores), (compute + rest) / max(compute_cpu + rest_cpu, 1e-9))
 
 
-def leaned_codes(rate_codes, lean):
-    """The rate codes the shares are solved with: each rank's drawn away from the fastest's by
-    lean/LEAN_STEPS of the distance between them. Codes are a log scale, so a rank at half the
-    fastest's rate is solved as if at 2**-(1 + lean/LEAN_STEPS) of it."""
-    top = max(rate_codes)
-    return [max(1, c - (lean * (top - c) + LEAN_STEPS // 2) // LEAN_STEPS) for c in rate_codes]
-
-
-class LeanSearch:
-    """Rank 0's search for the lean that makes a step shortest, on its own clock; the lean it
-    settles on rides with the sums (Balance.slots), so every rank solves with the same one.
-
-    Equal own times are not always the shortest step: a rank that has used up its CPU quota by
-    the time the sum reaches it stalls in the middle of the sum, and every rank waits (measured:
-    bench/README.md). So every SEARCH steps rank 0 looks at how long the last ones took (their
-    median): it tries one lean further toward the faster ranks, and keeps going while each try
-    is shorter than the lean it came from by more than MARGIN; a try that is not shorter is taken
-    back. After QUIET looks it tries again, the other way (so a change of speeds, or of what the
-    stalls cost, is found again). Never below 0: the measure's one known error leans one way,
-    and a slow rank given more than it can carry is the costly mistake (every step waits for it).
-
-    A new search (the ranks' speeds just parted) goes in strides of FIRST_TRIES notches, each
-    measured over REVIEW steps, until a try is no shorter: up from 0, or down from PARTED_LEAN
-    after a slowdown (Balance.review). One notch every SEARCH steps took 20-80 steps for the last
-    images of a slowdown.
-    """
-
-    def __init__(self):
-        self.held = True  # the ranks' speeds are too close for a lean (hold), or not known yet
-        self.begin()
-
-    def begin(self, lean=0):
-        """A search from `lean` in quick strides: up from 0, down from any other."""
-        self.best, self.trying, self.direction, self.quiet = lean, None, 1 if lean == 0 else -1, 0
-        self.quick = True  # tries of FIRST_TRIES notches every REVIEW steps, until one is no shorter
-        self.best_seconds = None  # a step at the best lean, as last measured
-        self.window = None  # the clock after the review's step, then after each step since
-
-    @property
-    def lean(self):
-        """The lean to send with the next sums."""
-        return self.best if self.trying is None else self.trying
-
-    @property
-    def every(self):
-        """Steps between two decisions: REVIEW in the quick strides, then SEARCH."""
-        return REVIEW if self.quick else SEARCH
-
-    def timed(self, step, clock):
-        """After each step: every `every` steps, decide from the steps since the last decision
-        (all at the same shares, and the lean being tried), by their median (a step that saved a
-        checkpoint or evaluated says nothing of the shares)."""
-        if step % self.every == 0:
-            self.window = [clock]
-        elif self.window is not None:
-            self.window.append(clock)
-            if step % self.every == self.every - 1:
-                self.decide(statistics.median(b - a for a, b in zip(self.window, self.window[1:])))
-                self.window = None
-
-    def disturbed(self, step):
-        """The shares changed after `step`: the steps measured so far say nothing of the lean."""
-        if step % self.every != 0:
-            self.window = None
-
-    def hold(self, held, restart=None):
-        """At a review: whether the ranks' rates are within LEAN_FROM codes of each other. Then no
-        lean (0) and no search: between ranks of about equal speed a lean is steered by the noise
-        of the step times and of the rates (measured: on equal servers it wandered to 37:27 and
-        cost 6%, bench/README.md). Once they part, a search starts afresh from 0; and from
-        `restart` when a change of speed moved them apart or together (Balance.review: the lean
-        every rank solved with at that look)."""
-        if held and not self.held:
-            self.begin()
-        elif restart is not None:
-            self.begin(restart)
-        self.held = held
-
-    def moved_nothing(self, lean):
-        """The lean being tried did not move the shares (speeds too close for it): no try; the
-        best lean again, and another try after a while. (So the lean does not wander on noise
-        while the ranks are equal, to strike when one slows down.)"""
-        if self.trying == lean:
-            self.trying, self.quiet = None, QUIET
-
-    def decide(self, seconds):
-        """The window just measured took `seconds` a step at self.lean: the next lean."""
-        stride = FIRST_TRIES if self.quick else 1
-        if self.trying is None:
-            self.best_seconds = seconds  # speeds drift: the best lean's time is refreshed
-            if self.quiet > 0:
-                self.quiet -= 1
-                return
-            if not 0 <= self.best + self.direction <= MAX_LEAN:
-                self.direction = -self.direction
-            self.trying = min(MAX_LEAN, max(0, self.best + stride * self.direction))
-        elif seconds < self.best_seconds * (1 - MARGIN):  # shorter: keep going that way
-            self.best, self.best_seconds = self.trying, seconds
-            further = min(MAX_LEAN, max(0, self.trying + stride * self.direction))
-            self.trying = further if further != self.trying else None
-            if self.trying is None:
-                self.quick = False
-        else:  # no better: back, and the other way after a while, one notch at a time from now on
-            self.trying, self.direction, self.quiet, self.quick = None, -self.direction, QUIET, False
+def quota_stretch(history, cores):
+    """The least stretch a CPU quota of `cores` (None: none) allows over steps of a rank's history:
+    its process's CPU time over the quota, against its work's CPU time."""
+    compute_cpu, _, rest_cpu, _, process_cpu = (sum(column) for column in zip(*history))
+    return process_cpu / cores / max(compute_cpu + rest_cpu, 1e-9) if cores else 0.0

@@ -1,8 +1,9 @@
-"""--balance's lean (utils/balance.py): slower ranks solved as slower still, rank 0's search for the
+"""--balance's lean (utils/lean.py, utils/balance.py): slower ranks solved as slower still, rank 0's search for the
 lean of the shortest step, and the lean's restart at a change of speed."""
 
 from utils import balance
 from utils.balance import REVIEW, Balance, solve, speed_code
+from utils.lean import FIRST_TRIES, QUIET, SEARCH, LeanSearch, leaned_codes
 
 
 def code(per_second):
@@ -11,16 +12,16 @@ def code(per_second):
 
 def test_a_lean_solves_slower_ranks_as_slower_still_and_never_below_code_1():
     fast, half, quarter = 160, 144, 128  # 16 codes: half the rate
-    assert balance.leaned_codes([fast, half, quarter], 0) == [fast, half, quarter]
-    assert balance.leaned_codes([fast, half, quarter], 8) == [fast, 128, 96]  # solved as a quarter, a sixteenth
-    assert balance.leaned_codes([fast, half, quarter], 1) == [fast, 142, 124]
-    assert balance.leaned_codes([fast, 3], 8) == [fast, 1]
+    assert leaned_codes([fast, half, quarter], 0) == [fast, half, quarter]
+    assert leaned_codes([fast, half, quarter], 8) == [fast, 128, 96]  # solved as a quarter, a sixteenth
+    assert leaned_codes([fast, half, quarter], 1) == [fast, 142, 124]
+    assert leaned_codes([fast, 3], 8) == [fast, 1]
 
 
 def search_over(step_seconds, steps, search=None):
     """Rank 0's LeanSearch (a new one by default) over `steps` steps whose time depends on the lean
     in force (the one its sums carried at the review before): the lean in force after each review."""
-    search = search or balance.LeanSearch()
+    search = search or LeanSearch(REVIEW)
     clock, in_force, history = 0.0, search.lean, []
     for step in range(1, steps + 1):
         clock += step_seconds(in_force)
@@ -48,11 +49,13 @@ def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_
     ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
     over = code(10**6)
     codes = (code(1000), code(500), over, over, 0, 0)
-    assert not any(b.review(REVIEW, codes) for b in ranks)  # a first look
-    assert all(b.review(2 * REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
-    assert not any(b.review(3 * REVIEW, codes) for b in ranks)
-    leaned = (*codes[:4], 1, 0)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
-    assert all(b.review(4 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image, at once: taken
+    parted = solve(64, leaned_codes(codes[:2], balance.PARTED_LEAN), codes[2:4])  # (a group's first look:
+    assert all(b.review(REVIEW, codes) and b.shares() == parted for b in ranks)  # apart, so the parting lean)
+    assert ranks[0].search.lean == balance.PARTED_LEAN
+    codes = (*codes[:4], balance.PARTED_LEAN, 0)  # which rank 0 sends
+    assert not any(b.review(2 * REVIEW, codes) for b in ranks)
+    leaned = (*codes[:4], 6, 0)  # rank 0 tries a lean of 6: rank 1 solved 12 codes slower, not 16
+    assert all(b.review(3 * REVIEW, leaned) and b.shares() == [49, 15] for b in ranks)  # at once: taken
 
 
 def test_a_slowdown_is_solved_at_once_with_the_parting_lean_and_rank_0_searches_down_from_it():
@@ -62,7 +65,7 @@ def test_a_slowdown_is_solved_at_once_with_the_parting_lean_and_rank_0_searches_
     over = code(10**6)
     equal, slow = (code(1000), code(1000) - 2, over, over, 0, 0), (code(1000), code(500), over, over, 0, 1)
     assert not any(b.review(REVIEW, equal) for b in ranks)  # about equal: held
-    leaned = solve(64, balance.leaned_codes(slow[:2], balance.PARTED_LEAN), slow[2:4])
+    leaned = solve(64, leaned_codes(slow[:2], balance.PARTED_LEAN), slow[2:4])
     assert leaned[1] < solve(64, slow[:2], slow[2:4])[1]  # (solved as slower than it measured)
     assert all(b.review(2 * REVIEW, slow) and b.shares() == leaned for b in ranks)  # at once, alike
     assert all(b.lean == balance.PARTED_LEAN for b in ranks)
@@ -89,18 +92,24 @@ def test_ranks_of_about_equal_speed_are_solved_with_no_lean_at_once():
     assert b.review(3 * REVIEW, together) and b.lean == 0 and b.shares() == solve(64, together[:2], together[2:4])
 
 
-def test_speeds_that_part_with_no_change_seen_are_solved_with_no_lean():
-    """At the start of a run (no rank saw its speed change: it has been as it is from the first
-    step) the first solve is leanless, and moves after two looks as ever."""
+def test_a_groups_first_look_moves_at_once_with_the_parting_lean_if_the_speeds_are_apart():
+    """A run's start is as a slowdown from equal shares: the first look solves at once, with
+    PARTED_LEAN if the speeds are LEAN_FROM codes apart, and rank 0's search starts down from it;
+    ranks of about equal speed get no lean, and their first look moves at once too."""
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
-    codes = (code(1000), code(500), code(10**6), code(10**6), 0, 0)
-    assert not b.review(REVIEW, codes) and b.lean == 0 and b.search.lean == 0
-    assert b.review(2 * REVIEW, codes) and b.shares() == [43, 21]
+    over = code(10**6)
+    codes = (code(1000), code(500), over, over, 0, 0)
+    parted = solve(64, leaned_codes(codes[:2], balance.PARTED_LEAN), codes[2:4])
+    assert b.review(REVIEW, codes) and b.lean == balance.PARTED_LEAN and b.shares() == parted
+    assert parted[1] < 21 and b.search.lean == balance.PARTED_LEAN and b.search.direction == -1
+    b.restart(0, 2)  # a new group (a lost rank, a join): a first look again
+    near = (code(1000), code(1000) - balance.LEAN_FROM + 1, over, over, 0, 0)
+    assert b.review(REVIEW, near) and b.lean == 0 and b.shares() == solve(64, near[:2], near[2:4])
 
 
 def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
     def from_parted(step_seconds, steps):
-        search = balance.LeanSearch()
+        search = LeanSearch(REVIEW)
         search.hold(False, restart=balance.PARTED_LEAN)
         return search_over(step_seconds, steps, search)
 
@@ -115,10 +124,11 @@ def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_on_noise():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     apart = (code(1000), code(1000) - 10, code(200), code(200))  # (10 codes: a lean of 1 moves nothing)
-    assert not b.review(REVIEW, (*apart, 0, 0)) and b.review(2 * REVIEW, (*apart, 0, 0)) and b.shares() == [39, 25]
+    assert not b.review(REVIEW, (code(1000), code(1000), *apart[2:], 0, 0))  # (a group's first look: equal)
+    assert not b.review(2 * REVIEW, (*apart, 0, 0)) and b.review(3 * REVIEW, (*apart, 0, 0)) and b.shares() == [39, 25]
     b.search.trying = 1  # (its decision at the step before the review; its lean rode with the sum)
-    assert not b.review(3 * REVIEW, (*apart, 1, 0)) and b.shares() == [39, 25]
-    assert b.search.lean == 0 and b.search.quiet == balance.QUIET
+    assert not b.review(4 * REVIEW, (*apart, 1, 0)) and b.shares() == [39, 25]
+    assert b.search.lean == 0 and b.search.quiet == QUIET
 
 
 def test_no_lean_is_tried_between_ranks_of_about_equal_speed_and_one_is_once_they_part():
@@ -132,7 +142,7 @@ def test_no_lean_is_tried_between_ranks_of_about_equal_speed_and_one_is_once_the
             seen.add(b.search.lean)
         return seen
 
-    assert leans(code(1000) - balance.LEAN_FROM + 1, 20 * balance.SEARCH) == {0}  # noise would steer it
-    parted = leans(code(1000) - balance.LEAN_FROM, 2 * balance.SEARCH)
-    assert {0, balance.FIRST_TRIES} <= parted  # they part: a search at once, in strides (on this clock's noise)
-    assert leans(code(1000), 2 * balance.SEARCH) == {0}  # together again: the lean is let go
+    assert leans(code(1000) - balance.LEAN_FROM + 1, 20 * SEARCH) == {0}  # noise would steer it
+    parted = leans(code(1000) - balance.LEAN_FROM, 2 * SEARCH)
+    assert {0, FIRST_TRIES} <= parted  # they part: a search at once, in strides (on this clock's noise)
+    assert leans(code(1000), 2 * SEARCH) == {0}  # together again: the lean is let go
