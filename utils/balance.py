@@ -19,8 +19,8 @@ How the ranks agree, with no message of their own:
        longer than their CPU time they took on own_clock, the clock less the time its training
        thread waited for the others, over its last HISTORY steps. Whatever held it back counts:
        an old CPU, other people's jobs, a CPU quota's stalls, its own sum's thread taking its
-       CPU. Under a quota of q cores the stretch is at least its process's CPU time over q: a
-       rank that saved up quota runs fast for a while, then stalls every rank.
+       CPU. Under a quota of q cores the stretch is at least its process's CPU time over
+       QUOTA_USE * q: a rank that saved up quota runs fast for a while, then stalls every rank.
      - the rest of a step (its overhead, seconds a step): what it still has to do once its
        gradient is ready, its part of the sum and the optimizer, as CPU time and the stalls it
        met (utils/cpu.py), not its waits. A rank that is the last one ready makes every rank
@@ -34,21 +34,20 @@ How the ranks agree, with no message of their own:
      the same step.
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
-     ranks adopt them when two looks in a row want the same move (one look at a group's first
-     look, or when a rank saw its speed change, and for each move on in that move's direction
-     after it), and only if a share turns back by more than THRESHOLD of itself and 2 images,
-     or moves on by 2 images in the direction of its last move (noise in the timings does not
-     make the shares flap). Measured (bench/balance.py --only change, 10 runs): a slowdown's
-     start and its end are balanced in a median of 10 and 12 steps (bench/README.md).
+     ranks adopt them when two looks in a row want the same move (one look when a rank saw its
+     speed change, and for each move on in that move's direction after it), and only if a share
+     turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
+     direction of its last move (noise in the timings does not make the shares flap). Measured
+     (bench/balance.py --only change, 10 runs): a slowdown's start and its end are balanced in a
+     median of 10 and 12 steps (bench/README.md).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (utils/lean.py): slower ranks solved as slower still, or faster.
      The lean rides with the sums after the codes, so every rank solves with the same one.
-  5. A look where a rank said its speed changed (or a group's first: its equal shares are as if
-     at equal speeds) and the rate codes' spread moved by LEAN_FROM or more restarts the lean
-     there, for every rank alike (they all see it in the codes): at PARTED_LEAN if they parted (a
-     slowdown, or servers of unequal speed at the start), at 0 if they came together (its end);
-     rank 0's search goes on from there. Why: the first solve after a slowdown, from timings that hold
+  5. A look where a rank said its speed changed and the rate codes' spread moved by LEAN_FROM or
+     more restarts the lean there, for every rank alike (they all see it in the codes): at
+     PARTED_LEAN if they parted (a slowdown), at 0 if they came together (its end); rank 0's
+     search goes on from there. Why: the first solve after a slowdown, from timings that hold
      the old speeds still, gave the slowed rank about twice the images it settles at, and one
      image too many costs a step a few times what one too few does (bench/README.md); a lean
      left over from a slowdown holds a rank that has recovered at an image or two, where its
@@ -73,6 +72,7 @@ REVIEW = 5  # steps between two looks at the speeds
 MEASURED = 3  # steps a rank times at the current shares before it sends codes (a run's first is not timed)
 HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
+QUOTA_USE = 0.8  # the part of its CPU quota a rank's share is solved to use (all of it: throttled, it stalls all)
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
@@ -191,7 +191,7 @@ class Balance:
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.lean, self.search = 0, LeanSearch(REVIEW)  # the agreed lean; rank 0's search for it
-        self.spread = 0  # the rate codes' spread (fastest less slowest) at the last look (equal shares: 0)
+        self.spread = None  # the rate codes' spread (fastest less slowest) at the last look
         self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
     def shares(self, size=None):
@@ -220,11 +220,13 @@ class Balance:
         """How much longer than its CPU time this rank's work takes, over its history: (for its
         forward and backward, for the rest of a step); about 1 on a server of its own.
 
-        In a CPU group with a quota of q cores, at least its process's CPU time over q: however
-        fast the steps it was timed on ran, its quota holds it to q CPU-seconds a second on
-        average, and a step that overdraws it stalls every rank for the rest of a quota period."""
+        In a CPU group with a quota of q cores, at least its process's CPU time over QUOTA_USE * q:
+        however fast the steps it was timed on ran, its quota holds it to q CPU-seconds a second
+        on average, and a step that overdraws it stalls every rank for the rest of a quota period.
+        Solved to use all of its quota, a rank is throttled in most periods, each time in the
+        middle of somebody's step (measured: bench/README.md)."""
         compute_cpu, compute, rest_cpu, rest, _ = (sum(column) for column in zip(*self.history))
-        least = quota_stretch(self.history, self.cores)  # (the quota as it was read at its last step)
+        least = quota_stretch(self.history, self.cores) / QUOTA_USE  # (the quota as read at its last step)
         return max(least, compute / max(compute_cpu, 1e-9)), max(least, rest / max(rest_cpu, 1e-9))
 
     def forget_if_changed(self):
@@ -273,11 +275,10 @@ class Balance:
             self.search.timed(step, time.monotonic())
         if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
-        spread = max(codes[:n]) - min(codes[:n])
-        changed = codes[2 * n + 1] > 0 or not self.solved  # (a group's first look: as a change from equal speeds)
+        spread, changed = max(codes[:n]) - min(codes[:n]), codes[2 * n + 1] > 0
         held, last, self.spread = spread < LEAN_FROM, self.spread, spread
         restart = None  # a change of speed that parted the ranks (a slowdown) or drew them together
-        if changed and not held and abs(spread - last) >= LEAN_FROM:
+        if changed and not held and last is not None and abs(spread - last) >= LEAN_FROM:
             restart = PARTED_LEAN if spread > last else 0
         if self.rank == 0:
             self.search.hold(held, restart)

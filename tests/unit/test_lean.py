@@ -1,5 +1,5 @@
-"""--balance's lean (utils/lean.py, utils/balance.py): slower ranks solved as slower still, rank 0's search for the
-lean of the shortest step, and the lean's restart at a change of speed."""
+"""--balance's lean (utils/lean.py, utils/balance.py): slower ranks solved as slower still, rank
+0's search for the lean of the shortest step, and the lean's restart at a change of speed."""
 
 from utils import balance
 from utils.balance import REVIEW, Balance, solve, speed_code
@@ -49,13 +49,11 @@ def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_
     ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
     over = code(10**6)
     codes = (code(1000), code(500), over, over, 0, 0)
-    parted = solve(64, leaned_codes(codes[:2], balance.PARTED_LEAN), codes[2:4])  # (a group's first look:
-    assert all(b.review(REVIEW, codes) and b.shares() == parted for b in ranks)  # apart, so the parting lean)
-    assert ranks[0].search.lean == balance.PARTED_LEAN
-    codes = (*codes[:4], balance.PARTED_LEAN, 0)  # which rank 0 sends
-    assert not any(b.review(2 * REVIEW, codes) for b in ranks)
-    leaned = (*codes[:4], 6, 0)  # rank 0 tries a lean of 6: rank 1 solved 12 codes slower, not 16
-    assert all(b.review(3 * REVIEW, leaned) and b.shares() == [49, 15] for b in ranks)  # at once: taken
+    assert not any(b.review(REVIEW, codes) for b in ranks)  # a first look
+    assert all(b.review(2 * REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
+    assert not any(b.review(3 * REVIEW, codes) for b in ranks)
+    leaned = (*codes[:4], 1, 0)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
+    assert all(b.review(4 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image, at once: taken
 
 
 def test_a_slowdown_is_solved_at_once_with_the_parting_lean_and_rank_0_searches_down_from_it():
@@ -92,19 +90,13 @@ def test_ranks_of_about_equal_speed_are_solved_with_no_lean_at_once():
     assert b.review(3 * REVIEW, together) and b.lean == 0 and b.shares() == solve(64, together[:2], together[2:4])
 
 
-def test_a_groups_first_look_moves_at_once_with_the_parting_lean_if_the_speeds_are_apart():
-    """A run's start is as a slowdown from equal shares: the first look solves at once, with
-    PARTED_LEAN if the speeds are LEAN_FROM codes apart, and rank 0's search starts down from it;
-    ranks of about equal speed get no lean, and their first look moves at once too."""
+def test_speeds_that_part_with_no_change_seen_are_solved_with_no_lean():
+    """At the start of a run (no rank saw its speed change: it has been as it is from the first
+    step) the first solve is leanless, and moves after two looks as ever."""
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
-    over = code(10**6)
-    codes = (code(1000), code(500), over, over, 0, 0)
-    parted = solve(64, leaned_codes(codes[:2], balance.PARTED_LEAN), codes[2:4])
-    assert b.review(REVIEW, codes) and b.lean == balance.PARTED_LEAN and b.shares() == parted
-    assert parted[1] < 21 and b.search.lean == balance.PARTED_LEAN and b.search.direction == -1
-    b.restart(0, 2)  # a new group (a lost rank, a join): a first look again
-    near = (code(1000), code(1000) - balance.LEAN_FROM + 1, over, over, 0, 0)
-    assert b.review(REVIEW, near) and b.lean == 0 and b.shares() == solve(64, near[:2], near[2:4])
+    codes = (code(1000), code(500), code(10**6), code(10**6), 0, 0)
+    assert not b.review(REVIEW, codes) and b.lean == 0 and b.search.lean == 0
+    assert b.review(2 * REVIEW, codes) and b.shares() == [43, 21]
 
 
 def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
@@ -124,10 +116,9 @@ def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_on_noise():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     apart = (code(1000), code(1000) - 10, code(200), code(200))  # (10 codes: a lean of 1 moves nothing)
-    assert not b.review(REVIEW, (code(1000), code(1000), *apart[2:], 0, 0))  # (a group's first look: equal)
-    assert not b.review(2 * REVIEW, (*apart, 0, 0)) and b.review(3 * REVIEW, (*apart, 0, 0)) and b.shares() == [39, 25]
+    assert not b.review(REVIEW, (*apart, 0, 0)) and b.review(2 * REVIEW, (*apart, 0, 0)) and b.shares() == [39, 25]
     b.search.trying = 1  # (its decision at the step before the review; its lean rode with the sum)
-    assert not b.review(4 * REVIEW, (*apart, 1, 0)) and b.shares() == [39, 25]
+    assert not b.review(3 * REVIEW, (*apart, 1, 0)) and b.shares() == [39, 25]
     assert b.search.lean == 0 and b.search.quiet == QUIET
 
 
