@@ -34,12 +34,12 @@ How the ranks agree, with no message of their own:
      the same step.
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
-     ranks adopt them when two looks in a row want the same move (one look at a group's first
-     look, or when a rank saw its speed change, and for each move on in that move's direction
-     after it), and only if a share turns back by more than THRESHOLD of itself and 2 images,
-     or moves on by 2 images in the direction of its last move (noise in the timings does not
-     make the shares flap). Measured (bench/balance.py --only change, 10 runs): a slowdown's
-     start and its end are balanced in a median of 10 and 12 steps (bench/README.md).
+     ranks adopt them when two looks in a row want the same move (one look when a rank saw its
+     speed change, and for each move on in that move's direction after it), and only if a share
+     turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
+     direction of its last move (noise in the timings does not make the shares flap). Measured
+     (bench/balance.py --only change, 10 runs): a slowdown's start and its end are balanced in a
+     median of 10 and 12 steps (bench/README.md).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (utils/lean.py): slower ranks solved as slower still, or faster.
@@ -284,7 +284,7 @@ class Balance:
             self.search.hold(held, restart)
         lean = 0 if held else codes[2 * n] if restart is None else restart  # (every rank sees them)
         leaned = self.lean != lean
-        first, self.lean, self.solved, self.changed = not self.solved, lean, True, False
+        self.lean, self.solved, self.changed = lean, True, False
         old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
         moves = [b - a for a, b in zip(old, new)]
         if leaned:  # rank 0 tries another lean: taken as it is (one that moves nothing is no try)
@@ -300,7 +300,7 @@ class Balance:
             wish = tuple((m > 1) - (m < -1) for m in moves)
             onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
             enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
-            following = changed or first or (self.following and onward)  # (a group's equal shares were no measure)
+            following = changed or (self.following and onward)
             moved = enough and any(wish) and (wish == self.wished or following)
             self.wished, self.following = wish, moved and following
         if not moved:

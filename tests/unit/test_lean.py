@@ -49,8 +49,8 @@ def test_every_rank_solves_with_rank_0s_lean_and_a_new_lean_moves_the_shares_at_
     ranks = [Balance("measured", rank=r, world_size=2, global_batch=64) for r in range(2)]
     over = code(10**6)
     codes = (code(1000), code(500), over, over, 0, 0)
-    assert all(b.review(REVIEW, codes) and b.shares() == [43, 21] for b in ranks)  # (a group's first look)
-    assert not any(b.review(2 * REVIEW, codes) for b in ranks)
+    assert not any(b.review(REVIEW, codes) for b in ranks)  # a first look
+    assert all(b.review(2 * REVIEW, codes) and b.shares() == [43, 21] for b in ranks)
     assert not any(b.review(3 * REVIEW, codes) for b in ranks)
     leaned = (*codes[:4], 1, 0)  # rank 0 tries a lean of 1: rank 1 solved 2 codes slower
     assert all(b.review(4 * REVIEW, leaned) and b.shares() == [44, 20] for b in ranks)  # 1 image, at once: taken
@@ -90,16 +90,13 @@ def test_ranks_of_about_equal_speed_are_solved_with_no_lean_at_once():
     assert b.review(3 * REVIEW, together) and b.lean == 0 and b.shares() == solve(64, together[:2], together[2:4])
 
 
-def test_a_groups_first_look_moves_at_once_with_no_lean():
+def test_speeds_that_part_with_no_change_seen_are_solved_with_no_lean():
     """At the start of a run (no rank saw its speed change: it has been as it is from the first
-    step) the first solve is leanless, and moves at once: the equal shares were nobody's measure;
-    a move on after it takes one look too, as after a change of speed."""
+    step) the first solve is leanless, and moves after two looks as ever."""
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     codes = (code(1000), code(500), code(10**6), code(10**6), 0, 0)
-    assert b.review(REVIEW, codes) and b.lean == 0 and b.search.lean == 0 and b.shares() == [43, 21]
-    assert b.review(2 * REVIEW, (code(1000), code(420), *codes[2:])) and b.shares() == [45, 19]  # on: one look
-    b.restart(0, 2)  # a new group (a lost rank, a join): its first look moves at once too
-    assert b.review(3 * REVIEW, codes) and b.shares() == [43, 21]
+    assert not b.review(REVIEW, codes) and b.lean == 0 and b.search.lean == 0
+    assert b.review(2 * REVIEW, codes) and b.shares() == [43, 21]
 
 
 def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
@@ -119,7 +116,7 @@ def test_a_search_from_the_parting_lean_goes_down_while_steps_get_shorter():
 def test_a_lean_that_moves_no_share_is_no_try_so_it_cannot_wander_on_noise():
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     apart = (code(1000), code(1000) - 10, code(200), code(200))  # (10 codes: a lean of 1 moves nothing)
-    assert b.review(REVIEW, (*apart, 0, 0)) and b.shares() == [39, 25]  # (a group's first look)
+    assert not b.review(REVIEW, (*apart, 0, 0)) and b.review(2 * REVIEW, (*apart, 0, 0)) and b.shares() == [39, 25]
     b.search.trying = 1  # (its decision at the step before the review; its lean rode with the sum)
     assert not b.review(3 * REVIEW, (*apart, 1, 0)) and b.shares() == [39, 25]
     assert b.search.lean == 0 and b.search.quiet == QUIET
