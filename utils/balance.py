@@ -39,7 +39,8 @@ How the ranks agree, with no message of their own:
      turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
      direction of its last move (noise in the timings does not make the shares flap). Measured
      (bench/balance.py --only change, 10 runs): a slowdown's start and its end are balanced in a
-     median of 10 and 12 steps (bench/README.md).
+     median of 22 and 19 steps; with the fixed shares that are right from the change, 12 and 14
+     (bench/README.md).
   4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
      sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
      lean that makes them shortest (utils/lean.py): slower ranks solved as slower still, or faster.
