@@ -19,11 +19,12 @@ turns round by round (a slow minute hits them all alike); each figure is a media
 
 The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
 
-Side by side with another revision (whole runs drift by more than a change moves them): --against
-adds its --balance (git archive'd into the logs' folder) to every part, and --splits
+Side by side with other revisions (whole runs drift by more than a change moves them): each
+--against adds its --balance (git archive'd into the logs' folder) to every part, and --splits
 replaces the sweeps of fixed splits:
 
     python bench/balance.py --only two --only four --reps 6 --against bf13417 --splits 53:11,37:17:9:1
+    python bench/balance.py --only change --reps 8 --against bf13417 --against 56f0379
 """
 
 from __future__ import annotations
@@ -78,40 +79,40 @@ def rounds(configs, reps, folder, run_one):
     return results
 
 
-def epoch_seconds(fractions, subset, against=None):
+def epoch_seconds(fractions, subset):
     """rounds()' run_one: one epoch's seconds of a configuration: 'equal', 'alone' (rank 0 alone),
-    'measured' (--balance), a split A:B..., or 'against' (--balance of `against`, a Revision)."""
+    'measured' (--balance), a split A:B..., or a Revision (its --balance)."""
     args = ["--epochs", "1", "--train-subset", str(subset), "--test-subset", "500", "--timeout", "120"]
 
     def run_one(spec, folder):
-        ranks, train = fractions if spec != "alone" else [None], against.train if spec == "against" else TRAIN
+        ranks, train = fractions if spec != "alone" else [None], spec.train if isinstance(spec, Revision) else TRAIN
         return epochs_of(Job(ranks, args + spec_flags(spec), folder, train=train).run()[0])[-1][2]
 
     return run_one
 
 
 def spec_flags(spec):
-    return dict(equal=[], alone=[], measured=["--balance"], against=["--balance"]).get(spec, ["--balance", spec])
+    if isinstance(spec, Revision):
+        return ["--balance"]
+    return dict(equal=[], alone=[], measured=["--balance"]).get(spec, ["--balance", spec])
 
 
-def sweep(fractions, splits, reps, folder, subset, alone=False, against=None):
+def sweep(fractions, splits, reps, folder, subset, alone=False, against=()):
     configs = [("equal shares", "equal"), ("--balance", "measured")] + [(f"fixed {s}", s) for s in splits]
-    if against:
-        configs.insert(2, (f"--balance at {against.name}", "against"))
+    configs[2:2] = [(f"--balance at {rev.name}", rev) for rev in against]
     if alone:
         configs.append(("fast rank alone", "alone"))
-    times = rounds(configs, reps, folder, epoch_seconds(fractions, subset, against))
+    times = rounds(configs, reps, folder, epoch_seconds(fractions, subset))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     best = min((n for n in medians if n.startswith("fixed")), key=medians.get)
     return dict(fractions=fractions, subset=subset, seconds=times, median=medians, best_fixed=best)
 
 
-def equal(reps, folder, seeds=(1, 2, 3), against=None):
+def equal(reps, folder, seeds=(1, 2, 3), against=()):
     """Seeds 1, 2, 3, 1, 2, ... (`reps` of them), each a round of equal shares and --balance (and
-    --balance of `against`, a Revision)."""
+    --balance of each Revision in `against`)."""
     kinds = [("equal", [], TRAIN), ("--balance", ["--balance"], TRAIN)]
-    if against:
-        kinds.append((f"--balance at {against.name}", ["--balance"], against.train))
+    kinds += [(f"--balance at {rev.name}", ["--balance"], rev.train) for rev in against]
     configs = [
         (f"{name} seed {seeds[i % len(seeds)]} #{i}", (flags, seeds[i % len(seeds)], train))
         for i in range(reps)
@@ -216,7 +217,13 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="rounds per part (default 3)")
     ap.add_argument("--results-dir", default=str(RESULTS / "balance"))
     ap.add_argument("--train-subset", type=int, default=12800, help="images of an epoch in parts two and four")
-    ap.add_argument("--against", metavar="REV", help="also --balance of this git revision, side by side")
+    ap.add_argument(
+        "--against",
+        metavar="REV",
+        action="append",
+        default=[],
+        help="also --balance of this git revision, side by side (repeatable)",
+    )
     ap.add_argument("--splits", help="fixed splits to try instead of the sweeps, e.g. 53:11,37:17:9:1")
     args = ap.parse_args(argv)
     splits = args.splits.split(",") if args.splits else []
@@ -230,13 +237,14 @@ def main(argv=None):
     except throttle.ThrottleError as e:
         print(f"balance.py: {e}; it needs root", file=sys.stderr)
         return 2
-    commit = ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"]
-    if args.against is not None and subprocess.run(commit, capture_output=True).returncode != 0:
-        print(f"balance.py: --against: {args.against!r} is no commit of {REPO}", file=sys.stderr)
-        return 2
+    for rev in args.against:
+        commit = ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"]
+        if subprocess.run(commit, capture_output=True).returncode != 0:
+            print(f"balance.py: --against: {rev!r} is no commit of {REPO}", file=sys.stderr)
+            return 2
     parts, folder = args.only or list(PARTS), Path(tempfile.mkdtemp(prefix="bench-balance-"))
     print(f"logs in {folder}", flush=True)
-    against = export(args.against, folder / "against") if args.against is not None else None
+    against = [export(rev, folder / f"against-{rev}") for rev in args.against]
     result = dict(command=command_line("balance.py"), host=host_info())
     if "two" in parts:
         result["two"] = sweep([None, 0.5], two_splits, args.reps, folder / "two", args.train_subset, True, against)

@@ -22,13 +22,12 @@ FLOOR = {"58:6": 0, "32:32": 1}  # a fixed split, and the change (0: the start, 
 AT, FRACTION, SUBSET = (100, 300), 0.4, 32000
 
 
-def change(reps, folder, against=None):
-    """Every round: --balance, then each FLOOR split (and --balance of `against`, a Revision), in
-    turns; the shares and the time a step took over steps, and the steps until each change is
+def change(reps, folder, against=()):
+    """Every round: --balance, then each FLOOR split (and --balance of each Revision in `against`),
+    in turns; the shares and the time a step took over steps, and the steps until each change is
     balanced."""
     configs = [("--balance", ["--balance"], TRAIN)] + [(split, ["--balance", split], TRAIN) for split in FLOOR]
-    if against:
-        configs.insert(1, (f"--balance at {against.name}", ["--balance"], against.train))
+    configs[1:1] = [(f"--balance at {rev.name}", ["--balance"], rev.train) for rev in against]
     runs = {name: [] for name, _, _ in configs}
     for rnd in range(reps):
         for name, flags, train in rotated(configs, rnd):
