@@ -41,18 +41,11 @@ How the ranks agree, with no message of their own:
      (bench/balance.py --only change, 10 runs): a slowdown's start and its end are balanced in a
      median of 22 and 19 steps; with the fixed shares that are right from the change, 12 and 14
      (bench/README.md).
-  4. Equal own times are not always the shortest step (a rank out of CPU quota stalls inside the
-     sum, and every rank waits for it), so rank 0 also times whole steps and searches for the
-     lean that makes them shortest (utils/lean.py): slower ranks solved as slower still, or faster.
-     The lean rides with the sums after the codes, so every rank solves with the same one.
-  5. A look where a rank said its speed changed and the rate codes' spread moved by LEAN_FROM or
-     more restarts the lean there, for every rank alike (they all see it in the codes): at
-     PARTED_LEAN if they parted (a slowdown), at 0 if they came together (its end); rank 0's
-     search goes on from there. Why: the first solve after a slowdown, from timings that hold
-     the old speeds still, gave the slowed rank about twice the images it settles at, and one
-     image too many costs a step a few times what one too few does (bench/README.md); a lean
-     left over from a slowdown holds a rank that has recovered at an image or two, where its
-     speed cannot show.
+  4. No more than that: no search for a split other than equal own times. Under a CPU quota a
+     rank that stalls stalls every rank, and the stretch (QUOTA_USE) keeps it out of its stalls;
+     a search for a lean on top of that (rank 0 timing whole steps, slower ranks solved as slower
+     still) found its way by 2% differences in steps that vary by 20%, and with it rank 1 of
+     bench/balance.py's part change settled at 1-2 images where 6 run fastest (bench/README.md).
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -66,7 +59,6 @@ from collections import deque
 from fractions import Fraction
 
 from utils.cpu import CpuGroup, own_seconds, snapshot
-from utils.lean import LeanSearch, leaned_codes
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds
@@ -78,8 +70,6 @@ CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
-LEAN_FROM = 8  # rate codes (a factor of 1.41) between the fastest and the slowest rank before a lean is tried
-PARTED_LEAN = 8  # the lean a slowdown is solved with at the look that sees it, and rank 0's search starts from
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
@@ -191,9 +181,6 @@ class Balance:
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
-        self.lean, self.search = 0, LeanSearch(REVIEW)  # the agreed lean; rank 0's search for it
-        self.spread = None  # the rate codes' spread (fastest less slowest) at the last look
-        self.solved = False  # a review has solved with every rank's speed (rank 0 then searches the lean)
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
@@ -248,7 +235,7 @@ class Balance:
 
     def slots(self):
         """What this rank adds to the sum: its rate and overhead codes in its own two slots (rank r:
-        r and N + r), zeros elsewhere; after them the lean, from rank 0 only."""
+        r and N + r), zeros elsewhere; after them whether its speed changed (forget_if_changed)."""
         if self.fixed is not None:
             return ()
         rate = overhead = 0
@@ -261,49 +248,30 @@ class Balance:
             stretch, rest_stretch = self.stretch()
             rate, overhead = speed_code(1, per_image * stretch), speed_code(1, rest * rest_stretch + per_step * stretch)
         n = self.world_size
-        lean = self.search.lean if self.rank == 0 else 0
         codes = tuple(rate if r == self.rank else overhead if r == n + self.rank else 0 for r in range(2 * n))
-        return (*codes, lean, int(self.changed and rate > 0))
+        return (*codes, int(self.changed and rate > 0))
 
     def review(self, step, codes):
         """After `step` (of the epoch), with the codes of its sum (every rank's rate and overhead,
-        then the lean): new shares if it is time to look and they have moved enough. True when
-        they changed. Rank 0 also times its steps here for the lean's search."""
+        then how many said their speed changed): new shares if it is time to look and they have
+        moved enough. True when they changed."""
         n = self.world_size
-        if self.fixed is not None or len(codes) != 2 * n + 2:
+        if self.fixed is not None or len(codes) != 2 * n + 1 or step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
             return False
-        if self.rank == 0 and self.solved and not self.search.held:
-            self.search.timed(step, time.monotonic())
-        if step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
-            return False
-        spread, changed = max(codes[:n]) - min(codes[:n]), codes[2 * n + 1] > 0
-        held, last, self.spread = spread < LEAN_FROM, self.spread, spread
-        restart = None  # a change of speed that parted the ranks (a slowdown) or drew them together
-        if changed and not held and last is not None and abs(spread - last) >= LEAN_FROM:
-            restart = PARTED_LEAN if spread > last else 0
-        if self.rank == 0:
-            self.search.hold(held, restart)
-        lean = 0 if held else codes[2 * n] if restart is None else restart  # (every rank sees them)
-        leaned = self.lean != lean
-        self.lean, self.solved, self.changed = lean, True, False
-        old, new = self.shares(), solve(self.global_batch, leaned_codes(codes[:n], lean), codes[n : 2 * n])
+        changed, self.changed = codes[2 * n] > 0, False
+        old, new = self.shares(), solve(self.global_batch, codes[:n], codes[n : 2 * n])
         moves = [b - a for a, b in zip(old, new)]
-        if leaned:  # rank 0 tries another lean: taken as it is (one that moves nothing is no try)
-            moved = any(moves)
-            if not moved and self.rank == 0:
-                self.search.moved_nothing(lean)
-        else:
-            # two looks in a row must want the move (one slow stretch of steps is no change), or one
-            # if a rank saw its speed change, and for each move on after that one while they go on
-            # (a change of speed is followed in a few moves: the first solves are off by the old
-            # speeds still in the timings); a move on in the direction of the last one needs 2
-            # images, a move back more than THRESHOLD: noise turns shares back and forth
-            wish = tuple((m > 1) - (m < -1) for m in moves)
-            onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
-            enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
-            following = changed or (self.following and onward)
-            moved = enough and any(wish) and (wish == self.wished or following)
-            self.wished, self.following = wish, moved and following
+        # two looks in a row must want the move (one slow stretch of steps is no change), or one if
+        # a rank saw its speed change, and for each move on after that one while they go on (a
+        # change of speed is followed in a few moves: the first solves are off by the old speeds
+        # still in the timings); a move on in the direction of the last one needs 2 images, a move
+        # back more than THRESHOLD: noise turns shares back and forth
+        wish = tuple((m > 1) - (m < -1) for m in moves)
+        onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
+        enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
+        following = changed or (self.following and onward)
+        moved = enough and any(wish) and (wish == self.wished or following)
+        self.wished, self.following = wish, moved and following
         if not moved:
             return False
         self.weights, self.direction, self.wished = tuple(new), moves, None
@@ -311,7 +279,6 @@ class Balance:
         if len(self.timings) >= MEASURED:  # a rank's time per image depends on its share: measured afresh
             self.levels.append(tuple(sum(column) / len(self.timings) for column in zip(*self.timings))[:2])
         self.timings.clear()
-        self.search.disturbed(step)
         return True
 
 
