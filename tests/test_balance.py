@@ -49,7 +49,7 @@ def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(n
     reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
     assert [e["step"] for e in reviews] == list(range(REVIEW, steps + 1, REVIEW)), reviews
     assert reviews[-1]["shares"][0] > 1.3 * reviews[-1]["shares"][1] and sum(reviews[-1]["shares"]) == 64, reviews
-    assert all(min(e["speeds"][:4]) > 0 for e in reviews[1:]), reviews  # both codes of every rank (then the lean)
+    assert all(min(e["speeds"][:4]) > 0 for e in reviews[1:]), reviews  # both codes of every rank
     assert "shares " in out.splitlines()[-2] and "images/s " in out.splitlines()[-2], out  # the epoch line
 
 

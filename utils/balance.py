@@ -15,7 +15,9 @@ How the ranks agree, with no message of their own:
   1. Each rank measures its own work, in two parts:
      - forward and backward, which grow with its images (its rate: images per second): their
        CPU time over its last WINDOW steps at the current shares, fitted over the shares it has
-       had (fit: a step has a cost of its own besides its images), times its stretch: how much
+       had (fit: a step has a cost of its own besides its images; until it has had two, OWN_COST
+       of its compute: taken as all its images', a slowed rank's first solve gave it about twice
+       the images it settles at), times its stretch: how much
        longer than their CPU time they took on own_clock, the clock less the time its training
        thread waited for the others, over its last HISTORY steps. Whatever held it back counts:
        an old CPU, other people's jobs, a CPU quota's stalls, its own sum's thread taking its
@@ -38,14 +40,14 @@ How the ranks agree, with no message of their own:
      speed change, and for each move on in that move's direction after it), and only if a share
      turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
      direction of its last move (noise in the timings does not make the shares flap). Measured
-     (bench/balance.py --only change, 10 runs): a slowdown's start and its end are balanced in a
-     median of 22 and 19 steps; with the fixed shares that are right from the change, 12 and 14
-     (bench/README.md).
+     (bench/balance.py --only change, 6 runs): a slowdown's start and its end are balanced in a
+     median of 22 and 9 steps; with the fixed shares that are right from the change, 24 and 9
+     (that measure is noisy: bench/README.md).
   4. No more than that: no search for a split other than equal own times. Under a CPU quota a
      rank that stalls stalls every rank, and the stretch (QUOTA_USE) keeps it out of its stalls;
      a search for a lean on top of that (rank 0 timing whole steps, slower ranks solved as slower
      still) found its way by 2% differences in steps that vary by 20%, and with it rank 1 of
-     bench/balance.py's part change settled at 1-2 images where 6 run fastest (bench/README.md).
+     bench/balance.py's part change settled at 1-3 images where 6 run fastest (bench/README.md).
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -68,6 +70,7 @@ RECENT = 8  # a rank's last steps, against its history's older ones: has its spe
 QUOTA_USE = 0.8  # the part of its CPU quota a rank's share is solved to use (all of it: throttled, it stalls all)
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
+OWN_COST = 0.2  # a step's own part of its compute until a fit tells (fitted here at 32 images: 17-25%)
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
@@ -243,7 +246,7 @@ class Balance:
         if steps >= MEASURED:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
             images, compute, rest = (sum(column) / steps for column in zip(*self.timings))
             self.cost = fit([*self.levels, (images, compute)]) or self.cost
-            per_step = min(self.cost[0], compute / 2) if self.cost else 0.0
+            per_step = min(self.cost[0], compute / 2) if self.cost else OWN_COST * compute
             per_image = (compute - per_step) / images
             stretch, rest_stretch = self.stretch()
             rate, overhead = speed_code(1, per_image * stretch), speed_code(1, rest * rest_stretch + per_step * stretch)

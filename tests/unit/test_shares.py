@@ -87,6 +87,14 @@ def test_shares_cover_the_step_for_any_weights():
         assert all(abs(s - e) < 1 for s, e in zip(shares, exact)) or min(exact) < 1
 
 
+def one_share(per_second, overhead=0.005, stretch=1.0, images=32):
+    """The rate and overhead codes of a rank timed at one share only (timed()): with no fit yet, a
+    step's own cost is taken as OWN_COST of its compute, and the rest of it as its images'."""
+    compute = images / per_second
+    per_image, per_step = (1 - balance.OWN_COST) * compute / images, balance.OWN_COST * compute
+    return code(1 / (per_image * stretch)), code(1 / (overhead * stretch + per_step * stretch))
+
+
 def timed(b, per_second, overhead=0.005, steps=WINDOW, stretch=1.0):
     """Steps of 32 images at `per_second` of CPU, their forward and backward `stretch` times longer
     on the rank's own clock; then `overhead` seconds of CPU (and 1 s of waiting)."""
@@ -113,9 +121,11 @@ def test_a_rank_sends_its_codes_in_its_own_slots_once_it_has_measured_enough():
     timed(b, 1000.0, steps=balance.MEASURED - 1)
     assert b.slots() == (0,) * 7  # not enough steps yet
     timed(b, 1000.0, steps=1)
-    assert b.slots() == (0, code(1000), 0, 0, code(200), 0, 0)  # rate, then overhead (1 / 5 ms); no change said
+    rate, overhead = one_share(1000.0)
+    assert b.slots() == (0, rate, 0, 0, overhead, 0, 0)  # rate, then overhead; no change said
     timed(b, 500.0, 0.01)  # the window holds only the last WINDOW steps
-    assert b.slots() == (0, code(500), 0, 0, code(100), 0, 0)
+    rate, overhead = one_share(500.0, 0.01)
+    assert b.slots() == (0, rate, 0, 0, overhead, 0, 0)
 
 
 def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold():
@@ -144,7 +154,8 @@ def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     assert b.shares() == [43, 21]
     timed(b, 800.0, steps=balance.MEASURED)  # (new shares are measured afresh)
     b.restart(1, 3)
-    assert b.shares() == [22, 21, 21] and b.slots() == (0, code(800), 0, 0, code(200), 0, 0)
+    rate, overhead = one_share(800.0)
+    assert b.shares() == [22, 21, 21] and b.slots() == (0, rate, 0, 0, overhead, 0, 0)
     b.restart(0, 2, weights=(43, 21))  # a resume: the checkpoint's shares
     assert b.shares() == [43, 21]
 
@@ -236,7 +247,7 @@ def test_a_changed_speed_leaves_the_older_steps_out_of_its_stretch():
     timed(b, 1000.0, steps=balance.RECENT // 2, stretch=3.0)  # a quota, or another job: 3 times longer
     assert len(b.history) < balance.HISTORY  # the older steps are forgotten
     stretch, _ = b.stretch()
-    assert stretch > 2.0 and b.slots()[0] == code(1000.0 / stretch)  # its rate: CPU speed over the stretch
+    assert stretch > 2.0 and b.slots()[0] == one_share(1000.0, stretch=stretch)[0]  # CPU speed over the stretch
 
 
 class QuotaGroup:
@@ -258,13 +269,15 @@ def test_a_rank_under_a_quota_is_measured_at_no_more_than_a_part_of_what_the_quo
     timed(b, 1000.0, overhead=0.008)  # its steps ran at full speed: it had saved up quota
     least = 2.0 / balance.QUOTA_USE  # half a core: twice its CPU time on average, solved to use QUOTA_USE of it
     assert b.stretch() == pytest.approx((least, least))
-    assert b.slots()[:4] == (code(1000.0 / least), 0, code(1 / (0.008 * least)), 0)
+    rate, overhead = one_share(1000.0, 0.008, stretch=least)
+    assert b.slots()[:4] == (rate, 0, overhead, 0)
     b.group = QuotaGroup(4.0)  # a quota that does not hold it back
     timed(b, 1000.0, overhead=0.008, steps=1)
     assert b.stretch() == pytest.approx((1.0, 1.0))
     b.group = QuotaGroup(None)  # the quota is lifted
     timed(b, 1000.0, overhead=0.008, steps=1)
-    assert b.stretch() == pytest.approx((1.0, 1.0)) and b.slots()[:4] == (code(1000.0), 0, code(1 / 0.008), 0)
+    rate, overhead = one_share(1000.0, 0.008)
+    assert b.stretch() == pytest.approx((1.0, 1.0)) and b.slots()[:4] == (rate, 0, overhead, 0)
 
 
 def test_under_a_quota_steps_on_saved_up_quota_are_no_change_of_speed_and_another_job_is():
@@ -303,7 +316,8 @@ def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_tim
     over, cost = code(10**6), lambda images: 0.010 + images * 0.001  # 10 ms a step, 1 ms an image
     for _ in range(WINDOW):
         step(b, 32, cost(32))
-    assert b.slots()[:4] == (0, code(32 / cost(32)), 0, code(1 / 0.005))  # one share: images over seconds
+    rate, overhead = one_share(32 / cost(32))
+    assert b.slots()[:4] == (0, rate, 0, overhead)  # one share: OWN_COST of its compute a step's own
     assert not b.review(REVIEW, (code(1000), code(500), over, over, 0))
     assert b.review(2 * REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
     assert b.slots()[:4] == (0, 0, 0, 0)  # nothing measured at the new shares yet
