@@ -52,7 +52,7 @@ FOUR_SPLITS = ("26:17:13:8", "28:17:12:7", "34:18:10:2", "37:17:9:1", "40:16:7:1
 EPOCH = re.compile(r"^epoch (\d+)/\d+ .*test accuracy ([\d.]+)% +time ([\d.]+) s", re.M)
 
 
-Revision = namedtuple("Revision", "name train")  # for --against: a revision, and its train.py
+Revision = namedtuple("Revision", "name train label")  # for --against: a revision, its train.py, its name in tables
 
 
 def export(rev, folder):
@@ -60,7 +60,7 @@ def export(rev, folder):
     with subprocess.Popen(["git", "-C", str(REPO), "archive", rev], stdout=subprocess.PIPE) as git:
         with tarfile.open(fileobj=git.stdout, mode="r|") as archive:
             archive.extractall(folder, filter="data")
-    return Revision(rev, str(Path(folder) / "train.py"))
+    return Revision(rev, str(Path(folder) / "train.py"), f"--balance at {rev}")
 
 
 def epochs_of(out):
@@ -99,7 +99,7 @@ def spec_flags(spec):
 
 def sweep(fractions, splits, reps, folder, subset, alone=False, against=()):
     configs = [("equal shares", "equal"), ("--balance", "measured")] + [(f"fixed {s}", s) for s in splits]
-    configs[2:2] = [(f"--balance at {rev.name}", rev) for rev in against]
+    configs[2:2] = [(rev.label, rev) for rev in against]
     if alone:
         configs.append(("fast rank alone", "alone"))
     times = rounds(configs, reps, folder, epoch_seconds(fractions, subset))
@@ -112,7 +112,7 @@ def equal(reps, folder, seeds=(1, 2, 3), against=()):
     """Seeds 1, 2, 3, 1, 2, ... (`reps` of them), each a round of equal shares and --balance (and
     --balance of each Revision in `against`)."""
     kinds = [("equal", [], TRAIN), ("--balance", ["--balance"], TRAIN)]
-    kinds += [(f"--balance at {rev.name}", ["--balance"], rev.train) for rev in against]
+    kinds += [(rev.label, ["--balance"], rev.train) for rev in against]
     configs = [
         (f"{name} seed {seeds[i % len(seeds)]} #{i}", (flags, seeds[i % len(seeds)], train))
         for i in range(reps)

@@ -27,7 +27,7 @@ def change(reps, folder, against=()):
     in turns; the shares and the time a step took over steps, and the steps until each change is
     balanced."""
     configs = [("--balance", ["--balance"], TRAIN)] + [(split, ["--balance", split], TRAIN) for split in FLOOR]
-    configs[1:1] = [(f"--balance at {rev.name}", ["--balance"], rev.train) for rev in against]
+    configs[1:1] = [(rev.label, ["--balance"], rev.train) for rev in against]
     runs = {name: [] for name, _, _ in configs}
     for rnd in range(reps):
         for name, flags, train in rotated(configs, rnd):
