@@ -168,7 +168,6 @@ class Balance:
         self.levels = deque(maxlen=LEVELS)  # (images, CPU seconds of compute) a step, at its earlier shares
         self.cost = None  # (CPU seconds a step, an image) of compute, as last fitted on the levels
         self.history = deque(maxlen=HISTORY)  # (CPU s, own s) of compute, of the rest; process CPU s: its stretch
-        self.warm = False  # its first step has run (it is not timed: it pays for warming up)
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.changed = False  # its speed changed since the last review (forget_if_changed)
         self.cores = None  # its CPU group's quota in cores when it was last timed (None: no quota)
@@ -184,6 +183,7 @@ class Balance:
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
+        self.warm = False  # a step at these shares has run (the first is not timed: see review)
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
@@ -279,6 +279,9 @@ class Balance:
             return False
         self.weights, self.direction, self.wished = tuple(new), moves, None
         self.changes += 1
+        # the first step at a new share is not timed: a batch of a new size pays for warming up (measured: a
+        # third longer, up to half); in 3 timed steps it made a rank look slow, and the next look moved back
+        self.warm = False
         if len(self.timings) >= MEASURED:  # a rank's time per image depends on its share: measured afresh
             self.levels.append(tuple(sum(column) / len(self.timings) for column in zip(*self.timings))[:2])
         self.timings.clear()

@@ -152,7 +152,7 @@ def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
     for look in (1, 2):  # (a move needs two looks)
         b.review(look * REVIEW, (code(800), code(400), over, over, 0))
     assert b.shares() == [43, 21]
-    timed(b, 800.0, steps=balance.MEASURED)  # (new shares are measured afresh)
+    timed(b, 800.0, steps=balance.MEASURED + 1)  # (new shares are measured afresh, from their second step)
     b.restart(1, 3)
     rate, overhead = one_share(800.0)
     assert b.shares() == [22, 21, 21] and b.slots() == (0, rate, 0, 0, overhead, 0, 0)
@@ -205,6 +205,23 @@ def test_a_move_onward_needs_two_images_a_move_back_more_than_the_threshold_and_
     assert not b.review(5 * REVIEW, codes(1000))  # back, at a first look
     assert not b.review(6 * REVIEW, codes(480))  # looked at again, but back by 2 of 19: noise
     assert b.review(7 * REVIEW, codes(1000)) and b.shares() == [32, 32]
+
+
+def test_the_first_step_at_new_shares_is_not_timed():
+    """A batch of a new size pays for warming up (measured: a third longer than the steps after
+    it); timed, it made a rank look slow at the next look, and the shares moved back."""
+    b = Balance("measured", rank=0, world_size=2, global_batch=64)
+    timed(b, 1000.0, steps=balance.MEASURED + 1)
+    over = code(10**6)
+    assert b.review(REVIEW, (code(1000), code(500), over, over, 1)) and b.shares() == [43, 21]
+    step(b, 43, 0.5)
+    assert not b.timings  # not timed
+    for _ in range(balance.MEASURED):
+        step(b, 43, 0.043)
+    assert [t[:2] for t in b.timings] == [(43, 0.043)] * balance.MEASURED
+    b.restart(0, 3)  # a new group: new shares too
+    step(b, 22, 0.5)
+    assert len(b.timings) == balance.MEASURED
 
 
 def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():
@@ -321,7 +338,7 @@ def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_tim
     assert not b.review(REVIEW, (code(1000), code(500), over, over, 0))
     assert b.review(2 * REVIEW, (code(1000), code(500), over, over, 0)) and b.shares() == [43, 21]
     assert b.slots()[:4] == (0, 0, 0, 0)  # nothing measured at the new shares yet
-    for _ in range(balance.MEASURED):
+    for _ in range(balance.MEASURED + 1):  # (the first at a new share is not timed)
         step(b, 21, cost(21))
     assert b.slots()[:4] == (0, code(1000), 0, code(1 / 0.015))  # two shares: 1 ms an image, 10 + 5 ms a step
     assert balance.fit([(32, 0.042), (31, 0.041)]) is None  # shares too close to tell the two apart
