@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Pool runs of bench/balance.py: --balance against the best fixed split, run after run.
+
+A run's verdict, the median of its --balance epochs over the median of its best fixed split's,
+moves by 5-10% from one hour to the next, and choosing the best of several splits on the same
+rounds it is then compared on flatters that split. For each part (two, four) this prints:
+
+  - each run's ratio as bench/balance.py reports it (the split chosen on all the rounds);
+  - the same with the split chosen on the other rounds, one round left out at a time;
+  - each run's paired median: every round's --balance epoch over that round's epoch at the run's
+    best split (both ran in the same round, under the same load);
+  - pooled over every round of every run: how many --balance was slower in, the median of the
+    paired ratios and a 95% bootstrap interval of that median (resampled rounds, seeded).
+
+    for i in 1 2 3; do
+      sudo python bench/balance.py --only two --only four --reps 8 \\
+        --splits 53:11,56:8,37:17:9:1,40:16:7:1 --results-dir /tmp/balance/run$i
+    done
+    python bench/balance_pool.py /tmp/balance/run*/balance-two-four.json
+    python bench/balance_pool.py --column '--balance at f9f8a6f' bench/results/balance/first-look-two-four-change.json
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+from harness import OneLineParser
+from stats import md_head, md_row, paired_ratios
+
+PARTS = ("two", "four")
+RESAMPLES = 10_000
+
+
+def run_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
+    """One run's part: its ratios to the best fixed split, or None if it has no such column or
+    no fixed split. seconds: {configuration: [epoch seconds, round by round]}."""
+    fixed = {name: times for name, times in seconds.items() if name.startswith("fixed")}
+    if column not in seconds or not fixed:
+        return None
+    rounds = min(len(seconds[column]), *(len(times) for times in fixed.values()))
+    ours, fixed = seconds[column][:rounds], {name: times[:rounds] for name, times in fixed.items()}
+    best = min(fixed, key=lambda name: statistics.median(fixed[name]))
+    left_out = []  # round i at the split that was fastest over the other rounds
+    for i in range(rounds):
+        others = {name: times[:i] + times[i + 1 :] for name, times in fixed.items()}
+        chosen = min(others, key=lambda name: statistics.median(others[name]) if others[name] else 0.0)
+        left_out.append(fixed[chosen][i])
+    paired = paired_ratios(ours, fixed[best])
+    return dict(
+        best=best,
+        ratio=statistics.median(ours) / statistics.median(fixed[best]),
+        held_out=statistics.median(ours) / statistics.median(left_out),
+        paired=paired,
+    )
+
+
+def bootstrap_interval(xs: list[float], seed: int = 0) -> tuple[float, float]:
+    """A 95% interval of xs's median: the 2.5% and 97.5% points of the medians of RESAMPLES
+    resamples of xs (with replacement), seeded so that a rerun prints the same."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(RESAMPLES))
+    return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
+
+
+def report(runs: list[tuple[str, dict]], column: str) -> str:
+    lines = []
+    names = ["run", "best split", "ratio", "split chosen on the other rounds", "paired median", "rounds"]
+    for part in PARTS:
+        rows = [
+            (path, run_ratios(run[part]["seconds"], column)) for path, run in runs if "seconds" in run.get(part, {})
+        ]
+        rows = [(path, r) for path, r in rows if r is not None]
+        if not rows:
+            continue
+        lines += [f"## {part}: {column} over the run's best fixed split", "", *md_head(names, "llrrrr")]
+        for path, r in rows:
+            ratios = (r["ratio"], r["held_out"], statistics.median(r["paired"]))
+            lines.append(md_row(path, r["best"], *(f"{x:.3f}" for x in ratios), len(r["paired"])))
+        pooled = [x for _, r in rows for x in r["paired"]]
+        (low, high), slower = bootstrap_interval(pooled), sum(x > 1 for x in pooled)
+        median = statistics.median(pooled)
+        lines += ["", f"pooled: slower in {slower} of {len(pooled)} rounds; paired median {median:.3f}"]
+        lines += [f"(95% bootstrap interval {low:.3f}-{high:.3f})", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="balance_pool.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="JSON files written by bench/balance.py (one per run)")
+    ap.add_argument("--column", default="--balance", help="the configuration to compare (default --balance)")
+    args = ap.parse_args(argv)
+    runs = []
+    for path in args.results:
+        try:
+            run = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"{path}: cannot read it as a results file ({e.__class__.__name__})")
+        if not isinstance(run, dict) or not any(isinstance(run.get(part), dict) for part in PARTS):
+            ap.error(f"{path}: not a results file of bench/balance.py with part two or four")
+        runs.append((path, run))
+    text = report(runs, args.column)
+    if not text:
+        ap.error(f"no run has both {args.column!r} and a fixed split in part two or four")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
