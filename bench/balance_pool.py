@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from harness import OneLineParser
-from stats import md_head, md_row, paired_ratios
+from stats import md_head, md_row, paired_ratios, quantile
 
 PARTS = ("two", "four")
 RESAMPLES = 10_000
@@ -62,8 +62,8 @@ def bootstrap_interval(xs: list[float], seed: int = 0) -> tuple[float, float]:
     """A 95% interval of xs's median: the 2.5% and 97.5% points of the medians of RESAMPLES
     resamples of xs (with replacement), seeded so that a rerun prints the same."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(RESAMPLES))
-    return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
+    medians = [statistics.median(rng.choices(xs, k=len(xs))) for _ in range(RESAMPLES)]
+    return quantile(medians, 0.025), quantile(medians, 0.975)
 
 
 def report(runs: list[tuple[str, dict]], column: str) -> str:

@@ -39,12 +39,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="steps a size runs in a round")
     args = ap.parse_args(argv)
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        assert sizes and min(sizes) >= 1 and args.rounds >= 1 and args.steps >= 3
-    except (ValueError, AssertionError):
-        print("batch_cost.py: expected --sizes N,N,... (each at least 1), --rounds >= 1, --steps >= 3", file=sys.stderr)
-        return 2
+    sizes = [int(s) for s in args.sizes.split(",") if s.isdigit()]
+    if len(sizes) != len(args.sizes.split(",")) or min(sizes) < 1 or args.rounds < 1 or args.steps < 3:
+        ap.error("expected --sizes N,N,... (each at least 1), --rounds >= 1, --steps >= 3")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model, biggest = Net(), max(sizes)
