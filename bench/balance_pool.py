@@ -44,16 +44,16 @@ def run_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
     rounds = min(len(seconds[column]), *(len(times) for times in fixed.values()))
     ours, fixed = seconds[column][:rounds], {name: times[:rounds] for name, times in fixed.items()}
     best = min(fixed, key=lambda name: statistics.median(fixed[name]))
-    left_out = []  # round i at the split that was fastest over the other rounds
-    for i in range(rounds):
+    left_out = []  # round i at the split that was fastest over the other rounds (none with one round)
+    for i in range(rounds if rounds > 1 else 0):
         others = {name: times[:i] + times[i + 1 :] for name, times in fixed.items()}
-        chosen = min(others, key=lambda name: statistics.median(others[name]) if others[name] else 0.0)
+        chosen = min(others, key=lambda name: statistics.median(others[name]))
         left_out.append(fixed[chosen][i])
     paired = paired_ratios(ours, fixed[best])
     return dict(
         best=best,
         ratio=statistics.median(ours) / statistics.median(fixed[best]),
-        held_out=statistics.median(ours) / statistics.median(left_out),
+        held_out=statistics.median(ours) / statistics.median(left_out) if left_out else None,
         paired=paired,
     )
 
@@ -79,7 +79,8 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
         lines += [f"## {part}: {column} over the run's best fixed split", "", *md_head(names, "llrrrr")]
         for path, r in rows:
             ratios = (r["ratio"], r["held_out"], statistics.median(r["paired"]))
-            lines.append(md_row(path, r["best"], *(f"{x:.3f}" for x in ratios), len(r["paired"])))
+            shown = ("-" if x is None else f"{x:.3f}" for x in ratios)  # one round: no other rounds to choose on
+            lines.append(md_row(path, r["best"], *shown, len(r["paired"])))
         pooled = [x for _, r in rows for x in r["paired"]]
         (low, high), slower = bootstrap_interval(pooled), sum(x > 1 for x in pooled)
         median = statistics.median(pooled)

@@ -51,6 +51,8 @@ def test_another_column_is_compared_when_asked(tmp_path):
     result = pool("--column", "--balance at abc", run)
     assert result.returncode == 0, result.stderr
     assert "slower in 1 of 1 rounds; paired median 1.100" in result.stdout
+    # one round leaves no other rounds to choose a split on: no held-out ratio, not the first split's
+    assert re.search(r"^\| \S+run.json \| fixed 53:11 \| 1.100 \| - \| 1.100 \| 1 \|$", result.stdout, re.M)
 
 
 @pytest.mark.timeout(60)
