@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from harness import OneLineParser
-from stats import md_head, md_row, paired_ratios, quantile
+from stats import fmt, md_head, md_row, paired_ratios, quantile
 
 PARTS = ("two", "four")
 RESAMPLES = 10_000
@@ -79,8 +79,7 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
         lines += [f"## {part}: {column} over the run's best fixed split", "", *md_head(names, "llrrrr")]
         for path, r in rows:
             ratios = (r["ratio"], r["held_out"], statistics.median(r["paired"]))
-            shown = ("-" if x is None else f"{x:.3f}" for x in ratios)  # one round: no other rounds to choose on
-            lines.append(md_row(path, r["best"], *shown, len(r["paired"])))
+            lines.append(md_row(path, r["best"], *(fmt(x, "{:.3f}") for x in ratios), len(r["paired"])))
         pooled = [x for _, r in rows for x in r["paired"]]
         (low, high), slower = bootstrap_interval(pooled), sum(x > 1 for x in pooled)
         median = statistics.median(pooled)
