@@ -21,6 +21,8 @@ import os
 import signal
 import time
 
+from utils import stop
+
 _faults = None  # [(rank, step, signal, phase)] of this process, once parsed
 _step = None
 
@@ -77,3 +79,7 @@ def point(phase):
                     continue
             log(event="fault", signal=signum.name, step=step, phase=phase)
             os.kill(os.getpid(), signum)
+            if signum in stop.SIGNALS:  # a stop rides with the next sum: wait until the watch thread notes it
+                noted_by = time.monotonic() + 5.0  # (under load it ran after this step's sum: a stop a step late)
+                while stop.signalled() is None and time.monotonic() < noted_by:
+                    time.sleep(0.001)
