@@ -5,6 +5,7 @@
     stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1"), or None
     stop.leaving()         the stop is done and this rank exits: signals from now on change nothing
     stop.forward_to(procs) in the local launcher: pass every signal on to its ranks
+    stop.send_to_self(sig) a signal to this rank, returning once it has been dealt with (utils/elastic/faults.py)
 
 SIGUSR1 is what `sbatch --signal=USR1@90` sends before a time limit: it stops as SIGTERM does, and
 under Slurm rank 0 then requeues the job (utils/slurm.py). As a warning, with time left, it does
@@ -38,6 +39,7 @@ _armed = False
 _first = None  # (signal name, monotonic time) of the first signal
 _forward = None  # the launcher's ranks
 _leaving = False
+_dealt_with = threading.Event()  # the watch thread has dealt with a signal (send_to_self waits for it)
 
 
 def install(label):
@@ -71,10 +73,20 @@ def forward_to(procs):
     _forward = list(procs)
 
 
+def send_to_self(sig, timeout=5.0):
+    """Send `sig` to this process and return once the watch thread has dealt with it (or after
+    `timeout`): a stop then rides with the next sum the main thread starts, not, when the watch
+    thread runs late under load, with the one after."""
+    _dealt_with.clear()
+    os.kill(os.getpid(), sig)
+    _dealt_with.wait(timeout)
+
+
 def _watch(fd):
     while True:
         for signum in os.read(fd, 64):
             _received(signal.Signals(signum))
+            _dealt_with.set()
 
 
 def _received(sig):

@@ -78,8 +78,7 @@ def point(phase):
                 except FileExistsError:
                     continue
             log(event="fault", signal=signum.name, step=step, phase=phase)
-            os.kill(os.getpid(), signum)
-            if signum in stop.SIGNALS:  # a stop rides with the next sum: wait until the watch thread notes it
-                noted_by = time.monotonic() + 5.0  # (under load it ran after this step's sum: a stop a step late)
-                while stop.signalled() is None and time.monotonic() < noted_by:
-                    time.sleep(0.001)
+            if signum in stop.SIGNALS:  # its stop rides with the next sum this rank starts, even under load
+                stop.send_to_self(signum)
+            else:
+                os.kill(os.getpid(), signum)
