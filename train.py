@@ -33,6 +33,7 @@ from utils.elastic import faults, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
 from utils.files import check_folder, check_writable, remove_stale_temps, set_aside
 from utils.launch import launch_local, threads_per_rank
+from utils.memory import keep_freed_memory
 from utils.mnist import ensure_mnist
 from utils.outputs import lock_outputs, release
 
@@ -182,6 +183,7 @@ def main(argv=None):
             return 0
         config = from_args(args)
         job = config.job
+        keep_freed_memory()  # a step's freed buffers stay for the next (utils/memory.py); forked ranks inherit it
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
             # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh
             os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(job.nproc))
