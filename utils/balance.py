@@ -37,9 +37,13 @@ How the ranks agree, with no message of their own:
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
      ranks adopt them when two looks in a row want the same move (one look when a rank saw its
-     speed change, and for each move on in that move's direction after it), and only if a share
-     turns back by more than THRESHOLD of itself and 2 images, or moves on by 2 images in the
-     direction of its last move (noise in the timings does not make the shares flap). Measured
+     speed change, and for each move on in that move's direction after it; in a new group, one
+     look as soon as every rank has timed FIRST_LOOK steps), and only if a share turns back by
+     more than THRESHOLD of itself and 2 images, or moves on by 2 images in the direction of its
+     last move; and, unless it follows a change of speed or a new group's first move, only if
+     the codes say a step at the new shares takes GAIN less time than at the old (noise in the
+     timings does not make the shares flap: without GAIN, equal servers' shares moved up to 27
+     times in 2 epochs; bench/README.md). Measured on the code before GAIN and the first look
      (bench/balance.py --only change, 6 runs): a slowdown's start and its end are balanced in a
      median of 22 and 9 steps; with the fixed shares that are right from the change, 24 and 9
      (that measure is noisy: bench/README.md).
@@ -65,6 +69,7 @@ from utils.cpu import CpuGroup, own_seconds, snapshot
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds
 MEASURED = 3  # steps a rank times at the current shares before it sends codes (a run's first is not timed)
+FIRST_LOOK = 2  # the same in a new group at equal shares: every step at them keeps the fast ranks waiting
 HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
 QUOTA_USE = 0.8  # the part of its CPU quota a rank's share is solved to use (all of it: throttled, it stalls all)
@@ -73,6 +78,7 @@ LEVELS = 4  # a rank's windows at its earlier shares (since its speed last chang
 OWN_COST = 0.2  # a step's own part of its compute until a fit tells (fitted here at 32 images: 17-25%)
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
+GAIN = Fraction(15, 100)  # a move must make a step this much shorter, as the codes see it (unless it follows a change)
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
@@ -118,6 +124,12 @@ def solve(global_batch, rate_codes, overhead_codes):
         step = (global_batch - len(floor) + sum(overheads[r] * rates[r] for r in free)) / sum(rates[r] for r in free)
         exact = [Fraction(1) if r in floor else (step - overheads[r]) * rates[r] for r in range(n)]
     return apportion(global_batch, exact)
+
+
+def step_time(shares, rate_codes, overhead_codes):
+    """The time a step of these shares takes, as the codes see it: the slowest rank's overhead +
+    share / rate (exact fractions)."""
+    return max(1 / code_value(o) + share / code_value(r) for share, r, o in zip(shares, rate_codes, overhead_codes))
 
 
 def apportion(size, exact):
@@ -184,6 +196,10 @@ class Balance:
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.warm = False  # a step at these shares has run (the first is not timed: see review)
+        # a new group at equal shares knows nothing of its ranks' speeds: its first look comes as soon
+        # as every rank has timed FIRST_LOOK steps, and moves alone (a look every REVIEW steps, and two
+        # of them for a move, kept a job at equal shares for its first 10 steps: bench/README.md)
+        self.fresh = weights is None
 
     def shares(self, size=None):
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
@@ -242,8 +258,8 @@ class Balance:
         if self.fixed is not None:
             return ()
         rate = overhead = 0
-        steps = len(self.timings)
-        if steps >= MEASURED:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
+        steps, needed = len(self.timings), FIRST_LOOK if self.fresh else MEASURED
+        if steps >= needed:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
             images, compute, rest = (sum(column) / steps for column in zip(*self.timings))
             self.cost = fit([*self.levels, (images, compute)]) or self.cost
             per_step = min(self.cost[0], compute / 2) if self.cost else OWN_COST * compute
@@ -259,22 +275,29 @@ class Balance:
         then how many said their speed changed): new shares if it is time to look and they have
         moved enough. True when they changed."""
         n = self.world_size
-        if self.fixed is not None or len(codes) != 2 * n + 1 or step % REVIEW != 0 or min(codes[: 2 * n]) < 1:
+        if self.fixed is not None or len(codes) != 2 * n + 1 or min(codes[: 2 * n]) < 1:
             return False
-        changed, self.changed = codes[2 * n] > 0, False
-        old, new = self.shares(), solve(self.global_batch, codes[:n], codes[n : 2 * n])
+        if step % REVIEW != 0 and not self.fresh:
+            return False
+        # (a new group's first look moves alone, and the moves on after it as after a change of speed)
+        changed, fresh, self.changed, self.fresh = codes[2 * n] > 0, self.fresh, False, False
+        rates, overheads = codes[:n], codes[n : 2 * n]
+        old, new = self.shares(), solve(self.global_batch, rates, overheads)
         moves = [b - a for a, b in zip(old, new)]
         # two looks in a row must want the move (one slow stretch of steps is no change), or one if
         # a rank saw its speed change, and for each move on after that one while they go on (a
         # change of speed is followed in a few moves: the first solves are off by the old speeds
         # still in the timings); a move on in the direction of the last one needs 2 images, a move
-        # back more than THRESHOLD: noise turns shares back and forth
-        wish = tuple((m > 1) - (m < -1) for m in moves)
+        # back more than THRESHOLD: noise turns shares back and forth. And a move must make a step
+        # GAIN shorter, as the codes see it, unless it goes on after a change of speed or a first move;
+        # a first move too (on equal servers it would follow two steps' noise)
         onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
         enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
         following = changed or (self.following and onward)
-        moved = enough and any(wish) and (wish == self.wished or following)
-        self.wished, self.following = wish, moved and following
+        worth = following or step_time(new, rates, overheads) <= (1 - GAIN) * step_time(old, rates, overheads)
+        wish = tuple((m > 1) - (m < -1) for m in moves) if worth else (0,) * n
+        moved = enough and any(wish) and (wish == self.wished or following or fresh)
+        self.wished, self.following = wish, moved and (following or fresh)
         if not moved:
             return False
         self.weights, self.direction, self.wished = tuple(new), moves, None
@@ -282,7 +305,7 @@ class Balance:
         # the first step at a new share is not timed: a batch of a new size pays for warming up (measured: a
         # third longer, up to half); in 3 timed steps it made a rank look slow, and the next look moved back
         self.warm = False
-        if len(self.timings) >= MEASURED:  # a rank's time per image depends on its share: measured afresh
+        if len(self.timings) >= FIRST_LOOK:  # a rank's time per image depends on its share: measured afresh
             self.levels.append(tuple(sum(column) / len(self.timings) for column in zip(*self.timings))[:2])
         self.timings.clear()
         return True
