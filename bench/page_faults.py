@@ -39,7 +39,8 @@ def run(plan, keep):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    images, labels = torch.randn(max(plan), 1, 28, 28), torch.randint(0, 10, (max(plan),))
+    biggest = max(PLANS[plan])
+    images, labels = torch.randn(biggest, 1, 28, 28), torch.randint(0, 10, (biggest,))
     ms, faults = [], []
     for size in PLANS[plan]:
         before, started = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
@@ -69,7 +70,10 @@ def main(argv=None):
     for rnd in range(args.rounds):
         for plan, keep in random.Random(rnd).sample(configs, len(configs)):
             child = [sys.executable, __file__, "--run", f"{plan}:{keep}"]
-            out = subprocess.run(child, capture_output=True, text=True, timeout=300, check=True)
+            out = subprocess.run(child, capture_output=True, text=True, timeout=300)
+            if out.returncode != 0:
+                last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+                sys.exit(f"page_faults.py: the run {plan!r}:{keep} failed: {last}")
             results[plan, keep].append(json.loads(out.stdout))
     print("| malloc | images a step | ms a step (median) | page faults a step | per round (ms, faults) |")
     print("|:--|:--|--:|--:|:--|")

@@ -1,12 +1,13 @@
 """glibc's malloc, told to keep the memory a training step frees for the next step.
 
-A step allocates and frees the same buffers every time (this CNN's activations at 56 images a
-step: about 20 MB). glibc's malloc hands buffers over 128 KB back to the kernel when they are
-freed, until its own rule raises that limit from the sizes it sees; when a rank's batch changes
-size (--balance moves its share), and sometimes even at one size, the limits settle where every
-step gets its buffers from the kernel again: thousands of fresh pages, each faulted in and zeroed.
-Measured here (bench/README.md): a rank at 56 images a step after 10 steps at 32 took 24-30 ms a
-step with 2,700-5,500 page faults, against 19-20 ms and none with the limits below.
+A step allocates and frees the same buffers every time (this CNN's activations and gradients at
+56 images a step: about 20 MB). glibc's malloc hands buffers over its mmap threshold back to the
+kernel when they are freed, and trims its heap's top past its trim threshold; it moves both
+limits by the sizes it sees, and for a training step they settle, in most runs, where every step
+gets fresh pages from the kernel: thousands of them, each faulted in and zeroed. Measured here
+(`python bench/page_faults.py`, medians of 5 runs): a step of 56 images took 21.6 ms with 2,700
+page faults, 22.7 ms with 3,100 after 10 steps at 32 (as when --balance moves a share); with the
+limits below, 16.9 and 17.2 ms and none.
 
 Fixed limits also turn glibc's own rule off. Only where the buffers live changes, never what is
 computed: torch aligns its buffers alike either way, so the bits stay the same.
