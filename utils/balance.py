@@ -278,7 +278,7 @@ class Balance:
         n = self.world_size
         if self.fixed is not None or len(codes) != 2 * n + 1 or min(codes[: 2 * n]) < 1:
             return False
-        if step % REVIEW != 0 and not self.fresh:
+        if step % REVIEW != 0 and not self.fresh:  # (a new group's first look comes at any step)
             return False
         # (a new group's first look moves alone, and the moves on after it as after a change of speed)
         changed, fresh, self.changed, self.fresh = codes[2 * n] > 0, self.fresh, False, False
