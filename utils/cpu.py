@@ -13,17 +13,59 @@ waits (nanoseconds run, nanoseconds waiting on a run queue, time slices); the gr
 stalls (cgroup v1 throttled_time in nanoseconds, v2 throttled_usec).
 """
 
+import ctypes
 import math
 import os
+import threading
 import time
+
+# libc's pread through ctypes.PyDLL, whose calls keep the GIL: open() and os.read() let it go, and in
+# a rank's step each time it went the sum's thread took it and the training thread waited to get it
+# back (measured: 70-90 µs a read, six reads a step: about 2% of a 25 ms step; bench/README.md)
+_libc = ctypes.PyDLL(None, use_errno=True)
+_libc.pread.restype = ctypes.c_ssize_t
+_libc.pread.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long)
+
+
+class CounterFile:
+    """A file of the kernel's counters (in /proc, a cgroup), opened once and read from its start
+    each time, the GIL held (a few microseconds). OSError if it cannot be opened or read."""
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.buffer = ctypes.create_string_buffer(4096)
+
+    def read(self):
+        size = _libc.pread(self.fd, self.buffer, len(self.buffer), 0)
+        if size < 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        return self.buffer.raw[:size].decode()
+
+    def close(self):
+        os.close(self.fd)
+
+
+_schedstat = {}  # a thread's id: its CounterFile of /proc/self/task/ID/schedstat
+
+
+def waited():
+    """Seconds the calling thread has waited for a CPU so far (schedstat's second field)."""
+    thread = threading.get_native_id()
+    for attempt in (1, 2):  # (a thread id used again by a new thread: its file is the old one's)
+        if thread not in _schedstat:
+            _schedstat[thread] = CounterFile(f"/proc/self/task/{thread}/schedstat")
+        try:
+            return int(_schedstat[thread].read().split()[1]) / 1e9
+        except OSError:
+            _schedstat.pop(thread).close()
+            if attempt == 2:
+                raise
 
 
 def snapshot(group):
     """(CPU seconds of all threads, seconds the calling thread waited for a CPU, seconds `group`
     (a CpuGroup) was held back by its quota, the monotonic clock)."""
-    with open("/proc/thread-self/schedstat", "rb") as f:
-        _, waited, _ = f.read().split()
-    return time.process_time(), int(waited) / 1e9, group.stalled(), time.monotonic()
+    return time.process_time(), waited(), group.stalled(), time.monotonic()
 
 
 def own_seconds(earlier, later, threads):
@@ -35,53 +77,66 @@ def own_seconds(earlier, later, threads):
 
 
 class CpuGroup:
-    """This process's CPU cgroup: how long its quota has held it back so far. Looked up again each
-    second: a process may be moved into a group, or given a quota, at any moment."""
+    """This process's CPU cgroup: how long its quota has held it back so far, and the quota. Looked
+    up again each second (a process may be moved into a group, or given a quota, at any moment);
+    its files stay open in between. folder: a group's folder, never looked up (tests)."""
 
-    def __init__(self):
-        self.stat, self.looked = None, -math.inf
+    NAMES = ("cpu.stat", "cpu.max", "cpu.cfs_quota_us", "cpu.cfs_period_us")
+
+    def __init__(self, folder=None):
+        self.fixed, self.folder, self.files, self.looked = folder, None, {}, -math.inf
 
     def stalled(self):
-        self.look()
-        if self.stat is None:
-            return 0.0
         try:
-            with open(self.stat) as f:
-                fields = dict(line.split() for line in f if line.count(" ") == 1)
+            fields = dict(line.split() for line in self.read("cpu.stat").splitlines() if line.count(" ") == 1)
+            if "throttled_time" in fields:  # v1: nanoseconds
+                return int(fields["throttled_time"]) / 1e9
+            return int(fields.get("throttled_usec", 0)) / 1e6  # v2
         except (OSError, ValueError):
             return 0.0
-        if "throttled_time" in fields:  # v1: nanoseconds
-            return int(fields["throttled_time"]) / 1e9
-        return int(fields.get("throttled_usec", 0)) / 1e6  # v2
 
     def cores(self):
         """The group's CPU quota in cores (v1: cpu.cfs_quota_us over cpu.cfs_period_us, v2: cpu.max),
         or None: no quota (or none to be read)."""
-        self.look()
-        if self.stat is None:
-            return None
-        folder = os.path.dirname(self.stat)
         try:
-            if os.path.exists(os.path.join(folder, "cpu.max")):
-                with open(os.path.join(folder, "cpu.max")) as f:
-                    quota, period = f.read().split()[:2]
+            if "cpu.max" in self.look():
+                quota, period = self.read("cpu.max").split()[:2]
             else:
-                with (
-                    open(os.path.join(folder, "cpu.cfs_quota_us")) as f,
-                    open(os.path.join(folder, "cpu.cfs_period_us")) as g,
-                ):
-                    quota, period = f.read().strip(), g.read().strip()
+                quota, period = self.read("cpu.cfs_quota_us").strip(), self.read("cpu.cfs_period_us").strip()
             return int(quota) / int(period) if quota != "max" and int(quota) > 0 and int(period) > 0 else None
         except (OSError, ValueError):
             return None
 
+    def read(self, name):
+        """The text of the group's file `name`; OSError if it has none."""
+        if name not in self.look():
+            raise FileNotFoundError(name)
+        try:
+            return self.files[name].read()
+        except OSError:
+            self.folder = None  # (a group removed: its files are opened again at the next look)
+            raise
+
     def look(self):
+        """The group's open files by name, looked up again if a second has passed."""
         if time.monotonic() > self.looked + 1.0:
-            self.stat, self.looked = stat_file(), time.monotonic()
+            self.looked = time.monotonic()
+            folder = self.fixed or group_folder()
+            if folder != self.folder:
+                for file in self.files.values():
+                    file.close()
+                self.folder, self.files = folder, {}
+                for name in self.NAMES if folder else ():
+                    try:
+                        self.files[name] = CounterFile(os.path.join(folder, name))
+                    except OSError:
+                        pass
+        return self.files
 
 
-def stat_file():
-    """The cpu.stat of this process's own CPU cgroup (v1's cpu controller, else v2's), or None."""
+def group_folder():
+    """The folder of this process's own CPU cgroup (v1's cpu controller, else v2's) if it has a
+    cpu.stat, or None."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = [line.strip().split(":", 2) for line in f]
@@ -90,7 +145,7 @@ def stat_file():
     for _, controllers, path in sorted(lines, key=lambda line: line[1] == ""):  # v1 first
         if "cpu" in controllers.split(",") or controllers == "":
             root = f"/sys/fs/cgroup/{controllers}" if controllers else "/sys/fs/cgroup"
-            stat = os.path.join(root, path.lstrip("/"), "cpu.stat")
-            if os.path.exists(stat):
-                return stat
+            folder = os.path.join(root, path.lstrip("/"))
+            if os.path.exists(os.path.join(folder, "cpu.stat")):
+                return folder
     return None
