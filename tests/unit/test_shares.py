@@ -407,7 +407,6 @@ def test_a_ranks_clocks_read_the_kernels_counters_with_the_gil_held(tmp_path):
     assert spun == 0
 
 
-
 def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_time():
     b = Balance("measured", rank=1, world_size=2, global_batch=64)
     over, cost = code(10**6), lambda images: 0.010 + images * 0.001  # 10 ms a step, 1 ms an image
