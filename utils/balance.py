@@ -206,20 +206,26 @@ class Balance:
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
         return shares_of(self.global_batch if size is None else size, self.weights)
 
+    def start(self, sync):
+        """This rank's clocks at a step's start, for timed(): own_clock(sync), the training thread's
+        CPU time, its process's CPU time (the waits and stalls that now() reads count only in the
+        rest of a step)."""
+        return own_clock(sync), time.thread_time(), time.process_time()
+
     def now(self, sync):
         """This rank's clocks for timed(): own_clock(sync), the training thread's CPU time, and its
         process's CPU snapshot (utils/cpu.py)."""
         return own_clock(sync), time.thread_time(), snapshot(self.group)
 
     def timed(self, images, started, computed, ended):
-        """This rank's last step: `images`, and its clocks (now()) as it started, after its forward
-        and backward, and as it ended."""
+        """This rank's last step: `images`, and its clocks as it started (start()), after its forward
+        and backward, and as it ended (now())."""
         if self.fixed is None and images > 0:
             if self.warm:
                 compute_cpu, compute = computed[1] - started[1], computed[0] - started[0]
                 rest_cpu = (ended[2][0] - computed[2][0]) / self.threads
                 self.timings.append((images, compute_cpu, rest_cpu))
-                rest, process_cpu = own_seconds(computed[2], ended[2], self.threads), ended[2][0] - started[2][0]
+                rest, process_cpu = own_seconds(computed[2], ended[2], self.threads), ended[2][0] - started[2]
                 self.history.append((compute_cpu, compute, rest_cpu, rest, process_cpu))
                 self.forget_if_changed()
             self.warm = True

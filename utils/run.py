@@ -78,7 +78,7 @@ def train_step(model, gradient_sync, images, labels, weight=1.0, timeline=OFF, b
     """One training step on `images`: the loss, before the step. balance (--balance): told the time
     the step's work needed, its forward and backward apart."""
     gradient_sync.weigh(weight)
-    started = balance.now(gradient_sync) if balance is not None else None
+    started = balance.start(gradient_sync) if balance is not None else None
     with timeline.span("step"):
         with timeline.span("forward"):
             loss = F.cross_entropy(model(images), labels)

@@ -2,8 +2,6 @@
 each step's images cut by the shares of the moment (utils/data.BalancedBatches)."""
 
 import math
-import sys
-import threading
 import time
 
 import pytest
@@ -11,7 +9,6 @@ import torch
 
 from utils import balance
 from utils.balance import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
-from utils.cpu import CpuGroup, own_seconds, snapshot
 from utils.data import BalancedBatches, epoch_permutation
 
 
@@ -113,12 +110,12 @@ def timed(b, per_second, overhead=0.005, steps=WINDOW, stretch=1.0):
 
 
 def step(b, images, compute_cpu, overhead=0.005, stretch=1.0):
-    """One step, as timed() gets it: the clocks of now() (own clock, the training thread's CPU
-    time, utils/cpu.snapshot: process CPU s, waited s, stalled s, clock) at its start, after its
-    backward and at its end."""
+    """One step, as timed() gets it: the clocks of start() (own clock, the training thread's CPU
+    time, process CPU s) at its start, and of now() (the same, but utils/cpu.snapshot: process CPU
+    s, waited s, stalled s, clock) after its backward and at its end."""
     b.timed(
         images,
-        (0.0, 0.0, (0.0, 0.0, 0.0, 0.0)),
+        (0.0, 0.0, 0.0),
         (compute_cpu * stretch, compute_cpu, (compute_cpu, 0.0, 0.0, 0.0)),
         (compute_cpu * stretch + 1.0, compute_cpu, (compute_cpu + overhead, 0.0, 0.0, 1.0)),
     )
@@ -266,15 +263,6 @@ def test_the_first_step_at_new_shares_is_not_timed():
     assert len(b.timings) == balance.MEASURED
 
 
-def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():
-    start = (10.0, 1.0, 2.0, 100.0)  # CPU s, waited s, stalled s, clock
-    assert own_seconds(start, (10.5, 1.0, 2.0, 101.0), threads=1) == 0.5  # waiting for peers: not counted
-    assert own_seconds(start, (12.0, 1.0, 2.0, 101.0), threads=4) == 0.5  # 4 torch threads side by side
-    assert own_seconds(start, (10.5, 1.2, 2.0, 101.0), threads=1) == pytest.approx(0.7)  # no CPU for 0.2 s
-    assert own_seconds(start, (10.5, 1.2, 2.3, 101.0), threads=1) == pytest.approx(0.8)  # a quota's stall
-    assert own_seconds(start, (10.5, 1.0, 5.0, 101.0), threads=1) == pytest.approx(1.5)  # stalls on 2 CPUs: capped
-
-
 class WaitingSync:
     """A GradientSync's one method own_clock reads: how long the training thread waited so far."""
 
@@ -353,58 +341,6 @@ def test_under_a_quota_steps_on_saved_up_quota_are_no_change_of_speed_and_anothe
     timed(free, 1000.0, steps=balance.HISTORY + 1, stretch=2.0)
     timed(free, 1000.0, steps=balance.RECENT)  # another job ended
     assert free.slots()[-1] == 1
-
-
-def test_a_cpu_groups_quota_and_stalls_are_read_from_its_files_kept_open_cgroup_v1_and_v2(tmp_path):
-    v1, v2 = tmp_path / "v1", tmp_path / "v2"
-    v1.mkdir(), v2.mkdir()
-    assert CpuGroup(v1).cores() is None and CpuGroup(v1).stalled() == 0.0  # nothing to read
-    (v1 / "cpu.stat").write_text("nr_periods 3\nnr_throttled 1\nthrottled_time 250000000\n")
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    group = CpuGroup(v1)
-    assert group.cores() is None and group.stalled() == 0.25  # v1, no quota
-    (v1 / "cpu.cfs_quota_us").write_text("50000\n")  # (the files it has open, read again from their start)
-    (v1 / "cpu.stat").write_text("nr_periods 9\nnr_throttled 4\nthrottled_time 1500000000\n")
-    assert group.cores() == 0.5 and group.stalled() == 1.5
-    (v2 / "cpu.stat").write_text("usage_usec 10\nthrottled_usec 2000000\n")
-    (v2 / "cpu.max").write_text("max 100000\n")
-    group = CpuGroup(v2)
-    assert group.cores() is None and group.stalled() == 2.0  # v2, no quota
-    (v2 / "cpu.max").write_text("150000 100000\n")
-    assert group.cores() == 1.5
-
-
-def test_a_ranks_clocks_read_the_kernels_counters_with_the_gil_held(tmp_path):
-    """--balance reads counter files three times a step. A read that let the GIL go handed it to
-    the sum's thread, and the training thread waited to get it back (70-90 µs a read, about 2% of
-    a step: bench/README.md). Here a spinning thread gets no turn while the main thread takes 200
-    snapshots (with os.pread instead, it spun millions of times: the main thread lost the GIL at
-    its reads, not only when the switch interval forced it to)."""
-    (tmp_path / "cpu.stat").write_text("throttled_usec 0\n")
-    group = CpuGroup(tmp_path)
-    snapshot(group)  # (the files are opened here: open() lets the GIL go)
-    spins, done = [0], threading.Event()
-
-    def spin():
-        while not done.is_set():
-            spins[0] += 1
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1.0)  # (a slow machine's 200 snapshots are not cut short by a forced switch)
-    spinner = threading.Thread(target=spin)
-    try:
-        spinner.start()
-        time.sleep(0.01)  # (the spinner runs; the main thread waits for its turn)
-        before = spins[0]
-        for _ in range(200):
-            snapshot(group)
-        spun = spins[0] - before
-    finally:
-        done.set()
-        sys.setswitchinterval(interval)
-        spinner.join()
-    assert spun == 0
 
 
 def test_new_shares_are_measured_afresh_and_a_step_of_any_size_costs_its_own_time():
