@@ -73,7 +73,9 @@ MEASURED = 3  # steps a rank times at the current shares before it sends codes (
 FIRST_LOOK = 2  # the same in a new group at equal shares: every step at them keeps the fast ranks waiting
 HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
-QUOTA_USE = 0.8  # the part of its CPU quota a rank's share is solved to use (all of it: throttled, it stalls all)
+# the part of its CPU quota a rank's share is solved to use (all of it: throttled, it stalls all; 0.8: a first look
+# landed further from the best split, bench/README.md)
+QUOTA_USE = 0.9
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
 OWN_COST = 0.2  # a step's own part of its compute until a fit tells (fitted here at 32 images: 17-25%)
