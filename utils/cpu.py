@@ -51,15 +51,14 @@ _schedstat = {}  # a thread's id: its CounterFile of /proc/self/task/ID/schedsta
 def waited():
     """Seconds the calling thread has waited for a CPU so far (schedstat's second field)."""
     thread = threading.get_native_id()
-    for attempt in (1, 2):  # (a thread id used again by a new thread: its file is the old one's)
-        if thread not in _schedstat:
-            _schedstat[thread] = CounterFile(f"/proc/self/task/{thread}/schedstat")
+    file = _schedstat.get(thread)
+    if file is not None:
         try:
-            return int(_schedstat[thread].read().split()[1]) / 1e9
-        except OSError:
-            _schedstat.pop(thread).close()
-            if attempt == 2:
-                raise
+            return int(file.read().split()[1]) / 1e9
+        except OSError:  # (a thread id used again by a new thread: its file is the old thread's)
+            file.close()
+    _schedstat[thread] = file = CounterFile(f"/proc/self/task/{thread}/schedstat")
+    return int(file.read().split()[1]) / 1e9
 
 
 def snapshot(group):
