@@ -29,6 +29,7 @@ replaces the sweeps of fixed splits:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
@@ -49,7 +50,6 @@ PARTS = ("two", "four", "change", "equal")
 TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14", "53:11", "56:8")
 FOUR = (0.6, 0.4, 0.3, 0.2)
 FOUR_SPLITS = ("26:17:13:8", "28:17:12:7", "34:18:10:2", "37:17:9:1", "40:16:7:1")  # by quota, and by --balance
-EPOCH = re.compile(r"^epoch (\d+)/\d+ .*test accuracy ([\d.]+)% +time ([\d.]+) s", re.M)
 
 
 Revision = namedtuple("Revision", "name train label")  # for --against: a revision, its train.py, its name in tables
@@ -63,9 +63,11 @@ def export(rev, folder):
     return Revision(rev, str(Path(folder) / "train.py"), f"--balance at {rev}")
 
 
-def epochs_of(out):
-    """[(epoch, test accuracy %, seconds)] from rank 0's epoch lines."""
-    return [(int(e), float(a), float(s)) for e, a, s in EPOCH.findall(out)]
+def epochs_of(folder):
+    """[(epoch, test accuracy %, seconds)] from the metrics rank 0 of a job run in `folder` wrote
+    (the epoch line rounds its time to 0.1 s: 3% of part two's epoch)."""
+    lines = (Path(folder) / "runs" / "metrics.jsonl").read_text().splitlines()
+    return [(m["epoch"], round(100 * m["test_accuracy"], 2), m["seconds"]) for m in map(json.loads, lines)]
 
 
 def rounds(configs, reps, folder, run_one):
@@ -86,7 +88,8 @@ def epoch_seconds(fractions, subset):
 
     def run_one(spec, folder):
         ranks, train = fractions if spec != "alone" else [None], spec.train if isinstance(spec, Revision) else TRAIN
-        return epochs_of(Job(ranks, args + spec_flags(spec), folder, train=train).run()[0])[-1][2]
+        Job(ranks, args + spec_flags(spec), folder, train=train).run()
+        return round(epochs_of(folder)[-1][2], 3)
 
     return run_one
 
@@ -122,8 +125,9 @@ def equal(reps, folder, seeds=(1, 2, 3), against=()):
     def run_one(spec, folder):
         flags, seed, train = spec
         args = ["--epochs", "2", "--seed", str(seed), *flags]
-        epochs = epochs_of(Job([None, None], args, folder, train=train).run()[0])
-        return dict(seed=seed, seconds=round(sum(s for _, _, s in epochs), 1), accuracy=epochs[-1][1])
+        Job([None, None], args, folder, train=train).run()
+        epochs = epochs_of(folder)
+        return dict(seed=seed, seconds=round(sum(s for _, _, s in epochs), 3), accuracy=epochs[-1][1])
 
     results = rounds(configs, 1, folder, run_one)
     by = {name: [r[0] for n, r in results.items() if n.startswith(name + " seed")] for name, _, _ in kinds}

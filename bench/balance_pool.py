@@ -58,6 +58,25 @@ def run_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
     )
 
 
+def alone_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
+    """One run's part two against the fast rank alone, round by round: its best fixed split's
+    epochs over alone's, and `column`'s; None without those columns."""
+    fixed = {name: times for name, times in seconds.items() if name.startswith("fixed")}
+    if "fast rank alone" not in seconds or column not in seconds or not fixed:
+        return None
+    best = min(fixed, key=lambda name: statistics.median(fixed[name]))
+    alone = seconds["fast rank alone"]
+    return dict(best=best, split=paired_ratios(fixed[best], alone), ours=paired_ratios(seconds[column], alone))
+
+
+def pooled_line(ratios: list[float], what: str) -> str:
+    """`what` over every pooled round: how many were slower, the paired median and its interval."""
+    (low, high), slower = bootstrap_interval(ratios), sum(x > 1 for x in ratios)
+    median = statistics.median(ratios)
+    interval = f"(95% bootstrap interval {low:.3f}-{high:.3f})"
+    return f"{what}: slower in {slower} of {len(ratios)} rounds; paired median {median:.3f} {interval}"
+
+
 def bootstrap_interval(xs: list[float], seed: int = 0) -> tuple[float, float]:
     """A 95% interval of xs's median: the 2.5% and 97.5% points of the medians of RESAMPLES
     resamples of xs (with replacement), seeded so that a rerun prints the same."""
@@ -80,11 +99,17 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
         for path, r in rows:
             ratios = (r["ratio"], r["held_out"], statistics.median(r["paired"]))
             lines.append(md_row(path, r["best"], *(fmt(x, "{:.3f}") for x in ratios), len(r["paired"])))
-        pooled = [x for _, r in rows for x in r["paired"]]
-        (low, high), slower = bootstrap_interval(pooled), sum(x > 1 for x in pooled)
-        median = statistics.median(pooled)
-        lines += ["", f"pooled: slower in {slower} of {len(pooled)} rounds; paired median {median:.3f}"]
-        lines += [f"(95% bootstrap interval {low:.3f}-{high:.3f})", ""]
+        lines += ["", pooled_line([x for _, r in rows for x in r["paired"]], "pooled"), ""]
+    alone = [(path, run["two"]["seconds"]) for path, run in runs if "seconds" in run.get("two", {})]
+    alone = [(path, r) for path, r in ((path, alone_ratios(seconds, column)) for path, seconds in alone) if r]
+    if alone:
+        names = ["run", "best split", "the split over alone", f"{column} over alone", "rounds"]
+        lines += ["## two: against the fast rank alone (paired medians)", "", *md_head(names, "llrrr")]
+        for path, r in alone:
+            medians = (fmt(statistics.median(r[key]), "{:.3f}") for key in ("split", "ours"))
+            lines.append(md_row(path, r["best"], *medians, len(r["ours"])))
+        lines += ["", pooled_line([x for _, r in alone for x in r["split"]], "each run's best split, pooled")]
+        lines += [pooled_line([x for _, r in alone for x in r["ours"]], f"{column}, pooled"), ""]
     return "\n".join(lines)
 
 

@@ -46,6 +46,26 @@ def test_each_run_its_ratios_and_every_round_pooled(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_part_two_is_pooled_against_the_fast_rank_alone(tmp_path):
+    # run one: 53:11 is its best split, faster than alone in both rounds; --balance slower in one
+    one = write(
+        tmp_path / "one.json",
+        {"--balance": [4.2, 3.6], "fixed 53:11": [3.6, 3.5], "fixed 56:8": [3.9, 3.9], "fast rank alone": [4.0, 3.5]},
+    )
+    two = write(tmp_path / "two.json", {"--balance": [4.4], "fixed 56:8": [4.2], "fast rank alone": [4.0]})
+    none = write(tmp_path / "none.json", {"--balance": [4.0], "fixed 56:8": [4.0]})  # no fast rank alone
+    result = pool(one, two, none)
+    assert result.returncode == 0, result.stderr
+    section = result.stdout.split("## two: against the fast rank alone")[1]
+    rows = re.findall(r"^\| \S+/(\w+).json \| (fixed \S+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$", section, re.M)
+    assert rows[0] == ("one", "fixed 53:11", f"{(0.9 + 1.0) / 2:.3f}", f"{(1.05 + 3.6 / 3.5) / 2:.3f}", "2")
+    assert rows[1:] == [("two", "fixed 56:8", "1.050", "1.100", "1")]
+    # pooled: the splits 0.9, 1.0, 1.05 (one slower than alone); --balance 1.05, 1.029, 1.1 (all three)
+    assert "each run's best split, pooled: slower in 1 of 3 rounds; paired median 1.000" in section
+    assert "--balance, pooled: slower in 3 of 3 rounds; paired median 1.050" in section
+
+
+@pytest.mark.timeout(60)
 def test_another_column_is_compared_when_asked(tmp_path):
     run = write(tmp_path / "run.json", {"--balance": [9.0], "--balance at abc": [5.5], "fixed 53:11": [5.0]})
     result = pool("--column", "--balance at abc", run)
