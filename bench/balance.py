@@ -16,6 +16,9 @@ turns round by round (a slow minute hits them all alike); each figure is a media
             (bench/balance_change.py)
     equal   2 ranks at full speed, 2 epochs of all 60,000 images, seeds 1, 2, 3 (then again):
             --balance against equal shares, time and test accuracy
+    room    part two's best split (the first A:B of --splits, or 53:11) against the fast rank alone,
+            step by step from timelines: what a split can save, and what it pays
+            (bench/balance_room.py)
 
 The targets (issue: servers of unequal speed) are checked at the end: PASS or FAIL per line.
 
@@ -41,12 +44,13 @@ from collections import namedtuple
 from pathlib import Path
 
 import balance_change
+import balance_room
 import harness
 from balance_job import TRAIN, Job, part_name
 from harness import REPO, RESULTS, bench_parser, command_line, host_info, rotated, throttle, write_results
 from stats import md_head, md_row
 
-PARTS = ("two", "four", "change", "equal")
+PARTS = ("two", "four", "change", "equal", "room")
 TWO_SPLITS = ("36:28", "40:24", "43:21", "46:18", "48:16", "50:14", "53:11", "56:8")
 FOUR = (0.6, 0.4, 0.3, 0.2)
 FOUR_SPLITS = ("26:17:13:8", "28:17:12:7", "34:18:10:2", "37:17:9:1", "40:16:7:1")  # by quota, and by --balance
@@ -154,7 +158,7 @@ def targets(result):
             ),
             (
                 "two: --balance faster than the fast rank alone",
-                f"{m['--balance']:.1f} s vs {m['fast rank alone']:.1f} s",
+                f"{m['--balance']:.2f} s vs {m['fast rank alone']:.2f} s (the best fixed split {best:.2f} s)",
                 m["--balance"] < m["fast rank alone"],
             ),
         ]
@@ -199,6 +203,8 @@ def report(result):
             ]
     if "change" in result:
         lines += balance_change.report(result["change"])
+    if "room" in result:
+        lines += balance_room.report(result["room"])
     if "equal" in result:
         lines += [
             "\n## equal: 2 ranks at full speed, 2 epochs\n",
@@ -258,6 +264,8 @@ def main(argv=None):
         result["change"] = balance_change.change(args.reps, folder, against)
     if "equal" in parts:
         result["equal"] = equal(args.reps, folder, against=against)
+    if "room" in parts:
+        result["room"] = balance_room.room(args.reps, folder, next((s for s in splits if s.count(":") == 1), "53:11"))
     result["targets"] = targets(result)
     os.makedirs(args.results_dir, exist_ok=True)
     stem = Path(args.results_dir) / ("balance" if not args.only else "balance-" + "-".join(args.only))
