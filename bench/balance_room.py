@@ -23,7 +23,7 @@ from harness import rotated
 from stats import md_head, md_row
 
 STEPS, SUBSET = "60:160", 12800  # the steps recorded, of one epoch of SUBSET images at 64 a step
-COLUMNS = ("step", "forward and backward", "exposed comm", "optimizer")
+COLUMNS = ("step", "forward and backward", "exposed comm", "optimizer", "the rest")
 
 
 def room(reps, folder, split="53:11"):
@@ -45,7 +45,8 @@ def room(reps, folder, split="53:11"):
             spans, _ = timeline_summary.load(run / "timeline.json")
             rank0 = timeline_summary.summarize(spans)[0]
             phases = rank0["phases"]
-            ms = (rank0["step_ms"], phases["forward"] + phases["backward"], phases["exposed comm"], phases["optimizer"])
+            parts = (phases["forward"] + phases["backward"], phases["exposed comm"], phases["optimizer"])
+            ms = (rank0["step_ms"], *parts, rank0["step_ms"] - sum(parts))
             rounds[name].append(dict(zip(COLUMNS, ms)))
             print(f"  round {rnd + 1}/{reps}  {name:<26} " + "  ".join(f"{x:6.2f}" for x in ms), flush=True)
     medians = {name: {c: statistics.median(r[c] for r in rs) for c in COLUMNS} for name, rs in rounds.items()}
@@ -58,12 +59,13 @@ def report(result):
     alone, ideal, paired = m["alone"], m[f"alone at {split.split(':')[0]}"], m[f"split {split}"]
     lines = [
         f"\n## room: rank 0's ms a step, steps {STEPS} (medians of {len(result['rounds']['alone'])} rounds)\n",
-        *md_head(("configuration", *COLUMNS), "lrrrr"),
+        *md_head(("configuration", *COLUMNS), "lrrrrr"),
         *(md_row(name, *(f"{row[c]:.2f}" for c in COLUMNS)) for name, row in m.items()),
         "",
         f"- room: alone at its share, rank 0 takes {ideal['step'] / alone['step']:.2f}× the fast rank alone's step",
         f"- paid: rank 0's forward and backward {paired[COLUMNS[1]] / ideal[COLUMNS[1]]:.2f}× theirs alone at its"
-        f" share, {paired['exposed comm']:.2f} ms waiting for the sum ({ideal['exposed comm']:.2f} alone)",
+        f" share, {paired['exposed comm']:.2f} ms waiting for the sum ({ideal['exposed comm']:.2f} alone), the rest"
+        f" of a step {paired['the rest']:.2f} ms ({ideal['the rest']:.2f} alone)",
         f"- the split's step: {paired['step'] / alone['step']:.2f}× the fast rank alone's",
     ]
     return lines
