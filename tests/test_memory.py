@@ -1,6 +1,7 @@
 """utils/memory.py: with glibc's limits set, a rank whose batch changed size faults in no fresh
 pages step after step (without them, 2,700-5,500 a step in most runs measured: bench/README.md).
-The steps are bench/page_faults.py's run, in a process of its own."""
+The steps are bench/page_faults.py's run, in a process of its own. And the test set's batches
+(utils/run.test_model) stay under the limits."""
 
 import json
 import os
@@ -18,3 +19,26 @@ def test_a_step_after_its_batch_grew_reuses_the_memory_the_last_step_freed():
     _, faults = json.loads(out.stdout)
     # the first steps at 56 images grow the heap; after them a step's buffers are the last step's
     assert max(faults[-10:]) <= 16, faults
+
+
+def test_evaluating_reuses_the_memory_of_its_last_batch():
+    # test_model's batches stay under the mmap threshold: after a first pass, a second one faults
+    # in no fresh pages (at 1000 images a batch: about 120,000 faults a pass of 1000 images)
+    script = """
+import json, resource, torch
+from utils.memory import keep_freed_memory
+from utils.model import Net
+from utils.run import test_model
+assert keep_freed_memory()
+torch.manual_seed(0)
+model, images, labels = Net(), torch.randn(1000, 1, 28, 28), torch.randint(0, 10, (1000,))
+test_model(model, images, labels)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+test_model(model, images, labels)
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    repo = os.path.dirname(os.path.dirname(TOOL))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=repo, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) <= 64

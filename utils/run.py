@@ -222,8 +222,15 @@ def train_model(
         progress.close()
 
 
+# images a test batch: its largest buffer (conv2's output, 147 KB an image: 29 MB) stays under
+# utils/memory.MMAP_THRESHOLD, so each batch reuses the last one's memory. At 1000 a batch the
+# buffers were handed back to the kernel every batch: the 10,000 test images took 3.2 s and 1.2
+# million page faults, against 1.25 s and none, and the same predictions (bench/README.md)
+TEST_BATCH = 200
+
+
 @torch.no_grad()
-def test_model(model, images, labels, batch_size=1000):
+def test_model(model, images, labels, batch_size=TEST_BATCH):
     """Fraction of `images` classified correctly."""
     model.eval()
     correct = sum(
