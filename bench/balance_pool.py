@@ -38,7 +38,7 @@ RESAMPLES = 10_000
 def run_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
     """One run's part: its ratios to the best fixed split, or None if it has no such column or
     no fixed split. seconds: {configuration: [epoch seconds, round by round]}."""
-    fixed = {name: times for name, times in seconds.items() if name.startswith("fixed")}
+    fixed = fixed_splits(seconds)
     if column not in seconds or not fixed:
         return None
     rounds = min(len(seconds[column]), *(len(times) for times in fixed.values()))
@@ -58,14 +58,18 @@ def run_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
     )
 
 
+def fixed_splits(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
+    """A run's part: its fixed splits' epochs."""
+    return {name: times for name, times in seconds.items() if name.startswith("fixed")}
+
+
 def alone_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
     """One run's part two against the fast rank alone, round by round: its best fixed split's
     epochs over alone's, and `column`'s; None without those columns."""
-    fixed = {name: times for name, times in seconds.items() if name.startswith("fixed")}
-    if "fast rank alone" not in seconds or column not in seconds or not fixed:
+    fixed, alone = fixed_splits(seconds), seconds.get("fast rank alone")
+    if alone is None or column not in seconds or not fixed:
         return None
     best = min(fixed, key=lambda name: statistics.median(fixed[name]))
-    alone = seconds["fast rank alone"]
     return dict(best=best, split=paired_ratios(fixed[best], alone), ours=paired_ratios(seconds[column], alone))
 
 
@@ -100,8 +104,8 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
             ratios = (r["ratio"], r["held_out"], statistics.median(r["paired"]))
             lines.append(md_row(path, r["best"], *(fmt(x, "{:.3f}") for x in ratios), len(r["paired"])))
         lines += ["", pooled_line([x for _, r in rows for x in r["paired"]], "pooled"), ""]
-    alone = [(path, run["two"]["seconds"]) for path, run in runs if "seconds" in run.get("two", {})]
-    alone = [(path, r) for path, r in ((path, alone_ratios(seconds, column)) for path, seconds in alone) if r]
+    twos = [(path, run["two"]["seconds"]) for path, run in runs if "seconds" in run.get("two", {})]
+    alone = [(path, r) for path, r in ((path, alone_ratios(seconds, column)) for path, seconds in twos) if r]
     if alone:
         names = ["run", "best split", "the split over alone", f"{column} over alone", "rounds"]
         lines += ["## two: against the fast rank alone (paired medians)", "", *md_head(names, "llrrr")]

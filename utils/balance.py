@@ -43,10 +43,10 @@ How the ranks agree, with no message of their own:
      last move; and, unless it follows a change of speed or a new group's first move, only if
      the codes say a step at the new shares takes GAIN less time than at the old (noise in the
      timings does not make the shares flap: without GAIN, equal servers' shares moved up to 27
-     times in 2 epochs; bench/README.md). Measured (bench/balance.py --only change, runs of 5 and 6):
-     a slowdown's start is balanced in a median of 15 and 16 steps, its end in 24 and 8; fixed
-     shares right from the change, 9 and 8-9 (a noisy measure: bench/README.md). GAIN leaves
-     shares up to 15% of a step from where the codes want them.
+     times in 2 epochs; bench/README.md). Measured (bench/balance.py --only change, 21 runs): a
+     slowdown's start is balanced in a median of 15 steps, its end in 9, 15 and 16 runs of 21
+     within 20; fixed shares right from the change, 8.5 and 8.8 (a noisy measure:
+     bench/README.md). GAIN leaves shares up to 15% of a step from where the codes want them.
   4. No more than that: no search for a split other than equal own times. Under a CPU quota a
      rank that stalls stalls every rank, and the stretch (QUOTA_USE) keeps it out of its stalls;
      a search for a lean on top of that (rank 0 timing whole steps, slower ranks solved as slower
