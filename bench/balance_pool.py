@@ -43,11 +43,11 @@ def run_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
         return None
     rounds = min(len(seconds[column]), *(len(times) for times in fixed.values()))
     ours, fixed = seconds[column][:rounds], {name: times[:rounds] for name, times in fixed.items()}
-    best = min(fixed, key=lambda name: statistics.median(fixed[name]))
+    best = fastest(fixed)
     left_out = []  # round i at the split that was fastest over the other rounds (none with one round)
     for i in range(rounds if rounds > 1 else 0):
         others = {name: times[:i] + times[i + 1 :] for name, times in fixed.items()}
-        chosen = min(others, key=lambda name: statistics.median(others[name]))
+        chosen = fastest(others)
         left_out.append(fixed[chosen][i])
     paired = paired_ratios(ours, fixed[best])
     return dict(
@@ -63,13 +63,18 @@ def fixed_splits(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
     return {name: times for name, times in seconds.items() if name.startswith("fixed")}
 
 
+def fastest(splits: dict[str, list[float]]) -> str:
+    """The split whose epochs have the shortest median."""
+    return min(splits, key=lambda name: statistics.median(splits[name]))
+
+
 def alone_ratios(seconds: dict[str, list[float]], column: str) -> dict | None:
     """One run's part two against the fast rank alone, round by round: its best fixed split's
     epochs over alone's, and `column`'s; None without those columns."""
     fixed, alone = fixed_splits(seconds), seconds.get("fast rank alone")
     if alone is None or column not in seconds or not fixed:
         return None
-    best = min(fixed, key=lambda name: statistics.median(fixed[name]))
+    best = fastest(fixed)
     return dict(best=best, split=paired_ratios(fixed[best], alone), ours=paired_ratios(seconds[column], alone))
 
 

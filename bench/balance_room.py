@@ -50,13 +50,13 @@ def room(reps, folder, split="53:11"):
             rounds[name].append(dict(zip(COLUMNS, ms)))
             print(f"  round {rnd + 1}/{reps}  {name:<26} " + "  ".join(f"{x:6.2f}" for x in ms), flush=True)
     medians = {name: {c: statistics.median(r[c] for r in rs) for c in COLUMNS} for name, rs in rounds.items()}
-    return dict(split=split, rounds=rounds, median=medians)
+    return dict(split=split, share=share, rounds=rounds, median=medians)
 
 
 def report(result):
     """Markdown: the medians, and what the split saved and paid, against the fast rank alone."""
     m, split = result["median"], result["split"]
-    alone, ideal, paired = m["alone"], m[f"alone at {split.split(':')[0]}"], m[f"split {split}"]
+    alone, ideal, paired = m["alone"], m[f"alone at {result['share']}"], m[f"split {split}"]
     lines = [
         f"\n## room: rank 0's ms a step, steps {STEPS} (medians of {len(result['rounds']['alone'])} rounds)\n",
         *md_head(("configuration", *COLUMNS), "lrrrrr"),

@@ -50,15 +50,17 @@ _schedstat = {}  # a thread's id: its CounterFile of /proc/self/task/ID/schedsta
 
 def waited():
     """Seconds the calling thread has waited for a CPU so far (schedstat's second field)."""
-    thread = threading.get_native_id()
+    thread, text = threading.get_native_id(), None
     file = _schedstat.get(thread)
     if file is not None:
         try:
-            return int(file.read().split()[1]) / 1e9
+            text = file.read()
         except OSError:  # (a thread id used again by a new thread: its file is the old thread's)
             file.close()
-    _schedstat[thread] = file = CounterFile(f"/proc/self/task/{thread}/schedstat")
-    return int(file.read().split()[1]) / 1e9
+    if text is None:
+        _schedstat[thread] = file = CounterFile(f"/proc/self/task/{thread}/schedstat")
+        text = file.read()
+    return int(text.split()[1]) / 1e9
 
 
 def snapshot(group):
