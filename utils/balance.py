@@ -81,6 +81,7 @@ OWN_COST = 0.2  # a step's own part of its compute until a fit tells (fitted her
 SPAN = 0.25  # those windows' shares must span this fraction of their mean (and 4 images) for a fit
 THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 2 images) to turn back
 GAIN = Fraction(15, 100)  # a move must make a step this much shorter, as the codes see it (unless it follows a change)
+PERSIST = 4  # looks in a row that want the same move: made whatever its gain (the codes by then span WINDOW steps)
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
 MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
@@ -196,6 +197,7 @@ class Balance:
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
+        self.wanting = ((0,) * world_size, 0)  # the moves the last looks wanted whatever their gain, and how many looks
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.warm = False  # a step at these shares has run (the first is not timed: see review)
         # a new group at equal shares knows nothing of its ranks' speeds: its first look comes as soon
@@ -303,12 +305,15 @@ class Balance:
         enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
         following = changed or (self.following and onward)
         worth = following or step_time(new, rates, overheads) <= (1 - GAIN) * step_time(old, rates, overheads)
-        wish = tuple((m > 1) - (m < -1) for m in moves) if worth else (0,) * n
-        moved = enough and any(wish) and (wish == self.wished or following or fresh)
+        want = tuple((m > 1) - (m < -1) for m in moves) if enough else (0,) * n
+        wish = want if worth else (0,) * n
+        looks = self.wanting[1] + 1 if want == self.wanting[0] else 1
+        self.wanting = (want, looks if any(want) else 0)
+        moved = enough and any(wish) and (wish == self.wished or following or fresh) or self.wanting[1] >= PERSIST
         self.wished, self.following = wish, moved and (following or fresh)
         if not moved:
             return False
-        self.weights, self.direction, self.wished = tuple(new), moves, None
+        self.weights, self.direction, self.wished, self.wanting = tuple(new), moves, None, ((0,) * n, 0)
         self.changes += 1
         # the first step at a new share is not timed: a batch of a new size pays for warming up (measured: a
         # third longer, up to half); in 3 timed steps it made a rank look slow, and the next look moved back
