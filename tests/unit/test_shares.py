@@ -240,14 +240,15 @@ def test_unless_it_follows_a_change_a_move_takes_two_looks_and_must_make_a_step_
     assert not b.review(REVIEW, codes(750)) and not b.review(2 * REVIEW, codes(750))  # 36:28: 11% shorter
     assert b.shares() == [32, 32]
     assert not b.review(3 * REVIEW, codes(500)) and b.review(4 * REVIEW, codes(500)) and b.shares() == [43, 21]
-    for k in range(5, 5 + balance.PERSIST - 1):  # 45:19 would make a step 10% shorter: not worth a move...
+    persist = balance.PERSIST
+    for k in range(5, 4 + persist):  # 45:19 would make a step 10% shorter: not worth a move...
         assert not b.review(k * REVIEW, codes(420)) and b.shares() == [43, 21]
-    assert b.review((4 + balance.PERSIST) * REVIEW, codes(420)) and b.shares() == [45, 19]  # ...unless wanted PERSIST looks
-    k = 5 + balance.PERSIST
-    assert not b.review(k * REVIEW, codes(1000))  # back (a quarter shorter), at a first look
-    assert b.review((k + 1) * REVIEW, codes(1000)) and b.shares() == [32, 32]
-    for k in range(k + 2, k + 2 + 3 * balance.PERSIST):  # PERSIST - 1 looks want a small move one way, then one the other
-        assert not b.review(k * REVIEW, codes(1300 if k % balance.PERSIST else 750)) and b.shares() == [32, 32]
+    assert b.review((4 + persist) * REVIEW, codes(420)) and b.shares() == [45, 19]  # ...unless PERSIST looks want it
+    assert not b.review((5 + persist) * REVIEW, codes(1000))  # back (a quarter shorter), at a first look
+    assert b.review((6 + persist) * REVIEW, codes(1000)) and b.shares() == [32, 32]
+    for look in range(3 * persist):  # PERSIST - 1 looks want a small move one way, then one the other way
+        slow = 1300 if look % persist else 750
+        assert not b.review((7 + persist + look) * REVIEW, codes(slow)) and b.shares() == [32, 32]
 
 
 def test_the_first_step_at_new_shares_is_not_timed():
