@@ -43,10 +43,12 @@ How the ranks agree, with no message of their own:
      last move; and, unless it follows a change of speed or a new group's first move, only if
      the codes say a step at the new shares takes GAIN less time than at the old (noise in the
      timings does not make the shares flap: without GAIN, equal servers' shares moved up to 27
-     times in 2 epochs; bench/README.md). Measured (bench/balance.py --only change, 21 runs): a
-     slowdown's start is balanced in a median of 15 steps, its end in 9, 15 and 16 runs of 21
-     within 20; fixed shares right from the change, 8.5 and 8.8 (a noisy measure:
-     bench/README.md). GAIN leaves shares up to 15% of a step from where the codes want them.
+     times in 2 epochs; bench/README.md), or PERSIST looks in a row want the move: by then the
+     timings span WINDOW steps, and a smaller gain is no noise (GAIN alone held a 2-rank job 3
+     images from its best split, where its steps took 5% longer). Measured (bench/balance.py
+     --only change, 10 runs): a slowdown's start is balanced in a median of 14 steps, its end in
+     9, 8 and 9 runs of 10 within 20; fixed shares right from the change, 9 and 8 (a noisy
+     measure: bench/README.md).
   4. No more than that: no search for a split other than equal own times. Under a CPU quota a
      rank that stalls stalls every rank, and the stretch (QUOTA_USE) keeps it out of its stalls;
      a search for a lean on top of that (rank 0 timing whole steps, slower ranks solved as slower
@@ -300,7 +302,7 @@ class Balance:
         # still in the timings); a move on in the direction of the last one needs 2 images, a move
         # back more than THRESHOLD: noise turns shares back and forth. And a move must make a step
         # GAIN shorter, as the codes see it, unless it goes on after a change of speed or a first move;
-        # a first move too (on equal servers it would follow two steps' noise)
+        # a first move too (on equal servers it would follow two steps' noise); or PERSIST looks want it
         onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
         enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
         following = changed or (self.following and onward)
