@@ -18,6 +18,9 @@ rounds it is then compared on flatters that split. For each part (two, four) thi
     done
     python bench/balance_pool.py /tmp/balance/run*/balance-two-four.json
     python bench/balance_pool.py --column '--balance at f9f8a6f' bench/results/balance/first-look-two-four-change.json
+
+A file given as FILE=COLUMN is read with its COLUMN in the place of --column's: one code pooled
+over runs where it had different names (main in one, a trial in another).
 """
 
 from __future__ import annotations
@@ -124,17 +127,24 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
 
 def main(argv=None) -> int:
     ap = OneLineParser(prog="balance_pool.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="+", help="JSON files written by bench/balance.py (one per run)")
+    ap.add_argument("results", nargs="+", help="JSON files of bench/balance.py (one per run): FILE or FILE=COLUMN")
     ap.add_argument("--column", default="--balance", help="the configuration to compare (default --balance)")
     args = ap.parse_args(argv)
     runs = []
-    for path in args.results:
+    for given in args.results:
+        path, _, own = given.partition("=")
         try:
             run = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             ap.error(f"{path}: cannot read it as a results file ({e.__class__.__name__})")
         if not isinstance(run, dict) or not any(isinstance(run.get(part), dict) for part in PARTS):
             ap.error(f"{path}: not a results file of bench/balance.py with part two or four")
+        parts = [run[part]["seconds"] for part in PARTS if isinstance(run.get(part), dict) and "seconds" in run[part]]
+        if own and not any(own in seconds for seconds in parts):
+            ap.error(f"{path}: no column {own!r} in its parts two and four")
+        for seconds in parts if own else ():
+            if own in seconds:
+                seconds[args.column] = seconds.pop(own)
         runs.append((path, run))
     text = report(runs, args.column)
     if not text:

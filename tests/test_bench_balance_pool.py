@@ -76,6 +76,17 @@ def test_another_column_is_compared_when_asked(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_file_may_name_its_own_column_for_the_code_pooled(tmp_path):
+    one = write(tmp_path / "one.json", {"--balance": [9.0], "--balance at abc": [5.5], "fixed 53:11": [5.0]})
+    two = write(tmp_path / "two.json", {"--balance": [6.0], "fixed 53:11": [5.0]})
+    result = pool(one + "=--balance at abc", two)
+    assert result.returncode == 0, result.stderr
+    assert "slower in 2 of 2 rounds; paired median 1.150" in result.stdout  # 1.1 and 1.2, not 1.8
+    missing = pool(one + "=--balance at def", two)
+    assert missing.returncode == 2 and "no column '--balance at def'" in missing.stderr
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["missing", "not json", "no parts", "no fixed split"])
 def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, case):
     path = tmp_path / "run.json"
