@@ -311,7 +311,7 @@ class Balance:
         wish = want if worth else (0,) * n
         looks = self.wanting[1] + 1 if want == self.wanting[0] else 1
         self.wanting = (want, looks if any(want) else 0)
-        moved = enough and any(wish) and (wish == self.wished or following or fresh) or self.wanting[1] >= PERSIST
+        moved = (enough and any(wish) and (wish == self.wished or following or fresh)) or self.wanting[1] >= PERSIST
         self.wished, self.following = wish, moved and (following or fresh)
         if not moved:
             return False
