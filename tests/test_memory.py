@@ -22,8 +22,9 @@ def test_a_step_after_its_batch_grew_reuses_the_memory_the_last_step_freed():
 
 
 def test_evaluating_reuses_the_memory_of_its_last_batch():
-    # test_model's batches stay under the mmap threshold: after a first pass, a second one faults
-    # in no fresh pages (at 1000 images a batch: about 120,000 faults a pass of 1000 images)
+    # test_model's batches stay under the mmap threshold: after a first pass, the passes after it
+    # fault in no fresh pages (at 1000 images a batch: about 120,000 faults every pass of 1000
+    # images). The median of three: in one CI run of many, one pass of 200 a batch faulted 4,237
     script = """
 import json, resource, torch
 from utils.memory import keep_freed_memory
@@ -33,12 +34,16 @@ assert keep_freed_memory()
 torch.manual_seed(0)
 model, images, labels = Net(), torch.randn(1000, 1, 28, 28), torch.randint(0, 10, (1000,))
 test_model(model, images, labels)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-test_model(model, images, labels)
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    test_model(model, images, labels)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults))
 """
     env = dict(os.environ, OMP_NUM_THREADS="1")
     repo = os.path.dirname(os.path.dirname(TOOL))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=repo, env=env)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) <= 64
+    faults = json.loads(out.stdout)
+    assert sorted(faults)[1] <= 64, faults
