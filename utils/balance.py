@@ -199,7 +199,7 @@ class Balance:
         self.weights = tuple(weights) if weights is not None else (1,) * world_size
         self.direction = [0] * world_size  # each rank's last move (its sign)
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
-        self.wanting = ((0,) * world_size, 0)  # the moves the last looks wanted whatever their gain, and how many looks
+        self.wanted, self.looks = None, 0  # the move the last look wanted whatever its gain; looks in a row wanting it
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.warm = False  # a step at these shares has run (the first is not timed: see review)
         # a new group at equal shares knows nothing of its ranks' speeds: its first look comes as soon
@@ -309,13 +309,13 @@ class Balance:
         worth = following or step_time(new, rates, overheads) <= (1 - GAIN) * step_time(old, rates, overheads)
         want = tuple((m > 1) - (m < -1) for m in moves) if enough else (0,) * n
         wish = want if worth else (0,) * n
-        looks = self.wanting[1] + 1 if want == self.wanting[0] else 1
-        self.wanting = (want, looks if any(want) else 0)
-        moved = (enough and any(wish) and (wish == self.wished or following or fresh)) or self.wanting[1] >= PERSIST
+        self.looks = ((self.looks if want == self.wanted else 0) + 1) if any(want) else 0
+        self.wanted = want
+        moved = (enough and any(wish) and (wish == self.wished or following or fresh)) or self.looks >= PERSIST
         self.wished, self.following = wish, moved and (following or fresh)
         if not moved:
             return False
-        self.weights, self.direction, self.wished, self.wanting = tuple(new), moves, None, ((0,) * n, 0)
+        self.weights, self.direction, self.wished, self.looks = tuple(new), moves, None, 0
         self.changes += 1
         # the first step at a new share is not timed: a batch of a new size pays for warming up (measured: a
         # third longer, up to half); in 3 timed steps it made a rank look slow, and the next look moved back
