@@ -1,7 +1,9 @@
 """--balance with real processes: a rank slowed by a real CPU quota (scripts/throttle.py) takes a
-smaller share, every image is still trained once and the parameters stay identical; fixed unequal
-shares resume bit for bit, after a stop on as many ranks and after a lost rank on fewer; a server
-joins a balanced job. Without --balance, rank 0 names a rank that keeps the others waiting.
+smaller share (also once a round, under --sync-every), the ranks agree on the shares, every image
+is still trained once and the parameters stay identical; unequal shares work with every kind of
+sum, and resume bit for bit from the checkpoint, after a stop on as many ranks and after a lost
+rank on fewer; a server joins a balanced job. Without --balance, rank 0 names a rank that keeps
+the others waiting, and on equal servers it does not.
 Needs root for the quota; in CI (CI=true) its absence is a failure."""
 
 import json
@@ -39,8 +41,14 @@ def throttled_run(tmp_path, extra, fractions=(0.8, 0.3)):
 
 
 @pytest.mark.timeout(300)
-def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(needs_root, tmp_path):
-    out, row, events = throttled_run(tmp_path, ["--balance"])
+@pytest.mark.parametrize("kind", ["every step", "--sync-every 4"])
+def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(kind, needs_root, tmp_path):
+    """Every image once: the ranks cut each step where the same shares say (utils/data.BalancedBatches,
+    unit-tested to cover every image once whatever the shares), so both must log the same shares
+    at every review. Under --sync-every the speeds come once a round, with its sum."""
+    timeline = tmp_path / "timeline.json"
+    extra = ["--timeline", str(timeline), "--timeline-steps", "1:30"] + (kind.split() if kind != "every step" else [])
+    out, row, events = throttled_run(tmp_path, ["--balance", *extra])
     assert "batch 64 (shared by measured speed)" in out and "parameters identical on all 2 ranks" in out, out
     steps = 30
     assert row["images"] == 1920 and round(sum(row["shares"]) * steps) == 1920, row  # every image, once
@@ -48,9 +56,15 @@ def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(n
     assert row["images_per_second"][0] > row["images_per_second"][1], row
     reviews = [e for e in events if e["event"] == "shares" and e["rank"] == 0]
     assert [e["step"] for e in reviews] == list(range(REVIEW, steps + 1, REVIEW)), reviews
+    assert [(e["step"], e["shares"]) for e in events if e["event"] == "shares" and e["rank"] == 1] == [
+        (e["step"], e["shares"]) for e in reviews
+    ], events  # the ranks agree: each cuts where the other does
     assert reviews[-1]["shares"][0] > 1.3 * reviews[-1]["shares"][1] and sum(reviews[-1]["shares"]) == 64, reviews
-    assert all(min(e["speeds"][:4]) > 0 for e in reviews[1:]), reviews  # both codes of every rank
+    if kind == "every step":
+        assert all(min(e["speeds"][:4]) > 0 for e in reviews[1:]), reviews  # both codes of every rank
     assert "shares " in out.splitlines()[-2] and "images/s " in out.splitlines()[-2], out  # the epoch line
+    marks = [e for e in json.loads(timeline.read_text())["traceEvents"] if e.get("name") == "re-balance"]
+    assert len(marks) == 2 * row["rebalances"] and all("/" in e["args"]["shares"] for e in marks), marks  # both ranks
 
 
 @pytest.mark.timeout(300)
@@ -70,19 +84,47 @@ def faulted(fault, args, cwd):
     return procs.train([*SHORT, *args], timeout=200, cwd=cwd, env=dict(os.environ, RING_FAULT=fault))
 
 
+LATE = 26  # of 30 steps: too few left for a measuring --balance to move (its codes need MEASURED timed steps)
+
+
 @pytest.mark.timeout(300)
-def test_fixed_unequal_shares_resume_bit_for_bit_after_a_stop(tmp_path):
+def test_unequal_shares_resume_bit_for_bit_after_a_stop_from_the_checkpoint(tmp_path):
+    """Stopped at step K with fixed 3:1 shares, resumed twice: with 3:1 again, and with a measuring
+    --balance, which starts from the checkpoint's shares (equal shares would end elsewhere) and
+    holds them for the last steps. Both end bit for bit as the run that never stopped."""
     straight = procs.train([*SHORT, "--nproc", "2", "--balance", "3:1"], timeout=200, cwd=str(tmp_path))
     assert straight.returncode == 0 and "batch 64 (shared 3:1)" in straight.stdout, straight.stderr
     assert "shares 48.0/16.0" in straight.stdout, straight.stdout
-    (tmp_path / "stopped").mkdir()
-    stopped = faulted(f"1:{K}:TERM", ["--nproc", "2", "--balance", "3:1"], str(tmp_path / "stopped"))
-    assert stopped.returncode == 3 and f"stopped after epoch 1, step {K}/30" in stopped.stderr, stopped.stderr
-    resumed = procs.train(
-        [*SHORT, "--nproc", "2", "--balance", "3:1", "--resume"], timeout=200, cwd=str(tmp_path / "stopped")
-    )
-    assert resumed.returncode == 0 and "shares from the checkpoint: 48/16" in resumed.stdout, resumed.stderr
-    assert final_digest(resumed.stdout) == final_digest(straight.stdout)
+    for stop, balance in ((K, "3:1"), (LATE, None)):
+        (tmp_path / f"stopped-{stop}").mkdir()
+        stopped = faulted(f"1:{stop}:TERM", ["--nproc", "2", "--balance", "3:1"], str(tmp_path / f"stopped-{stop}"))
+        assert stopped.returncode == 3 and f"stopped after epoch 1, step {stop}/30" in stopped.stderr, stopped.stderr
+        flags = ["--balance", *([balance] if balance else []), "--resume"]
+        resumed = procs.train([*SHORT, "--nproc", "2", *flags], timeout=200, cwd=str(tmp_path / f"stopped-{stop}"))
+        assert resumed.returncode == 0 and "shares from the checkpoint: 48/16" in resumed.stdout, resumed.stderr
+        assert final_digest(resumed.stdout) == final_digest(straight.stdout), balance
+
+
+KINDS = {
+    "plain": ["--no-overlap"],
+    "lazy update": ["--lazy-update"],
+    "bf16": ["--compress", "bf16"],
+    "powersgd": ["--compress", "powersgd"],
+    "ring": ["--allreduce", "ring"],
+    "gloo": ["--allreduce", "gloo"],
+    "hierarchical": ["--allreduce", "hierarchical"],
+    "sync every 4": ["--sync-every", "4"],
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", KINDS)
+def test_unequal_shares_with_every_kind_of_sum_train_every_image_and_end_identical(kind, tmp_path):
+    """Fixed 3:1 shares (so that every step is cut unequally) under each of the other sums' options."""
+    done = procs.train([*SHORT, "--nproc", "2", "--balance", "3:1", *KINDS[kind]], timeout=150, cwd=str(tmp_path))
+    assert done.returncode == 0 and "parameters identical on all 2 ranks" in done.stdout, done.stderr[-3000:]
+    row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["images"] == 1920 and row["shares"] == [48.0, 16.0] and row["test_accuracy"] > 0.5, row
 
 
 @pytest.mark.timeout(300)

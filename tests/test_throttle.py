@@ -1,6 +1,7 @@
 """Slow servers for real (scripts/throttle.py, `cluster.py --cpu`): a cgroup CPU quota holds a busy
-process to its share, changes while it runs, follows the processes an emulated host starts, and
-leaves nothing behind. Needs root; in CI (CI=true) its absence is a failure."""
+process to its share, changes while it runs (`--cpu HOST=FRACTION@SECONDS`: from a given moment),
+follows the processes an emulated host starts, and leaves nothing behind. Needs root; in CI
+(CI=true) its absence is a failure."""
 
 import os
 import subprocess
@@ -83,6 +84,32 @@ def test_cluster_cpu_slows_one_emulated_host(needs_root):
     assert set(got) == {"host0", "host1"}, result.stdout
     assert got["host1"] <= 0.25 * 2.5, got  # its quota over about 2 s (plus the interpreter's start)
     assert got["host0"] > got["host1"], got  # the quota is host 1's alone
+
+
+@pytest.mark.timeout(120)
+def test_cluster_cpu_at_a_given_moment_slows_a_host_from_then_on(needs_root):
+    """--cpu 1=0.25@1.5: host 1 runs free for its first 1.5 s, then at a quarter of a core. Each
+    rank spins 4 s and says its CPU seconds a second over its first second and its last two."""
+    spin = (
+        "import time; t = time.time()\n"
+        "while time.time() - t < 1: pass\n"
+        "a = time.process_time()\n"
+        "while time.time() - t < 2: pass\n"
+        "b = time.process_time()\n"
+        "while time.time() - t < 4: pass\n"
+        "print(f'rates {{a:.2f}} {{(time.process_time() - b) / 2:.2f}}')"
+    )
+    result = subprocess.run(
+        [sys.executable, CLUSTER, "exec", "--hosts", "2", "--cpu", "1=0.25@1.5", "--", sys.executable, "-c", spin],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = {line.split("]")[0].split()[0][1:]: line.split()[-2:] for line in result.stdout.splitlines()}
+    before, after = (float(x) for x in got["host1"])
+    assert after <= 0.3, got  # held to its quota from 1.5 s on
+    assert before > 0.35 and before > after + 0.1, got  # free before (the interpreter's start counts too)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,8 @@ How the ranks agree, with no message of their own:
   2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
      every wire format the sums use) in its own two slots of the values that ride with the
      gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
-     the same step.
+     the same step. (--sync-every H sums once a round: the codes come with the round's merge,
+     and the look waits for them.)
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
      time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
      ranks adopt them when two looks in a row want the same move (one look when a rank saw its
@@ -202,6 +203,7 @@ class Balance:
         self.wanted, self.looks = None, 0  # the move the last look wanted whatever its gain; looks in a row wanting it
         self.following = False  # the last move followed a change of speed: a move on needs one look
         self.warm = False  # a step at these shares has run (the first is not timed: see review)
+        self.due = False  # a REVIEW-th step has passed since the last look (--sync-every: codes come once a round)
         # a new group at equal shares knows nothing of its ranks' speeds: its first look comes as soon
         # as every rank has timed FIRST_LOOK steps, and moves alone (a look every REVIEW steps, and two
         # of them for a move, kept a job at equal shares for its first 10 steps: bench/README.md)
@@ -284,12 +286,17 @@ class Balance:
 
     def review(self, step, codes):
         """After `step` (of the epoch), with the codes of its sum (every rank's rate and overhead,
-        then how many said their speed changed): new shares if it is time to look and they have
+        then how many said their speed changed; () when no sum came with the step): new shares if
+        it is time to look (every REVIEW steps, or at the first codes after that) and they have
         moved enough. True when they changed."""
         n = self.world_size
+        self.due = self.due or step % REVIEW == 0
+        if not codes:  # no sum this step (--sync-every: one a round): the look waits for the round's codes
+            return False
+        due, self.due = self.due, False
         if self.fixed is not None or len(codes) != 2 * n + 1 or min(codes[: 2 * n]) < 1:
             return False
-        if step % REVIEW != 0 and not self.fresh:  # (a new group's first look comes at any step)
+        if not due and not self.fresh:  # (a new group's first look comes at any step)
             return False
         # (a new group's first look moves alone, and the moves on after it as after a change of speed)
         changed, fresh, self.changed, self.fresh = codes[2 * n] > 0, self.fresh, False, False

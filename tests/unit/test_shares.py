@@ -1,5 +1,6 @@
 """--balance's pure parts (utils/balance.py): speeds as codes, shares from codes, the reviews, and
-each step's images cut by the shares of the moment (utils/data.BalancedBatches)."""
+each step's images cut by the shares of the moment (utils/data.BalancedBatches); and, without
+--balance, the hint that names a slow rank (utils/report.SlowRankHint)."""
 
 import math
 import time
@@ -10,6 +11,7 @@ import torch
 from utils import balance
 from utils.balance import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
 from utils.data import BalancedBatches, epoch_permutation
+from utils.report import SlowRankHint
 
 
 def test_speed_codes_are_exact_small_whole_numbers():
@@ -158,6 +160,18 @@ def test_shares_change_only_at_a_review_with_every_speed_and_past_the_threshold(
     assert not b.review(8 * REVIEW, (fast, fast, over, over, 0))
     assert b.review(9 * REVIEW, (fast, fast, over, over, 0)) and b.shares() == [32, 32]
     assert b.shares(7) == [4, 3]  # a smaller last step, cut in the same proportions
+
+
+def test_under_sync_every_a_look_waits_for_the_codes_of_the_rounds_sum():
+    """--sync-every H sums once a round: the steps between bring no codes (()), and the look that a
+    REVIEW step asks for comes with the next codes, one look per arrival."""
+    b = past_first_look(Balance("measured", rank=0, world_size=2, global_batch=64))
+    codes = (code(1000), code(500), code(10**6), code(10**6), 0)
+    assert not b.review(REVIEW, ()) and not b.review(REVIEW + 1, ())  # no codes: the look waits
+    assert not b.review(REVIEW + 3, codes) and b.shares() == [32, 32]  # the round's codes: a first look
+    assert not b.review(REVIEW + 4, codes)  # (no REVIEW step since: no look, not even at codes)
+    assert not b.review(2 * REVIEW, ()) and not b.review(2 * REVIEW + 2, ())
+    assert b.review(2 * REVIEW + 3, codes) and b.shares() == [43, 21]  # the next round's: a second look
 
 
 def test_a_new_group_starts_from_equal_shares_and_keeps_its_own_timings():
@@ -416,3 +430,21 @@ def test_a_change_of_quota_is_a_change_of_speed():
     assert b.slots()[-1] == 1 and len(b.history) == 1  # only the step since: the old quota's are forgotten
     stretch, _ = b.stretch()
     assert stretch == pytest.approx(1.0)
+
+
+def test_the_slow_rank_hint_names_a_rank_that_kept_the_others_waiting_once_and_never_on_equals(capsys):
+    def ranks(*computes, step=1.0):
+        return [dict(compute_seconds=c, step_seconds=step) for c in computes]
+
+    quiet = SlowRankHint(enabled=True)
+    quiet.check(ranks(0.70, 0.72, 0.71), steps=200)  # equal servers: 2% apart
+    quiet.check(ranks(0.50, 0.74), steps=200)  # kept waiting 24% of a step: not more than a quarter
+    quiet.check(ranks(0.20, 0.90), steps=SlowRankHint.MIN_STEPS - 1)  # too few steps to tell
+    SlowRankHint(enabled=False).check(ranks(0.20, 0.90), steps=200)  # not rank 0, or --balance
+    assert capsys.readouterr().out == ""
+    hint = SlowRankHint(enabled=True)
+    hint.check(ranks(0.40, 0.90, 0.45), steps=200)
+    hint.check(ranks(0.40, 0.90, 0.45), steps=200)  # the next epoch: said once only
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rank 1 kept the others waiting for 45% or more"), lines
+    assert "2.0x as long" in lines[0] and "--balance" in lines[0], lines

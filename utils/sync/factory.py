@@ -35,7 +35,8 @@ def make_gradient_sync(
             raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
         outer = (sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, sync.merge_after)
         compressor = make_compressor(sync.compress, [params])
-        return PeriodicSync(model, outer_sum, compressor, optimizer, scheduler, *outer, local_flag, timeline)
+        weighted = sync.balance is not None  # (without --balance the plain mean: its bits stay)
+        return PeriodicSync(model, outer_sum, compressor, optimizer, scheduler, *outer, local_flag, timeline, weighted)
     buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
     try:

@@ -24,12 +24,15 @@ steps wait for the wire only if T steps are shorter than the sum. The anchor is 
 rank after every outer step; the working parameters differ between syncs by design.
 
 The flags ride in the outer sum as extra values: every rank learns of a signal at the same
-merge step. finish() (before evaluating or saving) only waits for the sum in flight; its result is
-merged at its step as always, so saving changes no bits, and a checkpoint holds every rank's own
-state (state_dict()): a stop mid-round resumes bit for bit. flush(), at the end of training,
+merge step, and --balance of the speeds, so its shares are looked at once a round. Under
+--balance each rank's change is weighed by its share of the round's images (weigh). finish()
+(before evaluating or saving) only waits for the sum in flight; its result is merged at its step
+as always, so saving changes no bits, and a checkpoint holds every rank's own state
+(state_dict()): a stop mid-round resumes bit for bit. flush(), at the end of training,
 merges everything: the same parameters on every rank.
 """
 
+import dataclasses
 import threading
 import time
 
@@ -59,6 +62,7 @@ class PeriodicSync(GradientSync):
         merge_after=None,
         local_flag=Flags,
         timeline=OFF,
+        weighted=False,
     ):
         super().__init__(optimizer, scheduler, compressor, local_flag, timeline)
         self.params = [p for p in model.parameters()]
@@ -69,6 +73,9 @@ class PeriodicSync(GradientSync):
         self.start = self.anchor.clone()  # where this rank's round began
         self.momentum = torch.zeros_like(self.anchor) if outer == "nesterov" else None
         self.inner = 0  # inner steps taken this round
+        # --balance: the round's change weighs as many images as this rank's shares of its steps had (see weigh)
+        self.weighted, self.weights = weighted, 0.0  # weights: the sum of this round's steps' weights so far
+        self.merged = False  # the last step merged a round's sum: the flags that came with it are new
         self.pending = None  # (thread, result) of the sum in flight
         self.arrived = None  # its mean change, once waited for
         self.failed = None  # a lost peer, seen at a merge
@@ -77,7 +84,11 @@ class PeriodicSync(GradientSync):
     has_rank_state = True  # each rank's own optimizer and working parameters, mid-round
 
     def weigh(self, weight):
-        pass  # each rank's inner step is on its own share: no weighting across ranks
+        """Each inner step is on this rank's own share alone; with --balance (weighted) the round's
+        change is weighed by the mean of its steps' weights, so that the mean change counts every
+        image of the round alike (a rank with a fifth of the images moves the mean a fifth, not a
+        half). Without --balance the plain mean stays (its bits with it)."""
+        self.weights += weight
 
     def after_backward(self):
         self._raise_failure()  # nothing is summed per step
@@ -90,13 +101,21 @@ class PeriodicSync(GradientSync):
     def step(self):
         super().step()
         self.inner += 1
+        self.merged = False
         try:
             if self.inner == self.merge_after:
                 self._merge()
+                self.merged = True
             if self.inner == self.every:
                 self._round_end()
         except PeerError as e:  # this step is done (its optimizer step is taken): the next one fails
             self.failed = e
+
+    def flags(self):
+        """The flags of the last sum, as every kind gives them; the speeds (--balance) only at the step
+        whose merge brought them: one look at the shares per round, at new speeds (utils/balance.py)."""
+        flags = super().flags()
+        return flags if self.merged else dataclasses.replace(flags, speeds=())
 
     def finish(self):
         """Before evaluating or saving: wait for the sum in flight, and keep its result for the step
@@ -109,10 +128,10 @@ class PeriodicSync(GradientSync):
         self._raise_failure()
         self._merge()
         if self.inner:  # a round cut short: its change too (none after a round's end, nor a step of momentum)
-            self._start(self.start - self._flat())
+            self._start(self._change(self._flat()))
             self._collect()
             self._apply(self.arrived)
-        self.arrived, self.start, self.inner = None, self.anchor.clone(), 0
+        self.arrived, self.start, self.inner, self.weights = None, self.anchor.clone(), 0, 0.0
         self._set(self.anchor)
 
     # -- the outer step ---------------------------------------------------------------------------
@@ -123,9 +142,14 @@ class PeriodicSync(GradientSync):
         """Start summing this round's change; meanwhile the rank goes on from where it is (its own
         change stands in for the mean until that is merged)."""
         working = self._flat()
-        self._start(self.start - working)  # (the last round's mean is merged by now: merge_after <= every)
+        self._start(self._change(working))  # (the last round's mean is merged by now: merge_after <= every)
         self.start = working
-        self.inner = 0
+        self.inner, self.weights = 0, 0.0
+
+    def _change(self, working):
+        """This round's change, as summed: weighed by its steps' mean weight under --balance."""
+        change = self.start - working
+        return change.mul_(self.weights / self.inner) if self.weighted else change
 
     def _merge(self):
         """The last round's mean change replaces this rank's own: the anchor takes its outer step, and
@@ -211,6 +235,7 @@ class PeriodicSync(GradientSync):
             "start": self.start,
             "working": self._flat(),
             "inner": self.inner,
+            "weights": self.weights,
             "arrived": self.arrived,
             "compressor": self.compressor.state_dict(),
         }
@@ -221,6 +246,8 @@ class PeriodicSync(GradientSync):
             self.momentum.copy_(state["momentum"])
         self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
         self.inner, self.arrived = state["inner"], state["arrived"]  # (flag_sums stay empty: no signal yet)
+        self.weights = state.get("weights", float(self.inner))  # (a checkpoint from before --balance weighed)
+        self.merged = False
         self.compressor.load_state_dict(state["compressor"])
         self._set(state["working"])
 
@@ -236,7 +263,8 @@ class PeriodicSync(GradientSync):
         """After a lost peer: the parameters go back to the anchor (the last outer step, the same on
         every rank); the round's inner steps are lost with the sum in flight."""
         self.pending = self.arrived = self.failed = None
+        self.merged = False
         self._set(self.anchor)
         self.start = self.anchor.clone()
-        self.inner = 0
+        self.inner, self.weights = 0, 0.0
         return False
