@@ -10,7 +10,10 @@ rounds it is then compared on flatters that split. For each part (two, four) thi
   - each run's paired median: every round's --balance epoch over that round's epoch at the run's
     best split (both ran in the same round, under the same load);
   - pooled over every round of every run: how many --balance was slower in, the median of the
-    paired ratios and a 95% bootstrap interval of that median (resampled rounds, seeded).
+    paired ratios and a 95% bootstrap interval of that median (resampled rounds, seeded);
+
+and for part two against the fast rank alone, and part equal (2 epochs on equal servers, seed by
+seed) against equal shares, each run's median and every round's ratio pooled.
 
     for i in 1 2 3; do
       sudo python bench/balance.py --only two --only four --reps 8 \\
@@ -34,7 +37,7 @@ from pathlib import Path
 from harness import OneLineParser
 from stats import fmt, md_head, md_row, paired_ratios, quantile
 
-PARTS = ("two", "four")
+PARTS = ("two", "four")  # against fixed splits; part equal against equal shares (its time_ratios)
 RESAMPLES = 10_000
 
 
@@ -122,7 +125,22 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
             lines.append(md_row(path, r["best"], *medians, len(r["ours"])))
         lines += ["", pooled_line([x for _, r in alone for x in r["split"]], "each run's best split, pooled")]
         lines += [pooled_line([x for _, r in alone for x in r["ours"]], f"{column}, pooled"), ""]
+    equal = [(path, run["equal"]["time_ratios"][column]) for path, run in runs if column in equal_ratios(run)]
+    if equal:
+        lines += [
+            "## equal: the time over equal shares', seed by seed",
+            "",
+            *md_head(["run", "median", "rounds"], "lrr"),
+        ]
+        lines += [md_row(path, fmt(statistics.median(ratios), "{:.3f}"), len(ratios)) for path, ratios in equal]
+        lines += ["", pooled_line([x for _, ratios in equal for x in ratios], "pooled"), ""]
     return "\n".join(lines)
+
+
+def equal_ratios(run: dict) -> dict[str, list[float]]:
+    """A run's part equal: {configuration: its time over equal shares', seed by seed}, or {}."""
+    equal = run.get("equal")
+    return equal["time_ratios"] if isinstance(equal, dict) and isinstance(equal.get("time_ratios"), dict) else {}
 
 
 def main(argv=None) -> int:
@@ -137,18 +155,19 @@ def main(argv=None) -> int:
             run = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             ap.error(f"{path}: cannot read it as a results file ({e.__class__.__name__})")
-        if not isinstance(run, dict) or not any(isinstance(run.get(part), dict) for part in PARTS):
-            ap.error(f"{path}: not a results file of bench/balance.py with part two or four")
+        if not isinstance(run, dict) or not any(isinstance(run.get(part), dict) for part in (*PARTS, "equal")):
+            ap.error(f"{path}: not a results file of bench/balance.py with part two, four or equal")
         parts = [run[part]["seconds"] for part in PARTS if isinstance(run.get(part), dict) and "seconds" in run[part]]
+        parts += [equal_ratios(run)]
         if own and not any(own in seconds for seconds in parts):
-            ap.error(f"{path}: no column {own!r} in its parts two and four")
+            ap.error(f"{path}: no column {own!r} in its parts two, four and equal")
         for seconds in parts if own else ():
             if own in seconds:
                 seconds[args.column] = seconds.pop(own)
         runs.append((path, run))
     text = report(runs, args.column)
     if not text:
-        ap.error(f"no run has both {args.column!r} and a fixed split in part two or four")
+        ap.error(f"no run has {args.column!r} with a fixed split in part two or four, or in part equal")
     print(text)
     return 0
 

@@ -99,3 +99,19 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, case):
     result = pool(str(path))
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("balance_pool.py: error: ")
+
+
+@pytest.mark.timeout(60)
+def test_part_equal_is_pooled_seed_by_seed_and_may_name_its_column(tmp_path):
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"equal": {"time_ratios": {"--balance": [1.01, 1.05, 0.98]}}}))
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"equal": {"time_ratios": {"--balance": [9.0], "--balance at abc": [1.02]}}}))
+    result = pool(str(one), f"{two}=--balance at abc")
+    assert result.returncode == 0, result.stderr
+    section = result.stdout.split("## equal")[1]
+    rows = re.findall(r"^\| \S+/(\w+).json \| ([\d.]+) \| (\d+) \|$", section, re.M)
+    assert rows == [("one", "1.010", "3"), ("two", "1.020", "1")]
+    # the rounds 1.01, 1.05, 0.98 and 1.02 (not two's 9.0): three slower, their median 1.015
+    assert "pooled: slower in 3 of 4 rounds; paired median 1.015" in section
+    assert "## two" not in result.stdout
