@@ -240,6 +240,31 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
 
 
 @pytest.mark.timeout(200)
+def test_a_join_at_an_epochs_last_step_logs_the_first_step_on_the_new_members_in_the_next(tmp_path):
+    """Epochs of one step: every join lands at an epoch's last step, and the first step on 3 ranks
+    comes in the next epoch. bench/recovery.py times a join to that step's event and stops the job
+    once it is seen; lost at an epoch's end, a trial ran on to the job's end and failed."""
+    events = tmp_path / "events.jsonl"
+    run = ["--epochs", "400", "--train-subset", "64", "--test-subset", "100", "--timeout", "60"]
+    port, env = procs.free_port(), {"RING_EVENTS": str(events)}
+    ranks = procs.start_ranks(2, run, port, str(tmp_path), env=env)
+    joiner = None
+    try:
+        procs.wait_for(
+            lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
+        )
+        joiner = procs.start_rank(2, 3, [*run, "--join"], port, tmp_path, env=env)
+        results = procs.wait_all([*ranks, joiner], timeout=170)
+    finally:
+        for p in [*ranks, *([joiner] if joiner else [])]:
+            procs.kill_group(p)
+    assert [code for code, _, _ in results] == [0, 0, 0], [err[-2000:] for _, _, err in results]
+    firsts = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "first-step"]
+    assert sorted(e["after"] for e in firsts) == ["grew", "grew", "joined"], firsts
+    assert len({e["epoch"] for e in firsts}) == 1 and all(e["step"] == 1 and e["world_size"] == 3 for e in firsts)
+
+
+@pytest.mark.timeout(200)
 def test_join_to_nowhere_or_malformed_is_one_line_and_exit_2(tmp_path):
     """(A join with other settings, refused by a running job: in the test above.)"""
     port = procs.free_port()
