@@ -75,7 +75,7 @@ class PeriodicSync(GradientSync):
         self.inner = 0  # inner steps taken this round
         # --balance: the round's change weighs as many images as this rank's shares of its steps had (see weigh)
         self.weighted, self.weights = weighted, 0.0  # weights: the sum of this round's steps' weights so far
-        self.merged = False  # the last step merged a round's sum: the flags that came with it are new
+        self.merged = False  # the last step merged a round's sum: the flags that came with it are new (set by step)
         self.pending = None  # (thread, result) of the sum in flight
         self.arrived = None  # its mean change, once waited for
         self.failed = None  # a lost peer, seen at a merge
@@ -247,7 +247,6 @@ class PeriodicSync(GradientSync):
         self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
         self.inner, self.arrived = state["inner"], state["arrived"]  # (flag_sums stay empty: no signal yet)
         self.weights = state.get("weights", float(self.inner))  # (a checkpoint from before --balance weighed)
-        self.merged = False
         self.compressor.load_state_dict(state["compressor"])
         self._set(state["working"])
 
@@ -263,7 +262,6 @@ class PeriodicSync(GradientSync):
         """After a lost peer: the parameters go back to the anchor (the last outer step, the same on
         every rank); the round's inner steps are lost with the sum in flight."""
         self.pending = self.arrived = self.failed = None
-        self.merged = False
         self._set(self.anchor)
         self.start = self.anchor.clone()
         self.inner, self.weights = 0, 0.0
