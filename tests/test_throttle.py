@@ -68,20 +68,25 @@ def test_a_group_left_by_a_killed_owner_is_removed_by_the_next(needs_root):
         assert not stale.exists()
 
 
-@pytest.mark.timeout(120)
-def test_cluster_cpu_slows_one_emulated_host(needs_root):
-    # each rank (one a host) spins for 2 s of wall time, then says how much CPU it got ({{ }}: cluster.py's
-    # command templates fill in {rank} and the like)
-    spin = "import time; t = time.time()\nwhile time.time() - t < 2: pass\nprint(f'cpu {{time.process_time():.2f}}')"
+def cluster_exec(cpu, script):
+    """`python -c script` on 2 emulated hosts under `--cpu cpu` ({{ }} in it: cluster.py's command
+    templates fill in {rank} and the like): {host: the words of the line it printed}."""
     result = subprocess.run(
-        [sys.executable, CLUSTER, "exec", "--hosts", "2", "--cpu", "1=0.25", "--", sys.executable, "-c", spin],
+        [sys.executable, CLUSTER, "exec", "--hosts", "2", "--cpu", cpu, "--", sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    got = {line.split("]")[0].split()[0][1:]: float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines()}
-    assert set(got) == {"host0", "host1"}, result.stdout
+    return {line.split("]")[0].split()[0][1:]: line.split("]", 1)[1].split() for line in result.stdout.splitlines()}
+
+
+@pytest.mark.timeout(120)
+def test_cluster_cpu_slows_one_emulated_host(needs_root):
+    # each rank (one a host) spins for 2 s of wall time, then says how much CPU it got
+    spin = "import time; t = time.time()\nwhile time.time() - t < 2: pass\nprint(f'cpu {{time.process_time():.2f}}')"
+    got = {host: float(said[-1]) for host, said in cluster_exec("1=0.25", spin).items()}
+    assert set(got) == {"host0", "host1"}, got
     assert got["host1"] <= 0.25 * 2.5, got  # its quota over about 2 s (plus the interpreter's start)
     assert got["host0"] > got["host1"], got  # the quota is host 1's alone
 
@@ -99,15 +104,8 @@ def test_cluster_cpu_at_a_given_moment_slows_a_host_from_then_on(needs_root):
         "while time.time() - t < 4: pass\n"
         "print(f'rates {{a:.2f}} {{(time.process_time() - b) / 2:.2f}}')"
     )
-    result = subprocess.run(
-        [sys.executable, CLUSTER, "exec", "--hosts", "2", "--cpu", "1=0.25@1.5", "--", sys.executable, "-c", spin],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    got = {line.split("]")[0].split()[0][1:]: line.split()[-2:] for line in result.stdout.splitlines()}
-    before, after = (float(x) for x in got["host1"])
+    got = cluster_exec("1=0.25@1.5", spin)
+    before, after = (float(x) for x in got["host1"][-2:])
     assert after <= 0.3, got  # held to its quota from 1.5 s on
     assert before > 0.35 and before > after + 0.1, got  # free before (the interpreter's start counts too)
 

@@ -124,9 +124,7 @@ class Done:
 
     def __init__(self, epoch, step, stats, first=None):
         self.last = self.before = (epoch, step, EpochStats(**vars(stats)))
-        # called once, after the first step (after a change of members: its time); None once called. A
-        # change at an epoch's last step has its first step in the next epoch: run() passes it on
-        self.first = first
+        self.first = first  # called once, after the first step (after a change of members: its time)
 
     def add(self, epoch, step, stats):
         self.before, self.last = self.last, (epoch, step, EpochStats(**vars(stats)))
@@ -363,7 +361,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
                 watch,
             )
             epoch, first_step, stats = epoch + 1, 0, EpochStats()
-            done = Done(epoch, first_step, stats, done.first)  # (a change of members at an epoch's last step)
+            done = Done(epoch, first_step, stats, done.first)  # (not called yet: a change at the epoch's last step)
         except Joining:
             gradient_sync, (epoch, first_step, stats) = recovery.grow(gradient_sync, done.last)
             done = Done(epoch, first_step, stats, first_step_after("grew"))
