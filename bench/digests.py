@@ -1,7 +1,7 @@
 """The final sha256 of a short run for every gradient-sum combination: the bits a change must keep.
 
     python bench/digests.py                  # run every combination, compare with bench/results/digests.json
-    python bench/digests.py --write          # record them (only when an issue asks the bits to change)
+    python bench/digests.py --write          # record this machine's (new here, or an issue asks the bits to change)
     python bench/digests.py --only two-pass  # the combinations whose name contains this
 
 A combination is --allreduce x (--no-overlap | --overlap | --overlap --lazy-update) x --compress,
@@ -10,8 +10,8 @@ on 2 ranks (and a few on 3, where the global batch does not divide), and a few o
 local launcher), 1 thread per rank, with a timeout. Exit code 1 when any digest differs from the table.
 
 The bits depend on the CPU's kernels too (torch picks convolution and matrix kernels by the
-CPU's vector units): the table records the machine it was made on, and a run on another CPU
-says so instead of blaming the code.
+CPU's vector units): the file holds a table per machine, and a run compares with its own
+machine's; on a machine with none it says so instead of blaming the code.
 """
 
 import argparse
@@ -74,15 +74,21 @@ def machine():
     return f"{model}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
+def tables(path):
+    """{machine: {combination: digest}} recorded in `path` (an older file: one machine's table)."""
+    found = json.loads(path.read_text()) if path.exists() else {"machines": {}}
+    return found["machines"] if "machines" in found else {found["machine"]: found["digests"]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="bench/digests.py", description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help=f"record the digests in {TABLE.relative_to(REPO)}")
+    p.add_argument("--write", action="store_true", help="record this machine's digests in bench/results/digests.json")
     p.add_argument("--only", default="", help="only the combinations whose name contains this")
     args = p.parse_args(argv)
-    table = json.loads(TABLE.read_text()) if TABLE.exists() else {"machine": None, "digests": {}}
-    recorded, here = table["digests"], machine()
-    if recorded and table["machine"] != here:
-        print(f"note: the table was recorded on {table['machine']}; this is {here}: a difference may be the machine's")
+    machines, here = tables(TABLE), machine()
+    recorded = machines.get(here, {})
+    if not recorded and machines:
+        print(f"note: no digests recorded on this machine ({here}); recorded on: {'; '.join(sorted(machines))}")
     got, differ = {}, []
     for name, flags in combinations().items():
         if args.only not in name:
@@ -94,9 +100,13 @@ def main(argv=None):
             differ.append(name)
         print(f"{name:40s} {got[name][:16]}  {verdict:8s} {time.time() - start:4.1f} s", flush=True)
     if args.write:
-        TABLE.write_text(json.dumps({"machine": here, "digests": {**recorded, **got}}, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(got)} digests to {TABLE}")
-    print(f"{len(got) - len(differ)} of {len(got)} as recorded" if recorded else "nothing recorded yet")
+        machines[here] = {**recorded, **got}
+        TABLE.write_text(json.dumps({"machines": machines}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(got)} digests of this machine to {TABLE}")
+    if recorded:
+        print(f"{len(got) - len(differ)} of {len(got)} as recorded here")
+    elif not args.write:
+        print("nothing recorded here yet: --write on the code before a change, then run again after it")
     return 1 if differ and not args.write else 0
 
 
