@@ -2,8 +2,8 @@
 smaller share (also once a round, under --sync-every), the ranks agree on the shares, every image
 is still trained once and the parameters stay identical; unequal shares work with every kind of
 sum, and resume bit for bit from the checkpoint, after a stop on as many ranks and after a lost
-rank on fewer; a server joins a balanced job. Without --balance, rank 0 names a rank that keeps
-the others waiting, and on equal servers it does not.
+rank on fewer; a lost rank while measuring; a server joins a balanced job. Without --balance,
+rank 0 names a rank that keeps the others waiting, and on equal servers it does not.
 Needs root for the quota; in CI (CI=true) its absence is a failure."""
 
 import json
@@ -144,6 +144,23 @@ def test_a_lost_rank_while_balanced_goes_on_with_equal_shares_as_a_resume_on_few
     assert final_digest(shrunk.stdout) == final_digest(resumed.stdout)
     row = json.loads((tmp_path / "shrunk" / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["images"] == 1920 and len(row["shares"]) == 2, row
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_rank_while_measuring_the_survivors_measure_afresh_and_end_identical(tmp_path):
+    """Rank 2 of 3 killed as step K+1 begins under a measuring --balance: the two left start again
+    from equal shares (a new group), cut each step alike and end with identical parameters."""
+    events = tmp_path / "events.jsonl"
+    env = dict(os.environ, RING_FAULT=f"2:{K + 1}:KILL", RING_EVENTS=str(events))
+    shrunk = procs.train([*SHORT, "--nproc", "3", "--balance"], timeout=200, cwd=str(tmp_path), env=env)
+    assert shrunk.returncode == 0 and "parameters identical on all 2 ranks" in shrunk.stdout, shrunk.stderr[-3000:]
+    row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["images"] == 1920 and len(row["shares"]) == 2, row
+    seen = [json.loads(line) for line in events.read_text().splitlines()]
+    after = [(e["rank"], e["step"], e["shares"]) for e in seen if e["event"] == "shares" and e["step"] > K + 1]
+    assert after and all(len(shares) == 2 and sum(shares) == 64 for _, _, shares in after), after
+    by_rank = [[(step, shares) for rank, step, shares in after if rank == r] for r in (0, 1)]
+    assert by_rank[0] == by_rank[1], after  # the survivors agree at every review
 
 
 JOIN_RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60", "--balance"]
