@@ -125,7 +125,7 @@ def report(runs: list[tuple[str, dict]], column: str) -> str:
             lines.append(md_row(path, r["best"], *medians, len(r["ours"])))
         lines += ["", pooled_line([x for _, r in alone for x in r["split"]], "each run's best split, pooled")]
         lines += [pooled_line([x for _, r in alone for x in r["ours"]], f"{column}, pooled"), ""]
-    equal = [(path, run["equal"]["time_ratios"][column]) for path, run in runs if column in equal_ratios(run)]
+    equal = [(path, equal_ratios(run)[column]) for path, run in runs if column in equal_ratios(run)]
     if equal:
         lines += [
             "## equal: the time over equal shares', seed by seed",

@@ -12,6 +12,7 @@ import os
 import procs
 import pytest
 import throttle
+from balance_job import read_events
 from procs import final_digest
 
 from utils.balance import REVIEW
@@ -35,9 +36,12 @@ def throttled_run(tmp_path, extra, fractions=(0.8, 0.3)):
         for p in ranks:
             procs.kill_group(p)
     assert [code for code, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
-    row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
-    lines = events.read_text().splitlines() if events.exists() else []
-    return results[0][1], row, [json.loads(line) for line in lines]
+    return results[0][1], last_row(tmp_path), read_events(events)
+
+
+def last_row(folder):
+    """The last line of metrics.jsonl of a run in `folder`: its last epoch's."""
+    return json.loads((folder / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
 
 
 @pytest.mark.timeout(300)
@@ -123,7 +127,7 @@ def test_unequal_shares_with_every_kind_of_sum_train_every_image_and_end_identic
     """Fixed 3:1 shares (so that every step is cut unequally) under each of the other sums' options."""
     done = procs.train([*SHORT, "--nproc", "2", "--balance", "3:1", *KINDS[kind]], timeout=150, cwd=str(tmp_path))
     assert done.returncode == 0 and "parameters identical on all 2 ranks" in done.stdout, done.stderr[-3000:]
-    row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
+    row = last_row(tmp_path)
     assert row["images"] == 1920 and row["shares"] == [48.0, 16.0] and row["test_accuracy"] > 0.5, row
 
 
@@ -142,7 +146,7 @@ def test_a_lost_rank_while_balanced_goes_on_with_equal_shares_as_a_resume_on_few
     )
     assert resumed.returncode == 0 and "shares from the checkpoint" not in resumed.stdout, resumed.stderr
     assert final_digest(shrunk.stdout) == final_digest(resumed.stdout)
-    row = json.loads((tmp_path / "shrunk" / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
+    row = last_row(tmp_path / "shrunk")
     assert row["images"] == 1920 and len(row["shares"]) == 2, row
 
 
@@ -154,9 +158,9 @@ def test_a_lost_rank_while_measuring_the_survivors_measure_afresh_and_end_identi
     env = dict(os.environ, RING_FAULT=f"2:{K + 1}:KILL", RING_EVENTS=str(events))
     shrunk = procs.train([*SHORT, "--nproc", "3", "--balance"], timeout=200, cwd=str(tmp_path), env=env)
     assert shrunk.returncode == 0 and "parameters identical on all 2 ranks" in shrunk.stdout, shrunk.stderr[-3000:]
-    row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
+    row = last_row(tmp_path)
     assert row["images"] == 1920 and len(row["shares"]) == 2, row
-    seen = [json.loads(line) for line in events.read_text().splitlines()]
+    seen = read_events(events)
     after = [(e["rank"], e["step"], e["shares"]) for e in seen if e["event"] == "shares" and e["step"] > K + 1]
     assert after and all(len(shares) == 2 and sum(shares) == 64 for _, _, shares in after), after
     by_rank = [[(step, shares) for rank, step, shares in after if rank == r] for r in (0, 1)]
@@ -182,7 +186,7 @@ def test_a_server_joins_a_balanced_job(tmp_path):
             procs.kill_group(p)
     assert [code for code, _, _ in results] == [0, 0, 0], [err[-3000:] for _, _, err in results]
     assert "parameters identical on all 3 ranks" in results[0][1], results[0][1]
-    row = json.loads((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()[-1])
+    row = last_row(tmp_path)
     assert row["images"] == 6400 and row["members"] == [0, 1, 2] and len(row["shares"]) == 3, row
 
 

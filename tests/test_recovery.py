@@ -13,6 +13,7 @@ import time
 
 import procs
 import pytest
+from balance_job import read_events
 from procs import checkpoint_position, final_digest
 
 SHORT = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
@@ -259,7 +260,7 @@ def test_a_join_at_an_epochs_last_step_logs_the_first_step_on_the_new_members_in
         for p in [*ranks, *([joiner] if joiner else [])]:
             procs.kill_group(p)
     assert [code for code, _, _ in results] == [0, 0, 0], [err[-2000:] for _, _, err in results]
-    firsts = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "first-step"]
+    firsts = [e for e in read_events(events) if e["event"] == "first-step"]
     assert sorted(e["after"] for e in firsts) == ["grew", "grew", "joined"], firsts
     assert len({e["epoch"] for e in firsts}) == 1 and all(e["step"] == 1 and e["world_size"] == 3 for e in firsts)
 

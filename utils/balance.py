@@ -318,7 +318,7 @@ class Balance:
         wish = want if worth else (0,) * n
         self.looks = ((self.looks if want == self.wanted else 0) + 1) if any(want) else 0
         self.wanted = want
-        moved = (enough and any(wish) and (wish == self.wished or following or fresh)) or self.looks >= PERSIST
+        moved = (any(wish) and (wish == self.wished or following or fresh)) or self.looks >= PERSIST  # (wish: enough)
         self.wished, self.following = wish, moved and (following or fresh)
         if not moved:
             return False
