@@ -184,7 +184,9 @@ def test_bad_heartbeat_is_one_line():
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
 
 
-JOIN_RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60", "--save-every", "5"]
+# 400 steps: the job must outlive both joiners' start-up (torch and the data: 2-3 s, 6 s on a busy
+# machine); at 100 and 200, beside two CPU-bound processes, it ended before the refused one asked
+JOIN_RUN = ["--epochs", "1", "--train-subset", "25600", "--test-subset", "200", "--timeout", "60", "--save-every", "5"]
 
 
 def join_argv(port, *extra):
@@ -211,7 +213,8 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
         )
         started = time.monotonic()
         joiner = procs.start_rank(2, 3, [*JOIN_RUN, "--join"], port, tmp_path)
-        other = procs.run(join_argv(port, "--lr", "0.01"), timeout=60, cwd=str(tmp_path))
+        one_thread = dict(os.environ, OMP_NUM_THREADS="1")  # (as every rank has)
+        other = procs.run(join_argv(port, "--lr", "0.01"), timeout=60, cwd=str(tmp_path), env=one_thread)
         results = procs.wait_all([*ranks, joiner], timeout=300)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
@@ -229,12 +232,12 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
     assert time.monotonic() - started < 60
     assert "parameters identical on all 3 ranks" in out
     rows = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["images"] == 6400 and rows[-1]["members"] == [0, 1, 2]
+    assert rows[-1]["images"] == 25600 and rows[-1]["members"] == [0, 1, 2]
 
     reference = tmp_path / "reference"
     reference.mkdir()
     stopped = faulted(f"0:{k}:TERM", [*JOIN_RUN[:-2], "--nproc", "2"], str(reference))
-    assert stopped.returncode == 3 and f"stopped after epoch 1, step {k}/100" in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 3 and f"stopped after epoch 1, step {k}/400" in stopped.stderr, stopped.stderr
     resumed = procs.train([*JOIN_RUN[:-2], "--nproc", "3", "--resume"], timeout=200, cwd=str(reference))
     assert resumed.returncode == 0, resumed.stderr
     assert final_digest(out) == final_digest(resumed.stdout)
