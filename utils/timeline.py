@@ -36,6 +36,7 @@ from utils.exchange import all_gather_json
 from utils.files import write_file
 
 ROUND_TRIPS = 8  # per rank, to estimate its clock's offset to rank 0's
+TRAINING_ROW = "MainThread"  # the training thread's row (its thread's name)
 _NO_SPAN = contextlib.nullcontext()
 
 
@@ -56,9 +57,10 @@ class Off:
     def now_ns(self):
         return time.perf_counter_ns()
 
-    def drawn_in(self, step):
+    def drawn_in(self, step, row=None):
         """`with timeline.drawn_in(step):` the spans this thread draws in the block are of `step`
-        (None: none are drawn), whatever step is under way when they begin."""
+        (None: none are drawn), whatever step is under way when they begin; on `row` if given
+        (work done on the training thread's behalf), else on this thread's."""
         return _NO_SPAN
 
     def at_step(self, step):
@@ -87,7 +89,7 @@ class Recorder(Off):
         self.path, self.first, self.last, self.total_steps = path, first, last, total_steps
         self.step, self.recording, self.written = 0, False, False
         self.spans = []  # (name, row, start_ns on rank 0's clock, end_ns, args)
-        self.here = threading.local()  # .step: drawn_in's, on a thread inside one
+        self.here = threading.local()  # .step, .row: drawn_in's, on a thread inside one
         # For tests only: TIMELINE_TEST_CLOCK_SKEW_S="0,5.5" sets rank r's clock off by the r-th number
         # of seconds, as another server's clock would be; the clock alignment must take it out.
         skews = os.environ.get("TIMELINE_TEST_CLOCK_SKEW_S", "0").split(",")
@@ -108,13 +110,13 @@ class Recorder(Off):
         return self.step
 
     @contextlib.contextmanager
-    def drawn_in(self, step):
+    def drawn_in(self, step, row=None):
         # a bucket's sum runs on a thread of its own, which may start after the next step began
-        self.here.step = step
+        self.here.step, self.here.row = step, row
         try:
             yield
         finally:
-            del self.here.step
+            del self.here.step, self.here.row
 
     def _step_here(self):
         """The step this thread's spans are of now (None: not drawn)."""
@@ -139,7 +141,7 @@ class Recorder(Off):
 
     def _add(self, name, start_ns, end_ns, row, args):
         args.setdefault("step", self._step_here())
-        row = row or threading.current_thread().name
+        row = row or getattr(self.here, "row", None) or threading.current_thread().name
         self.spans.append((name, row, start_ns + self.offset_ns, end_ns + self.offset_ns, args))
 
     def write(self):
@@ -240,14 +242,14 @@ def chrome_trace(everyone, first, last, total_steps):
 
 def row_order(row):
     """The training thread first, then the buckets in order."""
-    if row == "MainThread":
+    if row == TRAINING_ROW:
         return (0, 0, row)
     number = row.rsplit("-", 1)[-1]
     return (1, int(number) if number.isdigit() else 0, row)
 
 
 def row_label(row):
-    if row == "MainThread":
+    if row == TRAINING_ROW:
         return "training"
     if row.startswith("gradient-sum-"):
         return f"bucket {row.rsplit('-', 1)[-1]} sum"

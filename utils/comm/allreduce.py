@@ -26,18 +26,19 @@ from utils.timeline import OFF
 
 class Work:
     """What sum_async returns: wait() blocks until the sum is done and raises what it raised.
-    `started` and `finished` are perf_counter() times (finished: None until it is done)."""
+    `started` and `finished` are perf_counter() times (finished: None until it is done); `done`
+    is set when it is (utils/sync/waits.py waits on it)."""
 
     def __init__(self):
         self.started, self.finished = time.perf_counter(), None
-        self._done, self._error = threading.Event(), None
+        self.done, self._error = threading.Event(), None
 
     def _finish(self, error=None):
         self.finished, self._error = time.perf_counter(), error
-        self._done.set()
+        self.done.set()
 
     def wait(self):
-        self._done.wait()
+        self.done.wait()
         if self._error is not None:
             raise self._error
 

@@ -29,7 +29,8 @@ import torch
 
 from utils.errors import PeerError, first_line
 from utils.sync.interface import GradientSync
-from utils.timeline import OFF
+from utils.sync.waits import wait_for
+from utils.timeline import OFF, TRAINING_ROW
 
 
 def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None, timeline=OFF):
@@ -131,19 +132,44 @@ class BucketSync(GradientSync):
 
 
 class PlainSync(BucketSync):
-    """backward first, then the whole sum on the training thread, then the step."""
+    """backward first, then the whole sum, then the step.
+
+    broken: as OverlappedSync's. None: the sum runs on the training thread. Otherwise on a thread of
+    its own, which the training thread waits for (utils/sync/waits.py: given up ABANDON_SECONDS
+    after the group broke); its spans are drawn on the training thread's row, whose work it is."""
+
+    def __init__(self, *parts, broken=None, **named):
+        super().__init__(*parts, **named)
+        self.broken = broken
 
     def after_backward(self):
         start = time.perf_counter()
         try:
-            self._average(0, self.weight)
+            if self.broken is None:
+                self._average(0, self.weight)
+            else:
+                self._average_on_a_thread()
         except RuntimeError as e:  # gloo reports a dead or silent peer this way
             raise PeerError(first_line(e)) from None  # train_model says where
         self.busy_seconds += time.perf_counter() - start
         self.waited_seconds += time.perf_counter() - start
 
+    def _average_on_a_thread(self):
+        done, failed = threading.Event(), []
+        step = self.timeline.current_step() if self.timeline.recording else None
 
-ABANDON_SECONDS = 2.0  # how long a bucket's sum may go on after this rank's group broke
+        def run():
+            try:
+                with self.timeline.drawn_in(step, row=TRAINING_ROW):
+                    self._average(0, self.weight)
+            except Exception as e:  # a lost peer: the training thread raises it
+                failed.append(e)
+            done.set()
+
+        threading.Thread(target=run, name="plain-sum", daemon=True).start()
+        wait_for(done, self.broken)
+        if failed:
+            raise failed[0]
 
 
 class OverlappedSync(BucketSync):
@@ -151,10 +177,7 @@ class OverlappedSync(BucketSync):
 
     broken: an Event set when this rank's group has broken (utils/elastic: a peer was lost and
     every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after the group
-    broke is given up: gloo fails the receives still waiting for data when a connection is cut,
-    but not one whose data was arriving at that moment, which would wait out the whole --timeout
-    (measured: 3 cuts in 46 in tests/test_recovery_multihost.py). Its thread is left to that
-    timeout; the group it waits on is not used again."""
+    broke is given up (utils/sync/waits.py)."""
 
     def __init__(self, model, *parts, broken=None, **named):
         super().__init__(*parts, **named)
@@ -224,14 +247,6 @@ class OverlappedSync(BucketSync):
             for event in self.summed:
                 event.set()
 
-    def _wait_summed(self, i):
-        broken_at = None
-        while not self.summed[i].wait(None if self.broken is None else 0.1):
-            if self.broken.is_set():
-                broken_at = broken_at or time.monotonic()
-                if time.monotonic() - broken_at > ABANDON_SECONDS:
-                    raise PeerError(f"the sum did not end within {ABANDON_SECONDS:g} s of the cut")
-
     def backward_done(self):
         """After loss.backward(): buckets whose parameters took no part are summed as zeros."""
         with self.lock:  # backward is over: every hook that was going to run has run
@@ -249,7 +264,7 @@ class OverlappedSync(BucketSync):
         """Block until bucket i is averaged; raises PeerError if communication failed."""
         with self.timeline.span("wait", bucket=i):
             if not self.native:
-                self._wait_summed(i)
+                wait_for(self.summed[i], self.broken)
                 if self.error is not None:
                     raise PeerError(first_line(self.error))  # the trainer says where
                 self.summed[i].clear()
@@ -257,6 +272,7 @@ class OverlappedSync(BucketSync):
             flat, numel, work, started_ns, step = self.pending[i]
             self.pending[i] = None
             try:
+                wait_for(work.done, self.broken)
                 work.wait()
             except RuntimeError as e:  # gloo reports a dead or silent peer this way
                 raise PeerError(first_line(e)) from None

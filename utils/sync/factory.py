@@ -21,7 +21,7 @@ def make_gradient_sync(
 
     local_flag: () -> this rank's Flags; hosts: the servers' ranks, for the hierarchical sum
     (utils.comm.hierarchical.discover; None: it asks); timeline: where the sync draws its spans;
-    broken: the membership's Event of a broken group (OverlappedSync), or None."""
+    broken: the membership's Event of a broken group (utils/sync/waits.py), or None."""
     params = list(model.parameters())
     timeout = datetime.timedelta(seconds=sync.timeout)
 
@@ -36,7 +36,9 @@ def make_gradient_sync(
         outer = (sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, sync.merge_after)
         compressor = make_compressor(sync.compress, [params])
         weighted = sync.balance is not None  # (without --balance the plain mean: its bits stay)
-        return PeriodicSync(model, outer_sum, compressor, optimizer, scheduler, *outer, local_flag, timeline, weighted)
+        return PeriodicSync(
+            model, outer_sum, compressor, optimizer, scheduler, *outer, local_flag, timeline, weighted, broken
+        )
     buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
     try:
@@ -47,5 +49,5 @@ def make_gradient_sync(
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     parts = (buckets, allreduces, compressor, optimizer, scheduler, local_flag, timeline)
     if not sync.overlap:
-        return PlainSync(*parts)
+        return PlainSync(*parts, broken=broken)
     return (LazySync if sync.lazy_update else OverlappedSync)(model, *parts, broken=broken)

@@ -41,6 +41,7 @@ import torch
 from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
 from utils.sync.interface import Flags, GradientSync
+from utils.sync.waits import wait_for
 from utils.timeline import OFF
 
 
@@ -63,6 +64,7 @@ class PeriodicSync(GradientSync):
         local_flag=Flags,
         timeline=OFF,
         weighted=False,
+        broken=None,
     ):
         super().__init__(optimizer, scheduler, compressor, local_flag, timeline)
         self.params = [p for p in model.parameters()]
@@ -76,7 +78,8 @@ class PeriodicSync(GradientSync):
         # --balance: the round's change weighs as many images as this rank's shares of its steps had (see weigh)
         self.weighted, self.weights = weighted, 0.0  # weights: the sum of this round's steps' weights so far
         self.merged = False  # the last step merged a round's sum: the flags that came with it are new (set by step)
-        self.pending = None  # (thread, result) of the sum in flight
+        self.pending = None  # (done, result) of the sum in flight: done is set when it ended
+        self.broken = broken  # the membership's Event of a broken group (utils/sync/waits.py), or None
         self.arrived = None  # its mean change, once waited for
         self.failed = None  # a lost peer, seen at a merge
 
@@ -179,19 +182,20 @@ class PeriodicSync(GradientSync):
             except Exception as e:  # a lost peer: the training thread hears of it at the next wait
                 result["error"] = e
             self.busy_seconds += time.perf_counter() - started
+            done.set()
 
-        thread = threading.Thread(target=run, name="outer-sum", daemon=True)
-        thread.start()
-        self.pending = (thread, result)
+        done = threading.Event()
+        threading.Thread(target=run, name="outer-sum", daemon=True).start()
+        self.pending = (done, result)
 
     def _collect(self):
         """Wait for the sum in flight, if any: its mean change becomes self.arrived."""
         if self.pending is None:
             return
-        thread, result = self.pending
+        done, result = self.pending
         started = time.perf_counter()
         with self.timeline.span("wait", bucket=0):
-            thread.join()
+            wait_for(done, self.broken)
         self.waited_seconds += time.perf_counter() - started
         self.pending = None
         if "error" in result:
@@ -255,7 +259,7 @@ class PeriodicSync(GradientSync):
 
     def close(self):
         if self.pending is not None:
-            self.pending[0].join()
+            self.pending[0].wait()
             self.pending = None
 
     def abandon(self):

@@ -1,0 +1,28 @@
+"""How the training thread waits for a sum that runs on another thread (a bucket's, the plain
+sum's, gloo's own, a round's): as long as it takes, unless this rank's group has broken.
+
+utils/elastic cuts every connection of a broken group. gloo then fails the receives still waiting
+for data, but not one whose data was arriving at that moment: that one waits out the whole
+--timeout (measured: 3 cuts in 46 in tests/test_recovery_multihost.py). So a sum still running
+ABANDON_SECONDS after the group broke is given up. Its thread is left to the timeout; the group it
+waits on is not used again.
+"""
+
+import time
+
+from utils.errors import PeerError
+
+ABANDON_SECONDS = 2.0  # how long a sum may go on after this rank's group broke
+LOOK_SECONDS = 0.1  # how often a wait looks whether the group broke (a sum that ends is seen at once)
+
+
+def wait_for(done, broken):
+    """Block until the Event `done` is set. broken: the membership's Event of a broken group, or
+    None (a group that cannot break: wait however long). Raises PeerError once the group has been
+    broken for ABANDON_SECONDS and `done` is still not set."""
+    broken_at = None
+    while not done.wait(None if broken is None else LOOK_SECONDS):
+        if broken.is_set():
+            broken_at = broken_at or time.monotonic()
+            if time.monotonic() - broken_at > ABANDON_SECONDS:
+                raise PeerError(f"the sum did not end within {ABANDON_SECONDS:g} s of the cut")
