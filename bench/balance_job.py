@@ -3,7 +3,6 @@ quotas can change while it runs: bench/balance.py and bench/balance_change.py ru
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from harness import REPO, throttle
 
+from utils.elastic.faults import read_events
 from utils.launch import die_with_parent, free_port, kill
 
 TRAIN = str(REPO / "train.py")
@@ -79,13 +79,6 @@ class Job:
                     quotas[rank].set(fraction)
                     self.applied.append((time.time(), step, rank, fraction))
             time.sleep(0.05)
-
-
-def read_events(path):
-    """The RING_EVENTS lines the ranks wrote to `path` (a line still being written is left out)."""
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.endswith("}")]
 
 
 def part_name(name):

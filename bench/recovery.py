@@ -3,6 +3,7 @@
     python bench/recovery.py                          # faults, joins and the steady-state cost, loopback
     python bench/recovery.py --rates 1gbit,200mbit    # the steady-state cost on emulated hosts too (root)
     python bench/recovery.py --faults 5 --world-size 3
+    python bench/recovery.py --only cut --cut-rate 200mbit --faults 20     # link cuts mid-sum (root)
 
 Every trial is `python train.py` itself on N ranks (1 thread each). RING_FAULT (utils/elastic/faults.py)
 makes one rank, chosen at random (rank 0 included), send itself SIGKILL or SIGSTOP at a random
@@ -15,8 +16,12 @@ change of members. Reported, as medians with min and max:
                                    (torch imported, data loaded) to its first completed step
     steady-state cost              one epoch with --recover (heartbeats, the agreement's bookkeeping)
                                    against --no-recover, side by side in alternating order
+    cut -> next completed step     (--cut-rate, as root) a server's link goes down at a random moment
+                                   on emulated hosts capped at that rate: no reset, only silence;
+                                   once with --overlap and once with --no-overlap each trial
 
-Targets (bench/targets.py, recovery_*): kill <= 2 s; SIGSTOP <= heartbeat + 2 s; join <= 5 s; cost <= 3%.
+Targets (bench/targets.py, recovery_*): kill <= 2 s; SIGSTOP <= heartbeat + 2 s; join <= 5 s; cost <= 3%;
+a cut <= heartbeat + 2 s + the 2 s a sum may go on after it (utils/sync/waits.py).
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from harness import REPO, RESULTS, emulated_cluster
 from stats import md_head, md_row
 from targets import bound
 
+from utils.elastic.faults import read_events
 from utils.errors import EXIT_STOPPED
 from utils.launch import free_port, kill, supervise
+from utils.sync.waits import ABANDON_SECONDS
 
 TRAIN = str(REPO / "train.py")
 RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--metrics", "m.jsonl", "--timeout", "60"]
@@ -48,10 +55,8 @@ JOIN_HEARTBEAT = 5.0  # the join trial: train.py's default, so that a server sti
 # (CI runs two test files at once) is not taken for lost while the state goes round
 TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join")}
 TARGETS["cost"] = bound("recovery_cost")
-
-
-def events(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
+TARGETS["cut"] = TARGETS["stop"] + ABANDON_SECONDS
+CUT_FLAGS = ("--overlap", "--no-overlap")
 
 
 def start(argv, cwd, env, stdout=subprocess.DEVNULL, train=TRAIN):
@@ -72,7 +77,7 @@ def fault_trial(kind, world_size, rng, tmp):
         raise RuntimeError(
             f"{kind} of rank {rank} at step {step}: exit {outcome.codes}\n{outcome.outputs[0][1][-2000:]}"
         )
-    seen = events(cwd / "events.jsonl")
+    seen = read_events(cwd / "events.jsonl")
     fault = next(e for e in seen if e["event"] == "fault")
     firsts = [e for e in seen if e["event"] == "first-step" and e["after"] == "shrank"]
     if len(firsts) != world_size - 1:
@@ -95,7 +100,7 @@ def join_trial(world_size, rng, tmp):
     joiner, stopped = None, []
 
     def joined(procs):  # supervise's while_running: stop the job once the server is in (one signal each)
-        if not stopped and any(e["event"] == "first-step" and e["after"] == "joined" for e in events(log)):
+        if not stopped and any(e["event"] == "first-step" and e["after"] == "joined" for e in read_events(log)):
             stopped.append(True)
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -110,7 +115,7 @@ def join_trial(world_size, rng, tmp):
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:
             kill(p, group=True)
-    seen = events(log)
+    seen = read_events(log)
     ready = next((e for e in seen if e["event"] == "join-ready"), None)
     first = next((e for e in seen if e["event"] == "first-step" and e["after"] == "joined"), None)
     if any(code not in (0, EXIT_STOPPED) for code in outcome.codes) or ready is None or first is None:
@@ -119,6 +124,42 @@ def join_trial(world_size, rng, tmp):
             f"first step after the join seen: {first is not None}\n{outcome.outputs}"
         )
     return first["time"] - ready["time"]
+
+
+def cut_trial(cl, flags, victim, delay, tmp, port, train=TRAIN):
+    """A job on `cl`'s emulated hosts with `flags`; `delay` seconds after the first checkpoint is
+    written, rank `victim`'s server's link goes down (scripts/netns.py: packets vanish, no reset).
+    Seconds from the cut to the last survivor's first completed step after it. Once the survivors
+    went on the trial is over: every rank is killed, and the link comes back up."""
+    cwd = Path(tempfile.mkdtemp(dir=tmp))
+    os.chmod(cwd, 0o755)
+    log, procs, host = cwd / "events.jsonl", [], cl.host_of(victim)
+    try:
+        for r in range(cl.world_size):
+            home = cwd / f"host{r}"
+            home.mkdir()
+            argv = cl.train_argv(r, port, [*RUN, "--heartbeat", str(HEARTBEAT), "--save-every", "5", flags])
+            argv[2] = train  # the train.py under test (--baseline: an older one)
+            kw = dict(env={"OMP_NUM_THREADS": "1", "RING_EVENTS": str(log)}, cwd=home)
+            procs.append(cl.popen(cl.host_of(r), argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw))
+        deadline = time.monotonic() + 120
+        while not (cwd / "host0" / "runs" / "checkpoint.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)
+        cut = time.time()
+        cl.link_down(host)
+        survivors, firsts = cl.world_size - 1, []
+        deadline = time.monotonic() + 120
+        while len(firsts) < survivors and time.monotonic() < deadline:
+            firsts = [e for e in read_events(log) if e["event"] == "first-step" and e["after"] == "shrank"]
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            cl.kill(p)
+        cl.link_up(host)  # (for the next trial; up already if the cut never came)
+    if len(firsts) < survivors:
+        raise RuntimeError(f"cut of rank {victim} ({flags}): {len(firsts)} survivors went on, expected {survivors}")
+    return max(e["time"] for e in firsts) - cut
 
 
 def epoch_seconds(recover, world_size, tmp, cl=None, port=None, train=TRAIN):
@@ -166,6 +207,27 @@ def cost(world_size, pairs, tmp, cl=None, baseline=None):
     return result
 
 
+def cuts(rate, world_size, trials, rng, tmp, baseline=None):
+    """`trials` cuts, each of a random rank at a random moment up to a second after the first
+    checkpoint, the same for every arm: each of CUT_FLAGS, and with `baseline` (an older train.py)
+    each of them again with it, in turns. {arm: summary, with the seconds}; an arm is named by its
+    flags, and "(baseline)" after them for the older train.py."""
+    arms = [(flags, TRAIN) for flags in CUT_FLAGS] + [(flags, baseline) for flags in CUT_FLAGS if baseline]
+    seconds = {arm: [] for arm in arms}
+    with emulated_cluster(rate, world_size) as cl:
+        for i in range(trials):
+            victim, delay = rng.randrange(world_size), rng.uniform(0, 1)
+            for k, arm in enumerate(arms[i % len(arms) :] + arms[: i % len(arms)]):
+                port = 29300 + len(arms) * i + k
+                seconds[arm].append(cut_trial(cl, arm[0], victim, delay, tmp, port, arm[1]))
+                print(f"cut {i + 1}/{trials} of rank {victim}, {cut_name(arm)}: {seconds[arm][-1]:.2f} s", flush=True)
+    return {cut_name(arm): dict(summary(s), seconds=s) for arm, s in seconds.items()}
+
+
+def cut_name(arm):
+    return arm[0] if arm[1] == TRAIN else f"{arm[0]} (baseline)"
+
+
 def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -192,12 +254,23 @@ def main(argv=None):
     ap.add_argument("--faults", type=positive(int), default=5, help="trials per kind of fault (default 5)")
     ap.add_argument("--pairs", type=positive(int), default=5, help="side-by-side epochs for the cost (default 5)")
     ap.add_argument("--rates", type=number_list(str), default=[], help="also measure the cost on emulated hosts")
-    ap.add_argument("--baseline", help="a train.py from before live recovery (a worktree of 7c9a211), for the cost")
-    ap.add_argument("--only", choices=["faults", "cost"], help="run only this part")
+    ap.add_argument(
+        "--baseline",
+        help="an older train.py (a worktree's): the cost against one from before live recovery (7c9a211); "
+        "the cuts with it too",
+    )
+    ap.add_argument(
+        "--cut-rate",
+        type=harness.checked_rate,
+        help="also cut a server's link on emulated hosts at this rate (root), e.g. 200mbit",
+    )
+    ap.add_argument("--only", choices=["faults", "cost", "cut"], help="run only this part")
     ap.add_argument("--train-subset", type=positive(int), default=6400, help="images per trial's epoch (default 6400)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if args.only == "cut" and not args.cut_rate:
+        ap.error("--only cut needs --cut-rate RATE (e.g. 200mbit)")
     global STEPS
     RUN[RUN.index("--train-subset") + 1], STEPS = str(args.train_subset), -(-args.train_subset // 64)
     rng, started = random.Random(args.seed), time.time()
@@ -205,18 +278,21 @@ def main(argv=None):
     result["world_size"] = args.world_size
     result |= {"heartbeat": HEARTBEAT, "targets": TARGETS}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("kill", "stop") if args.only != "cost" else ():
+        faults = args.only in (None, "faults")
+        for kind in ("kill", "stop") if faults else ():
             trials = [fault_trial(kind, args.world_size, rng, tmp) for _ in range(args.faults)]
             seconds, lost, ranks = zip(*trials)
             result[kind] = s = dict(summary(seconds), steps_lost=list(lost), ranks=list(ranks))
             lost = f"completed steps lost {max(s['steps_lost'])} at most, ranks {s['ranks']}"
             print(f"{kind}: fault -> next step {stat_text(s, args.faults)}, {lost}", flush=True)
-        joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if args.only != "cost" else 0)]
+        joins = [join_trial(args.world_size, rng, tmp) for _ in range(args.faults if faults else 0)]
         result["join"] = summary(joins) if joins else None
         if joins:
             print(f"join: ready -> first step {stat_text(result['join'], args.faults)}", flush=True)
+        if args.cut_rate and args.only in (None, "cut"):
+            result["cut"] = cuts(args.cut_rate, args.world_size, args.faults, rng, tmp, args.baseline)
         result["cost"] = {}
-        if args.only != "faults":
+        if args.only in (None, "cost"):
             result["cost"]["loopback"] = cost(args.world_size, args.pairs, tmp, baseline=args.baseline)
             for rate in args.rates:
                 with emulated_cluster(rate, 2) as cl:
@@ -233,6 +309,8 @@ def main(argv=None):
     result["seconds"] = time.time() - started
     faults = [k for k in ("kill", "stop") if k in result]
     rows = [stat_row(f"{k}: fault → next completed step (s)", result[k], TARGETS[k]) for k in faults]
+    for flags, s in result.get("cut", {}).items():
+        rows.append(stat_row(f"cut at {args.cut_rate}, {flags}: cut → next completed step (s)", s, TARGETS["cut"]))
     if result["join"]:
         rows.append(stat_row("join: ready → first step (s)", result["join"], TARGETS["join"]))
     for where, c in result["cost"].items():
@@ -246,7 +324,9 @@ def main(argv=None):
     if lost:
         lines.append(f"Completed steps lost per fault: {'; '.join(lost)}.")
     md = "\n".join(lines)
-    stem = harness.results_stem("recovery", f"n{args.world_size}", args.only, "rates" if args.rates else None)
+    only = args.only if args.only != "cut" else None  # (the cut's own part names it)
+    cut = f"cut-{args.cut_rate}" if "cut" in result else None
+    stem = harness.results_stem("recovery", f"n{args.world_size}", only, "rates" if args.rates else None, cut)
     harness.write_results(Path(args.results_dir) / stem, result, md + "\n")
     return 0
 

@@ -12,10 +12,10 @@ import os
 import procs
 import pytest
 import throttle
-from balance_job import read_events
 from procs import final_digest
 
 from utils.balance import REVIEW
+from utils.elastic.faults import read_events
 
 RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
 

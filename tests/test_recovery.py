@@ -13,8 +13,9 @@ import time
 
 import procs
 import pytest
-from balance_job import read_events
 from procs import checkpoint_position, final_digest
+
+from utils.elastic.faults import read_events
 
 SHORT = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
 K = 12  # the step the faults come after (30 steps in all)

@@ -45,6 +45,15 @@ def setup(me):
     _faults = _parse(me) if os.environ.get("RING_FAULT") else []
 
 
+def read_events(path):
+    """The events that log() appended to `path` so far (bench/ and tests/ read them while the ranks
+    run: a line still being written is left out)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().splitlines() if line.endswith("}")]
+
+
 def log(**event):
     """Append `event` (with the time and this rank) to RING_EVENTS, if set."""
     path = os.environ.get("RING_EVENTS")
