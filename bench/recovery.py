@@ -141,7 +141,7 @@ def cut_trial(cl, flags, victim, delay, tmp, port, train=TRAIN):
             argv = cl.train_argv(r, port, [*RUN, "--heartbeat", str(HEARTBEAT), "--save-every", "5", flags])
             argv[2] = train  # the train.py under test (--baseline: an older one)
             kw = dict(env={"OMP_NUM_THREADS": "1", "RING_EVENTS": str(log)}, cwd=home)
-            procs.append(cl.popen(cl.host_of(r), argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw))
+            procs.append(cl.popen(cl.host_of(r), argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw))
         deadline = time.monotonic() + 120
         while not (cwd / "host0" / "runs" / "checkpoint.pt").exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -1,8 +1,8 @@
 """The training thread's wait for a sum on another thread (utils/sync/waits.py): as long as it
 takes in a whole group, at most ABANDON_SECONDS once the group broke. Every kind of sum waits so:
 a bucket's (OverlappedSync), gloo's own asynchronous one, the plain sum (PlainSync) and a round's
-(PeriodicSync). The sums here are stand-ins for a stuck receive; the real cuts are in
-tests/test_recovery*.py."""
+(PeriodicSync). The sums here are stand-ins for a stuck receive; real cables pulled mid-sum are
+bench/recovery.py --cut-rate's (one of each kind in tests/test_bench_recovery.py)."""
 
 import threading
 import time
