@@ -18,7 +18,7 @@ change of members. Reported, as medians with min and max:
                                    against --no-recover, side by side in alternating order
     cut -> next completed step     (--cut-rate, as root) a server's link goes down at a random moment
                                    on emulated hosts capped at that rate: no reset, only silence;
-                                   once with --overlap and once with --no-overlap each trial
+                                   once each with --overlap, --no-overlap, --allreduce=gloo
 
 Targets (bench/targets.py, recovery_*): kill <= 2 s; SIGSTOP <= heartbeat + 2 s; join <= 5 s; cost <= 3%;
 a cut <= heartbeat + 2 s + the 2 s a sum may go on after it (utils/sync/waits.py).
@@ -56,7 +56,7 @@ JOIN_HEARTBEAT = 5.0  # the join trial: train.py's default, so that a server sti
 TARGETS = {"kill": bound("recovery_kill"), "stop": HEARTBEAT + bound("recovery_stop"), "join": bound("recovery_join")}
 TARGETS["cost"] = bound("recovery_cost")
 TARGETS["cut"] = TARGETS["stop"] + ABANDON_SECONDS
-CUT_FLAGS = ("--overlap", "--no-overlap")
+CUT_FLAGS = ("--overlap", "--no-overlap", "--allreduce=gloo")  # (each one argument)
 
 
 def start(argv, cwd, env, stdout=subprocess.DEVNULL, train=TRAIN):

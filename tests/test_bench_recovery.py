@@ -46,13 +46,13 @@ def test_one_trial_of_each(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_cut_link_with_and_without_overlap(needs_root, tmp_path):
-    """--only cut: one cut of a server's link on emulated hosts, under --overlap and --no-overlap; the
-    survivors go on within seconds, not the --timeout (60 s) a stuck receive would wait."""
+    """--only cut: one cut of a server's link on emulated hosts, under --overlap, --no-overlap and gloo's
+    own sum; the survivors go on within seconds, not the --timeout (60 s) a stuck receive would wait."""
     bench = [sys.executable, os.path.join(REPO, "bench", "recovery.py"), "--only", "cut", "--cut-rate", "200mbit"]
     result = procs.run([*bench, "--faults", "1", "--results-dir", str(tmp_path)], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "recovery-n3-cut-200mbit.json").read_text())
-    assert sorted(saved["cut"]) == ["--no-overlap", "--overlap"]
+    assert sorted(saved["cut"]) == ["--allreduce=gloo", "--no-overlap", "--overlap"]
     assert all(0 < saved["cut"][flags]["median"] < 30 for flags in saved["cut"]), saved["cut"]
     md = (tmp_path / "recovery-n3-cut-200mbit.md").read_text()
     assert "| cut at 200mbit, --no-overlap: cut → next completed step (s) |" in md
