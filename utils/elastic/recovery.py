@@ -25,6 +25,7 @@ mean of the error buffers of those at the furthest step, as a resume on another 
 
 import os
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -49,7 +50,7 @@ class Recovery:
         self.make_sync = make_sync  # (hosts) -> a gradient sync over the default group (utils/sync/)
         self.make_stats = make_stats  # (**epoch_stats) -> utils.run.EpochStats
         self.writes = membership.me == 0  # this process holds the output locks (rank 0 took them)
-        self.abandoned = []  # the gradient syncs of broken groups, never dropped: see go_on
+        self.abandoned = []  # the gradient syncs of broken groups, dropped on a timer's thread: see go_on
 
     def go_on(self, error, old_sync, position):
         """After `error` (a PeerError): the new gradient sync and the position to go on from."""
@@ -87,9 +88,12 @@ class Recovery:
         except PeerError as e:  # another rank lost while the state went round: again, from where this rank is
             return self.go_on(e, old_sync, e.position or position)
         # gloo's own sum (--allreduce gloo) may still wait on the lost peer in its group's threads, and
-        # the group's destructor joins them: dropping the old sync would wait out --timeout right here
-        # (measured: a pulled cable, 56 s). The process ends without destructors (train.py).
+        # the group's destructor joins them: dropping the old sync here would wait out --timeout on
+        # this thread (measured: a pulled cable, 56 s). A timer drops it once that wait has timed out.
         self.abandoned.append(old_sync)
+        drop = threading.Timer(self.config.sync.timeout + 5, self.abandoned.remove, (old_sync,))
+        drop.daemon = True
+        drop.start()
         seconds = time.monotonic() - started
         say(
             f"rank {membership.me}: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
