@@ -25,22 +25,37 @@ from utils.timeline import OFF
 
 
 class Work:
-    """What sum_async returns: wait() blocks until the sum is done and raises what it raised.
-    `started` and `finished` are perf_counter() times (finished: None until it is done); `done`
-    is set when it is (utils/sync/waits.py waits on it)."""
+    """What sum_async and beside return: wait() blocks until the work is done and returns what it
+    returned, or raises what it raised. `started` and `finished` are perf_counter() times (finished:
+    None until it is done); `done` is set when it is (utils/sync/waits.py waits on it)."""
 
     def __init__(self):
         self.started, self.finished = time.perf_counter(), None
-        self.done, self._error = threading.Event(), None
+        self.done, self._error, self._result = threading.Event(), None, None
 
-    def _finish(self, error=None):
-        self.finished, self._error = time.perf_counter(), error
+    def _finish(self, error=None, result=None):
+        self.finished, self._error, self._result = time.perf_counter(), error, result
         self.done.set()
 
     def wait(self):
         self.done.wait()
         if self._error is not None:
             raise self._error
+        return self._result
+
+
+def beside(work, name):
+    """Run work() on a thread of its own, named `name`; returns a Work (a lost peer's error: wait() raises it)."""
+    started = Work()
+
+    def run():
+        try:
+            started._finish(result=work())
+        except Exception as e:
+            started._finish(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return started
 
 
 class AllReduce:
@@ -75,17 +90,7 @@ class AllReduce:
 
     def sum_async(self, flat, wire_dtype=None):
         """Start sum_ on a thread of its own; returns a Work."""
-        work = Work()
-
-        def run():
-            try:
-                self.sum_(flat, wire_dtype)
-                work._finish()
-            except Exception as e:  # a lost peer: the waiter gets it
-                work._finish(e)
-
-        threading.Thread(target=run, name=f"{self.name}-sum", daemon=True).start()
-        return work
+        return beside(lambda: self.sum_(flat, wire_dtype), f"{self.name}-sum")
 
     def count(self, numel, sent, wire_size):
         self.bytes_sent += sent

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from utils.comm.allreduce import beside
 from utils.errors import PeerError, first_line
 from utils.sync.interface import GradientSync
 from utils.sync.waits import wait_for
@@ -155,21 +156,15 @@ class PlainSync(BucketSync):
         self.waited_seconds += time.perf_counter() - start
 
     def _average_on_a_thread(self):
-        done, failed = threading.Event(), []
         step = self.timeline.current_step() if self.timeline.recording else None
 
-        def run():
-            try:
-                with self.timeline.drawn_in(step, row=TRAINING_ROW):
-                    self._average(0, self.weight)
-            except Exception as e:  # a lost peer: the training thread raises it
-                failed.append(e)
-            done.set()
+        def average():
+            with self.timeline.drawn_in(step, row=TRAINING_ROW):
+                self._average(0, self.weight)
 
-        threading.Thread(target=run, name="plain-sum", daemon=True).start()
-        wait_for(done, self.broken)
-        if failed:
-            raise failed[0]
+        work = beside(average, "plain-sum")
+        wait_for(work.done, self.broken)
+        work.wait()  # (raises what the sum raised)
 
 
 class OverlappedSync(BucketSync):

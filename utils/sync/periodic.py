@@ -33,11 +33,11 @@ merges everything: the same parameters on every rank.
 """
 
 import dataclasses
-import threading
 import time
 
 import torch
 
+from utils.comm.allreduce import beside
 from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
 from utils.sync.interface import Flags, GradientSync
@@ -78,7 +78,7 @@ class PeriodicSync(GradientSync):
         # --balance: the round's change weighs as many images as this rank's shares of its steps had (see weigh)
         self.weighted, self.weights = weighted, 0.0  # weights: the sum of this round's steps' weights so far
         self.merged = False  # the last step merged a round's sum: the flags that came with it are new (set by step)
-        self.pending = None  # (done, result) of the sum in flight: done is set when it ended
+        self.pending = None  # the sum in flight: a utils.comm.allreduce.Work
         self.broken = broken  # the membership's Event of a broken group (utils/sync/waits.py), or None
         self.arrived = None  # its mean change, once waited for
         self.failed = None  # a lost peer, seen at a merge
@@ -171,36 +171,31 @@ class PeriodicSync(GradientSync):
         buffer = torch.empty(change.numel() + len(flags))
         buffer[: change.numel()] = change
         buffer[change.numel() :] = torch.tensor(flags)
-        result = {}
 
-        def run():
+        def average():
             started = time.perf_counter()
             try:
                 with self.timeline.span("outer-sum"):
                     # the mean change, float32 adds; the flags (extra values) are summed, not divided
-                    result["mean"] = self.compressor.average_(buffer, 0, self.allreduce, extras=len(flags))
-            except Exception as e:  # a lost peer: the training thread hears of it at the next wait
-                result["error"] = e
-            self.busy_seconds += time.perf_counter() - started
-            done.set()
+                    return self.compressor.average_(buffer, 0, self.allreduce, extras=len(flags))
+            finally:
+                self.busy_seconds += time.perf_counter() - started
 
-        done = threading.Event()
-        threading.Thread(target=run, name="outer-sum", daemon=True).start()
-        self.pending = (done, result)
+        self.pending = beside(average, "outer-sum")  # (a lost peer: the training thread hears of it at the wait)
 
     def _collect(self):
         """Wait for the sum in flight, if any: its mean change becomes self.arrived."""
         if self.pending is None:
             return
-        done, result = self.pending
         started = time.perf_counter()
         with self.timeline.span("wait", bucket=0):
-            wait_for(done, self.broken)
+            wait_for(self.pending.done, self.broken)
         self.waited_seconds += time.perf_counter() - started
-        self.pending = None
-        if "error" in result:
-            raise PeerError(first_line(result["error"]))
-        mean, numel = result["mean"], self.anchor.numel()
+        work, self.pending = self.pending, None
+        try:
+            mean, numel = work.wait(), self.anchor.numel()
+        except Exception as e:
+            raise PeerError(first_line(e)) from None
         self.flag_sums = mean[numel:].tolist()
         self.arrived = mean[:numel]
 
@@ -259,7 +254,7 @@ class PeriodicSync(GradientSync):
 
     def close(self):
         if self.pending is not None:
-            self.pending[0].wait()
+            self.pending.done.wait()
             self.pending = None
 
     def abandon(self):
