@@ -32,7 +32,7 @@ from utils import fork, forkserver  # noqa: E402
 from utils.errors import UsageError  # noqa: E402
 from utils.files import write_file  # noqa: E402
 from utils.launch import free_port, kill, supervise  # noqa: E402
-from utils.model import Net  # noqa: E402
+from utils.model import Net, parameter_vector  # noqa: E402
 
 GRACE = 5.0  # seconds the other ranks get to notice a failed one before they are killed
 POLL = 0.1  # seconds between looks at a running world
@@ -366,9 +366,7 @@ def digest(model) -> str:
     """sha256 of a model's parameters: equal on every rank iff the ranks hold the same bits."""
     import hashlib
 
-    import torch
-
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    flat = parameter_vector(model)
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

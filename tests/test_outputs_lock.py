@@ -18,7 +18,7 @@ from procs import checkpoint_position, wait_for
 
 from utils.config import Outputs
 from utils.errors import UsageError
-from utils.model import Net
+from utils.model import Net, parameter_vector
 from utils.outputs import lock_outputs
 
 HOST = socket.gethostname()
@@ -142,7 +142,7 @@ def test_a_second_job_on_the_same_outputs_stops_and_the_first_is_not_disturbed(t
     assert not (runs / "checkpoint.pt.prev").exists()  # nobody set the first job's checkpoint aside
     model = Net()
     model.load_state_dict(torch.load(runs / "model_state_dict.pth", weights_only=True))
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    flat = parameter_vector(model)
     assert re.search(r"sha256 ([0-9a-f]{64})", out).group(1) == hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from procs import REPO
 
-from utils.model import Net
+from utils.model import Net, parameter_vector
 
 SMALL = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "2000", "--metrics", ""]
 
@@ -19,7 +19,7 @@ SMALL = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "2000", "--
 def digest_of(path):
     model = Net()
     model.load_state_dict(torch.load(path, weights_only=True))
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    flat = parameter_vector(model)
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

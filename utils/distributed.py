@@ -16,11 +16,11 @@ import os
 import time
 import urllib.parse
 
-import torch
 import torch.distributed as dist
 
 from utils.errors import PeerError, UsageError, first_line
 from utils.exchange import all_gather_json
+from utils.model import load_parameter_vector, parameter_vector
 from utils.program import differences, identity
 
 HANDSHAKE = "train.py/handshake"  # the store's keys of the start-up handshake
@@ -246,15 +246,15 @@ def model_name(model):
 
 def broadcast_parameters(model):
     """Copy rank 0's parameters to every rank, then prove all ranks hold the same bits."""
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    flat = parameter_vector(model)
     dist.broadcast(flat, src=0)
-    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    load_parameter_vector(model, flat)
     check_identical_parameters(model)
 
 
 def check_identical_parameters(model):
     """Compare a sha256 of every rank's parameters; returns it, or raises if any rank differs."""
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    flat = parameter_vector(model)
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     digests = all_gather_json(digest)
     if len(set(digests)) != 1:

@@ -1,4 +1,13 @@
-"""The CNN: two 3x3 convolutions with max-pooling, then two fully connected layers."""
+"""The CNN: two 3x3 convolutions with max-pooling, then two fully connected layers.
+
+Its layout is chosen for the CPU (bench/compute/NOTES.md has the measurements): the convolutions'
+weights are channels_last, so oneDNN runs both convolutions, forward and backward, in its
+NHWC kernels without reordering (a third faster than the default layout on one core), and
+each pooling comes before its ReLU, so the ReLU and its backward touch a quarter of the values.
+relu(max_pool(x)) equals max_pool(relu(x)) value for value (ReLU keeps order), and a saved model
+evaluates the same either way. The MNIST images (N, 1, 28, 28) are channels_last as they are:
+with one channel the two layouts are the same bytes.
+"""
 
 import torch
 import torch.nn as nn
@@ -19,12 +28,28 @@ class Net(nn.Module):
         self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
         self.fc1 = nn.Linear(64 * 7 * 7, 128)
         self.fc2 = nn.Linear(128, 10)
+        self.to(memory_format=torch.channels_last)  # the 4-d weights: the convolutions'
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2(x), 2))
         x = F.relu(self.fc1(x.flatten(1)))
         return self.fc2(x)
+
+
+def parameter_vector(model):
+    """Every parameter in one flat tensor, each in its logical (row-major) order whatever its
+    layout: torch's parameters_to_vector views each, which a channels_last weight cannot be."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@torch.no_grad()
+def load_parameter_vector(model, flat):
+    """Copy `flat` (parameter_vector's order) into the parameters, each keeping its layout."""
+    at = 0
+    for p in model.parameters():
+        p.copy_(flat[at : at + p.numel()].view(p.shape))
+        at += p.numel()
 
 
 def use_deterministic_algorithms():

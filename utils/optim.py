@@ -5,7 +5,7 @@ with it) the first time they are used, even when nothing is compiled. That is ab
 in every rank at every start and every rejoin, as much again as importing torch itself, on
 servers that other people share.
 
-These are torch.optim.Adam's sums in its order (the single-tensor path it takes on the CPU) and
+These are torch.optim.Adam(fused=True)'s sums (its one-pass kernel, called directly) and
 torch.optim.lr_scheduler.OneCycleLR's schedule, so the parameters come out bit for bit the
 same; tests/unit/test_optim.py holds the two side by side. The state dicts have torch's layout,
 so a checkpoint written with either resumes with either.
@@ -26,7 +26,7 @@ ADAM_DEFAULTS = dict(
     foreach=None,
     capturable=False,
     differentiable=False,
-    fused=None,
+    fused=True,
     decoupled_weight_decay=False,
 )
 
@@ -42,23 +42,40 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
+        """torch's fused Adam kernel (torch.optim.Adam(fused=True) calls the same): every sum of
+        the update in one pass over each parameter, 0.16 ms a step here against 0.41 for the
+        single-tensor path's seven passes (bench/compute/NOTES.md)."""
         for group in self.param_groups:
-            lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                grad, state = param.grad, self.state[param]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for param in params:
+                state = self.state[param]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["step"] += 1
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = state["step"].item()  # the count as a float32, then Python's float: as torch does
-                step_size = lr / (1 - beta1**step)
-                denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-                param.addcdiv_(state["exp_avg"], denom, value=-step_size)
+                for moment in ("exp_avg", "exp_avg_sq"):  # (a checkpoint's may be in another layout)
+                    state[moment] = alike(state[moment], param)
+            states = [self.state[p] for p in params]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = group["betas"]
+            torch._fused_adam_(
+                params,
+                [alike(p.grad, p) for p in params],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [],
+                steps,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
 
     def zero_grad(self, set_to_none=True):
         for group in self.param_groups:
@@ -94,6 +111,15 @@ class Adam:
             param = params[number]
             self.state[param] = {k: v if k == "step" else v.to(dtype=param.dtype) for k, v in saved_state.items()}
         self.param_groups = saved_groups
+
+
+def alike(tensor, param):
+    """`tensor` in `param`'s memory layout. The fused kernel walks every tensor of a parameter in
+    memory order, so a gradient laid out otherwise (a summed gradient is a view of the flat sum, in
+    logical order; a channels_last weight is not) would be added to the wrong elements."""
+    if tensor.stride() == param.stride():
+        return tensor
+    return torch.empty_like(param).copy_(tensor)
 
 
 class OneCycleLR:

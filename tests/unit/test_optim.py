@@ -32,7 +32,7 @@ def pair(ours, lr=0.004, total_steps=STEPS):
         optimizer = Adam(model.parameters(), lr=lr)
         scheduler = OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps, pct_start=0.15)
     else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps, pct_start=0.15)
     return model, optimizer, scheduler
 

@@ -9,7 +9,7 @@ from periodic_world import periodic
 
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
 from utils.config import Recipe, Sync
-from utils.model import Net
+from utils.model import Net, parameter_vector
 from utils.run import make_optimizer, train_step
 from utils.sync.factory import make_gradient_sync
 
@@ -52,7 +52,7 @@ def training(rank, world_size):
             images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(100 * step + rank))
             train_step(model, gradient_sync, images, torch.arange(4) + rank)
         gradient_sync.finish()
-        results[mode] = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        results[mode] = parameter_vector(model).clone()
         results[f"{mode}/bytes"] = torch.tensor(gradient_sync.stats()["bytes_sent"])
         gradient_sync.close()
     return results
