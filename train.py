@@ -36,6 +36,7 @@ from utils.launch import launch_local, threads_per_rank
 from utils.memory import keep_freed_memory
 from utils.mnist import ensure_mnist
 from utils.outputs import lock_outputs, release
+from utils.precision import refusal, this_cpu
 
 # c10d logs socket errors with stack traces; we report them in one line (set before torch loads)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -99,7 +100,7 @@ def train(config, data):
     from utils.run import run
 
     torch.manual_seed(config.recipe.seed)
-    model, job = Net(), config.job
+    model, job = Net(config.recipe.precision), config.job
     if job.join is not None:  # a server joining a running job: the members send it everything
         membership, decision = join_running_job(config, model_name(model))
         stop.arm()
@@ -183,6 +184,8 @@ def main(argv=None):
             return 0
         config = from_args(args)
         job = config.job
+        if refusal(config.recipe.precision, this_cpu()):  # each server asks its own CPU
+            raise UsageError(refusal(config.recipe.precision, this_cpu()))
         keep_freed_memory()  # a step's freed buffers stay for the next (utils/memory.py); forked ranks inherit it
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
             # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh

@@ -32,6 +32,7 @@ from utils.config import (
     seed_value,
     timeline_steps,
 )
+from utils.precision import PRECISIONS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON = argparse.BooleanOptionalAction
@@ -99,6 +100,12 @@ def make_parser(prog="train.py"):
         "--model_path", "--model-path", dest="model_path", help="state dict to start from (rank 0 reads it)"
     )
     training.add_argument("--data-dir", default=os.path.join(REPO, "data"), help="where MNIST lives (default ./data)")
+    training.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="of the forward and backward passes: bf16 on CPUs with AVX-512-BF16 or AMX (default %(default)s)",
+    )
     training.add_argument("--eval", action="store_true", help="only evaluate --model_path on the test set")
 
     sums = p.add_argument_group("the gradient sum (docs/gradient-sum.md)")

@@ -66,6 +66,7 @@ class Recipe:
     epochs: int = setting(2, "epochs", agree=True, resume=True)
     train_subset: int | None = setting(None, "train-subset", agree=True, resume=True)
     test_subset: int | None = setting(None, "test-subset")
+    precision: str = setting("fp32", "precision", agree=True)  # utils/precision.py
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,7 @@ def from_args(args, environ=os.environ):
             epochs=args.epochs,
             train_subset=args.train_subset,
             test_subset=args.test_subset,
+            precision=args.precision,
         ),
         sync=Sync(
             allreduce=args.allreduce,

@@ -22,8 +22,9 @@ class Net(nn.Module):
     same model after every step, and a resumed run can repeat an uninterrupted one bit for bit.
     """
 
-    def __init__(self):
+    def __init__(self, precision="fp32"):
         super().__init__()
+        self.precision = precision  # utils/precision.py: bf16 runs forward and backward under autocast
         self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
         self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
         self.fc1 = nn.Linear(64 * 7 * 7, 128)
@@ -31,6 +32,12 @@ class Net(nn.Module):
         self.to(memory_format=torch.channels_last)  # the 4-d weights: the convolutions'
 
     def forward(self, x):
+        if self.precision == "bf16":  # the weights stay float32; autocast hands each layer a bf16 copy
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.layers(x).float()  # (the loss and its gradient in float32)
+        return self.layers(x)
+
+    def layers(self, x):
         x = F.relu(F.max_pool2d(self.conv1(x), 2))
         x = F.relu(F.max_pool2d(self.conv2(x), 2))
         x = F.relu(self.fc1(x.flatten(1)))
