@@ -224,6 +224,7 @@ def test_a_rank_that_never_shows_up(tmp_path):
         ("batch-size", ("32", "16")),
         ("allreduce", ("two-pass", "ring")),
         ("seed", ("1", "2")),
+        ("precision", ("fp32", "bf16")),
     ],
 )
 def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_path):

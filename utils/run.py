@@ -223,9 +223,9 @@ def train_model(
 
 
 # images a test batch: its largest buffer (conv2's output, 147 KB an image: 29 MB) stays under
-# utils/memory.MMAP_THRESHOLD, so each batch reuses the last one's memory. At 1000 a batch the
-# buffers were handed back to the kernel every batch: the 10,000 test images took 3.2 s and 1.2
-# million page faults, against 1.25 s and none, and the same predictions (bench/README.md)
+# utils/memory.MMAP_THRESHOLD, so each batch reuses the last one's memory; and in the channels_last
+# layout 200 still beats 500 and 1000 (0.62 s for the 10,000 images, against 0.73 and 0.86:
+# bench/compute/NOTES.md)
 TEST_BATCH = 200
 
 

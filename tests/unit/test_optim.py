@@ -98,6 +98,23 @@ def test_a_checkpoint_of_either_resumes_with_the_other_bit_for_bit():
         assert same_parameters(b[0], c[0]) and same_optimizer_state(b[1], c[1]), (first, second)
 
 
+def test_moments_saved_in_the_old_layout_resume_bit_for_bit():
+    """A checkpoint from before the convolutions' weights were channels_last holds their moments in
+    the default layout; loaded into today's model they step exactly as moments saved in its own."""
+    model, optimizer, scheduler = pair(ours=True)
+    train(model, optimizer, scheduler, 5)
+    state = optimizer.state_dict()
+    assert any(not v.is_contiguous() for s in state["state"].values() for v in s.values())  # channels_last ones
+    old = dict(state, state={i: {k: v.contiguous().clone() for k, v in s.items()} for i, s in state["state"].items()})
+    twin = pair(ours=True)
+    twin[0].load_state_dict(model.state_dict())
+    twin[1].load_state_dict(old)
+    twin[2].load_state_dict(scheduler.state_dict())
+    train(model, optimizer, scheduler, STEPS - 5, seed=2)
+    train(*twin, STEPS - 5, seed=2)
+    assert same_parameters(model, twin[0]) and same_optimizer_state(optimizer, twin[1])
+
+
 def test_a_step_of_some_parameters_leaves_the_others_alone():
     # utils/sync/lazy.py steps one bucket at a time by narrowing param_groups
     model, optimizer, scheduler = pair(ours=True)
