@@ -17,7 +17,7 @@ The parts, each variant in a process of its own, the variants in turns within a 
            the same model: today's layout, the fused Adam, gradient_as_bucket_view; the same images,
            schedule and evaluation on rank 0
 
-Results: bench/results/compute/compute.json and .md; method and findings: bench/compute/NOTES.md.
+Results: bench/results/compute/compute.json and .md; method and findings: bench/README.md, "Compute".
 """
 
 import json
@@ -90,9 +90,8 @@ def examples_net():
 
 
 def rank_setup(repo):
-    """What train.py does in each rank before it trains: the repository's utils, one thread, glibc
-    told to keep freed memory, deterministic kernels; returns MNIST as the rank loads it."""
-    sys.path.insert(0, str(repo))
+    """What train.py does in each rank before it trains (with the utils of `repo`, on PYTHONPATH):
+    one thread, glibc told to keep freed memory, deterministic kernels; returns MNIST as it loads it."""
     import torch
 
     torch.set_num_threads(1)
@@ -198,7 +197,7 @@ def bounded(argv, cwd, timeout=TIMEOUT, env=None):
 
 
 def worker(*args, repo=REPO):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
     out = bounded([sys.executable, __file__, "--worker", *map(str, args), str(repo)], REPO, env=env)
     return json.loads(out.strip().splitlines()[-1])
 
@@ -209,7 +208,7 @@ def ddp_epoch():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", "ddp", str(rank), str(port)],
@@ -357,11 +356,9 @@ def main(argv):
         "medians": {f"{p}/{v}": r for (p, v), r in found.items()},
         "runs": {f"{p}/{v}": r for (p, v), r in runs.items()},
     }
-    sys.path.insert(0, str(REPO))
-    from utils.files import write_file
+    from harness import write_results  # (bench/harness.py: the driver's, never a worker's)
 
-    write_file(f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())
-    write_file(f"{stem}.md", md.encode())
+    write_results(stem, result, md)
     return 0
 
 

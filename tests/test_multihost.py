@@ -25,7 +25,7 @@ import pytest
 import torch
 from forker import popen
 
-from utils.model import Net
+from utils.model import Net, parameter_vector
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -66,7 +66,7 @@ def left_of(names):
 def digest_of(path):
     model = Net()
     model.load_state_dict(torch.load(path, weights_only=True))
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    flat = parameter_vector(model)
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

@@ -1,6 +1,6 @@
 """The CNN: two 3x3 convolutions with max-pooling, then two fully connected layers.
 
-Its layout is chosen for the CPU (bench/compute/NOTES.md has the measurements): the convolutions'
+Its layout is chosen for the CPU (measurements: bench/README.md, "Compute"): the convolutions'
 weights are channels_last, so oneDNN runs both convolutions, forward and backward, in its
 NHWC kernels without reordering (a third faster than the default layout on one core), and
 each pooling comes before its ReLU, so the ReLU and its backward touch a quarter of the values.
@@ -24,7 +24,7 @@ class Net(nn.Module):
 
     def __init__(self, precision="fp32"):
         super().__init__()
-        self.precision = precision  # utils/precision.py: bf16 runs forward and backward under autocast
+        self.autocast = precision != "fp32"  # utils/precision.py: bf16, forward and backward under autocast
         self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
         self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
         self.fc1 = nn.Linear(64 * 7 * 7, 128)
@@ -32,7 +32,7 @@ class Net(nn.Module):
         self.to(memory_format=torch.channels_last)  # the 4-d weights: the convolutions'
 
     def forward(self, x):
-        if self.precision == "bf16":  # the weights stay float32; autocast hands each layer a bf16 copy
+        if self.autocast:  # the weights stay float32; autocast hands each layer a bf16 copy
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self.layers(x).float()  # (the loss and its gradient in float32)
         return self.layers(x)

@@ -10,7 +10,8 @@ Torch-free, so the launcher checks every rank's setting before it loads torch.
 """
 
 PRECISIONS = ("fp32", "bf16")
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names of the units bf16 needs (either)
+# /proc/cpuinfo's names of the units each precision needs (any one of them); fp32: none
+NEEDS = {"fp32": (), "bf16": ("avx512_bf16", "amx_bf16")}
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -23,8 +24,8 @@ def cpu_flags(cpuinfo: str) -> set[str]:
 
 def refusal(precision: str, flags: set[str]) -> str | None:
     """Why this CPU cannot train in `precision`, in one line; None if it can."""
-    if precision == "bf16" and not flags & set(BF16_FLAGS):
-        return "--precision bf16 needs a CPU with AVX-512-BF16 or AMX (/proc/cpuinfo lists neither); use fp32"
+    if NEEDS[precision] and not flags & set(NEEDS[precision]):
+        return f"--precision {precision} needs a CPU with AVX-512-BF16 or AMX (/proc/cpuinfo lists neither); use fp32"
     return None
 
 
