@@ -75,6 +75,6 @@ def test_the_shipped_model_classifies_as_it_did_in_the_old_layout():
 
 
 def test_eval_of_the_shipped_model_prints_its_accuracy():
-    code, out, err = procs.train(["--eval", "--model_path", "model_state_dict.pth"], timeout=120, cwd=procs.REPO)
-    assert code == 0, err
-    assert "test accuracy 99.36% (model_state_dict.pth, 10000 images)" in out
+    result = procs.train(["--eval", "--model_path", "model_state_dict.pth"], timeout=120, cwd=procs.REPO)
+    assert result.returncode == 0, result.stderr
+    assert "test accuracy 99.36% (model_state_dict.pth, 10000 images)" in result.stdout
