@@ -4,12 +4,14 @@
 A bf16 job keeps every guarantee of the default one: the ranks end with the same parameters, and a
 job resumed from a mid-epoch checkpoint ends with the bits of one that never stopped."""
 
+import os
 import re
 
 import procs
 import torch
 import torch.nn.functional as F
 from checkpoint_watch import Watch
+from conftest import REPO
 from procs import checkpoint_position, final_digest, wait_for
 
 from utils.data import load_mnist
@@ -61,13 +63,13 @@ class OldLayoutNet(Net):
 
 
 def test_the_shipped_model_classifies_as_it_did_in_the_old_layout():
-    state = torch.load("model_state_dict.pth", weights_only=True)
+    state = torch.load(os.path.join(REPO, "model_state_dict.pth"), weights_only=True)
     assert all(t.is_contiguous() for t in state.values())  # saved in the old layout
     new, old = Net(), OldLayoutNet()
     new.load_state_dict(state)
     old.load_state_dict(state)
     assert new.conv2.weight.is_contiguous(memory_format=torch.channels_last)
-    _, _, images, _ = load_mnist("data", test_subset=2000)
+    _, _, images, _ = load_mnist(os.path.join(REPO, "data"), test_subset=2000)
     with torch.no_grad():
         a, b = new(images), old(images)
     assert torch.equal(a.argmax(1), b.argmax(1))
