@@ -3,6 +3,7 @@
     python bench/compute.py                     # every part, medians of 5 rounds (about 12 minutes on 2 cores)
     python bench/compute.py --parts step,eval   # some parts
     python bench/compute.py --baseline REF      # the old path: a commit of this repository (default edb07fe)
+    python bench/compute.py --short --out DIR   # a few steps of each, for the tests
 
 The parts, each variant in a process of its own, the variants in turns within a round:
   ceiling  a 2048x2048 matrix product on one thread, fp32 and bf16 (torch.mm: MKL), and a 1x1
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "compute"
 PARTS = ("ceiling", "step", "eval", "epoch")
 BATCH, STEPS, WARMUP = 32, 300, 20
+SHORT_STEPS, SHORT_IMAGES = 10, 1280  # --short: steps of the step part, training images of the epoch part
 # multiply-adds of one image's forward through utils/model.Net: conv1, conv2, fc1, fc2
 MACS = 28 * 28 * 32 * 9 + 14 * 14 * 64 * 32 * 9 + 64 * 7 * 7 * 128 + 128 * 10
 STEP_FLOP = 3 * 2 * MACS * BATCH  # forward, and backward's two products of each layer
@@ -104,7 +106,7 @@ def rank_setup(repo):
     return load_mnist(str(repo / "data"))
 
 
-def step_worker(repo, variant):
+def step_worker(repo, variant, steps):
     import torch
     import torch.nn.functional as F
 
@@ -120,7 +122,7 @@ def step_worker(repo, variant):
         model = Net("bf16") if variant == "bf16" else Net()
         optimizer = Adam(model.parameters(), lr=1e-3)
     times = []
-    for i in range(WARMUP + STEPS):
+    for i in range(WARMUP + steps):
         x, y = images[i * BATCH : (i + 1) * BATCH], labels[i * BATCH : (i + 1) * BATCH]
         start = time.perf_counter()
         F.cross_entropy(model(x), y).backward()
@@ -145,13 +147,14 @@ def eval_worker(repo, variant):
     return {"s": statistics.median(times)}
 
 
-def ddp_worker(rank, port):
+def ddp_worker(rank, port, images):
     """One rank of DDP's epoch: today's model, data order, schedule and evaluation, DDP's sum."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     train_images, train_labels, test_images, test_labels = rank_setup(REPO)
+    train_images, train_labels = train_images[:images], train_labels[:images]
     from utils.data import step_batches
     from utils.model import Net
     from utils.optim import OneCycleLR
@@ -178,11 +181,26 @@ def ddp_worker(rank, port):
 
 
 # --------------------------------------------------------------------------- the driver
+def die_with_driver():
+    """In each process the driver starts: SIGKILL when the driver dies (PR_SET_PDEATHSIG), however it
+    dies, so a test's timeout or a Ctrl-C leaves nothing behind (train.py's ranks die with their launcher)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def bounded(argv, cwd, timeout=TIMEOUT, env=None):
     """Start argv in a session of its own; its stdout, or an error with its stderr's last line. The
     whole session is killed on the way out, finished or not."""
     proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        argv,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_driver,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -202,7 +220,7 @@ def worker(*args, repo=REPO):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def ddp_epoch():
+def ddp_epoch(images):
     import socket
 
     with socket.socket() as s:
@@ -211,13 +229,14 @@ def ddp_epoch():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", "ddp", str(rank), str(port)],
+            [sys.executable, __file__, "--worker", "ddp", str(rank), str(port), str(images)],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_driver,
         )
         for rank in range(2)
     ]
@@ -234,11 +253,13 @@ def ddp_epoch():
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def train_epoch(repo, flags):
-    """`python train.py --epochs 1` in `repo`: (epoch seconds, comm % of step time, accuracy %)."""
+def train_epoch(repo, flags, images):
+    """`python train.py --epochs 1` in `repo` on the first `images` training images: the epoch's
+    seconds, communication's share of the step time, the test accuracy."""
     with tempfile.TemporaryDirectory(prefix="compute-") as folder:
         files = ["--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt", "--metrics", ""]
-        out = bounded([sys.executable, str(repo / "train.py"), "--epochs", "1", *flags, *files], folder)
+        subset = ["--train-subset", str(images)]
+        out = bounded([sys.executable, str(repo / "train.py"), "--epochs", "1", *subset, *flags, *files], folder)
     line = re.search(r"epoch 1/1 .*test accuracy ([\d.]+)%\s+time ([\d.]+) s\s+comm (\d+)%", out)
     if not line:
         raise RuntimeError(f"no epoch line in train.py's output: {out[-300:]}")
@@ -253,23 +274,23 @@ def baseline_tree(ref, folder):
     return Path(folder)
 
 
-def plan(parts, old):
+def plan(parts, old, steps, images):
     """{(part, variant): a function that measures it once}."""
     jobs = {}
     if "ceiling" in parts:
         jobs["ceiling", "machine"] = lambda: worker("ceiling")
     for part in ("step", "eval"):
         if part in parts:
-            jobs[part, "old"] = lambda part=part: worker(part, "old", repo=old)
-            jobs[part, "default"] = lambda part=part: worker(part, "default")
-            jobs[part, "bf16"] = lambda part=part: worker(part, "bf16")
+            jobs[part, "old"] = lambda part=part: worker(part, "old", steps, repo=old)
+            jobs[part, "default"] = lambda part=part: worker(part, "default", steps)
+            jobs[part, "bf16"] = lambda part=part: worker(part, "bf16", steps)
     if "step" in parts:
-        jobs["step", "examples"] = lambda: worker("step", "examples")
+        jobs["step", "examples"] = lambda: worker("step", "examples", steps)
     if "epoch" in parts:
-        jobs["epoch", "old"] = lambda: train_epoch(old, [])
-        jobs["epoch", "default"] = lambda: train_epoch(REPO, [])
-        jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"])
-        jobs["epoch", "ddp"] = ddp_epoch
+        jobs["epoch", "old"] = lambda: train_epoch(old, [], images)
+        jobs["epoch", "default"] = lambda: train_epoch(REPO, [], images)
+        jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"], images)
+        jobs["epoch", "ddp"] = lambda: ddp_epoch(images)
     return jobs
 
 
@@ -291,7 +312,7 @@ def table(found, rounds, baseline):
     steps = {v: r for (p, v), r in found.items() if p == "step"}
     if steps:
         lines += [
-            "| step, 32 images, 1 thread | ms/step | images/s | GFLOP/s | of fp32 mm | × old |",
+            "| step, 32 images, 1 thread | ms/step | images/s | GFLOP/s | of fp32 mm | speed-up |",
             "|---|---|---|---|---|---|",
         ]
         for variant, r in steps.items():
@@ -304,12 +325,15 @@ def table(found, rounds, baseline):
         lines.append("")
     evals = {v: r for (p, v), r in found.items() if p == "eval"}
     if evals:
-        lines += ["| evaluation, 10,000 images | s | × old |", "|---|---|---|"]
+        lines += ["| evaluation, 10,000 images | s | time / old |", "|---|---|---|"]
         lines += [f"| {v} | {r['s']:.3f} | {r['s'] / evals['old']['s']:.2f} |" for v, r in evals.items()]
         lines.append("")
     epochs = {v: r for (p, v), r in found.items() if p == "epoch"}
     if epochs:
-        lines += ["| one epoch, 2 ranks × 1 thread | s | × old | comm % of step | accuracy |", "|---|---|---|---|---|"]
+        lines += [
+            "| one epoch, 2 ranks × 1 thread | s | time / old | comm % of step | accuracy |",
+            "|---|---|---|---|---|",
+        ]
         for variant, r in epochs.items():
             comm = f"{r['comm_pct']:.0f}%" if "comm_pct" in r else "-"
             lines.append(
@@ -319,13 +343,17 @@ def table(found, rounds, baseline):
 
 
 def main(argv):
-    import argparse
+    from harness import bench_parser, write_results  # (bench/harness.py: the driver's, never a worker's)
 
-    p = argparse.ArgumentParser(prog="bench/compute.py", description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
+    p.prog = "bench/compute.py"
     p.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)} (default all)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each variant once a round (default 5)")
     p.add_argument("--baseline", default="edb07fe", help="the old path's commit (default edb07fe, before issue 60)")
+    p.add_argument("--short", action="store_true", help=f"{SHORT_STEPS} steps, epochs of {SHORT_IMAGES} images")
+    p.add_argument("--out", type=Path, default=OUT, help="the results' folder (default bench/results/compute)")
     args = p.parse_args(argv)
+    steps, images = (SHORT_STEPS, SHORT_IMAGES) if args.short else (STEPS, 60_000)
     parts = args.parts.split(",")
     if not set(parts) <= set(PARTS) or args.rounds < 1:
         print(f"bench/compute.py: error: --parts takes {','.join(PARTS)}; --rounds at least 1", file=sys.stderr)
@@ -334,7 +362,7 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="compute-baseline-") as folder:
         old = baseline_tree(args.baseline, f"{folder}/tree")
         try:
-            jobs, runs = plan(parts, old), {}
+            jobs, runs = plan(parts, old, steps, images), {}
             for rnd in range(args.rounds):
                 names = list(jobs)
                 for job in names[rnd % len(names) :] + names[: rnd % len(names)]:  # each first in turn
@@ -347,8 +375,8 @@ def main(argv):
         found, args.rounds, args.baseline
     )
     print(md)
-    OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / ("compute" if parts == list(PARTS) else "compute-" + "-".join(parts))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / ("compute" if parts == list(PARTS) else "compute-" + "-".join(parts))
     result = {
         "argv": argv,
         "seconds": round(time.time() - started),
@@ -356,8 +384,6 @@ def main(argv):
         "medians": {f"{p}/{v}": r for (p, v), r in found.items()},
         "runs": {f"{p}/{v}": r for (p, v), r in runs.items()},
     }
-    from harness import write_results  # (bench/harness.py: the driver's, never a worker's)
-
     write_results(stem, result, md)
     return 0
 
@@ -368,9 +394,11 @@ if __name__ == "__main__":
         if kind == "ceiling":
             result = ceiling_worker()
         elif kind == "ddp":
-            result = ddp_worker(int(rest[0]), int(rest[1]))
+            result = ddp_worker(int(rest[0]), int(rest[1]), int(rest[2]))
+        elif kind == "step":
+            result = step_worker(Path(rest[-1]), rest[0], int(rest[1]))
         else:
-            result = {"step": step_worker, "eval": eval_worker}[kind](Path(rest[-1]), rest[0])
+            result = eval_worker(Path(rest[-1]), rest[0])
         print(json.dumps(result), flush=True)
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))
