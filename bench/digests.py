@@ -5,7 +5,8 @@
     python bench/digests.py --only two-pass  # the combinations whose name contains this
 
 A combination is --allreduce x (--no-overlap | --overlap | --overlap --lazy-update) x --compress,
-on 2 ranks (and a few on 3, where the global batch does not divide), and a few of --sync-every 8;
+on 2 ranks (and a few on 3, where the global batch does not divide), a few of --sync-every 8 and
+two of --precision bf16;
 30 steps: long enough for PowerSGD's 10 warm-up steps to end. Each run is `python train.py` (the
 local launcher), 1 thread per rank, with a timeout. Exit code 1 when any digest differs from the table.
 
@@ -48,6 +49,11 @@ def combinations():
         found[f"two-pass/sync-every-8/{compress}"] = f"--nproc 2 --sync-every 8 --compress {compress}".split()
     found["ring/sync-every-8/nesterov"] = "--nproc 2 --allreduce ring --sync-every 8 --outer nesterov".split()
     found["two-pass/sync-every-8/none/3-ranks"] = "--nproc 3 --sync-every 8".split()
+    for allreduce, mode in (("two-pass", "overlap"), ("ring", "lazy")):  # --precision bf16 (utils/precision.py)
+        found[f"{allreduce}/{mode}/none/precision-bf16"] = [
+            *f"--nproc 2 --allreduce {allreduce} --precision bf16".split(),
+            *modes[mode],
+        ]
     return found
 
 
