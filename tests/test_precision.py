@@ -8,6 +8,7 @@ import os
 import re
 
 import procs
+import pytest
 import torch
 import torch.nn.functional as F
 from checkpoint_watch import Watch
@@ -24,9 +25,22 @@ SMALL = [
 ]
 
 
-def test_a_bf16_job_ends_identical_on_every_rank_and_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize(
+    "kind",
+    [
+        [],
+        ["--allreduce", "ring", "--lazy-update"],
+        ["--allreduce", "gloo", "--no-overlap"],
+        ["--compress", "powersgd", "--powersgd-warmup", "5"],
+        ["--sync-every", "4", "--compress", "bf16"],
+    ],
+    ids=["two-pass", "ring-lazy", "gloo-plain", "powersgd", "sync-every-4"],
+)
+def test_a_bf16_job_ends_identical_on_every_rank_and_resumes_bit_for_bit(kind, tmp_path):
     checkpoint, kept = tmp_path / "c.pt", tmp_path / "at-40.pt"
-    ranks = procs.start_ranks(2, [*SMALL, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "a.pth")])
+    ranks = procs.start_ranks(
+        2, [*SMALL, *kind, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "a.pth")]
+    )
     try:  # the epoch's end overwrites it: keep a copy of the one after step 40
         watch = Watch(checkpoint)
         wait_for(lambda: watch.keep_if_at((1, 40), kept), 240, "the checkpoint after step 40")
@@ -40,7 +54,7 @@ def test_a_bf16_job_ends_identical_on_every_rank_and_resumes_bit_for_bit(tmp_pat
     assert checkpoint_position(kept) == (1, 40)
 
     ranks = procs.start_ranks(
-        2, [*SMALL, "--checkpoint", str(kept), "--save-path", str(tmp_path / "b.pth"), "--resume"]
+        2, [*SMALL, *kind, "--checkpoint", str(kept), "--save-path", str(tmp_path / "b.pth"), "--resume"]
     )
     resumed = procs.wait_all(ranks, timeout=240)
     assert [code for code, _, _ in resumed] == [0, 0], [err for _, _, err in resumed]
