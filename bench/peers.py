@@ -14,7 +14,8 @@ import harness  # noqa: F401  # the repository on the path (the benchmarks are r
 
 from utils.comm.allreduce import ALGORITHMS
 from utils.comm.compress import NoCompression
-from utils.sync.interface import Flags, GradientSync
+from utils.sync.flags import Flags
+from utils.sync.interface import GradientSync
 from utils.timeline import OFF
 
 DDP_HOOKS = ("fp16", "bf16", "powersgd")  # DDP + default_hooks.fp16/bf16_compress_hook, + powerSGD_hook

@@ -6,7 +6,7 @@ import torch
 
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
 from utils.comm.compress import make_compressor
-from utils.sync.interface import Flags
+from utils.sync.flags import Flags
 from utils.sync.periodic import PeriodicSync
 
 

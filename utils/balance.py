@@ -32,7 +32,7 @@ How the ranks agree, with no message of their own:
      codes: one look then moves.
   2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
      every wire format the sums use) in its own two slots of the values that ride with the
-     gradient sum (utils.sync.interface.Flags). The sum gives every rank every rank's codes, at
+     gradient sum (utils.sync.flags.Flags). The sum gives every rank every rank's codes, at
      the same step. (--sync-every H sums once a round: the codes come with the round's merge,
      and the look waits for them.)
   3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
@@ -68,6 +68,7 @@ from collections import deque
 from fractions import Fraction
 
 from utils.cpu import CpuGroup, own_seconds, snapshot
+from utils.sync.flags import MAX_SPEED
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds
@@ -86,7 +87,7 @@ THRESHOLD = 0.10  # a share must move by more than this fraction of itself (and 
 GAIN = Fraction(15, 100)  # a move must make a step this much shorter, as the codes see it (unless it follows a change)
 PERSIST = 4  # looks in a row that want the same move: made whatever its gain (the codes by then span WINDOW steps)
 CODES_PER_DOUBLING = 16  # speed codes: 2**(code/16) per second, 4.4% apart
-MAX_CODE = 255  # whole numbers up to 256 are exact in bfloat16, the narrowest wire format
+MAX_CODE = MAX_SPEED  # a speed code rides alone in its slot of the step's flags (utils/sync/flags.py)
 # 2**(i/16) * 2**16, rounded: the codes' values as exact fractions, so that every rank (whatever its
 # CPU and maths library) computes the same shares
 FRACTIONS = (65536, 68438, 71468, 74632, 77936, 81386, 84990, 88752, 92682, 96785, 101070, 105545, 110218, 115098)

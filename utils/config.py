@@ -25,6 +25,7 @@ from utils.balance import parse_fixed
 from utils.errors import UsageError
 from utils.slurm import SlurmStep
 from utils.slurm import step_from as slurm_step
+from utils.sync.flags import MAX_RANKS
 
 GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks share them
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")  # --allreduce: utils/allreduce.make_allreduce
@@ -236,6 +237,11 @@ def from_args(args, environ=os.environ):
         check_init_method(init_method)
     else:
         rank, world_size, init_method = None, args.nproc, None
+    if world_size > MAX_RANKS:  # (torchrun's and Slurm's too)
+        raise UsageError(
+            f"a world of {world_size} ranks is more than a job can have: at most {MAX_RANKS}, the ranks whose stop "
+            "signals a step's flags can count (utils/sync/flags.py)"
+        )
     if args.balance not in (None, "measured") and len(parse_fixed(args.balance)) != world_size:
         raise UsageError(
             f"--balance {args.balance} gives {len(parse_fixed(args.balance))} proportions for {world_size} ranks; "

@@ -7,7 +7,7 @@
 
 The gradient sum is a utils.sync GradientSync (plain, overlapped, lazy or periodic; any
 --allreduce and --compress). A signal (utils/stop.py) rides along with a step's gradient sum as a
-stop flag (utils.sync.interface.Flags), so every rank learns of it after the same step; then rank
+stop flag (utils.sync.flags.Flags), so every rank learns of it after the same step; then rank
 0 saves the checkpoint and every rank raises Stopped. A checkpoint records the step and the global
 batch, not the ranks: it resumes on any number (utils/checkpoint.py). What rank 0 prints is
 utils/report.py's; what a rank shows those who watch the job (--status, --tensorboard), utils/watch.py's.
@@ -34,7 +34,7 @@ from utils.model import Net
 from utils.optim import Adam, OneCycleLR
 from utils.report import Progress, SlowRankHint, epoch_by_rank, report_epoch, say_joined, start_line, stopped_line
 from utils.sync.factory import make_gradient_sync
-from utils.sync.interface import Flags
+from utils.sync.flags import Flags
 from utils.timeline import OFF, Recorder
 from utils.watch import Watch
 

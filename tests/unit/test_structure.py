@@ -111,7 +111,7 @@ def test_every_sync_kind_implements_the_one_interface():
 
 
 def test_the_flags_travel_as_exact_numbers():
-    from utils.sync.interface import Flags
+    from utils.sync.flags import Flags
 
     for flags in (Flags(), Flags(signalled=1), Flags(signalled=3, joining=True), Flags(joining=True)):
         assert Flags.from_sums(flags.values()) == flags and len(flags.values()) == 1

@@ -15,7 +15,7 @@ from utils.comm.compress import make_compressor
 from utils.errors import PeerError
 from utils.sync import buckets, waits
 from utils.sync.buckets import OverlappedSync, PlainSync
-from utils.sync.interface import Flags
+from utils.sync.flags import Flags
 from utils.sync.periodic import PeriodicSync
 
 BOUND = 0.3  # ABANDON_SECONDS here

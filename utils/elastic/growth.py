@@ -21,6 +21,7 @@ from utils.elastic.agreement import State
 from utils.elastic.wire import Decision, Join, Refused
 from utils.outputs import job_pid
 from utils.program import differences
+from utils.sync.flags import MAX_RANKS
 
 
 class Growth:
@@ -39,6 +40,9 @@ class Growth:
         for name, value in (self.settings or {}).items():
             if reason is None and message.settings.get(name) != value:
                 reason = f"the job has --{name} {value}, this server has {message.settings.get(name)}"
+        with self.lock:
+            if reason is None and len(self.members) + len(self.joining.keys() - {message.nonce}) >= MAX_RANKS:
+                reason = f"the job has {len(self.members)} members, the most a job can have is {MAX_RANKS}"
         if reason is not None:
             self.sock.sendto(
                 self.envelope.seal(Refused(message.nonce, reason), to=f"join-{message.nonce}"),

@@ -7,7 +7,7 @@ from utils.comm.allreduce import make_allreduce
 from utils.comm.compress import make_compressor
 from utils.errors import PeerError, first_line
 from utils.sync.buckets import OverlappedSync, PlainSync, make_buckets
-from utils.sync.interface import Flags
+from utils.sync.flags import Flags
 from utils.sync.lazy import LazySync
 from utils.sync.periodic import PeriodicSync
 from utils.timeline import OFF

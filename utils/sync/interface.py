@@ -1,4 +1,4 @@
-"""The one interface of every gradient sync, and the flags that ride along with its sums.
+"""The one interface of every gradient sync (the flags that ride along with its sums: flags.py).
 
 The training loop (utils/run.py) holds a GradientSync and calls, for every step:
 
@@ -17,36 +17,8 @@ compressor (describe(), compresses).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 
-JOIN_WEIGHT = 64.0  # the flag's value while a server waits to join; below it, the ranks that got a signal
-
-
-@dataclass(frozen=True)
-class Flags:
-    """What the ranks raise with a step's sum, summed over all of them: so every rank learns of a
-    stop signal, of a server waiting to join, and (--balance) of every rank's speed after the same
-    step. They travel as whole numbers at the end of the summed buffer (values()): the first
-    carries the signals and the join, exact for fewer than 64 ranks; then one slot per rank, each
-    filled by its own rank only (utils/balance.py)."""
-
-    signalled: int = 0  # ranks that got a stop signal (SIGTERM, SIGINT, SIGUSR1)
-    joining: bool = False  # the leader has a server waiting to join (utils/elastic/membership.py)
-    speeds: tuple[int, ...] = ()  # --balance: each rank's speed code (utils/balance.py); () without
-
-    @property
-    def stopping(self) -> bool:
-        return self.signalled > 0
-
-    def values(self) -> list[float]:
-        return [float(self.signalled) + (JOIN_WEIGHT if self.joining else 0.0), *map(float, self.speeds)]
-
-    @classmethod
-    def from_sums(cls, sums: list[float]) -> Flags:
-        if not sums:  # (no sum has carried them yet)
-            return cls()
-        total = sums[0]
-        return cls(signalled=int(total % JOIN_WEIGHT), joining=total >= JOIN_WEIGHT, speeds=tuple(map(round, sums[1:])))
+from utils.sync.flags import Flags
 
 
 class GradientSync(abc.ABC):

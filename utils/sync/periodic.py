@@ -40,7 +40,8 @@ import torch
 from utils.comm.allreduce import beside
 from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
-from utils.sync.interface import Flags, GradientSync
+from utils.sync.flags import Flags
+from utils.sync.interface import GradientSync
 from utils.sync.waits import wait_for
 from utils.timeline import OFF
 
