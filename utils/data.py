@@ -54,18 +54,6 @@ def epoch_permutation(num_examples, epoch, seed):
     return torch.randperm(num_examples, generator=generator)
 
 
-def epoch_indices(num_examples, epoch, rank, world_size, seed):
-    """This rank's sample indices for `epoch` in equal shares (the benchmarks' batches).
-
-    Every rank draws the same permutation (seeded by seed and epoch) and takes every
-    world_size-th entry starting at its rank, so the ranks' shares are disjoint and together
-    cover the data once. The tail that doesn't divide evenly is dropped so all ranks take the
-    same number of steps.
-    """
-    per_rank = num_examples // world_size
-    return epoch_permutation(num_examples, epoch, seed)[rank::world_size][:per_rank]
-
-
 def steps_per_epoch(num_examples, global_batch):
     return math.ceil(num_examples / global_batch)
 
