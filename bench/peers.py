@@ -42,7 +42,8 @@ def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=Non
     the outer step `outer` (default average); outer_lr and outer_momentum only for "nesterov", and
     merge_after (None: train.py's defaults). There is no per-step sum to make lazy, so lazy_update is off,
     as train.py requires. With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
-    from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, Sync, default_merge_after
+    from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
+    from utils.config import Sync, default_merge_after
 
     settings = {"timeout": 120.0, "chunks": "auto", "bucket_mb": 1.0, "sync_every": 1, **settings}
     outer = {"outer": "average", "outer_lr": None, "outer_momentum": None, "merge_after": None}

@@ -30,7 +30,8 @@ from targets import bound
 from time_to_accuracy_worker import worker
 
 from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
-from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS, momentum_value
+from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS
+from utils.config import momentum_value
 
 DEFAULTS = {
     "rate": "200mbit",

@@ -7,13 +7,16 @@ a bad command line answers at once.
 import argparse
 import os
 
-from utils.config import (
+from utils.comm.names import (
     ALGORITHMS,
     COMPRESSIONS,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_POWERSGD_RANK,
     DEFAULT_POWERSGD_WARMUP,
+    OUTERS,
+)
+from utils.config import (
     DEFAULT_TIMELINE_STEPS,
     GLOBAL_BATCH,
     MAX_HEARTBEAT,
@@ -22,7 +25,6 @@ from utils.config import (
     MAX_POWERSGD_RANK,
     MAX_SYNC_EVERY,
     MAX_TIMEOUT,
-    OUTERS,
     OneLineParser,
     balance_mode,
     chunk_count,

@@ -22,19 +22,13 @@ import socket
 from dataclasses import dataclass, field
 
 from utils.balance import parse_fixed
+from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.errors import UsageError
 from utils.slurm import SlurmStep
 from utils.slurm import step_from as slurm_step
 from utils.sync.flags import MAX_RANKS
 
 GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks share them
-ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")  # --allreduce: utils/allreduce.make_allreduce
-COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")  # --compress: utils/compress.make_compressor
-# One epoch of the default recipe over five seeds (bench/results/accuracy/one-epoch-seeds.md): rank 4 with
-# 10 plain steps averages 98.97% (2 ranks) and 99.00% (4 ranks), 0.02-0.03 points below no compression, as
-# DDP's own PowerSGD hook does; rank 8 or 100 plain steps gain 0.01-0.03 points, less than the seeds' spread.
-DEFAULT_POWERSGD_RANK = 4
-DEFAULT_POWERSGD_WARMUP = 10  # uncompressed steps first
 DEFAULT_TIMELINE_STEPS = (21, 60)  # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
 MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
 MAX_HEARTBEAT = 3600.0  # seconds
@@ -43,8 +37,6 @@ MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like 
 MAX_NPROC = 64  # ranks on one machine; for more, use several servers
 MAX_SEED = 2**32 - 1
 MAX_POWERSGD_RANK = 64  # the model's smallest compressible matrix has 32 rows; more only costs bytes
-OUTERS = ("average", "nesterov")  # --outer: utils/periodic.PeriodicSync
-DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer SGD (Douillard et al., 2023)
 MAX_SYNC_EVERY = 100_000
 
 

@@ -169,3 +169,12 @@ def test_the_tree_passes_the_formatter_and_the_linter():
             [sys.executable, "-m", "ruff", *check], cwd=REPO, capture_output=True, text=True, timeout=120
         )
         assert result.returncode == 0, f"ruff {' '.join(check)}:\n{result.stdout}{result.stderr}"
+
+
+def test_the_sum_does_not_reach_up_to_the_command_line():
+    """utils/comm and utils/sync take their names and defaults from utils/comm/names.py (torch-free),
+    which the command line reads too: no arrow from the sum up to utils.config or utils.cli."""
+    modules = {module_of(p): p for p in sources("utils")}
+    for path in sources("utils/comm", "utils/sync"):
+        assert not {"utils.config", "utils.cli"} & utils_imports(path, modules), path
+    assert not re.search(r"^(import|from) ", open(os.path.join(REPO, "utils", "comm", "names.py")).read(), re.M)

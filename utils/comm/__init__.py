@@ -6,4 +6,5 @@ hierarchical.py  ranks on the same server sum over loopback first, then a ring a
 allreduce.py     one object per --allreduce (two-pass, ring, gloo, hierarchical): counts bytes,
                  draws the timeline
 compress.py      what the sums carry (--compress none, bf16, fp16, powersgd)
+names.py         the sum's names and defaults (torch-free): the command line reads them from here
 """

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from utils.comm import hierarchical, ring
-from utils.config import ALGORITHMS
+from utils.comm.names import ALGORITHMS
 from utils.timeline import OFF
 
 

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from utils.config import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: F401 (read here)
+from utils.comm.names import COMPRESSIONS, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP  # noqa: F401 (read here)
 
 FP16_MAX = 65504.0
 FP16_HEADROOM = 16  # the last sum's largest value lands this far below FP16_MAX / N

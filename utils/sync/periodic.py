@@ -38,7 +38,7 @@ import time
 import torch
 
 from utils.comm.allreduce import beside
-from utils.config import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
+from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
 from utils.sync.flags import Flags
 from utils.sync.interface import GradientSync
