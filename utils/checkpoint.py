@@ -64,6 +64,11 @@ def save(state, path):
     write_file(path, buffer.getvalue())
 
 
+def save_model(model, path):
+    """The model's state dict alone, what --model_path and --eval read (after every epoch)."""
+    save(model.state_dict(), path)
+
+
 def upgrade(checkpoint):
     """(the settings a resume must keep, the world size) of a checkpoint; older ones held the world
     size and the batch per rank as settings, and no compression."""

@@ -3,7 +3,7 @@ the lines every rank says after a join or a stop.
 
     start_line()       before the first step: what is trained, and how the sum is done
     Progress           tqdm on a terminal; under nohup a plain line every tenth of an epoch
-    report_epoch()     after an epoch: the log line, the state dict, the metrics line
+    report_epoch()     after an epoch: the log line, the metrics line
     stopped_line()     after a stop: who got which signal, where the checkpoint is (a collective)
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from utils import checkpoint, stop
+from utils import stop
 from utils.errors import PeerError, first_line
 from utils.exchange import all_gather_json
 
@@ -66,8 +66,8 @@ class Progress:
             self.bar.close()
 
 
-def report_epoch(model, epoch, seconds, stats, accuracy, ranks, config, members, balance=None, extra=None):
-    """Rank 0, after an epoch: the log line, the state dict, the metrics line. ranks: every rank's
+def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, balance=None, extra=None):
+    """Rank 0, after an epoch: the log line and the metrics line. ranks: every rank's
     epoch_by_rank; members: the ids of the ranks in the job now; balance: --balance's shares;
     extra: more for the metrics line (the losses of every progress report, utils/watch.py; the
     number of test images)."""
@@ -91,7 +91,6 @@ def report_epoch(model, epoch, seconds, stats, accuracy, ranks, config, members,
         ),
         flush=True,
     )
-    checkpoint.save(model.state_dict(), config.outputs.save_path)
     if config.outputs.metrics:
         append_metrics(
             config.outputs.metrics,

@@ -433,7 +433,8 @@ def train_epoch(
             accuracy = test_model(model, test_images, test_labels)
         losses = watch.epoch(epoch * len(batches), accuracy, max(r["bytes_sent_per_step"] for r in ranks))
         extra = {"losses": losses, "test_images": len(test_labels)}
-        report_epoch(model, epoch, time.time() - start, stats, accuracy, ranks, config, members, balance, extra)
+        report_epoch(epoch, time.time() - start, stats, accuracy, ranks, config, members, balance, extra)
+        checkpoint.save_model(model, config.outputs.save_path)
         hint.check(ranks, stats.steps)
     try:
         save_checkpoint(epoch + 1, 0, EpochStats())
