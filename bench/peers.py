@@ -76,7 +76,7 @@ class LocalStep(GradientSync):
         super().__init__(optimizer, scheduler, NoCompression(), Flags, OFF)
         self.at_end = at_end
 
-    def after_backward(self):
+    def sum(self):
         pass
 
     def flush(self):

@@ -47,7 +47,7 @@ class Lockstep(LocalStep):
         super().__init__(optimizer, scheduler)
         self.wire, self.token = wire, torch.zeros(1)
 
-    def after_backward(self):
+    def sum(self):
         import torch.distributed as dist
 
         if self.wire is not None:
@@ -56,7 +56,7 @@ class Lockstep(LocalStep):
 
 
 class PhaseClock:
-    """A gradient sync, timed: a step's forward+backward (from weigh() to after_backward()), the sum or
+    """A gradient sync, timed: a step's forward+backward (from weigh() to sum()), the sum or
     wait after it, and the optimizer, summed over the steps in `parts`. Anything else is the sync's."""
 
     def __init__(self, sync):
@@ -69,13 +69,13 @@ class PhaseClock:
         self.start = time.perf_counter()
         self.sync.weigh(weight)
 
-    def after_backward(self):
+    def sum(self):
         self.backward_end = time.perf_counter()
-        self.sync.after_backward()
+        self.sync.sum()
         self.sum_end = time.perf_counter()
 
     def step(self):
-        self.sync.step()
+        self.sync.optimizer.step()
         times = (self.start, self.backward_end, self.sum_end, time.perf_counter())
         self.parts = [total + b - a for total, a, b in zip(self.parts, times, times[1:])]
 

@@ -340,7 +340,7 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
         sync, rates = LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(net)), []
         for _ in range(5):
             rates.append(optimizer.param_groups[0]["lr"])
-            train_step(ddp, sync, torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]))
+            train_step(ddp, torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]), sync, sync.optimizer)
         assert wrapped.averager.step == 5
         assert rates[0] < rates[1] < rates[4] and wrapped.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
         before = [p.detach().clone() for p in net.parameters()]

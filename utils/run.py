@@ -1,6 +1,6 @@
 """Training: the epoch loop, one step at a time, with the gradients summed over the ring.
 
-    train_step()   one step: forward, loss.backward(), the gradient sum, the optimizer step
+    train_step()   one step: forward, loss.backward(), the ring sum, optimizer.step()
     train_model()  one epoch of steps (or what is left of it)
     test_model()   accuracy on the 10,000 test images
     run()          the epoch loop: train, evaluate (rank 0), log, save state dict and checkpoint
@@ -14,6 +14,7 @@ utils/report.py's; what a rank shows those who watch the job (--status, --tensor
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -74,48 +75,39 @@ def batches_of_epoch(num_examples, epoch, recipe, balance=None):
     ]
 
 
-def train_step(model, gradient_sync, images, labels, weight=1.0, timeline=OFF, balance=None):
-    """One training step on `images`: the loss, before the step. balance (--balance): told the time
-    the step's work needed, its forward and backward apart."""
-    gradient_sync.weigh(weight)
-    started = balance.start(gradient_sync) if balance is not None else None
+def train_step(model, images, labels, gradient_sum, optimizer, timeline=OFF, balance=None):
+    """One training step on `images`, as the original draws it: forward, loss.backward(), the ring
+    sum, optimizer.step(). Returns the loss, before the step. gradient_sum: a utils.sync
+    GradientSync; optimizer: its DistributedOptimizer. balance (--balance): told the time the step's
+    work needed, its forward and backward apart."""
+    started = balance.start(gradient_sum) if balance is not None else None
     with timeline.span("step"):
         with timeline.span("forward"):
             loss = F.cross_entropy(model(images), labels)
         with timeline.span("backward"):
             loss.backward()
-        computed = balance.now(gradient_sync) if balance is not None else None
+        computed = balance.now(gradient_sum) if balance is not None else None
         faults.point("sum")
-        gradient_sync.after_backward()  # the sum over all ranks (overlapped: already running)
-        gradient_sync.step()
+        gradient_sum.sum()  # every rank's gradients added up over the ring, divided by N (overlap: under way)
+        optimizer.step()  # Adam and the learning rate's schedule, when this kind of sum calls for them
     if balance is not None:
-        balance.timed(len(images), started, computed, balance.now(gradient_sync))
+        balance.timed(len(images), started, computed, balance.now(gradient_sum))
     return loss
 
 
+@dataclass
 class EpochStats:
     """What an epoch's log line reports; carried in mid-epoch checkpoints."""
 
-    def __init__(
-        self,
-        loss_sum=0.0,
-        steps=0,
-        comm_seconds=0.0,
-        step_seconds=0.0,
-        busy_seconds=0.0,
-        bytes_sent=0,
-        bytes_summed=0,
-        images=0,
-        own_images=0,
-    ):
-        self.loss_sum, self.steps = loss_sum, steps
-        self.images = images  # the steps' images in all, every rank's (each step once)
-        self.own_images = own_images  # this rank's share of them
-        self.comm_seconds = comm_seconds  # the step waited for communication this long
-        self.busy_seconds = busy_seconds  # communication ran this long (hidden or not)
-        self.step_seconds = step_seconds
-        self.bytes_sent = bytes_sent  # this rank sent this much for gradient sums
-        self.bytes_summed = bytes_summed  # the summed buffers' size on the wire (compressed)
+    loss_sum: float = 0.0
+    steps: int = 0
+    comm_seconds: float = 0.0  # the step waited for communication this long
+    step_seconds: float = 0.0
+    busy_seconds: float = 0.0  # communication ran this long (hidden or not)
+    bytes_sent: int = 0  # this rank sent this much for gradient sums
+    bytes_summed: int = 0  # the summed buffers' size on the wire (compressed)
+    images: int = 0  # the steps' images in all, every rank's (each step once)
+    own_images: int = 0  # this rank's share of them
 
 
 class Done:
@@ -180,7 +172,10 @@ def train_model(
             start = time.perf_counter()
             timeline.at_step((epoch - 1) * len(batches) + step)
             faults.at_step((epoch - 1) * len(batches) + step)
-            loss = train_step(model, gradient_sync, images[batch], labels[batch], weight, timeline, balance)
+            gradient_sync.weigh(weight)  # this rank's share of the step's images, times N
+            loss = train_step(
+                model, images[batch], labels[batch], gradient_sync, gradient_sync.optimizer, timeline, balance
+            )
             stats.loss_sum += loss.item()
             stats.steps += 1
             stats.images += size

@@ -34,7 +34,7 @@ def main(port, trace):
     model(torch.randn(4, 1, 28, 28)).sum().backward()
     timeline.at_step(2)
     gate.set()
-    sync.after_backward()
+    sync.sum()
     drawn = {name: [] for name in ("sum", "all-reduce")}
     for name, _, _, _, args in timeline.spans:
         drawn.setdefault(name, []).append(args["step"])

@@ -105,7 +105,7 @@ def test_the_plain_sum_runs_on_the_training_thread_or_in_a_group_that_can_break_
         held = HeldSum()
         sync = plain_sync(model, held, broken)
         grads = backward(model)
-        sync.after_backward()  # (the other rank's gradients equal these: the average is these)
+        sync.sum()  # (the other rank's gradients equal these: the average is these)
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
         assert sync.flags().signalled == 2  # the flags rode with the sum, summed
         assert (held.threads[0] is threading.current_thread()) == (broken is None), held.threads
@@ -117,12 +117,12 @@ def test_a_plain_sum_still_running_after_the_group_broke_is_given_up_and_a_faile
     sync = plain_sync(model, held, broken)
     backward(model)
     threading.Timer(0.1, broken.set).start()
-    given_up_within_the_bound(sync.after_backward)
+    given_up_within_the_bound(sync.sum)
     held.release.set()  # (its thread ends)
     sync = plain_sync(model, HeldSum(error=RuntimeError("Connection closed by peer\n  at gloo")), broken)
     backward(model)
     with pytest.raises(PeerError, match="^Connection closed by peer$"):
-        sync.after_backward()
+        sync.sum()
 
 
 def test_a_rounds_sum_still_running_after_the_group_broke_is_given_up():
@@ -134,8 +134,8 @@ def test_a_rounds_sum_still_running_after_the_group_broke_is_given_up():
     sync = PeriodicSync(model, held, compressor, optimizer, scheduler, 2, broken=broken)
     for _ in range(2):  # a round: its sum starts at its end
         backward(model)
-        sync.after_backward()
-        sync.step()
+        sync.sum()
+        sync.optimizer.step()
     assert sync.pending is not None
     broken.set()
     given_up_within_the_bound(sync.finish)

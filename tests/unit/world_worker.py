@@ -50,7 +50,7 @@ def training(rank, world_size):
         gradient_sync = make_gradient_sync(model, sync, optimizer, scheduler, seed=1)
         for step in range(3):
             images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(100 * step + rank))
-            train_step(model, gradient_sync, images, torch.arange(4) + rank)
+            train_step(model, images, torch.arange(4) + rank, gradient_sync, gradient_sync.optimizer)
         gradient_sync.finish()
         results[mode] = parameter_vector(model).clone()
         results[f"{mode}/bytes"] = torch.tensor(gradient_sync.stats()["bytes_sent"])

@@ -143,7 +143,7 @@ class PlainSync(BucketSync):
         super().__init__(*parts, **named)
         self.broken = broken
 
-    def after_backward(self):
+    def sum(self):
         start = time.perf_counter()
         try:
             if self.broken is None:
@@ -288,7 +288,7 @@ class OverlappedSync(BucketSync):
             self.flag_sums = flat[numel:].tolist()
         set_gradients(self.buckets[i], flat[:numel].div_(self.allreduces[i].world_size))
 
-    def after_backward(self):
+    def sum(self):
         start = time.perf_counter()
         self.backward_done()
         for i in range(len(self.buckets)):

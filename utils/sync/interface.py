@@ -4,8 +4,8 @@ The training loop (utils/run.py) holds a GradientSync and calls, for every step:
 
     sync.weigh(w)            this rank's share of the step's images, times N
     loss.backward()
-    sync.after_backward()    the sum over all ranks (overlapped kinds: already running)
-    sync.step()              optimizer.step() and the learning-rate schedule
+    sync.sum()               the ring sum over all ranks (overlapped kinds: already running)
+    sync.optimizer.step()    the optimizer's step, as this kind of sum calls for it (DistributedOptimizer)
     sync.flags()             what the ranks raised with this step's sum (the same Flags everywhere)
 
 and, now and then, finish() (before evaluating or saving), flush() (the end of training),
@@ -24,12 +24,14 @@ from utils.sync.flags import Flags
 class GradientSync(abc.ABC):
     """What the training loop calls between loss.backward() and the next forward.
 
-    optimizer, scheduler: the step's; compressor: what the sums carry (utils/comm/compress.py);
+    optimizer, scheduler: the step's (base_optimizer: Adam; optimizer: the loop's view of it,
+    a DistributedOptimizer); compressor: what the sums carry (utils/comm/compress.py);
     local_flag: () -> this rank's Flags, read as the sum that carries them starts; timeline: where
     the sync draws its spans (utils/timeline.py)."""
 
     def __init__(self, optimizer, scheduler, compressor, local_flag, timeline):
-        self.optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
+        self.base_optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
+        self.optimizer = DistributedOptimizer(self)
         self.local_flag, self.timeline = local_flag, timeline
         self.flag_sums = []  # the flags' values summed over ranks, as of the last sum that carried them
         self.busy_seconds = 0.0  # communication ran this long
@@ -51,16 +53,17 @@ class GradientSync(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def after_backward(self) -> None:
+    def sum(self) -> None:
         """After loss.backward(): the gradients become their average over all ranks (or, for the
         kinds that overlap, will be by the time they are used)."""
 
     def step(self) -> None:
-        """optimizer.step() and the learning-rate schedule."""
+        """The step the loop's optimizer.step() takes: Adam's, the learning rate's schedule, and the
+        gradients dropped (lazy and --sync-every change what it does)."""
         with self.timeline.span("optimizer"):
-            self.optimizer.step()
+            self.base_optimizer.step()
             self.scheduler.step()
-            self.optimizer.zero_grad()
+            self.base_optimizer.zero_grad()
 
     def flags(self) -> Flags:
         """The flags summed with the last sum that carried them: the same on every rank."""
@@ -97,3 +100,17 @@ class GradientSync(abc.ABC):
     def abandon(self) -> bool:
         """After a lost peer: close, and say whether the last step train_step returned from was
         left undone (its update was still being applied; what of it was applied is taken back)."""
+
+
+class DistributedOptimizer:
+    """The optimizer as the training loop sees it, after the ring sum: optimizer.step() takes the
+    step the sum's kind calls for (GradientSync.step), the way Horovod's DistributedOptimizer and
+    torch's PostLocalSGDOptimizer wrap an optimizer. The plain kinds: Adam's step and the schedule
+    now; lazy (--lazy-update): each bucket's, as the next forward needs it; --sync-every: the
+    inner step, and at a round's end the outer one."""
+
+    def __init__(self, sync: GradientSync):
+        self.sync = sync
+
+    def step(self) -> None:
+        self.sync.step()

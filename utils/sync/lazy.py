@@ -23,9 +23,9 @@ class LazySync(OverlappedSync):
 
     def __init__(self, model, *parts, **named):
         super().__init__(model, *parts, **named)
-        self.lazy = LazyUpdate(model, self.optimizer, self.scheduler, self)
+        self.lazy = LazyUpdate(model, self.base_optimizer, self.scheduler, self)
 
-    def after_backward(self):
+    def sum(self):
         self.backward_done()
 
     def step(self):

@@ -94,7 +94,7 @@ class PeriodicSync(GradientSync):
         half). Without --balance the plain mean stays (its bits with it)."""
         self.weights += weight
 
-    def after_backward(self):
+    def sum(self):
         self._raise_failure()  # nothing is summed per step
 
     def _raise_failure(self):
@@ -229,7 +229,7 @@ class PeriodicSync(GradientSync):
         """This rank's own state, mid-round too (after finish(): nothing in flight): so that a resume
         on as many ranks goes on bit for bit. On another number every rank takes rank 0's."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.base_optimizer.state_dict(),
             "momentum": self.momentum,
             "anchor": self.anchor,
             "start": self.start,
@@ -241,7 +241,7 @@ class PeriodicSync(GradientSync):
         }
 
     def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.base_optimizer.load_state_dict(state["optimizer"])
         if self.momentum is not None:
             self.momentum.copy_(state["momentum"])
         self.anchor, self.start = state["anchor"].clone(), state["start"].clone()
