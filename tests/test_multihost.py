@@ -24,6 +24,7 @@ import netns
 import pytest
 import torch
 from forker import popen
+from hosts import ENV, NICS, _created, existing_names, left_of, remember, report, start_ranks, wait_ranks
 
 from utils.model import Net, parameter_vector
 
@@ -31,36 +32,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 
 PY = sys.executable
-NICS = ["eth0", "ens3", "enp1s0"]
-ENV = {"OMP_NUM_THREADS": "1"}  # 2 cores shared by all ranks
 GRADIENT_BYTES = sum(p.numel() for p in Net().parameters()) * 4
 SHA_LINE = r"saved the model to (\S+); parameters identical on all {n} ranks \(sha256 ([0-9a-f]{{64}})\)"
-
-_created = []  # every namespace / veth / bridge name a cluster of this module had
-
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def remember(c):
-    _created.extend([*c.names, *c.veths, c.bridge])
-    return c
-
-
-def existing_names():
-    """Names of all network namespaces and links (root namespace) on this machine right now."""
-    nss = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=15, check=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=15, check=True).stdout
-    return {line.split()[0] for line in nss.splitlines() if line.strip()} | {
-        line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
-    }
-
-
-def left_of(names):
-    return sorted(set(names) & existing_names())
 
 
 def digest_of(path):
@@ -79,56 +57,6 @@ def nic_bytes(c, rank, nic=None):
     return rx, tx
 
 
-def start_ranks(c, argvs, logdir, env=ENV):
-    """Start argvs[r] (rank r) on its host in its own directory logdir/host<r> (the hosts share one
-    filesystem; default paths such as runs/checkpoint.pt are relative), stdout/stderr to files."""
-    procs = []
-    for r, argv in enumerate(argvs):
-        home = logdir / f"host{r}"
-        home.mkdir(exist_ok=True)
-        with open(logdir / f"rank{r}.out", "wb") as out, open(logdir / f"rank{r}.err", "wb") as err:
-            procs.append(
-                c.popen(c.host_of(r), argv, env=env, cwd=home, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
-            )
-    return procs
-
-
-def wait_ranks(c, procs, logdir, timeout):
-    """Wait until every rank exited, at most `timeout` s (then kill all and fail).
-
-    Returns [(returncode, stdout, stderr, seconds until it exited)].
-    """
-    start, exited = time.monotonic(), {}
-    while len(exited) < len(procs):
-        for r, p in enumerate(procs):
-            if r not in exited and p.poll() is not None:
-                exited[r] = time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            for p in procs:
-                c.kill(p)
-            break
-        time.sleep(0.05)
-    results = [
-        (
-            p.wait(timeout=10),
-            (logdir / f"rank{r}.out").read_text(),
-            (logdir / f"rank{r}.err").read_text(),
-            exited.get(r),
-        )
-        for r, p in enumerate(procs)
-    ]
-    missing = [r for r in range(len(procs)) if r not in exited]
-    assert not missing, f"ranks {missing} still running after {timeout} s; killed\n" + report(results)
-    return results
-
-
-def report(results):
-    return "\n".join(
-        f"--- rank {r}: exit {code} after {secs} s\nstdout:\n{out}\nstderr:\n{err}"
-        for r, (code, out, err, secs) in enumerate(results)
-    )
-
-
 # -- tests --------------------------------------------------------------------------------------
 
 
@@ -136,7 +64,7 @@ def report(results):
 def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path):
     """Also --timeline on rank 0 alone (one timeline on aligned clocks): every host records, rank 0 writes;
     host 2's clock is 3 s ahead."""
-    from test_timeline import FIRST, LAST, check_trace
+    from trace_checks import FIRST, LAST, check_trace
 
     subset, world, batch, trace = 1500, 3, 32, tmp_path / "timeline.json"
     saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]  # one filesystem: a path each

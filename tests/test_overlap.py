@@ -18,7 +18,7 @@ import sys
 import procs
 import pytest
 import torch
-from test_timeline import FIRST, LAST, SKEW_S, SUMMARY, check_trace
+from trace_checks import FIRST, LAST, SKEW_S, SUMMARY, check_trace
 
 from utils.comm import ring
 from utils.model import Net

@@ -9,8 +9,8 @@ import time
 import cluster  # noqa: F401  (scripts/, on the path through tests/conftest.py)
 import pytest
 from forker import popen
+from hosts import NICS, remember, report, start_ranks, wait_ranks
 from procs import checkpoint_position
-from test_multihost import NICS, remember, report, start_ranks, wait_ranks
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 

@@ -119,7 +119,7 @@ def test_a_job_stopped_on_three_hosts_resumes_on_two(needs_root, tmp_path):
     the job then goes on with hosts 0 and 1 alone, from the next image, and ends within 0.1 percentage
     point of a run that never stopped."""
     import cluster
-    from test_multihost import NICS, report, start_ranks, wait_ranks
+    from hosts import NICS, report, start_ranks, wait_ranks
 
     settings = ["--train-subset", "3200", "--epochs", "1", "--metrics", "", "--save-every", "4", "--timeout", "30"]
     unresized = procs.wait_all(

@@ -178,3 +178,13 @@ def test_the_sum_does_not_reach_up_to_the_command_line():
     for path in sources("utils/comm", "utils/sync"):
         assert not {"utils.config", "utils.cli"} & utils_imports(path, modules), path
     assert not re.search(r"^(import|from) ", open(os.path.join(REPO, "utils", "comm", "names.py")).read(), re.M)
+
+
+def test_no_test_file_imports_another():
+    """What tests share lives in helper modules (tests/procs.py, hosts.py, trace_checks.py...), not in test files."""
+    for path in sources("tests"):
+        tree = ast.parse(open(os.path.join(REPO, path)).read())
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.split(".")[-1].startswith("test_") for n in names), (path, names)
