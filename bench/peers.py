@@ -96,15 +96,16 @@ class LocalStep(GradientSync):
 
 
 def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):
-    """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.run.batches_of_epoch's
+    """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.training.batches_of_epoch's
     (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
     utils.timeline.Recorder, or None: off) records its spans. Its progress lines (rank 0) are kept off
     the driver's stdout. Returns its EpochStats (the loss summed over the steps)."""
-    from utils.run import EpochStats, train_model
+    from utils.report import EpochStats
+    from utils.run import Steps, train_model
 
     stats = EpochStats()
     with contextlib.redirect_stdout(io.StringIO()):
-        train_model(model, sync, images, labels, batches, epoch, first_step, stats, timeline=recorder or OFF)
+        train_model(Steps(model, sync, images, labels, timeline=recorder or OFF), batches, (epoch, first_step, stats))
     return stats
 
 

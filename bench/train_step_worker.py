@@ -88,9 +88,9 @@ class Runner:
 
         from utils import timeline
         from utils.config import Recipe
-        from utils.run import make_optimizer
         from utils.sync.factory import make_gradient_sync
         from utils.timeline import OFF
+        from utils.training import make_optimizer
 
         self.skip = spec.get("alone") and rank != 0
         torch.manual_seed(cfg["seed"])
@@ -140,7 +140,7 @@ def worker(args) -> int:
     from utils.config import Recipe
     from utils.data import load_mnist
     from utils.exchange import all_gather_json
-    from utils.run import batches_of_epoch
+    from utils.training import batches_of_epoch
 
     cfg, say = start_worker(args)
     rank, n, prefix = args.rank, cfg["world_size"], f"  [{cfg['label']} N={cfg['world_size']}]"

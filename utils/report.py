@@ -7,6 +7,7 @@ the lines every rank says after a join or a stop.
     stopped_line()     after a stop: who got which signal, where the checkpoint is (a collective)
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -64,6 +65,21 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """What an epoch's log line reports; carried in mid-epoch checkpoints."""
+
+    loss_sum: float = 0.0
+    steps: int = 0
+    comm_seconds: float = 0.0  # the step waited for communication this long
+    step_seconds: float = 0.0
+    busy_seconds: float = 0.0  # communication ran this long (hidden or not)
+    bytes_sent: int = 0  # this rank sent this much for gradient sums
+    bytes_summed: int = 0  # the summed buffers' size on the wire (compressed)
+    images: int = 0  # the steps' images in all, every rank's (each step once)
+    own_images: int = 0  # this rank's share of them
 
 
 def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, balance=None, extra=None):

@@ -133,7 +133,7 @@ def test_training_imports_no_torch_dynamo():
     code = (
         "import sys, torch\n"
         "from utils.model import Net\n"
-        "from utils.run import make_optimizer\n"
+        "from utils.training import make_optimizer\n"
         "from utils.config import Recipe\n"
         "model = Net()\n"
         "optimizer, scheduler = make_optimizer(model, Recipe(epochs=1), 10)\n"

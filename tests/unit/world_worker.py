@@ -10,8 +10,9 @@ from periodic_world import periodic
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
 from utils.config import Recipe, Sync
 from utils.model import Net, parameter_vector
-from utils.run import make_optimizer, train_step
+from utils.run import train_step
 from utils.sync.factory import make_gradient_sync
+from utils.training import make_optimizer
 
 
 def inputs(rank, size):

@@ -1,6 +1,6 @@
 """Going on without a lost rank: the trainer's side of utils/elastic/membership.py.
 
-    recovery = Recovery(membership, config, model, optimizer, scheduler, state, make_sync, make_stats, timeline)
+    recovery = Recovery(membership, trainer)        trainer: the run's utils.training.Trainer
     sync, (epoch, step, stats) = recovery.go_on(error, old_sync, (epoch, step, stats))
 
 When a step fails (a peer died, fell silent or was cut off), utils/run.py abandons the step in
@@ -23,6 +23,7 @@ PowerSGD's error buffers are each rank's own: a dead rank's is lost. The survivo
 mean of the error buffers of those at the furthest step, as a resume on another number of ranks does.
 """
 
+import dataclasses
 import os
 import sys
 import threading
@@ -38,17 +39,32 @@ from utils.elastic.membership import Fenced, NoQuorum
 from utils.errors import PeerError, UsageError, first_line
 from utils.exchange import all_gather_state, broadcast_state
 from utils.files import check_writable
+from utils.report import EpochStats
 
 MAX_ATTEMPTS = 3  # new groups that did not form before the survivors give up
 
 
+class Done:
+    """The last two steps this rank completed, (epoch, step, a copy of the epoch's stats then):
+    where a job that lost a rank goes on from (Recovery.go_on)."""
+
+    def __init__(self, epoch, step, stats, first=None):
+        self.last = self.before = (epoch, step, dataclasses.replace(stats))
+        self.first = first  # called once, after the first step (after a change of members: its time)
+
+    def add(self, epoch, step, stats):
+        self.before, self.last = self.last, (epoch, step, dataclasses.replace(stats))
+        if self.first is not None:
+            self.first, first = None, self.first
+            first(epoch, step)
+
+
 class Recovery:
-    def __init__(self, membership, config, model, optimizer, scheduler, state, make_sync, make_stats, timeline):
-        self.membership, self.config, self.timeline = membership, config, timeline
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.state = state  # state(epoch, step, stats, compression) -> the checkpoint dict
-        self.make_sync = make_sync  # (hosts) -> a gradient sync over the default group (utils/sync/)
-        self.make_stats = make_stats  # (**epoch_stats) -> utils.run.EpochStats
+    def __init__(self, membership, trainer):
+        self.membership, self.config, self.timeline = membership, trainer.config, trainer.timeline
+        self.model, self.optimizer, self.scheduler = trainer.model, trainer.optimizer, trainer.scheduler
+        self.state = trainer.state  # state(epoch, step, stats, compression) -> the checkpoint dict
+        self.make_sync = trainer.new_sync  # (hosts) -> a gradient sync over the default group (utils/sync/)
         self.writes = membership.me == 0  # this process holds the output locks (rank 0 took them)
         self.abandoned = []  # the gradient syncs of broken groups, dropped on a timer's thread: see go_on
 
@@ -145,7 +161,7 @@ class Recovery:
         for p in self.model.parameters():  # an abandoned step's gradients must not add to the next one's
             p.grad = None
         checkpoint.restore(state, self.optimizer, self.scheduler, None, 0, 1)  # (no compression state in it)
-        at = (state["epoch"], state["step"], self.make_stats(**state["epoch_stats"]))  # where this rank is now
+        at = (state["epoch"], state["step"], EpochStats(**state["epoch_stats"]))  # where this rank is now
         try:
             return self._new_sync(state, at, old_sync, position, source, furthest)
         except RuntimeError as e:
