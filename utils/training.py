@@ -23,7 +23,6 @@ from utils.elastic.status import Record
 from utils.errors import PeerError, first_line
 from utils.exchange import all_gather_state
 from utils.optim import Adam, OneCycleLR
-from utils.report import SlowRankHint
 from utils.sync.factory import make_gradient_sync
 from utils.sync.flags import Flags
 from utils.sync.interface import GradientSync
@@ -99,7 +98,7 @@ class Trainer:
             self.timeline = Recorder(outputs.timeline, *outputs.timeline_steps, recipe.epochs * self.steps_per_epoch)
         self.settings = {"model": model_name(model), **config.must_keep()}
         self.sync = None  # a joining server makes its own with the members (Recovery.form)
-        self.hint = SlowRankHint(dist.get_rank() == 0 and self.balance is None)
+        self.hint = None  # rank 0's utils.report.SlowRankHint, once this rank's place is known (run)
         self.record = Record(recipe.epochs)  # this rank's progress: its heartbeats carry it (train.py --status)
         board = (lambda at: Board(outputs.tensorboard, at)) if outputs.tensorboard else None  # rank 0 opens it
         self.watch = Watch(self.record, board, lambda: self.optimizer.param_groups[0]["lr"])
