@@ -14,8 +14,8 @@ Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the sam
 saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
 servers or another.
 
-This file sets up: the command line becomes a utils.config.Config; then it evaluates, starts every
-rank here (utils/launch.py), or joins the process group (utils/distributed.py) and hands over to
+This file sets up: the command line becomes a utils.setup.config.Config; then it evaluates, starts every
+rank here (utils/setup/launch.py), or joins the process group (utils/setup/distributed.py) and hands over to
 utils/run.py, which trains. Exceptions become one line and an exit code (utils/errors.py).
 """
 
@@ -26,17 +26,18 @@ import shlex
 import sys
 import time
 
-# Only modules without torch here: a bad command line and the local launcher answer before torch loads.
-from utils import cli, stop
-from utils.config import check_share, from_args
 from utils.elastic import faults, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
-from utils.files import check_folder, check_writable, remove_stale_temps, set_aside
-from utils.launch import launch_local, threads_per_rank
-from utils.memory import keep_freed_memory
-from utils.mnist import ensure_mnist
-from utils.outputs import lock_outputs, release
-from utils.precision import refusal, this_cpu
+from utils.learn.mnist import ensure_mnist
+
+# Only modules without torch here: a bad command line and the local launcher answer before torch loads.
+from utils.setup import cli, stop
+from utils.setup.config import check_share, from_args
+from utils.setup.launch import launch_local, threads_per_rank
+from utils.setup.memory import keep_freed_memory
+from utils.setup.precision import refusal, this_cpu
+from utils.store.files import check_folder, check_writable, remove_stale_temps, set_aside
+from utils.store.outputs import lock_outputs, release
 
 # c10d logs socket errors with stack traces; we report them in one line (set before torch loads)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -60,9 +61,9 @@ def preflight(config, world_size, train_images):
     lock_outputs(config.outputs, hold=False)
     check_share(train_images, world_size, config.recipe.global_batch)
     if config.job.resume and os.path.exists(config.outputs.checkpoint):
-        from utils import checkpoint
-        from utils.distributed import model_name
-        from utils.model import Net
+        from utils.learn.model import Net
+        from utils.setup.distributed import model_name
+        from utils.store import checkpoint
 
         resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
         return resume_from, checkpoint.finished(resume_from, config.recipe.epochs)
@@ -91,13 +92,20 @@ def train(config, data):
     import torch
     import torch.distributed as dist
 
-    from utils import checkpoint, slurm
     from utils.comm import hierarchical
-    from utils.distributed import agree, broadcast_parameters, init_distributed, model_name, torchrun_attempt_store
     from utils.elastic.join import join_running_job, start_membership
     from utils.exchange import broadcast_state
-    from utils.model import Net
+    from utils.learn.model import Net
     from utils.run import run
+    from utils.setup import slurm
+    from utils.setup.distributed import (
+        agree,
+        broadcast_parameters,
+        init_distributed,
+        model_name,
+        torchrun_attempt_store,
+    )
+    from utils.store import checkpoint
 
     torch.manual_seed(config.recipe.seed)
     model, job = Net(config.recipe.precision), config.job
@@ -186,13 +194,13 @@ def main(argv=None):
         job = config.job
         if refusal(config.recipe.precision, this_cpu()):  # each server asks its own CPU
             raise UsageError(refusal(config.recipe.precision, this_cpu()))
-        keep_freed_memory()  # a step's freed buffers stay for the next (utils/memory.py); forked ranks inherit it
+        keep_freed_memory()  # a step's freed buffers stay for the next (utils/setup/memory.py); forked ranks inherit it
         if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
             # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh
             os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(job.nproc))
             if job.model_path:  # the only check that needs torch
-                from utils.checkpoint import load_model_state
-                from utils.model import Net
+                from utils.learn.model import Net
+                from utils.store.checkpoint import load_model_state
 
                 load_model_state(Net(), job.model_path)
             if preflight(config, job.nproc, config.recipe.train_subset)[1]:
@@ -211,8 +219,8 @@ def main(argv=None):
         rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
         if not job.eval:
             stop.install(f"{PROG}: rank {rank}")
-        from utils.data import load_mnist
-        from utils.model import use_deterministic_algorithms
+        from utils.learn.data import load_mnist
+        from utils.learn.model import use_deterministic_algorithms
 
         use_deterministic_algorithms()
         data = load_mnist(job.data_dir, config.recipe.train_subset, config.recipe.test_subset)
@@ -234,7 +242,7 @@ def main(argv=None):
         stop.leaving()  # a requeue's SIGTERM, or a late repeat, must not make this exit a crash
         say(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}")
         if job.slurm and job.rank == 0 and stop.signalled() == "SIGUSR1":  # Slurm's warning: its time is nearly up
-            from utils.slurm import requeue
+            from utils.setup.slurm import requeue
 
             say(f"{PROG}: rank 0: {requeue(job.slurm, config.outputs.checkpoint)}")
         return EXIT_STOPPED

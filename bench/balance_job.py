@@ -13,7 +13,7 @@ from pathlib import Path
 from harness import REPO, throttle
 
 from utils.elastic.faults import read_events
-from utils.launch import die_with_parent, free_port, kill
+from utils.setup.launch import die_with_parent, free_port, kill
 
 TRAIN = str(REPO / "train.py")
 

@@ -1,5 +1,5 @@
 """The CPU time of one training step of the MNIST CNN by batch size, 1 thread: is a step's cost
-linear in its images, as --balance's model takes it (utils/balance.py: a cost a step, one an image)?
+linear in its images, as --balance's model takes it (utils/balance/shares.py: a cost a step, one an image)?
 
     python bench/batch_cost.py                      # about 20 seconds
     python bench/batch_cost.py --sizes 8,16,48,56 --rounds 5
@@ -19,7 +19,7 @@ import time
 import torch
 from harness import bench_parser
 
-from utils.model import Net
+from utils.learn.model import Net
 
 SIZES = "4,8,12,16,24,32,40,44,48,52,54,56,58,60,64"
 

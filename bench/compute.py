@@ -97,9 +97,9 @@ def rank_setup(repo):
     import torch
 
     torch.set_num_threads(1)
-    from utils.data import load_mnist
-    from utils.memory import keep_freed_memory
-    from utils.model import use_deterministic_algorithms
+    from utils.learn.data import load_mnist
+    from utils.learn.model import use_deterministic_algorithms
+    from utils.setup.memory import keep_freed_memory
 
     keep_freed_memory()
     use_deterministic_algorithms()
@@ -111,8 +111,8 @@ def step_worker(repo, variant, steps):
     import torch.nn.functional as F
 
     images, labels, _, _ = rank_setup(repo)
-    from utils.model import Net
-    from utils.optim import Adam
+    from utils.learn.model import Net
+    from utils.learn.optim import Adam
 
     torch.manual_seed(1)
     if variant == "examples":
@@ -134,7 +134,7 @@ def step_worker(repo, variant, steps):
 
 def eval_worker(repo, variant):
     _, _, images, labels = rank_setup(repo)
-    from utils.model import Net
+    from utils.learn.model import Net
     from utils.run import test_model
 
     model = Net("bf16") if variant == "bf16" else Net()
@@ -155,9 +155,9 @@ def ddp_worker(rank, port, images):
 
     train_images, train_labels, test_images, test_labels = rank_setup(REPO)
     train_images, train_labels = train_images[:images], train_labels[:images]
-    from utils.data import step_batches
-    from utils.model import Net
-    from utils.optim import OneCycleLR
+    from utils.learn.data import step_batches
+    from utils.learn.model import Net
+    from utils.learn.optim import OneCycleLR
     from utils.run import test_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

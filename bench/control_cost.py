@@ -23,7 +23,7 @@ import fuzz  # (the job's start: one process per rank, the original command)
 import harness  # noqa: F401  (first: puts the repository's utils/ on the path)
 
 from utils.elastic.wire import KINDS, Alive, Envelope
-from utils.launch import supervise
+from utils.setup.launch import supervise
 
 
 def plain_round_trip(message):

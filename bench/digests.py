@@ -49,7 +49,7 @@ def combinations():
         found[f"two-pass/sync-every-8/{compress}"] = f"--nproc 2 --sync-every 8 --compress {compress}".split()
     found["ring/sync-every-8/nesterov"] = "--nproc 2 --allreduce ring --sync-every 8 --outer nesterov".split()
     found["two-pass/sync-every-8/none/3-ranks"] = "--nproc 3 --sync-every 8".split()
-    for allreduce, mode in (("two-pass", "overlap"), ("ring", "lazy")):  # --precision bf16 (utils/precision.py)
+    for allreduce, mode in (("two-pass", "overlap"), ("ring", "lazy")):  # --precision bf16 (utils/setup/precision.py)
         found[f"{allreduce}/{mode}/none/precision-bf16"] = [
             *f"--nproc 2 --allreduce {allreduce} --precision bf16".split(),
             *modes[mode],

@@ -39,7 +39,7 @@ import time
 import harness  # noqa: F401  (first: puts the repository's utils/ on the path)
 
 from utils.elastic.wire import KINDS, Alive, Ask, Decision, Envelope, FencedOut, Join, Refused, Rejected, Status
-from utils.launch import free_port, supervise
+from utils.setup.launch import free_port, supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

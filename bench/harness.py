@@ -1,5 +1,5 @@
 """What every benchmark shares: the command line's option groups and their checks, a world of rank
-processes (each driver starts its own file with --worker, supervised by utils.launch.supervise), the
+processes (each driver starts its own file with --worker, supervised by utils.setup.launch.supervise), the
 emulated cluster, the rotation of configurations and the results files (bench/README.md, "How they
 run"). bench/stats.py has the load check and the paired statistics.
 """
@@ -28,11 +28,12 @@ import netns  # noqa: E402
 import throttle  # noqa: E402, F401  (scripts/throttle.py: CPU quotas, for bench/balance.py)
 from stats import LoadWatch, quiet  # noqa: E402  (bench/stats.py: the load check, the paired statistics)
 
-from utils import fork, forkserver  # noqa: E402
+from utils import forkserver  # noqa: E402
 from utils.errors import UsageError  # noqa: E402
-from utils.files import write_file  # noqa: E402
-from utils.launch import free_port, kill, supervise  # noqa: E402
-from utils.model import Net, parameter_vector  # noqa: E402
+from utils.learn.model import Net, parameter_vector  # noqa: E402
+from utils.setup import fork  # noqa: E402
+from utils.setup.launch import free_port, kill, supervise  # noqa: E402
+from utils.store.files import write_file  # noqa: E402
 
 GRACE = 5.0  # seconds the other ranks get to notice a failed one before they are killed
 POLL = 0.1  # seconds between looks at a running world
@@ -343,7 +344,7 @@ def start_worker(args, deterministic: bool = True):
     cfg = json.loads(Path(args.config).read_text())
     torch.set_num_threads(1)
     if deterministic:
-        from utils.model import use_deterministic_algorithms
+        from utils.learn.model import use_deterministic_algorithms
 
         use_deterministic_algorithms()
     timeout = datetime.timedelta(seconds=cfg["op_timeout"])

@@ -1,5 +1,5 @@
 """The MNIST CNN's training steps, with glibc's malloc as it comes and with the limits train.py
-sets (utils/memory.py): ms a step and page faults a step, at 56 images from the start and after 10
+sets (utils/setup/memory.py): ms a step and page faults a step, at 56 images from the start and after 10
 steps at 32 (as when --balance moves a rank's share). Each run is a process of its own, 1 thread.
 
     python bench/page_faults.py                 # about 90 seconds
@@ -30,8 +30,8 @@ def run(plan, keep):
     import torch
     import torch.nn.functional as F
 
-    from utils.memory import keep_freed_memory
-    from utils.model import Net
+    from utils.learn.model import Net
+    from utils.setup.memory import keep_freed_memory
 
     if keep and not keep_freed_memory():
         raise SystemExit("page_faults.py: mallopt is not there: not glibc")

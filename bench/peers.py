@@ -33,7 +33,7 @@ def parse_ours(text: str) -> dict:
 
 
 def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=None, powersgd_warmup=None, **settings):
-    """The utils.config.Sync of one of our configurations, as train.py would build it from its flags
+    """The utils.setup.config.Sync of one of our configurations, as train.py would build it from its flags
     (PowerSGD's rank and warm-up only with compress="powersgd"). overlap=False is the plain
     "<algorithm>": backward, then the whole sum. settings: the Sync's timeout, chunks and bucket_mb
     (train.py's defaults), and sync_every.
@@ -43,7 +43,7 @@ def our_sync(allreduce, overlap, lazy_update, compress="none", powersgd_rank=Non
     merge_after (None: train.py's defaults). There is no per-step sum to make lazy, so lazy_update is off,
     as train.py requires. With sync_every=1 the outer settings are dropped: the Sync is exactly the per-step one."""
     from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
-    from utils.config import Sync, default_merge_after
+    from utils.setup.config import Sync, default_merge_after
 
     settings = {"timeout": 120.0, "chunks": "auto", "bucket_mb": 1.0, "sync_every": 1, **settings}
     outer = {"outer": "average", "outer_lr": None, "outer_momentum": None, "merge_after": None}
@@ -100,7 +100,7 @@ def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, rec
     (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
     utils.timeline.Recorder, or None: off) records its spans. Its progress lines (rank 0) are kept off
     the driver's stdout. Returns its EpochStats (the loss summed over the steps)."""
-    from utils.report import EpochStats
+    from utils.observe.report import EpochStats
     from utils.run import Steps, train_model
 
     stats = EpochStats()

@@ -44,7 +44,7 @@ from targets import bound
 
 from utils.elastic.faults import read_events
 from utils.errors import EXIT_STOPPED
-from utils.launch import free_port, kill, supervise
+from utils.setup.launch import free_port, kill, supervise
 from utils.sync.waits import ABANDON_SECONDS
 
 TRAIN = str(REPO / "train.py")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from harness import REPO, RESULTS, bench_parser, command_line, host_info, positive, results_stem, write_results
 
-from utils.launch import free_port, kill
+from utils.setup.launch import free_port, kill
 
 TRAIN = str(REPO / "train.py")
 

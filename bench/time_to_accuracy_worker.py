@@ -27,8 +27,8 @@ from peers import (
     train_steps,
 )
 
-from utils.files import write_file
-from utils.model import Net
+from utils.learn.model import Net
+from utils.store.files import write_file
 
 
 def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> list[int]:
@@ -56,9 +56,9 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from utils.config import Recipe
-    from utils.data import load_mnist
     from utils.exchange import all_gather_json
+    from utils.learn.data import load_mnist
+    from utils.setup.config import Recipe
     from utils.training import batches_of_epoch
 
     cfg, say = start_worker(args)

@@ -22,7 +22,7 @@ def make_model(name: str):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from utils.model import Net
+    from utils.learn.model import Net
 
     class ReferenceNet(nn.Module):
         def __init__(self):
@@ -87,7 +87,7 @@ class Runner:
         import torch
 
         from utils import timeline
-        from utils.config import Recipe
+        from utils.setup.config import Recipe
         from utils.sync.factory import make_gradient_sync
         from utils.timeline import OFF
         from utils.training import make_optimizer
@@ -137,9 +137,9 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from utils.config import Recipe
-    from utils.data import load_mnist
     from utils.exchange import all_gather_json
+    from utils.learn.data import load_mnist
+    from utils.setup.config import Recipe
     from utils.training import batches_of_epoch
 
     cfg, say = start_worker(args)

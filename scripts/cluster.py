@@ -8,7 +8,7 @@
 
 The hosts are scripts/netns.py's network namespaces. Usable both as a module (tests and
 benchmarks: ``Cluster``, ``train``, ``cleanup_stale``) and as this command line. The ranks are
-watched by the repo's one process supervisor (utils/launch.py): when one fails the others get
+watched by the repo's one process supervisor (utils/setup/launch.py): when one fails the others get
 --grace seconds, every rank is killed on every way out, and every namespace is removed.
 """
 
@@ -36,7 +36,7 @@ from throttle import MIN_FRACTION, CpuQuota, ThrottleError, controller, remove_s
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from utils.launch import supervise  # noqa: E402
+from utils.setup.launch import supervise  # noqa: E402
 
 
 def _run_all(
@@ -47,7 +47,7 @@ def _run_all(
     grace: float = GRACE,
     cpu: dict[int, tuple[float, float]] | None = None,
 ) -> int:
-    """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.launch.supervise); see train().
+    """Start argvs[r] (rank r) on its host, stream output, and supervise (utils.setup.launch.supervise); see train().
     cpu: {host: (fraction of a core, after seconds)}, the CPU quota of that host's ranks (scripts/throttle.py)."""
     out_lock = threading.Lock()
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils.errors import UsageError  # noqa: E402
-from utils.files import write_file  # noqa: E402
+from utils.store.files import write_file  # noqa: E402
 
 PROG = "plot_metrics.py"
 REQUIRED = ("epoch", "train_loss", "test_accuracy")

@@ -1,6 +1,6 @@
 """Watching a checkpoint that a running job rewrites, cheaply: the tests poll it every 0.05 s for
 the whole run, and loading one (5 MB) costs about 8 ms of CPU. Saves are atomic renames
-(utils/files.py), so a new save is a new (inode, mtime, size): a file is read only when that changed."""
+(utils/store/files.py), so a new save is a new (inode, mtime, size): a file is read only when that changed."""
 
 import io
 import os

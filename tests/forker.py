@@ -6,10 +6,10 @@ The suite starts some 450 processes that load torch, at about 3 s of CPU each on
 more than half of its time. Each pytest worker has a fork server (utils/forkserver.py; started at
 its first use, gone with the worker; one for each set of values of the variables torch reads at
 load) that loads torch and forks every `python SCRIPT` a test starts: the child runs the script as
-`python SCRIPT` would (utils/fork.py), and its handle is a real process's.
+`python SCRIPT` would (utils/setup/fork.py), and its handle is a real process's.
 
 Anything else (another program, `python -c`, a Popen option this does not know, or an environment
-that torch would load differently: utils.fork.forkable) is started by subprocess.Popen as before.
+that torch would load differently: utils.setup.fork.forkable) is started by subprocess.Popen as before.
 """
 
 import os
@@ -17,9 +17,9 @@ import subprocess
 import sys
 import threading
 
-from utils import fork
 from utils.forkserver import ForkServer
-from utils.launch import threads_per_rank
+from utils.setup import fork
+from utils.setup.launch import threads_per_rank
 
 KNOWN = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session", "netns"}
 _servers = {}  # the variables read at load -> its ForkServer
@@ -54,7 +54,7 @@ def popen(argv, netns=None, **kwargs):
 
 
 def launcher_threads(args):
-    """train.py's local launcher loads torch with its ranks' threads (utils.launch.threads_per_rank);
+    """train.py's local launcher loads torch with its ranks' threads (utils.setup.launch.threads_per_rank);
     the threads as text for a launcher's command line `args`, else None."""
     if {"--rank", "--eval", "--status", "-h", "--help"} & {a.split("=")[0] for a in args}:
         return None
@@ -69,7 +69,7 @@ def launcher_threads(args):
 
 def server_for(env):
     """This worker's server whose torch loaded with what `env` has of the variables read at load
-    (utils.fork.AT_LOAD); started at the first call for such an environment."""
+    (utils.setup.fork.AT_LOAD); started at the first call for such an environment."""
     at_load = fork.at_load(env)
     key = tuple(sorted(at_load.items()))
     with _lock:

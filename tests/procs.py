@@ -16,7 +16,7 @@ import torch
 from checkpoint_watch import Watch
 from forker import popen
 
-from utils.launch import free_port, kill, supervise  # noqa: F401  (free_port: for the tests)
+from utils.setup.launch import free_port, kill, supervise  # noqa: F401  (free_port: for the tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")

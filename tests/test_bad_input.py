@@ -11,9 +11,9 @@ import pytest
 import torch
 from procs import REPO
 
-from utils.checkpoint import load_model_state, safe_load
 from utils.errors import UsageError
-from utils.model import Net
+from utils.learn.model import Net
+from utils.store.checkpoint import load_model_state, safe_load
 
 SHIPPED = os.path.join(REPO, "model_state_dict.pth")
 

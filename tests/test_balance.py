@@ -14,7 +14,7 @@ import pytest
 import throttle
 from procs import final_digest
 
-from utils.balance import REVIEW
+from utils.balance.shares import REVIEW
 from utils.elastic.faults import read_events
 
 RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
@@ -193,11 +193,11 @@ def test_a_server_joins_a_balanced_job(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_rank_sees_the_stalls_of_the_cpu_quota_that_holds_it(needs_root):
     """A busy process moved into a quota of 0.3 of a core while it runs: its own time
-    (utils/cpu.py: CPU time, plus the longer of its waits for a CPU and its group's stalls) is
+    (utils/balance/cpu.py: CPU time, plus the longer of its waits for a CPU and its group's stalls) is
     about the time that passed, though it ran for less than half of it, and the group's stalls
     show (on a busy machine, waits for a CPU may stand in for part of them)."""
     probe = (
-        "import time; from utils.cpu import CpuGroup, own_seconds, snapshot; g = CpuGroup(); input()\n"
+        "import time; from utils.balance.cpu import CpuGroup, own_seconds, snapshot; g = CpuGroup(); input()\n"
         "a = snapshot(g)\n"
         "while time.monotonic() < a[3] + 2: pass\n"
         "b = snapshot(g); print(b[0] - a[0], b[2] - a[2], own_seconds(a, b, 1))"

@@ -16,7 +16,7 @@ import tempfile
 import pytest
 from forker import popen
 
-from utils.launch import supervise
+from utils.setup.launch import supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -324,9 +324,9 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
     from peers import LocalStep, average_parameters, make_localsgd
     from torch.distributed.optim import PostLocalSGDOptimizer
 
-    from utils.config import Recipe
-    from utils.model import Net
+    from utils.learn.model import Net
     from utils.run import train_step
+    from utils.setup.config import Recipe
     from utils.training import make_optimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -358,9 +358,9 @@ def test_defaults_follow_the_trainer():
         DEFAULT_POWERSGD_RANK,
         DEFAULT_POWERSGD_WARMUP,
     )
-    from utils.config import GLOBAL_BATCH
+    from utils.setup.config import GLOBAL_BATCH
 
     assert tta.DEFAULTS["global_batch"] == GLOBAL_BATCH
-    from utils.model import Net
+    from utils.learn.model import Net
 
     assert sum(p.numel() for p in Net().parameters()) == tta.MODEL_NUMEL

@@ -261,7 +261,9 @@ def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_
     for code, _out, err in procs.wait_all(ranks, timeout=60):
         assert code == 2, err
         assert f"different --{setting}" in err and len(err.strip().splitlines()) == 1, err
-    assert list(tmp_path.iterdir()) == []  # nothing written, and rank 0 removed its lock (utils/outputs.py) on exit
+    assert (
+        list(tmp_path.iterdir()) == []
+    )  # nothing written, and rank 0 removed its lock (utils/store/outputs.py) on exit
 
 
 def test_port_in_use_and_unreachable_master(tmp_path):

@@ -73,6 +73,6 @@ def test_ranks_running_different_programs_stop_at_once(tmp_path):
         line,
     )
     assert match and match.group(1) != match.group(2), line
-    from utils.program import program_digest
+    from utils.setup.program import program_digest
 
     assert (match.group(1), match.group(2)) == (program_digest(), program_digest(other))

@@ -1,4 +1,4 @@
-"""utils/memory.py: with glibc's limits set, a rank whose batch changed size faults in no fresh
+"""utils/setup/memory.py: with glibc's limits set, a rank whose batch changed size faults in no fresh
 pages step after step (without them, 2,700-5,500 a step in most runs measured: bench/README.md).
 The steps are bench/page_faults.py's run, in a process of its own. And the test set's batches
 (utils/run.test_model) stay under the limits."""
@@ -27,8 +27,8 @@ def test_evaluating_reuses_the_memory_of_its_last_batch():
     # images). The median of three: in one CI run of many, one pass of 200 a batch faulted 4,237
     script = """
 import json, resource, torch
-from utils.memory import keep_freed_memory
-from utils.model import Net
+from utils.setup.memory import keep_freed_memory
+from utils.learn.model import Net
 from utils.run import test_model
 assert keep_freed_memory()
 torch.manual_seed(0)

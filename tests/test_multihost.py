@@ -26,7 +26,7 @@ import torch
 from forker import popen
 from hosts import ENV, NICS, _created, existing_names, left_of, remember, report, start_ranks, wait_ranks
 
-from utils.model import Net, parameter_vector
+from utils.learn.model import Net, parameter_vector
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"

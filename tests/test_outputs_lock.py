@@ -16,10 +16,10 @@ import torch
 from checkpoint_watch import Watch
 from procs import checkpoint_position, wait_for
 
-from utils.config import Outputs
 from utils.errors import UsageError
-from utils.model import Net, parameter_vector
-from utils.outputs import lock_outputs
+from utils.learn.model import Net, parameter_vector
+from utils.setup.config import Outputs
+from utils.store.outputs import lock_outputs
 
 HOST = socket.gethostname()
 
@@ -65,7 +65,7 @@ def holder_script(folder):
         sys.executable,
         "-c",
         "import sys, time\n"
-        "from utils.config import Outputs\nfrom utils.outputs import lock_outputs\n"
+        "from utils.setup.config import Outputs\nfrom utils.store.outputs import lock_outputs\n"
         f"lock_outputs(Outputs(checkpoint={str(folder / 'x.pt')!r}, save_path={str(folder / 'x.pth')!r}, "
         f"metrics={str(folder / 'x.jsonl')!r}))\nprint('locked', flush=True)\ntime.sleep(120)",
     ]

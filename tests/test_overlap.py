@@ -21,7 +21,7 @@ import torch
 from trace_checks import FIRST, LAST, SKEW_S, SUMMARY, check_trace
 
 from utils.comm import ring
-from utils.model import Net
+from utils.learn.model import Net
 from utils.sync.buckets import make_buckets
 
 SMALL = ["--test-subset", "1000", "--train-subset", "960", "--epochs", "1", "--bucket-mb", "0.05"]

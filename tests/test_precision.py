@@ -15,8 +15,8 @@ from checkpoint_watch import Watch
 from conftest import REPO
 from procs import checkpoint_position, final_digest, wait_for
 
-from utils.data import load_mnist
-from utils.model import Net
+from utils.learn.data import load_mnist
+from utils.learn.model import Net
 
 STEPS = 60  # 3,840 images, 64 a step
 SMALL = [

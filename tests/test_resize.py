@@ -15,7 +15,7 @@ from checkpoint_watch import Watch
 from procs import checkpoint_position, final_digest, wait_for
 
 from utils.comm.compress import state_for
-from utils.data import epoch_permutation, step_batches
+from utils.learn.data import epoch_permutation, step_batches
 
 
 def test_every_image_of_an_epoch_is_trained_once_across_a_resize():

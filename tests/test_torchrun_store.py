@@ -1,5 +1,5 @@
 """torchrun's agent store across restarts: a restarted rank never dials a dead peer's address, and
-an attempt comes together after attempts that died half-way (utils/distributed.py,
+an attempt comes together after attempts that died half-way (utils/setup/distributed.py,
 torchrun_attempt_store). The test plays the agent: it hosts the store and starts the workers.
 
 One job (one store, one checkpoint) goes through every case in turn, so the first, training attempt

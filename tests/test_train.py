@@ -11,7 +11,7 @@ import pytest
 import torch
 from procs import REPO
 
-from utils.model import Net, parameter_vector
+from utils.learn.model import Net, parameter_vector
 
 SMALL = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "2000", "--metrics", ""]
 

@@ -30,7 +30,7 @@ class PeerError(Exception):
 
 
 class Stopped(Exception):
-    """A signal asked the job to stop (utils/stop.py); every rank stopped after the same step and the
+    """A signal asked the job to stop (utils/setup/stop.py); every rank stopped after the same step and the
     checkpoint is saved. Exit code 3."""
 
 

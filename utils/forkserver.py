@@ -4,7 +4,7 @@
     server.popen(argv, ...)         like subprocess.Popen(argv, ...) for argv `python [-u] SCRIPT ...`
     server.close()
 
-The server is started afresh, so it has never run torch and can fork safely (utils/fork.py); it
+The server is started afresh, so it has never run torch and can fork safely (utils/setup/fork.py); it
 is single-threaded, gone with its parent, and passes each child's exit code on through a pipe, so
 that the handle (Forked) is a real process's: its pid, signals, process group and exit code are
 the child's own. The tests use one per pytest worker (tests/forker.py), the benchmarks one per
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 
-from utils import fork
+from utils.setup import fork
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE = "import sys; from utils.forkserver import serve; serve(int(sys.argv[1]))"

@@ -6,12 +6,12 @@
     run()          the epoch loop: train, evaluate (rank 0), log, save state dict and checkpoint
 
 The gradient sum is a utils.sync GradientSync (plain, overlapped, lazy or periodic; any
---allreduce and --compress). A signal (utils/stop.py) rides along with a step's gradient sum as a
+--allreduce and --compress). A signal (utils/setup/stop.py) rides along with a step's gradient sum as a
 stop flag (utils.sync.flags.Flags), so every rank learns of it after the same step; then rank
 0 saves the checkpoint and every rank raises Stopped. A checkpoint records the step and the global
-batch, not the ranks: it resumes on any number (utils/checkpoint.py). What the run holds from epoch
-to epoch is a utils.training.Trainer; what rank 0 prints is utils/report.py's; what a rank shows
-those who watch the job (--status, --tensorboard), utils/watch.py's.
+batch, not the ranks: it resumes on any number (utils/store/checkpoint.py). What the run holds from epoch
+to epoch is a utils.training.Trainer; what rank 0 prints is utils/observe/report.py's; what a rank shows
+those who watch the job (--status, --tensorboard), utils/observe/watch.py's.
 """
 
 import time
@@ -20,16 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from utils import checkpoint
-from utils.balance import REVIEW
+from utils.balance.shares import REVIEW
 from utils.comm import hierarchical
-from utils.distributed import check_identical_parameters
 from utils.elastic import faults
 from utils.elastic.recovery import Done, Recovery
 from utils.elastic.status import Record
 from utils.errors import PeerError, Stopped, first_line
-from utils.model import Net
-from utils.report import (
+from utils.learn.model import Net
+from utils.observe.report import (
     EpochStats,
     Progress,
     SlowRankHint,
@@ -39,9 +37,11 @@ from utils.report import (
     start_line,
     stopped_line,
 )
+from utils.observe.watch import Watch
+from utils.setup.distributed import check_identical_parameters
+from utils.store import checkpoint
 from utils.timeline import OFF
 from utils.training import Steps, Trainer
-from utils.watch import Watch
 
 
 class Joining(Exception):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from utils.errors import UsageError
 from utils.exchange import all_gather_json
-from utils.files import write_file
+from utils.store.files import write_file
 
 ROUND_TRIPS = 8  # per rank, to estimate its clock's offset to rank 0's
 TRAINING_ROW = "MainThread"  # the training thread's row (its thread's name)

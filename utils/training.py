@@ -13,25 +13,26 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from utils import checkpoint, stop
-from utils.balance import Balance
-from utils.board import Board
-from utils.data import BalancedBatches, step_batches
-from utils.distributed import model_name
+from utils.balance.shares import Balance
 from utils.elastic import faults
 from utils.elastic.status import Record
 from utils.errors import PeerError, first_line
 from utils.exchange import all_gather_state
-from utils.optim import Adam, OneCycleLR
+from utils.learn.data import BalancedBatches, step_batches
+from utils.learn.optim import Adam, OneCycleLR
+from utils.observe.board import Board
+from utils.observe.watch import Watch
+from utils.setup import stop
+from utils.setup.distributed import model_name
+from utils.store import checkpoint
 from utils.sync.factory import make_gradient_sync
 from utils.sync.flags import Flags
 from utils.sync.interface import GradientSync
 from utils.timeline import OFF, Recorder
-from utils.watch import Watch
 
 
 def make_optimizer(model, recipe, steps_per_epoch):
-    """Adam with a one-cycle learning rate over the whole run (warm up, then anneal): utils/optim.py,
+    """Adam with a one-cycle learning rate over the whole run (warm up, then anneal): utils/learn/optim.py,
     torch.optim's sums without its start-up cost."""
     optimizer = Adam(model.parameters(), lr=recipe.lr)
     scheduler = OneCycleLR(optimizer, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch, pct_start=0.15)
@@ -64,8 +65,8 @@ def stop_flag(membership=None, balance=None):
 @dataclasses.dataclass
 class Steps:
     """What an epoch's steps use (train_model): the model, its gradient sum, the training images;
-    and, as the run has them, the timeline, --balance (utils/balance.py: it times each step and
-    reviews the shares), who watches (a utils.watch.Watch, told each step's progress), and the
+    and, as the run has them, the timeline, --balance (utils/balance/shares.py: it times each step and
+    reviews the shares), who watches (a utils.observe.watch.Watch, told each step's progress), and the
     checkpoint's save(epoch, step, stats) every save_every steps."""
 
     model: torch.nn.Module
@@ -88,7 +89,7 @@ class Trainer:
         self.model, self.data, self.config, self.membership = model, data, config, membership
         recipe, outputs = config.recipe, config.outputs
         self.steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
-        self.balance = None  # --balance: the shares of each step (utils/balance.py)
+        self.balance = None  # --balance: the shares of each step (utils/balance/shares.py)
         if config.sync.balance:
             rank, world_size, threads = dist.get_rank(), dist.get_world_size(), torch.get_num_threads()
             self.balance = Balance(config.sync.balance, rank, world_size, recipe.global_batch, threads)
@@ -98,7 +99,7 @@ class Trainer:
             self.timeline = Recorder(outputs.timeline, *outputs.timeline_steps, recipe.epochs * self.steps_per_epoch)
         self.settings = {"model": model_name(model), **config.must_keep()}
         self.sync = None  # a joining server makes its own with the members (Recovery.form)
-        self.hint = None  # rank 0's utils.report.SlowRankHint, once this rank's place is known (run)
+        self.hint = None  # rank 0's utils.observe.report.SlowRankHint, once this rank's place is known (run)
         self.record = Record(recipe.epochs)  # this rank's progress: its heartbeats carry it (train.py --status)
         board = (lambda at: Board(outputs.tensorboard, at)) if outputs.tensorboard else None  # rank 0 opens it
         self.watch = Watch(self.record, board, lambda: self.optimizer.param_groups[0]["lr"])

@@ -10,8 +10,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from utils.config import Sync
-from utils.model import Net
+from utils.learn.model import Net
+from utils.setup.config import Sync
 from utils.sync import buckets
 from utils.sync.factory import make_gradient_sync
 from utils.timeline import Recorder

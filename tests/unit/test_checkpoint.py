@@ -1,5 +1,5 @@
-"""The checkpoint's schema, its checks and upgrade (utils/checkpoint.py); every written file: atomic, through a
-symlink, in place for a device or FIFO (utils/files.py)."""
+"""The checkpoint's schema, its checks and upgrade (utils/store/checkpoint.py); every written file: atomic, through a
+symlink, in place for a device or FIFO (utils/store/files.py)."""
 
 import os
 import socket
@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from utils import checkpoint, files
 from utils.errors import UsageError
-from utils.model import Net
+from utils.learn.model import Net
+from utils.store import checkpoint, files
 
 
 def state(epoch=2, step=0, settings=None, **extra):

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 import train
-from utils.config import Config, Outputs, from_args
 from utils.errors import UsageError
+from utils.setup.config import Config, Outputs, from_args
 
 
 def config(*argv, environ=None):
@@ -115,7 +115,7 @@ def test_help_groups_are_the_guides_groups():
 
     from conftest import REPO
 
-    from utils.cli import make_parser
+    from utils.setup.cli import make_parser
 
     groups = [
         (g.title.split(" (")[0].lower(), [a.option_strings[0] for a in g._group_actions])

@@ -1,4 +1,4 @@
-"""utils/cpu.py: a rank's own time from its CPU, its waits and its group's stalls, read from the
+"""utils/balance/cpu.py: a rank's own time from its CPU, its waits and its group's stalls, read from the
 kernel's counter files without letting the GIL go."""
 
 import sys
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from utils.cpu import CpuGroup, own_seconds, snapshot
+from utils.balance.cpu import CpuGroup, own_seconds, snapshot
 
 
 def test_a_ranks_own_time_is_its_cpu_and_the_longer_of_its_waits_and_stalls():

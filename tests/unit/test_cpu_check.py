@@ -1,6 +1,6 @@
 """--precision's check of the CPU, fed the text of /proc/cpuinfo of CPUs with and without bf16 units."""
 
-from utils.precision import cpu_flags, refusal, this_cpu
+from utils.setup.precision import cpu_flags, refusal, this_cpu
 
 ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma bmi2\nbogomips\t: 5000\n"
 ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"

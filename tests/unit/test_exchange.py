@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from utils.launch import free_port, supervise
+from utils.setup.launch import free_port, supervise
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N = 3

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import train
-from utils.config import from_args
 from utils.errors import UsageError
+from utils.setup.config import from_args
 from utils.sync.flags import EXACT, JOIN, MAX_RANKS, MAX_SPEED, Flags
 
 

@@ -1,4 +1,4 @@
-"""A script forked from a process that has loaded torch (utils/fork.py, through tests/forker.py)
+"""A script forked from a process that has loaded torch (utils/setup/fork.py, through tests/forker.py)
 runs as it would started afresh: same arguments, folder, environment, threads, streams, session,
 open files and exit code."""
 
@@ -11,8 +11,8 @@ import sys
 import forker
 import pytest
 
-from utils import fork
 from utils.forkserver import Forked
+from utils.setup import fork
 
 REPORT = """
 import json, os, sys, torch
@@ -20,7 +20,7 @@ import sys as interpreter
 print(json.dumps({
     "argv": sys.argv[1:], "cwd": os.getcwd(), "colour": os.environ.get("COLOUR"), "path0": interpreter.path[0],
     "threads": torch.get_num_threads(), "files": sorted(int(fd) for fd in os.listdir("/proc/self/fd"))[:3],
-    "session_leader": os.getsid(0) == os.getpid(), "main": __name__, "fresh": "utils.fork" not in sys.modules,
+    "session_leader": os.getsid(0) == os.getpid(), "main": __name__, "fresh": "utils.setup.fork" not in sys.modules,
 }))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))

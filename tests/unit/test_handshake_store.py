@@ -8,9 +8,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from utils import distributed
 from utils.errors import PeerError, UsageError
-from utils.program import differences
+from utils.setup import distributed
+from utils.setup.program import differences
 
 SAME = {"torch": "2.14.1", "program": "0123456789abcdef"}
 

@@ -1,8 +1,8 @@
-"""utils/launch.py's helpers that need no ranks."""
+"""utils/setup/launch.py's helpers that need no ranks."""
 
 import socket
 
-from utils.launch import LOWEST_PORT, free_port
+from utils.setup.launch import LOWEST_PORT, free_port
 
 
 def test_a_free_port_is_below_the_ephemeral_range_and_free():

@@ -1,4 +1,4 @@
-"""utils/optim.py beside torch.optim: the same parameters bit for bit, the same state dicts, each
+"""utils/learn/optim.py beside torch.optim: the same parameters bit for bit, the same state dicts, each
 one's checkpoint resumed by the other, and none of torch.compile's machinery imported."""
 
 import io
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from utils.model import Net
-from utils.optim import Adam, OneCycleLR
+from utils.learn.model import Net
+from utils.learn.optim import Adam, OneCycleLR
 
 STEPS = 20
 
@@ -80,7 +80,7 @@ def test_a_checkpoint_of_either_resumes_with_the_other_bit_for_bit():
     for first, second in [(False, True), (True, False)]:
         a = pair(ours=first)
         train(*a, 5)
-        # the checkpoint as utils/checkpoint.py writes and reads it: torch.save, then torch.load(weights_only=True)
+        # the checkpoint as utils/store/checkpoint.py writes and reads it: torch.save, torch.load(weights_only=True)
         saved = {"model": a[0].state_dict(), "optimizer": a[1].state_dict(), "scheduler": a[2].state_dict()}
         buffer = io.BytesIO()
         torch.save(saved, buffer)
@@ -132,9 +132,9 @@ def test_a_step_of_some_parameters_leaves_the_others_alone():
 def test_training_imports_no_torch_dynamo():
     code = (
         "import sys, torch\n"
-        "from utils.model import Net\n"
+        "from utils.learn.model import Net\n"
         "from utils.training import make_optimizer\n"
-        "from utils.config import Recipe\n"
+        "from utils.setup.config import Recipe\n"
         "model = Net()\n"
         "optimizer, scheduler = make_optimizer(model, Recipe(epochs=1), 10)\n"
         "model(torch.randn(2, 1, 28, 28)).sum().backward()\n"

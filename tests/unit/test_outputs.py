@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from utils import outputs
-from utils.config import Outputs
 from utils.errors import UsageError
+from utils.setup.config import Outputs
+from utils.store import outputs
 
 
 def test_a_job_removes_its_lock_files_on_release(tmp_path):

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from utils import config, data, mnist
 from utils.comm import compress, hierarchical, ring
-from utils.model import Net
+from utils.learn import data, mnist
+from utils.learn.model import Net
+from utils.setup import config
 from utils.sync.buckets import flat_buffer, make_buckets, set_gradients
 from utils.sync.lazy import step_only
 
@@ -120,7 +121,7 @@ def test_deterministic_algorithms_are_on_without_importing_inductor():
     import sys
 
     probe = (
-        "import sys; import torch; from utils.model import "
+        "import sys; import torch; from utils.learn.model import "
         "use_deterministic_algorithms as d; d(); "
         "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)"
     )

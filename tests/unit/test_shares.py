@@ -1,4 +1,4 @@
-"""--balance's pure parts (utils/balance.py): speeds as codes, shares from codes, the reviews, and
+"""--balance's pure parts (utils/balance/shares.py): speeds as codes, shares from codes, the reviews, and
 each step's images cut by the shares of the moment (utils/data.BalancedBatches); and, without
 --balance, the hint that names a slow rank (utils/report.SlowRankHint)."""
 
@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from utils import balance
-from utils.balance import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
-from utils.data import BalancedBatches, epoch_permutation
-from utils.report import SlowRankHint
+from utils.balance import shares as balance
+from utils.balance.shares import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
+from utils.learn.data import BalancedBatches, epoch_permutation
+from utils.observe.report import SlowRankHint
 
 
 def test_speed_codes_are_exact_small_whole_numbers():

@@ -1,4 +1,4 @@
-"""srun's environment becomes the rank, the world and the rendezvous; rank 0 requeues (utils/slurm.py)."""
+"""srun's environment becomes the rank, the world and the rendezvous; rank 0 requeues (utils/setup/slurm.py)."""
 
 import os
 import shutil
@@ -8,10 +8,10 @@ import types
 import pytest
 
 import train
-from utils import slurm
-from utils.config import from_args
 from utils.errors import UsageError
-from utils.slurm import FIRST_PORT, describe, expand_hostlist, step_from
+from utils.setup import slurm
+from utils.setup.config import from_args
+from utils.setup.slurm import FIRST_PORT, describe, expand_hostlist, step_from
 
 TASK = {
     "SLURM_PROCID": "1",

@@ -1,5 +1,5 @@
 """train.py --status's question and answer (utils/elastic/status.py, wire.py's Ask and Status), the
-progress a member's heartbeats carry, and rank 0's progress reports (utils/watch.py)."""
+progress a member's heartbeats carry, and rank 0's progress reports (utils/observe/watch.py)."""
 
 import time
 
@@ -10,7 +10,7 @@ from utils.elastic.checks import PROGRESS
 from utils.elastic.membership import Membership
 from utils.elastic.wire import Alive, Ask, Envelope, FencedOut, Rejected, Status
 from utils.errors import UsageError
-from utils.watch import Watch, every
+from utils.observe.watch import Watch, every
 
 KEY = b"0123456789abcdef0123456789abcdef"
 ASKER = "status-" + "ab" * 6

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from utils.launch import free_port
+from utils.setup.launch import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from periodic_world import check_periodic
 
-from utils.launch import free_port, supervise
+from utils.setup.launch import free_port, supervise
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from periodic_world import periodic
 
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
-from utils.config import Recipe, Sync
-from utils.model import Net, parameter_vector
+from utils.learn.model import Net, parameter_vector
 from utils.run import train_step
+from utils.setup.config import Recipe, Sync
 from utils.sync.factory import make_gradient_sync
 from utils.training import make_optimizer
 

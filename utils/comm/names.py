@@ -1,5 +1,5 @@
-"""The gradient sum's names and defaults, torch-free: what the command line offers (utils/cli.py,
-utils/config.py) and what utils/comm and utils/sync build from, defined once here, below both."""
+"""The gradient sum's names and defaults, torch-free: what the command line offers (utils/setup/cli.py,
+utils/setup/config.py) and what utils/comm and utils/sync build from, defined once here, below both."""
 
 ALGORITHMS = ("two-pass", "ring", "gloo", "hierarchical")  # --allreduce: utils/comm/allreduce.make_allreduce
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")  # --compress: utils/comm/compress.make_compressor

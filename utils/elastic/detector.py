@@ -25,7 +25,7 @@ from utils.elastic.agreement import Fenced, State
 from utils.elastic.sockets import cut_connections
 from utils.elastic.wire import Alive, Ask, Decision, Envelope, FencedOut, Join, Refused, Rejected
 from utils.errors import EXIT_LOST_PEER
-from utils.outputs import release
+from utils.store.outputs import release
 
 RECOVERY_BEAT = 0.05  # seconds between messages while recovering
 TRAINING_LOOK = 0.1  # seconds between looks for silence while training (beats go every heartbeat/5, at most 0.5)

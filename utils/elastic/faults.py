@@ -21,7 +21,7 @@ import os
 import signal
 import time
 
-from utils import stop
+from utils.setup import stop
 
 _faults = None  # [(rank, step, signal, phase)] of this process, once parsed
 _step = None

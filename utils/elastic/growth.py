@@ -19,8 +19,8 @@ import torch.distributed as dist
 from utils.elastic import agreement
 from utils.elastic.agreement import State
 from utils.elastic.wire import Decision, Join, Refused
-from utils.outputs import job_pid
-from utils.program import differences
+from utils.setup.program import differences
+from utils.store.outputs import job_pid
 from utils.sync.flags import MAX_RANKS
 
 

@@ -16,8 +16,8 @@ from utils.elastic.membership import Membership
 from utils.elastic.sockets import card_address
 from utils.errors import PeerError, UsageError, first_line
 from utils.exchange import all_gather_json, broadcast_json
-from utils.outputs import job_pid
-from utils.program import identity
+from utils.setup.program import identity
+from utils.store.outputs import job_pid
 
 
 def start_membership(config, model):

@@ -17,7 +17,7 @@ import os
 import stat
 
 from utils.errors import UsageError
-from utils.files import special_kind, write_file
+from utils.store.files import special_kind, write_file
 
 MIN_BYTES = 16
 

@@ -11,7 +11,7 @@ flight and hands over here, with the last step this rank completed. Then:
        after k: the sum of step k had every rank's gradient in it, the dead one's included.
     2. With --recover (the default) and a quorum, they form a new process group on a store the
        leader hosts, the rank at the furthest step sends its whole training state to the others
-       (the checkpoint dict of utils/checkpoint.py, in memory), and training goes on from there
+       (the checkpoint dict of utils/store/checkpoint.py, in memory), and training goes on from there
        on the survivors, with the same global batch: each step's images are shared among fewer
        ranks, as a resume on fewer ranks does, so every image is still trained once. It is that
        resume, without the process restart: the oracle tests compare the two bit for bit.
@@ -31,15 +31,15 @@ import time
 
 import torch.distributed as dist
 
-from utils import checkpoint, outputs
 from utils.comm import hierarchical
 from utils.comm.compress import state_for
 from utils.elastic import faults
 from utils.elastic.membership import Fenced, NoQuorum
 from utils.errors import PeerError, UsageError, first_line
 from utils.exchange import all_gather_state, broadcast_state
-from utils.files import check_writable
-from utils.report import EpochStats
+from utils.observe.report import EpochStats
+from utils.store import checkpoint, outputs
+from utils.store.files import check_writable
 
 MAX_ATTEMPTS = 3  # new groups that did not form before the survivors give up
 

@@ -131,9 +131,9 @@ class Join:
 
     nonce: str
     want: int | None  # its old rank, if free
-    settings: dict  # what must be alike (utils.config.Config.must_agree, the model)
+    settings: dict  # what must be alike (utils.setup.config.Config.must_agree, the model)
     entry: dict  # its book entry
-    identity: dict  # utils.program.identity(): torch's version, the program's digest
+    identity: dict  # utils.setup.program.identity(): torch's version, the program's digest
 
     @classmethod
     def parse(cls, f):

@@ -1,5 +1,7 @@
 """The gradient sum in buckets: PlainSync (--no-overlap) and OverlappedSync (--overlap).
 
+Why this long: PlainSync and OverlappedSync share the bucket machinery; apart they would repeat it.
+
 The parameters are summed in buckets, each with an all-reduce of its own (utils/comm/allreduce.py)
 and compressed by one compressor (utils/comm/compress.py):
 
@@ -18,7 +20,7 @@ and compressed by one compressor (utils/comm/compress.py):
                     conv bucket, ready last, does not queue behind the big one on one socket.
 
 LazySync (utils/sync/lazy.py) is an OverlappedSync that does not wait after backward.
-The stop flag (utils/stop.py) rides in the last bucket (the first layer's: summed last, needed
+The stop flag (utils/setup/stop.py) rides in the last bucket (the first layer's: summed last, needed
 first by the next forward), as one more value summed exactly.
 """
 

@@ -16,7 +16,7 @@ from utils.timeline import OFF
 def make_gradient_sync(
     model, sync, optimizer, scheduler, seed=0, local_flag=Flags, hosts=None, timeline=OFF, broken=None
 ):
-    """The gradient sync of a utils.config.Sync for `model` (a collective: every rank makes it
+    """The gradient sync of a utils.setup.config.Sync for `model` (a collective: every rank makes it
     at the same point, since it makes the buckets' process groups).
 
     local_flag: () -> this rank's Flags; hosts: the servers' ranks, for the hierarchical sum

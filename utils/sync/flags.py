@@ -3,11 +3,11 @@
 buffer, summed with it, so every rank reads the same flags after the same step.
 
     tail[0]      the ranks that got a stop signal, plus JOIN while the leader has a server waiting
-    tail[1 + r]  --balance: rank r's speed code (utils/balance.py); every other rank puts 0 there
+    tail[1 + r]  --balance: rank r's speed code (utils/balance/shares.py); every other rank puts 0 there
 
 Every wire format must carry these sums exactly, and bfloat16, the narrowest, holds the whole
 numbers up to 256. Hence the limits: JOIN is 128, so at most MAX_RANKS = 127 ranks can signal
-at once and still read apart from a join (checked where a world size is set: utils/config.py,
+at once and still read apart from a join (checked where a world size is set: utils/setup/config.py,
 and by the leader when a server asks to join), and a speed code is at most MAX_SPEED = 255. The
 compressors (utils/comm/compress.py) see the tail only as its length: `extras` values that travel
 unscaled.
@@ -29,7 +29,7 @@ class Flags:
 
     signalled: int = 0  # ranks that got a stop signal (SIGTERM, SIGINT, SIGUSR1)
     joining: bool = False  # the leader has a server waiting to join (utils/elastic/growth.py)
-    speeds: tuple[int, ...] = ()  # --balance: each rank's speed code (utils/balance.py); () without
+    speeds: tuple[int, ...] = ()  # --balance: each rank's speed code (utils/balance/shares.py); () without
 
     @property
     def stopping(self) -> bool:

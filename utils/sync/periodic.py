@@ -117,7 +117,7 @@ class PeriodicSync(GradientSync):
 
     def flags(self):
         """The flags of the last sum, as every kind gives them; the speeds (--balance) only at the step
-        whose merge brought them: one look at the shares per round, at new speeds (utils/balance.py)."""
+        whose merge brought them: one look at the shares per round, at new speeds (utils/balance/shares.py)."""
         flags = super().flags()
         return flags if self.merged else dataclasses.replace(flags, speeds=())
 

@@ -15,7 +15,7 @@ import socket
 import time
 
 from utils.errors import UsageError
-from utils.files import special_kind
+from utils.store.files import special_kind
 
 PROBE_SECONDS = 0.5  # a lock taken for longer than another job's look (hold=False) is a job's
 _held = []  # the open lock files of this process: closing one would release its lock

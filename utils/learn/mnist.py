@@ -3,7 +3,7 @@
 They are decompressed once (atomically, so ranks starting together don't trip over each other)
 and checked against the published md5 sums. Only when data/ has none of them does torchvision
 try to download them. No torch here: the local launcher prepares the files before its ranks
-start, without loading torch (utils/data.py reads them into tensors).
+start, without loading torch (utils/learn/data.py reads them into tensors).
 """
 
 import gzip

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from utils import stop
 from utils.errors import PeerError, first_line
 from utils.exchange import all_gather_json
+from utils.setup import stop
 
 
 def start_line(config, model, data, hosts, gradient_sync):
@@ -85,7 +85,7 @@ class EpochStats:
 def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, balance=None, extra=None):
     """Rank 0, after an epoch: the log line and the metrics line. ranks: every rank's
     epoch_by_rank; members: the ids of the ranks in the job now; balance: --balance's shares;
-    extra: more for the metrics line (the losses of every progress report, utils/watch.py; the
+    extra: more for the metrics line (the losses of every progress report, utils/observe/watch.py; the
     number of test images)."""
     world_size = len(ranks)
     sent = [r["bytes_sent_per_step"] for r in ranks]

@@ -1,5 +1,8 @@
 """The run's settings: frozen dataclasses built from the command line in one place (from_args).
 
+Why this long: the settings, how each is resolved from the command line and its checks are read
+together; the argparse value types at the end could go to a module of their own.
+
     Recipe   what is trained: epochs, learning rate, batch, seed, data subsets
     Sync     how the gradients are summed: --allreduce, --chunks, --overlap, --compress, ...
     Outputs  what rank 0 writes: model, checkpoint, metrics, timeline, TensorBoard files
@@ -21,11 +24,11 @@ import re
 import socket
 from dataclasses import dataclass, field
 
-from utils.balance import parse_fixed
+from utils.balance.shares import parse_fixed
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.errors import UsageError
-from utils.slurm import SlurmStep
-from utils.slurm import step_from as slurm_step
+from utils.setup.slurm import SlurmStep
+from utils.setup.slurm import step_from as slurm_step
 from utils.sync.flags import MAX_RANKS
 
 GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks share them
@@ -59,7 +62,7 @@ class Recipe:
     epochs: int = setting(2, "epochs", agree=True, resume=True)
     train_subset: int | None = setting(None, "train-subset", agree=True, resume=True)
     test_subset: int | None = setting(None, "test-subset")
-    precision: str = setting("fp32", "precision", agree=True)  # utils/precision.py
+    precision: str = setting("fp32", "precision", agree=True)  # utils/setup/precision.py
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class Outputs:
     metrics: str = setting(os.path.join("runs", "metrics.jsonl"), "metrics")  # '' : off
     timeline: str | None = setting(None, "timeline")
     timeline_steps: tuple[int, int] | None = setting(None, "timeline-steps")  # set with timeline
-    tensorboard: str | None = setting(None, "tensorboard")  # a folder: utils/board.py
+    tensorboard: str | None = setting(None, "tensorboard")  # a folder: utils/observe/board.py
 
     def files(self):
         """(flag, path) of every file rank 0 writes, each file once however it is spelled."""

@@ -11,7 +11,7 @@ The record (utils/elastic/status.Record) is what this rank's heartbeats carry, s
 answers train.py --status for all. On rank 0, every tenth of an epoch (the plain progress line's
 cadence) the mean loss of the steps since the last report goes to metrics.jsonl's `losses` and,
 with --tensorboard DIR, with the step time, the share of it spent waiting for communication, the
-learning rate and the number of members, to the event files (utils/board.py). The x axis of every
+learning rate and the number of members, to the event files (utils/observe/board.py). The x axis of every
 curve is the global step, (epoch - 1) * steps per epoch + step.
 """
 
@@ -24,7 +24,7 @@ def every(steps):
 class Watch:
     def __init__(self, record, make_board=None, lr=None, reports=False):
         self.record = record  # this rank's utils.elastic.status.Record
-        self.make_board = make_board  # --tensorboard: (global step) -> a utils.board.Board, opened by rank 0
+        self.make_board = make_board  # --tensorboard: (global step) -> a utils.observe.board.Board, opened by rank 0
         self.board = None
         self.lr = lr  # () -> the learning rate now
         self.reports = reports  # rank 0: the progress reports (metrics.jsonl's losses; the board)
@@ -38,7 +38,7 @@ class Watch:
 
     def step(self, epoch, step, steps, own, size, seconds, stats):
         """After `step` of `steps`: this rank took `own` of the step's `size` images in `seconds`;
-        stats: the epoch's utils.report.EpochStats so far."""
+        stats: the epoch's utils.observe.report.EpochStats so far."""
         self.record.stepped(epoch, step, steps, own, size, seconds, stats.loss_sum / stats.steps)
         if self.reports and (step % every(steps) == 0 or step == steps):
             self.report((epoch - 1) * steps + step, stats)

@@ -24,7 +24,7 @@ class Net(nn.Module):
 
     def __init__(self, precision="fp32"):
         super().__init__()
-        self.autocast = precision != "fp32"  # utils/precision.py: bf16, forward and backward under autocast
+        self.autocast = precision != "fp32"  # utils/setup/precision.py: bf16, forward and backward under autocast
         self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
         self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
         self.fc1 = nn.Linear(64 * 7 * 7, 128)

@@ -1,5 +1,8 @@
 """--balance: each rank takes the share of every step's images that its speed can carry.
 
+Why this long: the speed codes, the shares and the rules that move them are one piece of logic;
+its cost model and its review read each other's fields.
+
 Without it every rank takes an equal share of a step, so every step waits for the slowest
 server. With it, a step's images are cut at different points:
 
@@ -25,7 +28,7 @@ How the ranks agree, with no message of their own:
        QUOTA_USE * q: a rank that saved up quota runs fast for a while, then stalls every rank.
      - the rest of a step (its overhead, seconds a step): what it still has to do once its
        gradient is ready, its part of the sum and the optimizer, as CPU time and the stalls it
-       met (utils/cpu.py), not its waits. A rank that is the last one ready makes every rank
+       met (utils/balance/cpu.py), not its waits. A rank that is the last one ready makes every rank
        wait this long, so a slow rank's part of the sum counts against its share.
      When its last RECENT steps' stretch differs from the older ones' by CHANGED (a quota came
      or went, another job started or ended), it forgets the older ones and says so with its
@@ -67,7 +70,7 @@ import time
 from collections import deque
 from fractions import Fraction
 
-from utils.cpu import CpuGroup, own_seconds, snapshot
+from utils.balance.cpu import CpuGroup, own_seconds, snapshot
 from utils.sync.flags import MAX_SPEED
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
@@ -222,7 +225,7 @@ class Balance:
 
     def now(self, sync):
         """This rank's clocks for timed(): own_clock(sync), the training thread's CPU time, and its
-        process's CPU snapshot (utils/cpu.py)."""
+        process's CPU snapshot (utils/balance/cpu.py)."""
         return own_clock(sync), time.thread_time(), snapshot(self.group)
 
     def timed(self, images, started, computed, ended):

@@ -1,6 +1,6 @@
 """MNIST as four in-memory tensors, and each rank's share of an epoch.
 
-The files come from utils/mnist.py (decompressed once, md5-checked) and are read here (read_idx:
+The files come from utils/learn/mnist.py (decompressed once, md5-checked) and are read here (read_idx:
 a header, then the bytes; torchvision's reader gives the same tensors but costs every rank a
 second of start-up to import).
 """
@@ -11,7 +11,7 @@ import os
 import torch
 
 from utils.errors import UsageError
-from utils.mnist import ensure_mnist
+from utils.learn.mnist import ensure_mnist
 
 MEAN, STD = 0.1307, 0.3081
 
@@ -82,7 +82,7 @@ def step_batches(num_examples, epoch, rank, world_size, seed, global_batch):
 class BalancedBatches:
     """step_batches' (batch, weight, images of the step in all) under --balance: step s's images
     are the same permutation entries G*s .. G*s+G-1, cut into consecutive shares by the shares of
-    the moment (utils/balance.py), which may change between two steps. A sequence of the epoch's
+    the moment (utils/balance/shares.py), which may change between two steps. A sequence of the epoch's
     steps, read one step at a time."""
 
     def __init__(self, num_examples, epoch, seed, global_batch, balance):

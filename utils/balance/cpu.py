@@ -1,4 +1,4 @@
-"""How long a rank's own work takes, stalls included: what --balance measures (utils/balance.py).
+"""How long a rank's own work takes, stalls included: what --balance measures (utils/balance/shares.py).
 
     now = snapshot(group)                 this process's CPU so far, the calling thread's waits
                                           for a CPU, its CPU group's stalls, the clock

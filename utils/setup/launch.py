@@ -20,8 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from utils import fork, stop
 from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
+from utils.setup import fork, stop
 
 GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.2
@@ -201,7 +201,7 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     env = dict(
         environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid())
     )  # the pid a refused job names: this launcher's
-    # each rank a fork of this launcher once it has loaded torch (utils/fork.py): ranks start in a
+    # each rank a fork of this launcher once it has loaded torch (utils/setup/fork.py): ranks start in a
     # moment instead of loading torch each; a variable torch reads at load set otherwise: exec them
     loaded = fork.preload() if fork_ranks else None
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,6 +1,6 @@
 """train.py's command line, in the groups of the guides (train.py --help shows them).
 
-utils.config.from_args turns what this parses into a Config; nothing else reads it. No torch here:
+utils.setup.config.from_args turns what this parses into a Config; nothing else reads it. No torch here:
 a bad command line answers at once.
 """
 
@@ -16,7 +16,7 @@ from utils.comm.names import (
     DEFAULT_POWERSGD_WARMUP,
     OUTERS,
 )
-from utils.config import (
+from utils.setup.config import (
     DEFAULT_TIMELINE_STEPS,
     GLOBAL_BATCH,
     MAX_HEARTBEAT,
@@ -34,7 +34,7 @@ from utils.config import (
     seed_value,
     timeline_steps,
 )
-from utils.precision import PRECISIONS
+from utils.setup.precision import PRECISIONS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON = argparse.BooleanOptionalAction

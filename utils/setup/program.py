@@ -1,6 +1,6 @@
 """What this server runs: torch's version and a digest of the program's own code.
 
-Every rank compares both at start-up (utils/distributed.py) and the job compares a joining
+Every rank compares both at start-up (utils/setup/distributed.py) and the job compares a joining
 server's (utils/elastic/): mixed versions across servers hang, crash or drift apart silently.
 """
 

@@ -20,15 +20,15 @@ import torch.distributed as dist
 
 from utils.errors import PeerError, UsageError, first_line
 from utils.exchange import all_gather_json
-from utils.model import load_parameter_vector, parameter_vector
-from utils.program import differences, identity
+from utils.learn.model import load_parameter_vector, parameter_vector
+from utils.setup.program import differences, identity
 
 HANDSHAKE = "train.py/handshake"  # the store's keys of the start-up handshake
 ACK_WAIT = 5.0  # seconds rank 0 stays, after a difference, for the other side to have read its key
 
 
 def init_distributed(job, seconds, attempt_store=None):
-    """Join the gloo process group of utils.config.Job `job`, bound to its card, with a timeout of
+    """Join the gloo process group of utils.setup.config.Job `job`, bound to its card, with a timeout of
     `seconds` for the rendezvous and every send/recv (under torchrun's agent store: through
     `attempt_store`)."""
     if job.ifname:

@@ -1,10 +1,10 @@
 """--tensorboard DIR: rank 0's TensorBoard event files, written by tensorboard's own writer.
 
     board = Board(folder, resumed_at)    opens the run's event file (torch.utils.tensorboard.SummaryWriter)
-    board.scalars(step, {tag: value})    curves: utils/watch.py says which, and when
+    board.scalars(step, {tag: value})    curves: utils/observe/watch.py says which, and when
     board.text(tag, words, step)         a change of members, a re-balance
 
-`tensorboard --logdir DIR` shows them while the job runs: utils/watch.py flushes after each
+`tensorboard --logdir DIR` shows them while the job runs: utils/observe/watch.py flushes after each
 progress report (ten an epoch), a text, and an epoch (and the writer every FLUSH_SECONDS). A
 resume appends to the same DIR: a new event file whose first event purges (purge_step) what an
 earlier file holds from the step after the checkpoint's on, so that the steps trained again are

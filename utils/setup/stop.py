@@ -8,7 +8,7 @@
     stop.send_to_self(sig) a signal to this rank, returning once it has been dealt with (utils/elastic/faults.py)
 
 SIGUSR1 is what `sbatch --signal=USR1@90` sends before a time limit: it stops as SIGTERM does, and
-under Slurm rank 0 then requeues the job (utils/slurm.py). As a warning, with time left, it does
+under Slurm rank 0 then requeues the job (utils/setup/slurm.py). As a warning, with time left, it does
 not end a rank that is still starting: that one stops after its first step.
 
 Before arm() there is nothing to save, so a signal ends the rank at once. After it, the first
@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 
-from utils import outputs
+from utils.store import outputs
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_SECONDS = 1.0

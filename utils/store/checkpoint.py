@@ -10,7 +10,7 @@ ranks or another:
     world_size                           the ranks it was made on
     compression                          every rank's compression state (None: uncompressed)
     settings                             {flag: value} a resume must keep (Config.must_keep + model)
-    config                               the whole utils.config.Config, for the record
+    config                               the whole utils.setup.config.Config, for the record
     balance                              --balance's weights of the ranks' shares (None: equal)
 
     state = training_state(...); save(state, path)       rank 0
@@ -32,7 +32,7 @@ import torch
 
 from utils.comm.compress import state_for
 from utils.errors import UsageError
-from utils.files import write_file
+from utils.store.files import write_file
 
 SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}  # required keys
 

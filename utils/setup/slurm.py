@@ -14,7 +14,7 @@ they are set, else the step's first node, at a port every task derives alike fro
 two jobs sharing a node differ).
 
 Time limits: `#SBATCH --signal=USR1@90` has Slurm send SIGUSR1 to every task 90 s before the
-limit. utils/stop.py takes it as it takes SIGTERM: every rank stops after the same step and rank 0
+limit. utils/setup/stop.py takes it as it takes SIGTERM: every rank stops after the same step and rank 0
 saves the checkpoint. Then rank 0 requeues the job, if it is a batch job Slurm may requeue
 (`--requeue`, or the cluster's JobRequeue=1): Slurm ends this run and queues the job again, and
 its `--resume` continues from the checkpoint. A finished run exits 0 and is not requeued; SIGTERM
