@@ -1,6 +1,7 @@
 """The command line becomes one frozen Config, with the defaults resolved in one place."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -127,3 +128,14 @@ def test_help_groups_are_the_guides_groups():
         flags = re.findall(r"^\| `(--[\w-]+)", section, flags=re.M)
         documented.append((section.splitlines()[0].lower(), flags))
     assert groups == documented
+
+
+def test_the_defaults_that_are_paths_name_the_repository():
+    """The modules sit one folder down (utils/setup/): the default data folder and the program's
+    digest (utils/setup/program.py) must still name the repository's own."""
+    from conftest import REPO
+
+    from utils.setup import program
+
+    assert config().job.data_dir == os.path.join(REPO, "data") and os.path.isdir(config().job.data_dir)
+    assert (program.ROOT / "train.py").is_file() and str(program.ROOT) == REPO

@@ -36,7 +36,7 @@ from utils.setup.config import (
 )
 from utils.setup.precision import PRECISIONS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (utils/setup/cli.py)
 ON = argparse.BooleanOptionalAction
 
 

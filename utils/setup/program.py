@@ -9,7 +9,7 @@ import pathlib
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent  # the folder of train.py
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the folder of train.py (this is utils/setup/program.py)
 
 
 def program_digest(root=ROOT):
