@@ -17,8 +17,10 @@ def test_a_step_after_its_batch_grew_reuses_the_memory_the_last_step_freed():
     out = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     _, faults = json.loads(out.stdout)
-    # the first steps at 56 images grow the heap; after them a step's buffers are the last step's
-    assert max(faults[-10:]) <= 16, faults
+    # the first steps at 56 images grow the heap; after them a step's buffers are the last step's.
+    # All but the worst of the last ten: in one CI run of many, one step faulted 172 pages (the
+    # kernel took some back under the suite's load); without the limits every step faults thousands
+    assert sorted(faults[-10:])[-2] <= 16, faults
 
 
 def test_evaluating_reuses_the_memory_of_its_last_batch():
