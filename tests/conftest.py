@@ -1,5 +1,7 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the order the test files run in."""
 
+import collections
+import json
 import os
 
 import netns
@@ -25,38 +27,39 @@ def needs_root():
         pytest.skip(f"not root: {e}")
 
 
-# The slowest files first (measured with --durations; roughly, slowest first), so that with two
-# workers and `--dist loadfile` no long file starts last while the other worker sits idle. Files
-# not named here follow in their usual order. Only the order changes, never what runs.
-SLOWEST_FIRST = [
-    "test_faults.py",
-    "test_watch.py",
-    "test_recovery.py",
-    "test_balance.py",
-    "test_compress_training.py",
-    "test_outputs_lock.py",
-    "test_bad_input.py",
-    "test_resize.py",
-    "test_slurm.py",
-    "test_sync_every.py",
-    "test_overlap.py",
-    "test_bench_recovery.py",
-    "test_train.py",
-    "test_bench_time_to_accuracy_runs.py",
-    "test_multihost.py",
-    "test_bench_bad_input.py",
-    "test_bench_allreduce.py",
-    "test_timeline.py",
-    "test_tiny_world.py",
-    "test_ring.py",
-    "test_torchrun_store.py",
-    "test_recovery_multihost.py",
-]
+# The slowest files first, so that with two workers and `--dist loadfile` no long file starts last
+# while the other worker sits idle. The order is measured: tests/durations.json holds each file's
+# seconds (setup, call and teardown of its tests) as the last broad run took them, and every run of
+# 10 files or more writes what it measured back into it. Files it does not name follow in their
+# usual order. Only the order changes, never what runs.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+BROAD = 10  # files a run must take to update DURATIONS
+_spent = collections.defaultdict(float)  # test file -> seconds, this run
+
+
+def measured():
+    try:
+        with open(DURATIONS) as f:
+            return {name: float(seconds) for name, seconds in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = os.path.basename(str(item.path))
-        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+    seconds = measured()
+    items.sort(key=lambda item: -seconds.get(os.path.basename(str(item.path)), 0.0))  # stable: a file's tests stay
 
-    items.sort(key=rank)  # stable: a file's tests keep their order
+
+def pytest_runtest_logreport(report):  # (under xdist, the controller gets every worker's reports)
+    _spent[os.path.basename(str(report.fspath))] += report.duration
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput") or len(_spent) < BROAD:
+        return  # a worker, or a narrow run: the file keeps the last broad run's
+    merged = {**measured(), **{name: round(seconds, 1) for name, seconds in _spent.items()}}
+    temporary = f"{DURATIONS}.{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(dict(sorted(merged.items(), key=lambda kv: -kv[1])), f, indent=1)
+        f.write("\n")
+    os.replace(temporary, DURATIONS)

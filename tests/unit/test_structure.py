@@ -197,3 +197,14 @@ def test_no_test_file_imports_another():
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
             assert not any(n.split(".")[-1].startswith("test_") for n in names), (path, names)
+
+
+def test_the_measured_order_names_the_suite_s_files():
+    """tests/durations.json (written by broad runs, read by tests/conftest.py to send the slowest files
+    out first) holds seconds for test files that exist, and for most of them."""
+    import json
+
+    measured = json.load(open(os.path.join(REPO, "tests", "durations.json")))
+    files = {os.path.basename(p) for p in sources("tests") if os.path.basename(p).startswith("test_")}
+    assert set(measured) <= files and len(measured) >= 0.9 * len(files), sorted(files - set(measured))
+    assert all(seconds >= 0 for seconds in measured.values())
