@@ -189,28 +189,38 @@ def die_with_driver():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def bounded(argv, cwd, timeout=TIMEOUT, env=None):
-    """Start argv in a session of its own; its stdout, or an error with its stderr's last line. The
-    whole session is killed on the way out, finished or not."""
-    proc = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=die_with_driver,
-    )
+def run_all(argvs, env, cwd=REPO, timeout=TIMEOUT):
+    """Run the processes `argvs` at once, each in a session of its own; [(exit code, stdout, stderr)].
+    Every session is killed on the way out, finished or not."""
+    procs = [
+        subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=die_with_driver,
+        )  # fmt: skip
+        for argv in argvs
+    ]
     try:
-        out, err = proc.communicate(timeout=timeout)
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.returncode:
-        raise RuntimeError(f"{argv[1:4]} exit {proc.returncode}: {(err.strip().splitlines() or ['?'])[-1]}")
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def bounded(argv, cwd, timeout=TIMEOUT, env=None):
+    """argv's stdout, or an error with its stderr's last line (run_all)."""
+    ((code, out, err),) = run_all([argv], env, cwd, timeout)
+    if code:
+        raise RuntimeError(f"{argv[1:4]} exit {code}: {(err.strip().splitlines() or ['?'])[-1]}")
     return out
 
 
@@ -221,36 +231,14 @@ def worker(*args, repo=REPO):
 
 
 def ddp_epoch(images):
-    import socket
+    from harness import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", "ddp", str(rank), str(port), str(images)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=die_with_driver,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"DDP's epoch failed: {outs[0][1].strip().splitlines()[-1:]}")
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    argv = [sys.executable, __file__, "--worker", "ddp"]
+    results = run_all([[*argv, str(rank), str(port), str(images)] for rank in range(2)], env)
+    if any(code for code, _, _ in results):
+        raise RuntimeError(f"DDP's epoch failed: {results[0][2].strip().splitlines()[-1:]}")
+    return json.loads(results[0][1].strip().splitlines()[-1])
 
 
 def train_epoch(repo, flags, images):

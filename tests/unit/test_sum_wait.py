@@ -118,7 +118,8 @@ def test_a_plain_sum_still_running_after_the_group_broke_is_given_up_and_a_faile
     backward(model)
     threading.Timer(0.1, broken.set).start()
     given_up_within_the_bound(sync.sum)
-    held.release.set()  # (its thread ends)
+    held.release.set()  # its thread ends, writing the model's gradients: wait for it, or the next
+    held.threads[0].join(timeout=5)  # backward() races it on them (one CI run segfaulted in zero_grad)
     sync = plain_sync(model, HeldSum(error=RuntimeError("Connection closed by peer\n  at gloo")), broken)
     backward(model)
     with pytest.raises(PeerError, match="^Connection closed by peer$"):
