@@ -202,7 +202,7 @@ def run_all(argvs, env, cwd=REPO, timeout=TIMEOUT):
             text=True,
             start_new_session=True,
             preexec_fn=die_with_driver,
-        )  # fmt: skip
+        )
         for argv in argvs
     ]
     try:
