@@ -146,8 +146,13 @@ def test_signals_stop_every_rank_at_one_step_and_the_job_resumes_bit_identical(s
     assert launcher.returncode == STOPPED, err
     lines = sorted(err.strip().splitlines())
     assert len(lines) == 3, err
+    # Every rank got the signal, but a rank names only the ranks whose signal had reached their watcher by
+    # the step's vote: on two loaded cores one rank's watcher may run a step later (seen in CI: "ranks 0, 2").
+    # Whatever it names, every rank names the same, and a second delivery never counts as a second signal.
+    named = {re.search(r"\((SIGINT to ranks? [0-2](?:, [0-2])*)\)", line).group(1) for line in lines}
+    assert len(named) == 1, lines
     for rank, line in enumerate(lines):
-        assert re.fullmatch(stop_line(rank, "SIGINT to ranks 0, 1, 2", checkpoint), line), line
+        assert re.fullmatch(stop_line(rank, next(iter(named)), checkpoint), line), line
     assert len({re.search(r"step (\d+)", line).group(1) for line in lines}) == 1
     assert checkpoint_position(checkpoint) == (1, int(re.search(r"step (\d+)", lines[0]).group(1)))
 
