@@ -41,30 +41,29 @@ from utils.observe.watch import Watch
 from utils.setup.distributed import check_identical_parameters
 from utils.store import checkpoint
 from utils.timeline import OFF
-from utils.training import Steps, Trainer
+from utils.training import UNTIMED, Steps, Trainer
 
 
 class Joining(Exception):
     """The step just done said a server waits to join: every rank takes it in now."""
 
 
-def train_step(model, images, labels, gradient_sum, optimizer, timeline=OFF, balance=None):
+def train_step(model, images, labels, gradient_sum, optimizer, timeline=OFF, clock=UNTIMED):
     """One training step on `images`, as the original draws it: forward, loss.backward(), the ring
     sum, optimizer.step(). Returns the loss, before the step. gradient_sum: a utils.sync
-    GradientSync; optimizer: its DistributedOptimizer. balance (--balance): told the time the step's
-    work needed, its forward and backward apart."""
-    started = balance.start(gradient_sum) if balance is not None else None
+    GradientSync; optimizer: its DistributedOptimizer. clock: marks the step's start, the end of its
+    forward and backward, and its end."""
+    clock.start()
     with timeline.span("step"):
         with timeline.span("forward"):
             loss = F.cross_entropy(model(images), labels)
         with timeline.span("backward"):
             loss.backward()
-        computed = balance.now(gradient_sum) if balance is not None else None
+        clock.computed()
         faults.point("sum")
         gradient_sum.sum()  # every rank's gradients added up over the ring, divided by N (overlap: under way)
         optimizer.step()  # Adam and the learning rate's schedule, when this kind of sum calls for them
-    if balance is not None:
-        balance.timed(len(images), started, computed, balance.now(gradient_sum))
+    clock.ended(len(images))
     return loss
 
 
@@ -104,7 +103,7 @@ def train_model(steps, batches, position, done=None):
             faults.at_step((epoch - 1) * len(batches) + step)
             gradient_sync.weigh(weight)  # this rank's share of the step's images, times N
             loss = train_step(
-                model, images[batch], labels[batch], gradient_sync, gradient_sync.optimizer, timeline, balance
+                model, images[batch], labels[batch], gradient_sync, gradient_sync.optimizer, timeline, steps.clock
             )
             stats.loss_sum += loss.item()
             stats.steps += 1
@@ -197,15 +196,14 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
         )
         stats = EpochStats(**epoch_stats)
         if balance is not None and resume_from.get("balance") and resume_from["world_size"] == dist.get_world_size():
-            balance.restart(dist.get_rank(), dist.get_world_size(), resume_from["balance"])
+            trainer.new_group(resume_from["balance"])
             if dist.get_rank() == 0:
                 print(f"shares from the checkpoint: {'/'.join(map(str, balance.shares()))}", flush=True)
     recovery = Recovery(membership, trainer) if membership is not None else None
     if joining is not None:
         trainer.sync, (epoch, first_step, stats) = recovery.form(joining, None, None)
         say_joined(membership, epoch, first_step)
-        if balance is not None:
-            balance.restart(dist.get_rank(), dist.get_world_size())
+        trainer.new_group()
     trainer.hint = SlowRankHint(dist.get_rank() == 0 and balance is None)
     if membership is not None:
         membership.progress = trainer.record
@@ -221,8 +219,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
         except Joining:
             trainer.sync, (epoch, first_step, stats) = recovery.grow(trainer.sync, done.last)
             done = Done(epoch, first_step, stats, first_step_after("grew"))
-            if balance is not None:  # new members: equal shares until their speeds arrive
-                balance.restart(dist.get_rank(), dist.get_world_size())
+            trainer.new_group()
         except PeerError as e:
             if recovery is None:
                 raise
@@ -230,8 +227,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
             position = done.before if undone else done.last
             trainer.sync, (epoch, first_step, stats) = recovery.go_on(e, trainer.sync, position)
             done = Done(epoch, first_step, stats, first_step_after("shrank"))
-            if balance is not None:
-                balance.restart(dist.get_rank(), dist.get_world_size())
+            trainer.new_group()
     trainer.timeline.write()  # if the run ended inside the window
     try:  # also a barrier: nobody reports success before rank 0 has saved
         digest = check_identical_parameters(model)
@@ -277,7 +273,8 @@ def train_epoch(trainer, position, done, members):
             accuracy = test_model(model, test_images, test_labels)
         losses = watch.epoch(epoch * len(batches), accuracy, max(r["bytes_sent_per_step"] for r in ranks))
         extra = {"losses": losses, "test_images": len(test_labels)}
-        report_epoch(epoch, time.time() - start, stats, accuracy, ranks, config, members, trainer.balance, extra)
+        rebalances = trainer.balance.changes if trainer.balance is not None else None
+        report_epoch(epoch, time.time() - start, stats, accuracy, ranks, config, members, rebalances, extra)
         checkpoint.save_model(model, config.outputs.save_path)
         trainer.hint.check(ranks, stats.steps)
     try:

@@ -62,6 +62,22 @@ def stop_flag(membership=None, balance=None):
     )
 
 
+class Untimed:
+    """A step's clock when nothing times the steps (--balance times them: utils/balance/shares.py)."""
+
+    def start(self):
+        pass
+
+    def computed(self):
+        pass
+
+    def ended(self, images):
+        pass
+
+
+UNTIMED = Untimed()
+
+
 @dataclasses.dataclass
 class Steps:
     """What an epoch's steps use (train_model): the model, its gradient sum, the training images;
@@ -78,6 +94,11 @@ class Steps:
     watch: object = None
     save: object = None
     save_every: int = 0
+
+    @property
+    def clock(self):
+        """What times each step (train_step marks it): --balance, or nobody."""
+        return self.balance if self.balance is not None else UNTIMED
 
 
 class Trainer:
@@ -107,6 +128,12 @@ class Trainer:
     def batches(self, epoch):
         return batches_of_epoch(len(self.data[1]), epoch, self.config.recipe, self.balance)
 
+    def new_group(self, shares=None):
+        """The ranks are a new group (a resume, a join, a lost rank): --balance starts again from
+        equal shares, or from a checkpoint's `shares`, until the new group's speeds arrive."""
+        if self.balance is not None:
+            self.balance.restart(dist.get_rank(), dist.get_world_size(), shares)
+
     def new_sync(self, hosts):
         """A gradient sum over the default group as it is now (a collective); hosts: the servers' ranks."""
         broken = self.membership.broken if self.membership is not None else None
@@ -120,8 +147,7 @@ class Trainer:
         """The checkpoint dict of this rank after `step` of `epoch` (everyone: every rank's own
         gradient-sync state; world_size: the ranks it was made on, if the group is gone)."""
         world_size = world_size or dist.get_world_size()
-        balance = self.balance
-        shares = list(balance.weights) if balance is not None and len(balance.weights) == world_size else None
+        shares = self.balance.state(world_size) if self.balance is not None else None
         return checkpoint.training_state(
             self.model, self.optimizer, self.scheduler, epoch, step, dataclasses.asdict(stats), world_size,
             everyone, self.settings, self.config.to_dict(), shares,

@@ -12,6 +12,7 @@ from utils.balance import shares as balance
 from utils.balance.shares import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
 from utils.learn.data import BalancedBatches, epoch_permutation
 from utils.observe.report import SlowRankHint
+from utils.sync.waits import waited_since
 
 
 def test_speed_codes_are_exact_small_whole_numbers():
@@ -283,25 +284,14 @@ def test_the_first_step_at_new_shares_is_not_timed():
     assert len(b.timings) == balance.MEASURED
 
 
-class WaitingSync:
-    """A GradientSync's one method own_clock reads: how long the training thread waited so far."""
-
-    def __init__(self):
-        self.waited = 0.0
-
-    def seconds_waited(self):
-        return self.waited
-
-
 def test_a_ranks_own_clock_counts_its_work_and_leaves_out_its_waits_for_the_others():
-    sync = WaitingSync()
-    started = own_clock(sync)
+    started = own_clock()
     time.sleep(0.1)  # its own work, or a stall that held it back: counted
-    computed = own_clock(sync)
-    waiting = time.monotonic()
+    computed = own_clock()
+    waiting = time.perf_counter()
     time.sleep(0.3)  # waiting for a slower rank's part of the sum: not counted
-    sync.waited += time.monotonic() - waiting
-    ended = own_clock(sync)
+    waited_since(waiting)  # (how every sum's wait is counted: utils/sync/waits.py)
+    ended = own_clock()
     assert computed - started >= 0.1
     assert abs(ended - computed) < 0.05
 

@@ -15,49 +15,21 @@ rank's gradient weighs its share (utils/run.py's weight), so the average counts 
 alike and the parameters stay identical on every rank.
 
 How the ranks agree, with no message of their own:
-  1. Each rank measures its own work, in two parts:
-     - forward and backward, which grow with its images (its rate: images per second): their
-       CPU time over its last WINDOW steps at the current shares, fitted over the shares it has
-       had (fit: a step has a cost of its own besides its images; until it has had two, OWN_COST
-       of its compute: taken as all its images', a slowed rank's first solve gave it about twice
-       the images it settles at), times its stretch: how much
-       longer than their CPU time they took on own_clock, the clock less the time its training
-       thread waited for the others, over its last HISTORY steps. Whatever held it back counts:
-       an old CPU, other people's jobs, a CPU quota's stalls, its own sum's thread taking its
-       CPU. Under a quota of q cores the stretch is at least its process's CPU time over
-       QUOTA_USE * q: a rank that saved up quota runs fast for a while, then stalls every rank.
-     - the rest of a step (its overhead, seconds a step): what it still has to do once its
-       gradient is ready, its part of the sum and the optimizer, as CPU time and the stalls it
-       met (utils/balance/cpu.py), not its waits. A rank that is the last one ready makes every rank
-       wait this long, so a slow rank's part of the sum counts against its share.
-     When its last RECENT steps' stretch differs from the older ones' by CHANGED (a quota came
-     or went, another job started or ended), it forgets the older ones and says so with its
-     codes: one look then moves.
-  2. It sends both as whole numbers on a log scale (speed_code: 16 codes per doubling, exact in
-     every wire format the sums use) in its own two slots of the values that ride with the
-     gradient sum (utils.sync.flags.Flags). The sum gives every rank every rank's codes, at
-     the same step. (--sync-every H sums once a round: the codes come with the round's merge,
-     and the look waits for them.)
-  3. Every REVIEW steps each rank computes the shares that make every rank's step take the same
-     time, overhead + share / rate (solve, in exact fractions: the same on every machine). The
-     ranks adopt them when two looks in a row want the same move (one look when a rank saw its
-     speed change, and for each move on in that move's direction after it; in a new group, one
-     look as soon as every rank has timed FIRST_LOOK steps), and only if a share turns back by
-     more than THRESHOLD of itself and 2 images, or moves on by 2 images in the direction of its
-     last move; and, unless it follows a change of speed or a new group's first move, only if
-     the codes say a step at the new shares takes GAIN less time than at the old (noise in the
-     timings does not make the shares flap: without GAIN, equal servers' shares moved up to 27
-     times in 2 epochs; bench/README.md), or PERSIST looks in a row want the move: by then the
-     timings span WINDOW steps, and a smaller gain is no noise (GAIN alone held a 2-rank job 3
-     images from its best split, where its steps took 5% longer). Measured (bench/balance.py
-     --only change, 10 runs): a slowdown's start is balanced in a median of 14 steps, its end in
-     9, 8 and 9 runs of 10 within 20; fixed shares right from the change, 9 and 8 (a noisy
-     measure: bench/README.md).
-  4. No more than that: no search for a split other than equal own times. Under a CPU quota a
-     rank that stalls stalls every rank, and the stretch (QUOTA_USE) keeps it out of its stalls;
-     a search for a lean on top of that (rank 0 timing whole steps, slower ranks solved as slower
-     still) found its way by 2% differences in steps that vary by 20%, and with it rank 1 of
-     bench/balance.py's part change settled at 1-3 images where 6 run fastest (bench/README.md).
+  1. Each rank times its own work (start, computed, ended: utils/run.py's train_step marks them)
+     in two parts: its forward and backward, which grow with its images (a rate, fitted over the
+     shares it has had, since a step also has a cost of its own), and the rest of a step (its part
+     of the sum and the optimizer: overhead). Both on its own clock: CPU time stretched by what held
+     it back (an old CPU, other people's jobs, a CPU quota's stalls), less its waits for the others.
+     When its recent steps' stretch moves by CHANGED, it forgets the older ones.
+  2. It sends both as speed codes (whole numbers on a log scale, exact in every wire format) in its
+     two slots of the flags that ride with the gradient sum (utils/sync/flags.py): every rank gets
+     every rank's codes at the same step.
+  3. Every REVIEW steps each rank solves, in exact fractions (the same on every machine), for the
+     shares that give every rank the same step time. The shares move only when two looks in a row
+     want the move (one after a change of speed or in a new group), it is large enough (THRESHOLD),
+     and it gains GAIN, or PERSIST looks want it: noise must not make the shares flap.
+The measurements behind each rule and constant (and what was tried and dropped) are in the
+balance benchmark's notes under bench/.
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no
@@ -72,6 +44,7 @@ from fractions import Fraction
 
 from utils.balance.cpu import CpuGroup, own_seconds, snapshot
 from utils.sync.flags import MAX_SPEED
+from utils.sync.waits import seconds_waited
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds
@@ -97,11 +70,11 @@ FRACTIONS = (65536, 68438, 71468, 74632, 77936, 81386, 84990, 88752, 92682, 9678
 FRACTIONS += (120194, 125515)
 
 
-def own_clock(sync):
+def own_clock():
     """This rank's own clock: the seconds that passed, less those its training thread waited for
-    the others (sync: the GradientSync, whose seconds_waited() counts them). Waiting for a slower
-    rank is nobody's work; a CPU taken by someone else, or a quota's stall, is this rank's."""
-    return time.monotonic() - sync.seconds_waited()
+    sums (utils/sync/waits.py counts them). Waiting for a slower rank is nobody's work; a CPU taken
+    by someone else, or a quota's stall, is this rank's."""
+    return time.monotonic() - seconds_waited()
 
 
 def speed_code(count, seconds):
@@ -193,6 +166,7 @@ class Balance:
         self.changes = 0  # re-balances so far (the timeline and the log say them)
         self.changed = False  # its speed changed since the last review (forget_if_changed)
         self.cores = None  # its CPU group's quota in cores when it was last timed (None: no quota)
+        self.marks = []  # the step's clock so far (start, computed)
         self.restart(rank, world_size)
 
     def restart(self, rank, world_size, weights=None):
@@ -217,20 +191,26 @@ class Balance:
         """Every rank's images of a step of `size` images (default: a whole global batch)."""
         return shares_of(self.global_batch if size is None else size, self.weights)
 
-    def start(self, sync):
-        """This rank's clocks at a step's start, for timed(): own_clock(sync), the training thread's
-        CPU time, its process's CPU time (the waits and stalls that now() reads count only in the
-        rest of a step)."""
-        return own_clock(sync), time.thread_time(), time.process_time()
+    # A step's clock (utils/run.py's train_step marks it): its start, the end of its forward and
+    # backward, its end. Each mark is (own_clock(), the training thread's CPU time, its process's CPU
+    # time or snapshot: utils/balance/cpu.py); the waits and stalls count only in the rest of a step.
+    def start(self):
+        self.marks = [(own_clock(), time.thread_time(), time.process_time())]
 
-    def now(self, sync):
-        """This rank's clocks for timed(): own_clock(sync), the training thread's CPU time, and its
-        process's CPU snapshot (utils/balance/cpu.py)."""
-        return own_clock(sync), time.thread_time(), snapshot(self.group)
+    def computed(self):
+        self.marks.append((own_clock(), time.thread_time(), snapshot(self.group)))
+
+    def ended(self, images):
+        """The step of `images` images is over: it is timed."""
+        self.timed(images, *self.marks, (own_clock(), time.thread_time(), snapshot(self.group)))
+
+    def state(self, world_size):
+        """What a checkpoint of `world_size` ranks keeps: the weights of the shares (None: equal, or
+        weights for another number of ranks)."""
+        return list(self.weights) if len(self.weights) == world_size else None
 
     def timed(self, images, started, computed, ended):
-        """This rank's last step: `images`, and its clocks as it started (start()), after its forward
-        and backward, and as it ended (now())."""
+        """This rank's last step: `images`, and its marks (start, computed, ended)."""
         if self.fixed is None and images > 0:
             if self.warm:
                 compute_cpu, compute = computed[1] - started[1], computed[0] - started[0]

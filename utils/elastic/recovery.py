@@ -32,7 +32,6 @@ import time
 import torch.distributed as dist
 
 from utils.comm import hierarchical
-from utils.comm.compress import state_for
 from utils.elastic import faults
 from utils.elastic.membership import Fenced, NoQuorum
 from utils.errors import PeerError, UsageError, first_line
@@ -175,7 +174,7 @@ class Recovery:
             mine = old_sync.state_dict() if old_sync is not None else None
             everyone = all_gather_state((position is not None and tuple(position[:2]) == furthest, mine))
             states = [everyone[source][1]] + [s for r, (at, s) in enumerate(everyone) if at and r != source]
-            sync.load_state_dict(state_for(states, dist.get_rank(), dist.get_world_size()))
+            sync.load_states(states, dist.get_rank(), dist.get_world_size())
         if dist.get_rank() == 0:
             self.take_outputs()
         return sync, at

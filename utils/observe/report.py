@@ -82,9 +82,10 @@ class EpochStats:
     own_images: int = 0  # this rank's share of them
 
 
-def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, balance=None, extra=None):
+def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, rebalances=None, extra=None):
     """Rank 0, after an epoch: the log line and the metrics line. ranks: every rank's
-    epoch_by_rank; members: the ids of the ranks in the job now; balance: --balance's shares;
+    epoch_by_rank; members: the ids of the ranks in the job now; rebalances: --balance's changes of
+    the shares so far (None: no --balance);
     extra: more for the metrics line (the losses of every progress report, utils/observe/watch.py; the
     number of test images)."""
     world_size = len(ranks)
@@ -102,7 +103,7 @@ def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, balanc
         f"sent {max(sent) / 1e6:.3g} MB/step"
         + (
             f"  shares {'/'.join(f'{s:.1f}' for s in shares)}  images/s {'/'.join(f'{v:.0f}' for v in speeds)}"
-            if balance is not None
+            if rebalances is not None
             else ""
         ),
         flush=True,
@@ -127,7 +128,7 @@ def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, balanc
                 members=members,
                 shares=shares,
                 images_per_second=speeds,
-                rebalances=balance.changes if balance is not None else None,
+                rebalances=rebalances,
                 **(extra or {}),
             ),
         )

@@ -30,7 +30,6 @@ import warnings
 
 import torch
 
-from utils.comm.compress import state_for
 from utils.errors import UsageError
 from utils.store.files import write_file
 
@@ -103,12 +102,12 @@ def finished(checkpoint, epochs):
 
 def restore(checkpoint, optimizer, scheduler, sync, rank, world_size):
     """Continue from `checkpoint` (the model is loaded already): returns (epoch, step, epoch_stats).
-    On another number of ranks each rank's compression state is compress.state_for's."""
+    On another number of ranks the sync makes each rank's state of the old ranks' (load_states)."""
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     torch.set_rng_state(checkpoint["rng"])
     if checkpoint.get("compression"):
-        sync.load_state_dict(state_for(checkpoint["compression"], rank, world_size))
+        sync.load_states(checkpoint["compression"], rank, world_size)
     return checkpoint["epoch"], checkpoint["step"], checkpoint["epoch_stats"]
 
 

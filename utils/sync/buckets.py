@@ -32,7 +32,7 @@ import torch
 from utils.comm.allreduce import beside
 from utils.errors import PeerError, first_line
 from utils.sync.interface import GradientSync
-from utils.sync.waits import wait_for
+from utils.sync.waits import wait_for, waited_since
 from utils.timeline import OFF, TRAINING_ROW
 
 
@@ -154,8 +154,8 @@ class PlainSync(BucketSync):
                 self._average_on_a_thread()
         except RuntimeError as e:  # gloo reports a dead or silent peer this way
             raise PeerError(first_line(e)) from None  # train_model says where
+        self.waited_seconds += waited_since(start)
         self.busy_seconds += time.perf_counter() - start
-        self.waited_seconds += time.perf_counter() - start
 
     def _average_on_a_thread(self):
         step = self.timeline.current_step() if self.timeline.recording else None
@@ -295,7 +295,7 @@ class OverlappedSync(BucketSync):
         self.backward_done()
         for i in range(len(self.buckets)):
             self.wait_bucket(i)
-        self.waited_seconds += time.perf_counter() - start
+        self.waited_seconds += waited_since(start)
 
     def close(self):
         for hook in self.hooks:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 
+from utils.comm.compress import state_for
 from utils.sync.flags import Flags
 
 
@@ -87,6 +88,11 @@ class GradientSync(abc.ABC):
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+    def load_states(self, states: list, rank: int, world_size: int) -> None:
+        """Continue from every old rank's state_dict() (a checkpoint's, or the members'): on as many
+        ranks, this rank's own; on another number, what utils.comm.compress.state_for makes of them."""
+        self.load_state_dict(state_for(states, rank, world_size))
 
     def note(self) -> str | None:
         """What rank 0 says about this sum at start-up, if anything."""

@@ -16,6 +16,7 @@ by bucket, with the step's learning rate, gives exactly the parameters of one op
 import time
 
 from utils.sync.buckets import OverlappedSync
+from utils.sync.waits import waited_since
 
 
 class LazySync(OverlappedSync):
@@ -90,7 +91,7 @@ class LazyUpdate:
             if i in self.due:
                 start = time.perf_counter()
                 self.overlapped.wait_bucket(i)
-                self.waited_seconds += time.perf_counter() - start
+                self.waited_seconds += waited_since(start)
                 self.due.remove(i)
                 if self.due:  # part of a step: what it changes is kept, in case the rest never comes
                     self.kept += [

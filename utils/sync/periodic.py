@@ -42,7 +42,7 @@ from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
 from utils.sync.flags import Flags
 from utils.sync.interface import GradientSync
-from utils.sync.waits import wait_for
+from utils.sync.waits import wait_for, waited_since
 from utils.timeline import OFF
 
 
@@ -191,7 +191,7 @@ class PeriodicSync(GradientSync):
         started = time.perf_counter()
         with self.timeline.span("wait", bucket=0):
             wait_for(self.pending.done, self.broken)
-        self.waited_seconds += time.perf_counter() - started
+        self.waited_seconds += waited_since(started)
         work, self.pending = self.pending, None
         try:
             mean, numel = work.wait(), self.anchor.numel()
