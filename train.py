@@ -24,14 +24,13 @@ import datetime
 import os
 import shlex
 import sys
-import time
 
-from utils.elastic import faults, status
+from utils.elastic import rejoin, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
 from utils.learn.mnist import ensure_mnist
 
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
-from utils.setup import cli, stop
+from utils.setup import cli, keeper, stop
 from utils.setup.config import check_share, from_args
 from utils.setup.launch import launch_local, threads_per_rank
 from utils.setup.memory import keep_freed_memory
@@ -49,24 +48,32 @@ def parse_args(argv):
     return cli.parse_args(argv, PROG)
 
 
-def preflight(config, world_size, train_images):
+def preflight(config, world_size, train_images, unfinished=False):
     """What rank 0, or the local launcher for all its ranks, checks before anyone trains (one
     error line, not one per rank): the outputs can be written and no other job holds them, the
     ranks can share the data, and the checkpoint to resume from matches this run. Returns (that
-    checkpoint or None, whether it is a finished run). It only looks; rank 0 takes the lock afterwards."""
+    checkpoint or None, whether it is a finished run). It only looks; rank 0 takes the lock afterwards.
+    unfinished: without --resume, resume a checkpoint of these settings with epochs left (a server's
+    command run again: utils/elastic/rejoin.py); another run's checkpoint is set aside as ever."""
     for option, path in config.outputs.files():
         check_writable(path, option)
     if config.outputs.tensorboard:
         check_folder(config.outputs.tensorboard, "--tensorboard")
     lock_outputs(config.outputs, hold=False)
     check_share(train_images, world_size, config.recipe.global_batch)
-    if config.job.resume and os.path.exists(config.outputs.checkpoint):
+    if (config.job.resume or unfinished) and os.path.exists(config.outputs.checkpoint):
         from utils.learn.model import Net
         from utils.setup.distributed import model_name
         from utils.store import checkpoint
 
-        resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
-        return resume_from, checkpoint.finished(resume_from, config.recipe.epochs)
+        try:
+            resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
+        except UsageError:
+            if config.job.resume:
+                raise
+            return None, False  # another run's, or not one: this run starts afresh, as without --resume
+        done = checkpoint.finished(resume_from, config.recipe.epochs)
+        return (None, False) if done and not config.job.resume else (resume_from, done)
     return None, False
 
 
@@ -75,27 +82,45 @@ def say_finished(config):
     print(f"{path} is a finished run ({epochs} of {epochs} epochs); nothing to do", flush=True)
 
 
-def say_where_training_starts(config, resume_from, made_on):
-    path, world_size = config.outputs.checkpoint, config.job.world_size
-    if resume_from is not None:
-        resized = (
-            f"; resuming on {world_size} ranks; the checkpoint was made on {made_on}" if made_on != world_size else ""
-        )
-        print(
-            f"resuming from {path}: epoch {resume_from['epoch']}, after step {resume_from['step']}{resized}", flush=True
-        )
-    elif config.job.resume:
-        print(f"no checkpoint at {path}; starting afresh", flush=True)
-
-
 def train(config, data):
     import torch
+
+    from utils.elastic.join import join_running_job, report_dropped
+    from utils.learn.model import Net
+    from utils.run import run
+    from utils.setup.distributed import model_name
+
+    torch.manual_seed(config.recipe.seed)
+    model, job = Net(config.recipe.precision), config.job
+    joins = job.join is not None
+    if not joins and rejoin.per_server(job):  # the same command run again: is its job running? (rejoin.py)
+        offer = lambda: start_job(config, data, model, rendezvous_seconds=rejoin.RENDEZVOUS_SECONDS)  # noqa: E731
+        how = rejoin.look_for_job(config, offer)
+        if how == rejoin.How.TRAINED:  # (a server that waited for its job: the whole job started again)
+            return
+        joins = how == rejoin.How.JOIN
+    if joins:  # a server joining a running job: the members send it everything
+        config = dataclasses.replace(config, job=dataclasses.replace(job, join=job.join or ""))
+        membership, decision = join_running_job(config, model_name(model))
+        stop.arm()
+        try:
+            run(model, data, config, membership=membership, joining=decision)
+        finally:  # (stopped, or a lost peer, too)
+            report_dropped(membership)
+        return
+    start_job(config, data, model)
+
+
+def start_job(config, data, model, rendezvous_seconds=None):
+    """Start the job with every rank, or resume it (rank 0 decides: --resume, or a server's command run
+    again on an unfinished checkpoint), and train it to its end. rendezvous_seconds: a server waiting
+    for its job offers a restart this long; returns False if not every rank came (else True)."""
     import torch.distributed as dist
 
     from utils.comm import hierarchical
-    from utils.elastic.join import join_running_job, start_membership
+    from utils.elastic.join import report_dropped, start_membership
     from utils.exchange import broadcast_state
-    from utils.learn.model import Net
+    from utils.observe.report import say_where_training_starts
     from utils.run import run
     from utils.setup import slurm
     from utils.setup.distributed import (
@@ -107,34 +132,31 @@ def train(config, data):
     )
     from utils.store import checkpoint
 
-    torch.manual_seed(config.recipe.seed)
-    model, job = Net(config.recipe.precision), config.job
-    if job.join is not None:  # a server joining a running job: the members send it everything
-        membership, decision = join_running_job(config, model_name(model))
-        stop.arm()
-        try:
-            run(model, data, config, membership=membership, joining=decision)
-        finally:  # (stopped, or a lost peer, too)
-            report_dropped(membership)
-        return
+    job = config.job
     check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
     if job.torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         attempt_store, restarted = torchrun_attempt_store(
             job.rank, job.world_size, datetime.timedelta(seconds=config.sync.timeout)
         )
-    resume_from = None
+    resume_from, done = None, False
     if job.rank == 0:  # before rendezvous, so that a bad file or another job's outputs fail fast
         if restarted:  # torchrun started this rank again after a failure: it resumes without --resume
             config = dataclasses.replace(config, job=dataclasses.replace(job, resume=True))
-        resume_from, done = preflight(config, job.world_size, len(data[1]))
+        resume_from, done = preflight(config, job.world_size, len(data[1]), rejoin.per_server(job))
         lock_outputs(config.outputs, hold=not done)  # a finished run writes nothing, not even a lock file
-        if not done:
-            remove_stale_temps(config.outputs.checkpoint)  # only now: they could have been another job's
-            say_where_training_starts(config, resume_from, resume_from and checkpoint.upgrade(resume_from)[1])
         if resume_from is None and job.model_path:
             checkpoint.load_model_state(model, job.model_path)
-    init_distributed(job, config.sync.timeout, attempt_store)
+    try:
+        init_distributed(job, rendezvous_seconds or config.sync.timeout, attempt_store)
+    except (PeerError, UsageError):
+        if rendezvous_seconds is None:
+            raise
+        release()  # (rank 0's locks: taken again at the next offer)
+        return False
+    if job.rank == 0 and not done:
+        remove_stale_temps(config.outputs.checkpoint)  # only now: they could have been another job's
+        say_where_training_starts(config, resume_from, resume_from and checkpoint.upgrade(resume_from)[1])
     try:
         config = agree(config, model)
         resume_from = broadcast_state(resume_from, src=0)  # the other servers need not have the file
@@ -143,7 +165,7 @@ def train(config, data):
             if job.rank == 0:
                 say_finished(config)
             dist.destroy_process_group()
-            return
+            return True
         if resume_from is not None:
             model.load_state_dict(resume_from["model"])
         broadcast_parameters(model)
@@ -162,17 +184,7 @@ def train(config, data):
     finally:  # (stopped, or a lost peer, too)
         report_dropped(membership)
     dist.destroy_process_group()
-
-
-def report_dropped(membership):
-    """Bad traffic on the control ports (a --status with a wrong key among it) is dropped as it
-    comes; each rank says how much at the end."""
-    if membership is None:
-        return
-    line = membership.dropped()
-    if line:
-        print(line, flush=True)
-    faults.log(event="control-plane", cpu=membership.cpu, process_cpu=time.process_time())
+    return True
 
 
 def resume_command(argv):
@@ -192,6 +204,8 @@ def main(argv=None):
             return 0
         config = from_args(args)
         job = config.job
+        if job.restart == "on-failure" and not os.environ.get(keeper.KEPT):  # this process keeps the training going
+            return keeper.keep(argv, __file__, f"{PROG}: rank {job.rank}", job.max_restarts, say)
         if refusal(config.recipe.precision, this_cpu()):  # each server asks its own CPU
             raise UsageError(refusal(config.recipe.precision, this_cpu()))
         keep_freed_memory()  # a step's freed buffers stay for the next (utils/setup/memory.py); forked ranks inherit it
@@ -230,11 +244,16 @@ def main(argv=None):
             evaluate(config, data)
         else:
             train(config, data)
+            rejoin.forget_book(config.outputs.checkpoint)  # the job finished: the command run again starts afresh
         return 0
     except UsageError as e:
         say(f"{PROG}: error: {e}")
         return EXIT_BAD_INPUT
     except PeerError as e:
+        if e.left_behind and rejoin.per_server(job) and job.rejoin_timeout > 0 and stop.signalled() is None:
+            say(f"{PROG}: rank {rank}: {e}; waiting up to {job.rejoin_timeout:g} s to join the job again")
+            release()
+            rejoin.again(__file__, argv, job.rejoin_timeout)  # (this process, started afresh: no return)
         hint = f"; to resume: {resume_command(argv)}" if e.resumable else ""
         say(f"{PROG}: rank {rank}: {e}{hint}")
         return EXIT_LOST_PEER

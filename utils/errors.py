@@ -27,6 +27,7 @@ class PeerError(Exception):
         self.resumable = resumable  # False before training started: there is nothing to resume
         self.doing = doing  # what the rank was doing, for the trainer's "lost a peer while ..."
         self.position = None  # where the rank is, if a recovery moved it (utils/elastic/recovery.py)
+        self.left_behind = False  # the job went on without this rank, or its side had no majority: it may rejoin
 
 
 class Stopped(Exception):

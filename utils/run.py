@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from utils.balance.shares import REVIEW
 from utils.comm import hierarchical
-from utils.elastic import faults
+from utils.elastic import faults, rejoin
 from utils.elastic.recovery import Done, Recovery
 from utils.elastic.status import Record
 from utils.errors import PeerError, Stopped, first_line
@@ -202,7 +202,7 @@ def run(model, data, config, hosts=None, resume_from=None, membership=None, join
     recovery = Recovery(membership, trainer) if membership is not None else None
     if joining is not None:
         trainer.sync, (epoch, first_step, stats) = recovery.form(joining, None, None)
-        say_joined(membership, epoch, first_step)
+        say_joined(membership, epoch, first_step, rejoin.absence())
         trainer.new_group()
     trainer.hint = SlowRankHint(dist.get_rank() == 0 and balance is None)
     if membership is not None:

@@ -8,11 +8,13 @@ import hashlib
 import hmac
 import os
 import socket
+import time
 
 import torch.distributed as dist
 
 from utils.elastic import faults, key
 from utils.elastic.membership import Membership
+from utils.elastic.rejoin import keep_book, known_members, per_server
 from utils.elastic.sockets import card_address
 from utils.errors import PeerError, UsageError, first_line
 from utils.exchange import all_gather_json, broadcast_json
@@ -55,6 +57,9 @@ def start_membership(config, model):
     membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
     dist.barrier()  # the heartbeats start together: a rank still writing its key copy is not taken for silent
     membership.start({r: e["entry"] for r, e in enumerate(everyone)}, everyone[0]["token"])
+    if per_server(job):  # the members' addresses, kept for the same command run again (utils/elastic/rejoin.py)
+        membership.book_file = config.outputs.checkpoint
+        keep_book(membership.book, config.outputs.checkpoint)
     faults.setup(job.rank)
     return membership
 
@@ -77,9 +82,12 @@ def check_keys(fingerprints):
         raise UsageError(f"{why}; give every server the same key, or none")
 
 
-def join_running_job(config, model):
+def join_running_job(config, model, answer_within=None):
     """A server started with --join: ask a member of the running job to take it in, and join the
-    group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name."""
+    group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name.
+    answer_within: seconds to wait for an answer, then return None (the same command run again, which
+    looks for its job first: utils/elastic/rejoin.py); by default --timeout, then one UsageError line.
+    It asks at --join's HOST:PORT (or --init-method's), and at every member this server knew."""
     job = config.job
     faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery.py times from
     where = job.join or job.init_method[len("tcp://") :]
@@ -89,18 +97,23 @@ def join_running_job(config, model):
     own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank  # where members listen (free if it is back)
     secret = key.for_joining(job.key_file, config.outputs.checkpoint)
     membership = Membership(None, job.heartbeat, card_address(job.ifname, host), secret, own_port)
+    candidates = [(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)]
+    candidates += [a for a in known_members(config.outputs.checkpoint) if a not in candidates]
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         try:
             decision = membership.request_join(
-                [(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)],
+                candidates,
                 {"model": model, **config.must_agree()},
                 identity(),
                 job.rank,
-                config.sync.timeout,
+                answer_within or config.sync.timeout,
             )
         except ValueError as e:
             raise UsageError(f"the job at {where} refused this server: {e}") from None
         except RuntimeError:
+            if answer_within is not None:
+                membership.close()
+                return None
             raise UsageError(
                 f"no running job answered at {where} within {config.sync.timeout:g} s (wrong address, the job "
                 f"is over, a firewall on its UDP ports, or not the job's key: members drop what it does not sign)"
@@ -116,9 +129,22 @@ def join_running_job(config, model):
                 ) from None
     membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
     membership.start_beating()
+    membership.book_file = config.outputs.checkpoint
+    keep_book(membership.book, config.outputs.checkpoint)
     faults.setup(membership.me)
     return membership, decision
 
 
 MAX_JOIN_CANDIDATES = 64  # a joining server asks the job's port + 0..63 (member r listens on port + r)
 JOIN_ATTEMPTS = 3  # a join whose group did not form (a member lost meanwhile) is asked for again
+
+
+def report_dropped(membership):
+    """Bad traffic on the control ports (a --status with a wrong key among it) is dropped as it
+    comes; each rank says how much at the end."""
+    if membership is None:
+        return
+    line = membership.dropped()
+    if line:
+        print(line, flush=True)
+    faults.log(event="control-plane", cpu=membership.cpu, process_cpu=time.process_time())

@@ -28,7 +28,9 @@ from utils.elastic.agreement import Fenced, NoQuorum, State
 from utils.elastic.detector import Detector
 from utils.elastic.former import form_group
 from utils.elastic.growth import Growth
+from utils.elastic.rejoin import keep_book
 from utils.elastic.wire import Decision
+from utils.errors import UsageError
 
 MAX_AGREE_SECONDS = 60.0  # an agreement that takes longer is given up (NoQuorum)
 
@@ -144,4 +146,9 @@ class Membership(Detector, Growth):
             now = time.monotonic()
             self.heard = {m: now for m in decision.members}
             self.broken.clear()
+        if self.book_file is not None:
+            try:
+                keep_book(self.book, self.book_file)
+            except UsageError:  # (a full disk: the book is a convenience; the checkpoint says the rest)
+                pass
         return decision.members.index(self.me)

@@ -94,12 +94,14 @@ def answer(nonce, generation, state, members, book, heard, progress_of, me, now)
     return Status(nonce, generation, state, listing)
 
 
-def ask(host, port, secret, seconds=ASK_SECONDS):
-    """(address that answered, its Status), from any member at `port` + 0..CANDIDATES-1 of `host`,
-    or None when none answered within `seconds` (no job there, or not the job's key)."""
+def ask(host, port, secret, seconds=ASK_SECONDS, more=()):
+    """(address that answered, its Status), from any member at `port` + 0..CANDIDATES-1 of `host`
+    or at an address of `more`, or None when none answered within `seconds` (no job there, or not
+    the job's key)."""
     nonce = os.urandom(6).hex()
     envelope = Envelope(secret, f"status-{nonce}")
     candidates = [(host, port + i) for i in range(CANDIDATES) if port + i <= 65535]
+    candidates += [a for a in more if a not in candidates]
     deadline = time.monotonic() + seconds
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         while time.monotonic() < deadline:

@@ -140,10 +140,24 @@ def append_metrics(path, row):
         f.write(json.dumps(row) + "\n")
 
 
-def say_joined(membership, epoch, step):
+def say_where_training_starts(config, resume_from, made_on):
+    """Rank 0: where training starts, if it resumes (made_on: the ranks the checkpoint was made on)."""
+    path, world_size = config.outputs.checkpoint, config.job.world_size
+    if resume_from is not None:
+        resized = (
+            f"; resuming on {world_size} ranks; the checkpoint was made on {made_on}" if made_on != world_size else ""
+        )
+        print(
+            f"resuming from {path}: epoch {resume_from['epoch']}, after step {resume_from['step']}{resized}", flush=True
+        )
+    elif config.job.resume:
+        print(f"no checkpoint at {path}; starting afresh", flush=True)
+
+
+def say_joined(membership, epoch, step, note=""):
     print(
         f"rank {membership.me}: joined the job after epoch {epoch}, step {step}, as rank {dist.get_rank()} of "
-        f"{dist.get_world_size()} (members {', '.join(map(str, membership.members))})",
+        f"{dist.get_world_size()} (members {', '.join(map(str, membership.members))}){note}",
         flush=True,
     )
 

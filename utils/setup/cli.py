@@ -23,12 +23,14 @@ from utils.setup.config import (
     MAX_LR,
     MAX_NPROC,
     MAX_POWERSGD_RANK,
+    MAX_RESTARTS,
     MAX_SYNC_EVERY,
     MAX_TIMEOUT,
     OneLineParser,
     balance_mode,
     chunk_count,
     momentum_value,
+    non_negative_float,
     non_negative_int,
     positive,
     seed_value,
@@ -213,6 +215,27 @@ def make_parser(prog="train.py"):
         type=positive(float, MAX_TIMEOUT),
         default=120.0,
         help="seconds to wait for the rendezvous and for any send/recv (default %(default)s)",
+    )
+    faults.add_argument(
+        "--restart",
+        choices=("never", "on-failure"),
+        default="never",
+        help="on-failure: when this server's training fails (a crash, cut off, fenced out), start it again; it "
+        "joins the running job by itself (default %(default)s; docs/healing.md)",
+    )
+    faults.add_argument(
+        "--max-restarts",
+        type=positive(int, MAX_RESTARTS),
+        default=10,
+        help="--restart gives up after this many failures in a row, each within 2 minutes of its start "
+        "(default %(default)s)",
+    )
+    faults.add_argument(
+        "--rejoin-timeout",
+        type=non_negative_float,
+        default=300.0,
+        help="seconds a server that lost the job (cut off, fenced out) waits for it and joins it again; "
+        "0: it exits 1 at once (default %(default)s)",
     )
 
     outputs = p.add_argument_group("outputs (docs/timeline.md)")

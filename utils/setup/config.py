@@ -35,6 +35,7 @@ GLOBAL_BATCH = 64  # the recipe: 64 images per step in all, however many ranks s
 DEFAULT_TIMELINE_STEPS = (21, 60)  # after the first steps' start-up costs (and PowerSGD's 10-step warm-up)
 MAX_TIMEOUT = 2_000_000  # seconds (23 days): gloo keeps timeouts as 32-bit milliseconds
 MAX_HEARTBEAT = 3600.0  # seconds
+MAX_RESTARTS = 1000  # --max-restarts
 MAX_LR = 1e6  # Adam's first step is 10x the rate, in float32: from ~3e37 it overflows (and far below, NaN)
 MAX_CHUNKS = 1024  # more pieces only add messages; 1e9 of them would look like a hang
 MAX_NPROC = 64  # ranks on one machine; for more, use several servers
@@ -125,6 +126,9 @@ class Job:
     heartbeat: float = 5.0  # seconds of silence after which a rank is taken for lost
     join: str | None = None  # join a running job: "" (through --init-method) or "HOST:PORT"
     key_file: str | None = None  # the control plane's key (utils/elastic/key.py); never the key itself
+    restart: str = "never"  # "on-failure": a keeper starts this server's training again (utils/setup/keeper.py)
+    max_restarts: int = 10  # failures in a row after which the keeper gives up
+    rejoin_timeout: float = 300.0  # seconds a server that lost the job waits to join it again (0: exit 1)
     slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
 
     @property
@@ -232,6 +236,16 @@ def from_args(args, environ=os.environ):
         check_init_method(init_method)
     else:
         rank, world_size, init_method = None, args.nproc, None
+    if args.restart != "never" and (torchrun or slurm):
+        raise UsageError(
+            f"--restart is for a server started by hand; {'torchrun' if torchrun else 'Slurm'} restarts its ranks "
+            f"itself ({'--max-restarts' if torchrun else 'sbatch --requeue'}: docs/healing.md)"
+        )
+    if args.restart != "never" and args.rank is None and not (torchrun or slurm):
+        raise UsageError(
+            "--restart keeps one server's rank going: give --rank, --world-size and --init-method "
+            "(the local launcher's ranks go on without a lost one: --recover)"
+        )
     if world_size > MAX_RANKS:  # (torchrun's and Slurm's too)
         raise UsageError(
             f"a world of {world_size} ranks is more than a job can have: at most {MAX_RANKS}, the ranks whose stop "
@@ -259,6 +273,9 @@ def from_args(args, environ=os.environ):
             heartbeat=args.heartbeat,
             join=args.join,
             key_file=args.key_file,
+            restart=args.restart,
+            max_restarts=args.max_restarts,
+            rejoin_timeout=args.rejoin_timeout,
             slurm=slurm,
         ),
         recipe=Recipe(
@@ -394,6 +411,10 @@ def seed_value(text):
 
 def non_negative_int(text):
     return 0 if text.strip() == "0" else positive(int)(text)
+
+
+def non_negative_float(text):
+    return 0.0 if text.strip() in ("0", "0.0") else positive(float, MAX_TIMEOUT)(text)
 
 
 def chunk_count(text):

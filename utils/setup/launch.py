@@ -199,8 +199,8 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     threads = threads_per_rank(nproc)
     print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
     env = dict(
-        environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid())
-    )  # the pid a refused job names: this launcher's
+        environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid()), RING_LOCAL_RANK="1"
+    )  # the pid a refused job names: this launcher's; its ranks are not servers' commands (utils/elastic/rejoin.py)
     # each rank a fork of this launcher once it has loaded torch (utils/setup/fork.py): ranks start in a
     # moment instead of loading torch each; a variable torch reads at load set otherwise: exec them
     loaded = fork.preload() if fork_ranks else None

@@ -1,0 +1,91 @@
+"""--restart on-failure: the process on a server that keeps its rank's training alive.
+
+    keep(argv, prog, label, limit)   run train.py's training as a child; start it again when it fails
+
+A server's training process can end without the job ending: it crashed (kill -9, out of memory),
+it was cut off and its side had no majority, or it was frozen and the job went on without it.
+The keeper starts the same command again, and that command joins the running job by itself
+(utils/elastic/rejoin.py), or resumes the job if it stopped as a whole. What is not a failure
+ends the keeper too: a finished run (0), bad input or a refusal (2: it would fail the same way
+every time), a stop on a signal (3), a signal to the keeper itself (passed on to the child).
+
+Restarts back off (Backoff): 1 s, 2 s, 4 s ... up to a minute, back to 1 s after a child that ran
+HEALTHY_SECONDS; after `limit` failures in a row the keeper gives up with one line. It loads no
+torch: a restart costs the child's start only. The child is in the keeper's process group: a kill
+of the group (Ctrl-C, systemd's stop) reaches both; a kill -9 of the keeper alone leaves the training
+running, as it would be without a keeper. Under torchrun and Slurm their own restarts
+(--max-restarts, --requeue) keep precedence: utils/setup/config.py refuses --restart there.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED
+
+HEALTHY_SECONDS = 120.0  # a child that ran this long failed afresh: the backoff starts again from its first delay
+FIRST_DELAY, MAX_DELAY = 1.0, 60.0
+KEPT = "RING_KEPT"  # in a child's environment: started by a keeper (it must not keep itself)
+RESTARTS = "RING_RESTARTS"  # the child's restarts so far (its heartbeats carry it: --status)
+OUT_SINCE = "RING_OUT_SINCE"  # when the child before it failed (time.time()): utils/elastic/rejoin.py's too
+FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED)  # what ends the keeper: done, refused or bad input, stopped
+
+
+class Backoff:
+    """When to start again after a failure: exponential from `first` to `most` seconds; `limit`
+    failures in a row (a child that ran `healthy` seconds or more ends the row) and it gives up."""
+
+    def __init__(self, limit, first=FIRST_DELAY, most=MAX_DELAY, healthy=HEALTHY_SECONDS):
+        self.limit, self.first, self.most, self.healthy = limit, first, most, healthy
+        self.in_a_row = 0
+
+    def failed(self, ran_seconds):
+        """A child failed after running `ran_seconds`: the delay before the next start, or None to give up."""
+        self.in_a_row = 1 if ran_seconds >= self.healthy else self.in_a_row + 1
+        if self.in_a_row > self.limit:
+            return None
+        return min(self.most, self.first * 2 ** (self.in_a_row - 1))
+
+
+def describe(code):
+    """An exit code as the line says it."""
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}" if -code in signal.Signals._value2member_map_ else "killed"
+    return {EXIT_LOST_PEER: "lost the job (exit 1)"}.get(code, f"exit {code}")
+
+
+def keep(argv, prog, label, limit, say):
+    """Run `prog argv` as a child until it ends in a way that is not a failure; returns the exit code
+    to leave with. label: "train.py: rank 1"; say(line): one line to stderr."""
+    backoff, restarts, passed = Backoff(limit), 0, []
+    child = None
+
+    def pass_on(signum, _frame):  # a stop for the job: the child stops after its step; no restart after it
+        passed.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, pass_on)
+    env = dict(os.environ, **{KEPT: "1"})
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen([sys.executable, "-u", prog, *argv], env=env)
+        code = child.wait()  # (a signal meanwhile is passed on, and the wait goes on)
+        if code in FINAL or passed:
+            return code if code >= 0 else 128 - code
+        delay = backoff.failed(time.monotonic() - started)
+        if delay is None:
+            say(f"{label}: gave up after {limit} restarts in a row, each failing within {HEALTHY_SECONDS:g} s "
+                f"(last: {describe(code)}); the job goes on without this server")  # fmt: skip
+            return EXIT_LOST_PEER
+        restarts += 1
+        say(f"{label}: training {describe(code)}; starting it again in {delay:g} s (restart {restarts})")
+        env = dict(env, **{RESTARTS: str(restarts), OUT_SINCE: repr(time.time())})
+        waited = time.monotonic() + delay
+        while time.monotonic() < waited and not passed:
+            time.sleep(0.1)
+        if passed:  # stopped while nothing was running: nothing to save
+            return 128 + passed[0]
