@@ -1,4 +1,4 @@
-"""train.py under a real Slurm (tests/slurm_cluster.py: slurmctld, two slurmd on emulated nodes):
+"""train.py under a real Slurm (tests/support/slurm_cluster.py: slurmctld, two slurmd on emulated nodes):
 sbatch of the shipped scripts/slurm.sbatch trains on two nodes with no rank flags; a time limit's
 SIGUSR1 stops it with a checkpoint, rank 0 requeues it, and the requeued job finishes bit for bit
 as the uninterrupted one; scancel leaves a whole checkpoint; a finished job is not requeued.

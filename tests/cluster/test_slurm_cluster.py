@@ -1,4 +1,4 @@
-"""The emulated Slurm cluster (tests/slurm_cluster.py) works: a 2-node sbatch job whose srun tasks
+"""The emulated Slurm cluster (tests/support/slurm_cluster.py) works: a 2-node sbatch job whose srun tasks
 run on node1 and node2, each seeing its own hostname, NIC and address, and nothing is left behind.
 
 Needs root and slurm-wlm + munge; in CI (CI=true) their absence is a failure, never a skip.

@@ -1,4 +1,4 @@
-"""What one rank of the compression tests does (tests/ring_worker.py runs it): averages known gradients through
+"""What one rank of the compression tests does (tests/support/ring_worker.py runs it): averages known gradients through
 utils/comm/compress.py."""
 
 import torch

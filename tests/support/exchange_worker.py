@@ -1,4 +1,4 @@
-"""One rank of tests/unit/test_exchange.py: utils/exchange.py over real gloo, and what it refuses."""
+"""One rank of tests/world/test_exchange.py: utils/exchange.py over real gloo, and what it refuses."""
 
 import datetime
 import io

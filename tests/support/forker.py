@@ -3,7 +3,7 @@
     popen(argv, **popen_args)   like subprocess.Popen; a Python script is forked from the server
 
 The suite starts some 450 processes that load torch, at about 3 s of CPU each on a 2-core machine:
-more than half of its time. Each pytest worker has a fork server (utils/forkserver.py; started at
+more than half of its time. Each pytest worker has a fork server (tests/support/forkserver.py; started at
 its first use, gone with the worker; one for each set of values of the variables torch reads at
 load) that loads torch and forks every `python SCRIPT` a test starts: the child runs the script as
 `python SCRIPT` would (utils/setup/fork.py), and its handle is a real process's.

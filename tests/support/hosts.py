@@ -1,5 +1,5 @@
 """Ranks on emulated servers (scripts/cluster.py): starting them, waiting for them, what was made.
-The helpers tests/test_multihost.py, test_recovery_multihost.py and test_resize.py share."""
+The helpers tests/cluster/test_multihost.py, test_recovery_multihost.py and test_resize.py share."""
 
 import subprocess
 import time

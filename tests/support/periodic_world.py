@@ -1,6 +1,6 @@
 """--sync-every 3 in a tiny gloo world (utils/sync/periodic.py): what one rank records (periodic(),
-run by tests/unit/world_worker.py and tests/ring_worker.py) and the float64 replay that checks it
-(check_periodic(), by tests/unit/test_tiny_world.py on 3 ranks and tests/test_ring.py on 1-5)."""
+run by tests/support/world_worker.py and tests/support/ring_worker.py) and the float64 replay that checks it
+(check_periodic(), by tests/world/test_tiny_world.py on 3 ranks and tests/world/test_ring.py on 1-5)."""
 
 import torch
 

@@ -1,7 +1,7 @@
 """Starting real processes from tests, with a hard timeout that kills them all; reading what they left.
 
 `popen` is subprocess.Popen, but a `python SCRIPT` is forked from a process that has loaded torch
-(tests/forker.py): the suite's processes would otherwise spend most of its time loading torch."""
+(tests/support/forker.py): the suite's processes would otherwise spend most of its time loading torch."""
 
 import atexit
 import os

@@ -1,5 +1,6 @@
-"""One rank of tests/test_ring.py's worlds: sums known inputs with every algorithm (cases()), through
-the compressors (tests/compress_worker.py) and under --sync-every (tests/periodic_world.py); saves what it got.
+"""One rank of tests/world/test_ring.py's worlds: sums known inputs with every algorithm (cases()), through
+the compressors (tests/support/compress_worker.py) and under --sync-every (tests/support/periodic_world.py);
+saves what it got.
 One process per rank does all three, so each world size starts once."""
 
 import datetime

@@ -1,4 +1,4 @@
-"""One rank, a world of its own, for tests/unit/test_sum_step.py: a bucket's sum whose thread starts
+"""One rank, a world of its own, for tests/world/test_sum_step.py: a bucket's sum whose thread starts
 only after the training thread has begun the next step (as under load with --lazy-update, whose
 next step begins before its sums are waited for). Prints the step each span of a sum was drawn in,
 by name ("sum", and the "all-reduce" inside it)."""

@@ -1,4 +1,4 @@
-"""Reading and checking a --timeline trace: the helpers tests/test_timeline.py, test_overlap.py and
+"""Reading and checking a --timeline trace: the helpers tests/world/test_timeline.py, test_overlap.py and
 test_multihost.py share (the window of steps their runs record, the checks a reader relies on)."""
 
 import json

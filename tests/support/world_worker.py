@@ -1,4 +1,4 @@
-"""One rank of the fast tier's tiny gloo world: every all-reduce object, and the gradient-sync seam."""
+"""One rank of tests/world/test_tiny_world.py's tiny gloo world: every all-reduce object, and the gradient-sync seam."""
 
 import datetime
 import sys

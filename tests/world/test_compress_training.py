@@ -1,5 +1,5 @@
 """The trainer with --compress: a stop mid-epoch resumes bit for bit, and a resume with other compression
-settings is refused (every algorithm and mode, and the bytes sent: tests/test_overlap.py)."""
+settings is refused (every algorithm and mode, and the bytes sent: tests/world/test_overlap.py)."""
 
 import subprocess
 import sys

@@ -31,7 +31,7 @@ def test_bad_datagrams_tcp_junk_and_joins_without_the_key_change_nothing(tmp_pat
 
         strangers = {}
         result = fuzz.fire(3000, 3, nmap=False, rate=4000)(ranks, folder, port)
-        # one after the other: two processes forked at once by the tests' fork server (tests/forker.py),
+        # one after the other: two processes forked at once by the tests' fork server (tests/support/forker.py),
         # the first to end takes the other's exit code with it (it reads as -9: an open bug there)
         join("no key", [])
         join("wrong key", ["--key-file", str(wrong)])

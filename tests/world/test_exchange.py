@@ -1,4 +1,4 @@
-"""utils/exchange.py over real gloo, 3 ranks on loopback (tests/unit/exchange_worker.py): JSON and
+"""utils/exchange.py over real gloo, 3 ranks on loopback (tests/support/exchange_worker.py): JSON and
 states arrive whole on every rank, and what a peer could smuggle is refused, not unpickled."""
 
 import os

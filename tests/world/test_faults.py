@@ -117,7 +117,7 @@ def test_kills_during_saving_never_leave_a_broken_checkpoint(tmp_path):
 # Each victim with another way of summing: the survivors notice in sum(), in the comm threads,
 # (lazy) in the next forward's hooks, or (gloo) in the wait for gloo's asynchronous all_reduce;
 # with --no-recover all must say so in one line, and the lowest survivor saves the last step
-# (tests/test_recovery.py: without it, they go on).
+# (tests/world/test_recovery.py: without it, they go on).
 @pytest.mark.parametrize(
     "victim, mode",
     [

@@ -1,4 +1,4 @@
-"""A script forked from a process that has loaded torch (utils/setup/fork.py, through tests/forker.py)
+"""A script forked from a process that has loaded torch (utils/setup/fork.py, through tests/support/forker.py)
 runs as it would started afresh: same arguments, folder, environment, threads, streams, session,
 open files and exit code."""
 

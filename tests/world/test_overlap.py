@@ -8,7 +8,7 @@ and with it the float rounding - can differ: those are compared within a toleran
 updates (--lazy-update) only move each bucket's Adam update into the next forward: the same
 bits as overlapped, for every algorithm. The uncompressed runs are made once (a module fixture):
 the 16-bit runs compare their bytes and accuracy with them, and the plain two-pass run records the
-timeline that tests/test_timeline.py's check_trace reads for --no-overlap.
+timeline that tests/world/test_timeline.py's check_trace reads for --no-overlap.
 """
 
 import json
@@ -54,7 +54,7 @@ def train_3_ranks(tmp_path, name, args, env=None):
 @pytest.fixture(scope="module")
 def uncompressed(tmp_path_factory):
     """uncompressed(allreduce, mode): the model, metrics and stdout of that run, each made once. Two of
-    them also record a timeline (which changes none of their numbers), for tests/test_timeline.py's check:
+    them also record a timeline (which changes none of their numbers), for tests/world/test_timeline.py's check:
     the plain two-pass run, and the lazy ring run with rank 1's clock set SKEW_S seconds off."""
     folder, made = tmp_path_factory.mktemp("uncompressed"), {}
 

@@ -1,5 +1,5 @@
 """--precision bf16 in a real job, and the model's layout beside a model saved before it changed
-(ranks with different precisions: tests/test_faults.py).
+(ranks with different precisions: tests/world/test_faults.py).
 
 A bf16 job keeps every guarantee of the default one: the ranks end with the same parameters, and a
 job resumed from a mid-epoch checkpoint ends with the bits of one that never stopped."""

@@ -273,7 +273,7 @@ def test_a_join_at_an_epochs_last_step_logs_the_first_step_on_the_new_members_in
 def test_join_to_nowhere_or_malformed_is_one_line_and_exit_2(tmp_path):
     """(A join with other settings, refused by a running job: in the test above.)"""
     port = procs.free_port()
-    nowhere = procs.train(  # (with a key: without one it would not ask; tests/test_control_plane.py)
+    nowhere = procs.train(  # (with a key: without one it would not ask; tests/world/test_control_plane.py)
         ["--rank", "1", "--world-size", "2", "--init-method", f"tcp://127.0.0.1:{port}", "--timeout", "3", "--join"],
         timeout=60,
         cwd=str(tmp_path),

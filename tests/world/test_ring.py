@@ -1,9 +1,9 @@
-"""Worlds of 1-5 ranks, real processes and gloo over loopback (tests/ring_worker.py is one rank, which
+"""Worlds of 1-5 ranks, real processes and gloo over loopback (tests/support/ring_worker.py is one rank, which
 does all of this in one process):
 - the ring sums (utils/comm/ring.py): correct against a float64 reference, bit-identical on every rank;
 - compressed sums (utils/comm/compress.py): right within the wire format, identical on every rank;
-- --sync-every 3 (utils/sync/periodic.py) under every algorithm: the float64 replay of tests/periodic_world.py
-  (3 ranks of it are also the fast tier's, tests/unit/test_tiny_world.py).
+- --sync-every 3 (utils/sync/periodic.py) under every algorithm: the float64 replay of tests/support/periodic_world.py
+  (3 ranks of it are also tests/world/test_tiny_world.py's quick world).
 """
 
 import os

@@ -1,5 +1,5 @@
 """A bucket's sum (and the all-reduce in it) is drawn in the step whose gradient it sums, however late its thread starts
-(tests/unit/sum_step_worker.py: one rank over real gloo)."""
+(tests/support/sum_step_worker.py: one rank over real gloo)."""
 
 import json
 import os

@@ -6,7 +6,7 @@ bucket's sum inside its step (after its forward began, before its update ended),
 handed over during backward and running from then on, and the clock alignment: one rank's clock is set seconds off
 (TIMELINE_TEST_CLOCK_SKEW_S), yet on the trace's clock no rank ends a bucket's sum before every
 rank has started it (within the measured error), and the estimated offset is the skew within it.
-Two of the checks run on tests/test_overlap.py's uncompressed 3-rank runs, which record a timeline
+Two of the checks run on tests/world/test_overlap.py's uncompressed 3-rank runs, which record a timeline
 for them: --no-overlap two-pass, and --lazy-update ring with a skewed clock (and the summary script).
 """
 

@@ -1,6 +1,6 @@
 """A tiny gloo world of 3 ranks on loopback (2 fake hosts: 2 + 1 ranks): every all-reduce object sums
 right and alike on every rank, the gradient-sync seam's ways of summing agree, and --sync-every 3 replays
-right (tests/periodic_world.py; on 1-5 ranks in tests/test_ring.py, whose worlds start anyway)."""
+right (tests/support/periodic_world.py; on 1-5 ranks in tests/world/test_ring.py, whose worlds start anyway)."""
 
 import os
 import subprocess
