@@ -23,12 +23,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # utils/ (ranks), scripts/netns.py (driver)
+sys.path[:0] = [str(REPO), str(REPO / "scripts"), str(REPO / "tests" / "support")]  # utils/, netns.py, forkserver.py
+import forkserver  # noqa: E402  (tests/support/forkserver.py: the loopback workers are forked)
 import netns  # noqa: E402
 import throttle  # noqa: E402, F401  (scripts/throttle.py: CPU quotas, for bench/balance.py)
 from stats import LoadWatch, quiet  # noqa: E402  (bench/stats.py: the load check, the paired statistics)
 
-from utils import forkserver  # noqa: E402
 from utils.errors import UsageError  # noqa: E402
 from utils.learn.model import Net, parameter_vector  # noqa: E402
 from utils.setup import fork  # noqa: E402

@@ -9,5 +9,6 @@ elastic/              live recovery and joins: membership, agreement, the contro
 balance/              --balance: each rank's share of a step from its measured speed
 store/                the files: checkpoint and model, atomic writes, one output folder one job
 observe/              watching a run: the log lines, --status's record, TensorBoard
-errors.py, exchange.py, timeline.py, forkserver.py   what the rest share (forkserver: the tests' and benchmarks')
+errors.py, exchange.py, timeline.py   what the rest share
+(the tests' and benchmarks' fork server is tests/support/forkserver.py)
 """

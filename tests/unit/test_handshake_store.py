@@ -1,6 +1,6 @@
 """The start-up handshake's protocol (utils/distributed.handshake) in one process: ranks as threads
 on an in-memory store, each with the identity it is given (a torch version cannot be changed for
-real; tests/test_handshake.py runs real ranks with other world sizes and programs)."""
+real; tests/world/test_handshake.py runs real ranks with other world sizes and programs)."""
 
 import threading
 import time

@@ -1,6 +1,6 @@
 """Nothing a peer sends is unpickled (#32): no torch *_object collective, no pickle.load(s), and every
 torch.load weights-only, in utils/, train.py and bench/. Peers' metadata goes as JSON and states as
-torch.save archives read weights-only (utils/exchange.py); tests/unit/test_exchange.py runs it."""
+torch.save archives read weights-only (utils/exchange.py); tests/world/test_exchange.py runs it."""
 
 import ast
 import os

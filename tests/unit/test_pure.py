@@ -116,19 +116,6 @@ def test_mnist_is_read_as_torchvision_reads_it():
     assert torch.equal(data.read_idx(os.path.join(raw, "t10k-labels-idx1-ubyte")).long(), test.targets)
 
 
-def test_deterministic_algorithms_are_on_without_importing_inductor():
-    import subprocess
-    import sys
-
-    probe = (
-        "import sys; import torch; from utils.learn.model import "
-        "use_deterministic_algorithms as d; d(); "
-        "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
-    assert out.split() == ["True", "False"], out
-
-
 def test_a_subset_is_the_first_images_of_the_whole_normalised_alike():
     import os
 

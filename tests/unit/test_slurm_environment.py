@@ -1,15 +1,11 @@
-"""srun's environment becomes the rank, the world and the rendezvous; rank 0 requeues (utils/setup/slurm.py)."""
-
-import os
-import shutil
-import subprocess
-import types
+"""srun's environment becomes the rank, the world and the rendezvous (utils/setup/slurm.py). (scontrol run,
+and rank 0's requeue through it: tests/world/test_scontrol.py.)"""
 
 import pytest
+from slurm_hostlists import HOSTLISTS
 
 import train
 from utils.errors import UsageError
-from utils.setup import slurm
 from utils.setup.config import from_args
 from utils.setup.slurm import FIRST_PORT, describe, expand_hostlist, step_from
 
@@ -24,18 +20,6 @@ TASK = {
     "SLURM_JOB_NODELIST": "node[07-09]",
 }
 
-# Forms Slurm's own parser takes, with what it makes of them (scontrol show hostnames, checked below).
-HOSTLISTS = {
-    "node[01-03,07],gpu1": ["node01", "node02", "node03", "node07", "gpu1"],
-    "rack[1-2]-n[8-10]": ["rack1-n8", "rack1-n9", "rack1-n10", "rack2-n8", "rack2-n9", "rack2-n10"],
-    "n[08-10]": ["n08", "n09", "n10"],
-    "n[010-012]": ["n010", "n011", "n012"],
-    "a,b.example.org,c-1": ["a", "b.example.org", "c-1"],
-    "n[1-2],m[3]": ["n1", "n2", "m3"],
-    "rack[1-2]n[1-2]": ["rack1n1", "rack1n2", "rack2n1", "rack2n2"],
-    "login1": ["login1"],
-}
-
 
 def config(*argv, environ):
     return from_args(train.parse_args(list(argv)), environ)
@@ -44,25 +28,6 @@ def config(*argv, environ):
 @pytest.mark.parametrize("text", HOSTLISTS)
 def test_compressed_host_lists_expand_as_slurm_does(text):
     assert expand_hostlist(text) == HOSTLISTS[text]
-
-
-def test_the_expansion_matches_scontrol(tmp_path):
-    """Slurm's own parser, where it is installed (CI installs it for the Slurm tests)."""
-    if shutil.which("scontrol") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("scontrol is not installed; .ci/run installs slurm-wlm")
-        pytest.skip("scontrol is not installed")
-    conf = tmp_path / "slurm.conf"  # show hostnames reads no daemon, only needs a configuration
-    conf.write_text("ClusterName=test\nSlurmctldHost=localhost\nNodeName=localhost\n")
-    for text, expected in HOSTLISTS.items():
-        shown = subprocess.run(
-            ["scontrol", "show", "hostnames", text],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=dict(os.environ, SLURM_CONF=str(conf)),
-        )
-        assert shown.stdout.split() == expected, (text, shown.stderr)
 
 
 @pytest.mark.parametrize("text", ["", "node[1-", "node]1[", "n[3-1]", "n[a]", "n,,m", "n[1-2] m", "n[]"])
@@ -132,26 +97,3 @@ def test_a_broken_slurm_environment_is_one_line(change, message):
     environ = {k: v for k, v in {**TASK, **change}.items() if v is not None}
     with pytest.raises(UsageError, match=message):
         config(environ=environ)
-
-
-def fake_scontrol(tmp_path, monkeypatch, on_requeue):
-    """An `scontrol` on PATH: `show job` says the job may be requeued; `requeue` runs `on_requeue`."""
-    script = tmp_path / "scontrol"
-    script.write_text(
-        '#!/bin/sh\nif [ "$1" = show ]; then echo "JobId=7 BatchFlag=1 Requeue=1"; exit 0; fi\n' + on_requeue + "\n"
-    )
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-
-
-def test_a_requeue_whose_scontrol_slurm_kills_with_the_step_is_a_requeue(tmp_path, monkeypatch):
-    fake_scontrol(tmp_path, monkeypatch, "kill -TERM $$")  # as slurmstepd ends the step at once
-    step = types.SimpleNamespace(job_id="7")
-    assert slurm.requeue(step, "runs/checkpoint.pt").startswith("requeued Slurm job 7")
-
-
-def test_a_requeue_slurm_refuses_says_so(tmp_path, monkeypatch):
-    fake_scontrol(tmp_path, monkeypatch, "echo 'Requested operation is presently disabled' >&2; exit 1")
-    step = types.SimpleNamespace(job_id="7")
-    line = slurm.requeue(step, "runs/checkpoint.pt")
-    assert line == "could not requeue Slurm job 7: scontrol requeue 7: Requested operation is presently disabled"

@@ -90,25 +90,6 @@ def test_train_py_only_sets_up_and_modules_stay_small():
         assert lines <= MOST_LINES, f"{path} has {lines} lines"
 
 
-def test_a_bad_command_line_and_the_launcher_need_no_torch():
-    """torch takes a second or two to import: a bad command line, and the local launcher's checks,
-    answer without it (every rank imports it where it starts training)."""
-    import subprocess
-    import sys
-
-    light = (
-        "utils.setup.config, utils.errors, utils.store.files, utils.setup.launch, "
-        "utils.learn.mnist, utils.store.outputs, utils.setup.stop"
-    )
-    probe = (
-        f"import sys; import {light}; import train; "
-        f"code = train.main(['--lr', '-1']); print(code, 'torch' in sys.modules)"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert result.stdout.split() == ["2", "False"], (result.stdout, result.stderr)
-    assert "--lr" in result.stderr
-
-
 def test_every_sync_kind_implements_the_one_interface():
     from utils.sync.buckets import OverlappedSync, PlainSync
     from utils.sync.interface import GradientSync
@@ -168,18 +149,6 @@ def test_no_sys_path_edits_outside_the_scripts_run_directly():
     assert "sys.path" not in open(os.path.join(REPO, "train.py")).read()
 
 
-def test_the_tree_passes_the_formatter_and_the_linter():
-    """ruff, with pyproject.toml's settings (CI runs it through this test)."""
-    import subprocess
-    import sys
-
-    for check in (["format", "--check", "."], ["check", "."]):
-        result = subprocess.run(
-            [sys.executable, "-m", "ruff", *check], cwd=REPO, capture_output=True, text=True, timeout=120
-        )
-        assert result.returncode == 0, f"ruff {' '.join(check)}:\n{result.stdout}{result.stderr}"
-
-
 def test_the_sum_does_not_reach_up_to_the_command_line():
     """utils/comm and utils/sync take their names and defaults from utils/comm/names.py (torch-free),
     which the command line reads too: no arrow from the sum up to utils.setup.config or utils.setup.cli."""
@@ -189,14 +158,68 @@ def test_the_sum_does_not_reach_up_to_the_command_line():
     assert not re.search(r"^(import|from) ", open(os.path.join(REPO, "utils", "comm", "names.py")).read(), re.M)
 
 
+def imported(path):
+    """The modules `path` imports, at any depth of the file, as written (`from a.b import c`: a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
+        names |= {node.module or ""} if isinstance(node, ast.ImportFrom) else set()
+        names |= {a.name for a in node.names} if isinstance(node, ast.Import) else set()
+    return names
+
+
 def test_no_test_file_imports_another():
-    """What tests share lives in helper modules (tests/procs.py, hosts.py, trace_checks.py...), not in test files."""
+    """What tests share lives in tests/support/ (procs.py, hosts.py, trace_checks.py...), not in test files."""
     for path in sources("tests"):
-        tree = ast.parse(open(os.path.join(REPO, path)).read())
-        for node in ast.walk(tree):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            assert not any(n.split(".")[-1].startswith("test_") for n in names), (path, names)
+        names = imported(path)
+        assert not any(n.split(".")[-1].startswith("test_") for n in names), (path, names)
+
+
+TIERS = ("unit", "world", "cluster", "bench")  # by how they run; tests/support/ holds what they share
+
+
+def test_the_tests_are_filed_by_how_they_run():
+    """Test files only in the tiers' folders, each name once (tests/durations.json and pytest's imports go
+    by the file's name); tests/support/ holds helpers, workers and the fork server, and no test."""
+    names = [os.path.basename(p) for p in sources("tests") if os.path.basename(p).startswith("test_")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    for path in sources("tests"):
+        folder, name = os.path.split(os.path.relpath(path, "tests"))
+        if name.startswith("test_"):
+            assert folder in TIERS, path
+        elif folder == "support":
+            tree = ast.parse(open(os.path.join(REPO, path)).read())
+            tests = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+            assert not tests, (path, tests)
+        else:
+            assert name == "conftest.py" and folder in ("", "unit"), path
+    assert not os.path.exists(os.path.join(REPO, "utils", "forkserver.py"))  # the tests' and benchmarks'
+
+
+def test_the_unit_tier_starts_no_process():
+    """tests/unit imports nothing that starts a process, nor calls os's process starters or names the
+    interpreter to start (tests/unit/conftest.py also refuses a process at run time); a test that needs
+    ranks, a worker, a probe or another program goes to tests/world."""
+    starters = {"subprocess", "multiprocessing", "procs", "forker", "forkserver", "pty"}
+    for path in sources("tests/unit"):
+        if path.endswith("conftest.py"):
+            continue  # (it imports subprocess to refuse it)
+        names = imported(path)
+        assert not {n for n in names if n.split(".")[-1] in starters or n.split(".")[0] in starters}, (path, names)
+        for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                said = f"{node.value.id}.{node.attr}"
+                assert not re.fullmatch(
+                    r"sys\.executable|os\.(fork\w*|system|popen|spawn\w*|exec\w*|posix_spawn\w*)", said
+                ), (path, said)
+
+
+def test_only_the_cluster_tier_needs_root_or_slurm():
+    """Network namespaces, cgroup CPU quotas and Slurm's daemons (root) are tests/cluster's (and some
+    benchmarks')."""
+    for path in sources("tests/unit", "tests/world"):
+        assert not {"netns", "cluster", "hosts", "slurm_cluster"} & imported(path), path
+        if path != "tests/unit/test_structure.py":
+            assert "needs_root" not in open(os.path.join(REPO, path)).read(), path
 
 
 def test_the_measured_order_names_the_suite_s_files():

@@ -1,5 +1,5 @@
 """scripts/throttle.py's writes, on a folder laid out as each cgroup version's (the machine here
-has v1 only; tests/test_throttle.py holds real processes to real quotas as root)."""
+has v1 only; tests/cluster/test_throttle.py holds real processes to real quotas as root)."""
 
 import os
 

@@ -6,7 +6,7 @@
     Child(pid, args)                a forked child as a Popen-like handle: poll, wait, signals
 
 Most of a rank's start is `import torch`: about 3 s of CPU on a 2-core test machine, as long as a
-small run's training. The local launcher (utils/setup/launch.py) and the tests (tests/forker.py) load it
+small run's training. The local launcher (utils/setup/launch.py) and the tests (tests/support/forker.py) load it
 once and fork each rank from there, as torch's own DataLoader forks its workers. The child is a
 process of its own and runs the script as `python SCRIPT ARGV` would: the repository's modules
 imported afresh, its own environment, folder, standard streams and session, files it was not given
