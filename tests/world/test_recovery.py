@@ -343,6 +343,8 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
         "2",
         "--metrics",
         "m.jsonl",
+        "--rejoin-timeout",
+        "0",  # the fenced rank exits; the test joins it by hand (by itself: tests/world/test_heal.py)
     ]  # 400 steps: still running when rank 0 is back
     events, port = tmp_path / "events.jsonl", procs.free_port()
     ranks = procs.start_ranks(
