@@ -118,7 +118,7 @@ def train_model(steps, batches, position, done=None):
                 now = timeline.now_ns()
                 timeline.add("re-balance", now, now, shares="/".join(map(str, balance.shares())))
                 watch.rebalanced((epoch - 1) * len(batches) + step, balance.shares())
-            if balance is not None and step % REVIEW == 0:  # (bench/balance.py: the shares over time)
+            if balance is not None and step % REVIEW == 0:  # (bench/balance/balance.py: the shares over time)
                 faults.log(event="shares", epoch=epoch, step=step, shares=balance.shares(), speeds=flags.speeds)
             saving = stopping or joining or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
@@ -288,7 +288,7 @@ def train_epoch(trainer, position, done, members):
 
 
 def first_step_after(change):
-    """What Done calls after the first step on new members: the time, for bench/recovery.py."""
+    """What Done calls after the first step on new members: the time, for bench/recovery/recovery.py."""
     return lambda epoch, step: faults.log(
         event="first-step", after=change, epoch=epoch, step=step, world_size=dist.get_world_size()
     )

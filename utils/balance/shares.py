@@ -49,7 +49,7 @@ How the ranks agree, with no message of their own:
      timings does not make the shares flap: without GAIN, equal servers' shares moved up to 27
      times in 2 epochs; bench/README.md), or PERSIST looks in a row want the move: by then the
      timings span WINDOW steps, and a smaller gain is no noise (GAIN alone held a 2-rank job 3
-     images from its best split, where its steps took 5% longer). Measured (bench/balance.py
+     images from its best split, where its steps took 5% longer). Measured (bench/balance/balance.py
      --only change, 10 runs): a slowdown's start is balanced in a median of 14 steps, its end in
      9, 8 and 9 runs of 10 within 20; fixed shares right from the change, 9 and 8 (a noisy
      measure: bench/README.md).
@@ -57,7 +57,7 @@ How the ranks agree, with no message of their own:
      rank that stalls stalls every rank, and the stretch (QUOTA_USE) keeps it out of its stalls;
      a search for a lean on top of that (rank 0 timing whole steps, slower ranks solved as slower
      still) found its way by 2% differences in steps that vary by 20%, and with it rank 1 of
-     bench/balance.py's part change settled at 1-3 images where 6 run fastest (bench/README.md).
+     bench/balance/balance.py's part change settled at 1-3 images where 6 run fastest (bench/README.md).
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no

@@ -81,7 +81,7 @@ def join_running_job(config, model):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name."""
     job = config.job
-    faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery.py times from
+    faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery/recovery.py times from
     where = job.join or job.init_method[len("tcp://") :]
     host, port = where.rsplit(":", 1)
     if job.ifname:
