@@ -10,7 +10,7 @@ import procs
 import pytest
 from conftest import REPO
 
-TOOL = f"{REPO}/bench/compute.py"
+TOOL = f"{REPO}/bench/compute/compute.py"
 
 
 @pytest.mark.timeout(400)

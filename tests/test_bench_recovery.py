@@ -1,6 +1,6 @@
 """bench/recovery/recovery.py end to end on loopback, one trial of each: a kill, a SIGSTOP, a join, and one
 pair of epochs for the steady-state cost. Only that it runs and measures what it says; the
-numbers themselves are the benchmark's (bench/README.md)."""
+numbers themselves are the benchmark's (bench/recovery/NOTES.md)."""
 
 import json
 import os

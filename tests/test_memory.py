@@ -1,5 +1,5 @@
 """utils/setup/memory.py: with glibc's limits set, a rank whose batch changed size faults in no fresh
-pages step after step (without them, 2,700-5,500 a step in most runs measured: bench/README.md).
+pages step after step (without them, 2,700-5,500 a step in most runs measured: bench/balance/NOTES.md).
 The steps are bench/balance/page_faults.py's run, in a process of its own. And the test set's batches
 (utils/run.test_model) stay under the limits."""
 

@@ -150,7 +150,7 @@ def train_model(steps, batches, position, done=None):
 # images a test batch: its largest buffer (conv2's output, 147 KB an image: 29 MB) stays under
 # utils/memory.MMAP_THRESHOLD, so each batch reuses the last one's memory; and in the channels_last
 # layout 200 still beats 500 and 1000 (0.62 s for the 10,000 images, against 0.73 and 0.86:
-# bench/README.md, "Compute")
+# bench/compute/NOTES.md)
 TEST_BATCH = 200
 
 

@@ -5,11 +5,11 @@ Times gloo, two-pass, two-pass-pipelined, ring and hierarchical side by side (in
 order rotating) for world sizes N and buffer sizes from 4 KiB to 16 MiB plus the trainer's
 gradient ("model"); every result is checked against a float64 sum and across ranks.
 
-    python3 bench/allreduce/allreduce.py   # loopback, 127.0.0.1
+    python3 bench/allreduce/allreduce.py  # loopback, 127.0.0.1
     python3 bench/allreduce/allreduce.py --cluster --rate 200mbit # emulated hosts (scripts/netns.py), egress capped
 
-Columns, correctness bounds, --candidate and --ring-file: bench/README.md ("All-reduce", "Command-line
-details"). Results: bench/results/allreduce/allreduce-<mode>[-<what differs>].{json,md,png}.
+Columns, correctness bounds, --candidate and --ring-file: bench/allreduce/NOTES.md ("All-reduce",
+"Command-line details"). Results: bench/results/allreduce/allreduce-<mode>[-<what differs>].{json,md,png}.
 """
 
 from __future__ import annotations

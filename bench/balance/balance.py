@@ -1,6 +1,6 @@
 """--balance on servers of unequal speed, slowed for real by CPU quotas (scripts/throttle.py).
 
-    python bench/balance/balance.py                     # every part, about 30 minutes, as root
+    python bench/balance/balance.py  # every part, about 30 minutes, as root
     python bench/balance/balance.py --only two --reps 3
 
 Every rank is its own process with 1 thread, over loopback; the configurations of a part take

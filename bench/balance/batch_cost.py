@@ -1,12 +1,12 @@
 """The CPU time of one training step of the MNIST CNN by batch size, 1 thread: is a step's cost
 linear in its images, as --balance's model takes it (utils/balance/shares.py: a cost a step, one an image)?
 
-    python bench/balance/batch_cost.py                      # about 20 seconds
+    python bench/balance/batch_cost.py  # about 20 seconds
     python bench/balance/batch_cost.py --sizes 8,16,48,56 --rounds 5
 
 Sizes take turns in a shuffled order each round (a slow second hits them alike); each figure is
 the median over rounds of the median of a size's steps after its first two (a batch of a new size
-warms up: bench/README.md).
+warms up: bench/balance/NOTES.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 sets (utils/setup/memory.py): ms a step and page faults a step, at 56 images from the start and after 10
 steps at 32 (as when --balance moves a rank's share). Each run is a process of its own, 1 thread.
 
-    python bench/balance/page_faults.py                 # about 90 seconds
+    python bench/balance/page_faults.py  # about 90 seconds
     python bench/balance/page_faults.py --rounds 10
 
 The four runs of a round take turns in a shuffled order; a run's figures are medians over its

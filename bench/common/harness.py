@@ -1,7 +1,7 @@
 """What every benchmark shares: the command line's option groups and their checks, a world of rank
 processes (each driver starts its own file with --worker, supervised by utils.setup.launch.supervise), the
-emulated cluster, the rotation of configurations and the results files (bench/README.md, "How they
-run"). bench/common/stats.py has the load check and the paired statistics.
+emulated cluster, the rotation of configurations and the results files (bench/common/NOTES.md, "How
+they run"). bench/common/stats.py has the load check and the paired statistics.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the benchmarks measure with: the load check that tells a quiet machine from a busy one, and
-the paired statistics that compare configurations measured side by side (bench/README.md, "How
+the paired statistics that compare configurations measured side by side (bench/common/NOTES.md, "How
 they run").
 
     load        proc_table, descendants, loadavg, cpu_snapshot, LoadWatch, quiet

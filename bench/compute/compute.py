@@ -1,8 +1,8 @@
 """Each rank's compute against the machine's ceiling: the step, the evaluation and the epoch.
 
-    python bench/compute/compute.py   # every part, medians of 5 rounds (about 12 minutes on 2 cores)
+    python bench/compute/compute.py                    # every part, medians of 5 rounds (about 12 minutes on 2 cores)
     python bench/compute/compute.py --parts step,eval  # some parts
-    python bench/compute/compute.py --baseline REF  # the old path: a commit of this repository (default edb07fe)
+    python bench/compute/compute.py --baseline REF     # the old path: a commit of this repository (default edb07fe)
     python bench/compute/compute.py --short --out DIR  # a few steps of each, for the tests
 
 The parts, each variant in a process of its own, the variants in turns within a round:
@@ -18,7 +18,7 @@ The parts, each variant in a process of its own, the variants in turns within a 
            the same model: today's layout, the fused Adam, gradient_as_bucket_view; the same images,
            schedule and evaluation on rank 0
 
-Results: bench/results/compute/compute.json and .md; method and findings: bench/README.md, "Compute".
+Results: bench/results/compute/compute.json and .md; method and findings: bench/compute/NOTES.md.
 """
 
 import json

@@ -1,9 +1,9 @@
 """What a lost or joining server costs a running job (issue: live recovery), measured on real runs.
 
-    python bench/recovery/recovery.py                          # faults, joins and the steady-state cost, loopback
-    python bench/recovery/recovery.py --rates 1gbit,200mbit    # the steady-state cost on emulated hosts too (root)
+    python bench/recovery/recovery.py                        # faults, joins and the steady-state cost, loopback
+    python bench/recovery/recovery.py --rates 1gbit,200mbit  # the steady-state cost on emulated hosts too (root)
     python bench/recovery/recovery.py --faults 5 --world-size 3
-    python bench/recovery/recovery.py --only cut --cut-rate 200mbit --faults 20     # link cuts mid-sum (root)
+    python bench/recovery/recovery.py --only cut --cut-rate 200mbit --faults 20  # link cuts mid-sum (root)
 
 Every trial is `python train.py` itself on N ranks (1 thread each). RING_FAULT (utils/elastic/faults.py)
 makes one rank, chosen at random (rank 0 included), send itself SIGKILL or SIGSTOP at a random

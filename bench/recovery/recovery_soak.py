@@ -1,6 +1,6 @@
 """The soak of the live-recovery issue: a long job that keeps losing servers and taking them back.
 
-    python bench/recovery/recovery_soak.py                      # 4 ranks, 2 epochs of MNIST, 20 faults
+    python bench/recovery/recovery_soak.py  # 4 ranks, 2 epochs of MNIST, 20 faults
     python bench/recovery/recovery_soak.py --faults 30 --ranks 4 --epochs 2
 
 Every rank runs as on a server of its own (its own folder, loopback). While the job runs, every

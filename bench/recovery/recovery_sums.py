@@ -1,7 +1,7 @@
 """Live recovery under every kind of gradient sum: a rank lost in the middle of a sum, and the job goes on.
 
-    python bench/recovery/recovery_sums.py                          # every --allreduce x --compress, about 16 runs
-    python bench/recovery/recovery_sums.py --only hierarchical      # the combinations whose name contains this
+    python bench/recovery/recovery_sums.py                      # every --allreduce x --compress, about 16 runs
+    python bench/recovery/recovery_sums.py --only hierarchical  # the combinations whose name contains this
 
 For each combination, `python train.py --nproc 3` (the local launcher, 30 steps) with RING_FAULT
 making rank 1 send itself SIGKILL during step 13's gradient sum (utils/elastic/faults.py). It must

@@ -5,10 +5,10 @@ DDP and torch's local SGD, over one or several link rates.
 Every configuration (--configs: ours[+C], ours[+C]@H, ddp[+C], localsgd@H) trains the full recipe
 from scratch in a world of its own; the clock counts training only, stopped at each evaluation point.
 
-    sudo python3 bench/time_to_accuracy/time_to_accuracy.py                   # 200mbit, N = 2 and 4, 2 epochs
+    sudo python3 bench/time_to_accuracy/time_to_accuracy.py  # 200mbit, N = 2 and 4, 2 epochs
     python3 bench/time_to_accuracy/time_to_accuracy.py --loopback --world-sizes 2 --epochs 1 --train-subset 6400
 
-The configurations, the clock, --repeats and --rates: bench/README.md ("Time to accuracy",
+The configurations, the clock, --repeats and --rates: bench/time_to_accuracy/NOTES.md ("Time to accuracy",
 "Command-line details"). Results: bench/results/time_to_accuracy/time_to_accuracy-<mode>[-<what differs>].{json,md,png}.
 """
 

@@ -5,10 +5,10 @@ Times utils.run.train_step (forward, backward, the gradient sync, Adam) under th
 (compute-alone, compute, compute+sync, compute+wire), each of our algorithms plain, +overlap and
 +overlap+lazy, and DDP, interleaved round by round; --compression adds compressed rows beside DDP's hooks.
 
-    python3 bench/train_step/train_step.py   # emulated cluster, --rates 1gbit,200mbit, N = 2 and 4
+    python3 bench/train_step/train_step.py             # emulated cluster, --rates 1gbit,200mbit, N = 2 and 4
     python3 bench/train_step/train_step.py --loopback  # 127.0.0.1, no cap
 
-The configurations, the clock, the columns and the targets: bench/README.md ("Training step",
+The configurations, the clock, the columns and the targets: bench/train_step/NOTES.md ("Training step",
 "Command-line details"). Results: bench/results/train_step/train_step-<mode>[-<what differs>].{json,md,png}.
 """
 
