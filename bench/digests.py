@@ -1,6 +1,6 @@
 """The final sha256 of a short run for every gradient-sum combination: the bits a change must keep.
 
-    python bench/digests.py                  # run every combination, compare with bench/results/digests.json
+    python bench/digests.py                  # run every combination, compare with bench/results/digests/digests.json
     python bench/digests.py --write          # record this machine's (new here, or an issue asks the bits to change)
     python bench/digests.py --only two-pass  # the combinations whose name contains this
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE = REPO / "bench" / "results" / "digests.json"
+TABLE = REPO / "bench" / "results" / "digests" / "digests.json"
 SHORT_RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--metrics", ""]
 TIMEOUT = 120
 
@@ -88,7 +88,7 @@ def tables(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="bench/digests.py", description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="record this machine's digests in bench/results/digests.json")
+    p.add_argument("--write", action="store_true", help="record this machine's digests in the table")
     p.add_argument("--only", default="", help="only the combinations whose name contains this")
     args = p.parse_args(argv)
     machines, here = tables(TABLE), machine()

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup")
 # 10 ms, not the kernel's default 100 ms: a rank held to half a core then runs half of every 10 ms,
 # as on a slower server, instead of 50 ms flat out and then 50 ms stalled, which stalls a job that
-# waits for it at every step in long bursts (bench/README.md: servers of unequal speed)
+# waits for it at every step in long bursts (bench/balance/NOTES.md)
 PERIOD_US = 10_000
 MIN_FRACTION = 0.1  # the kernel's least quota is 1 ms a period
 NAME_PREFIX = "mnr-cpu"  # <prefix>-<owner pid>-<n>

@@ -117,7 +117,7 @@ def train_model(steps, batches, position, done=None):
                 now = timeline.now_ns()
                 timeline.add("re-balance", now, now, shares="/".join(map(str, balance.shares())))
                 watch.rebalanced((epoch - 1) * len(batches) + step, balance.shares())
-            if balance is not None and step % REVIEW == 0:  # (bench/balance.py: the shares over time)
+            if balance is not None and step % REVIEW == 0:  # (bench/balance/balance.py: the shares over time)
                 faults.log(event="shares", epoch=epoch, step=step, shares=balance.shares(), speeds=flags.speeds)
             saving = stopping or joining or (save_every and step % save_every == 0 and step < len(batches))
             if saving:  # lazy: apply the update now, not in the next forward (its wait is this step's)
@@ -149,7 +149,7 @@ def train_model(steps, batches, position, done=None):
 # images a test batch: its largest buffer (conv2's output, 147 KB an image: 29 MB) stays under
 # utils/memory.MMAP_THRESHOLD, so each batch reuses the last one's memory; and in the channels_last
 # layout 200 still beats 500 and 1000 (0.62 s for the 10,000 images, against 0.73 and 0.86:
-# bench/README.md, "Compute")
+# bench/compute/NOTES.md)
 TEST_BATCH = 200
 
 
@@ -285,7 +285,7 @@ def train_epoch(trainer, position, done, members):
 
 
 def first_step_after(change):
-    """What Done calls after the first step on new members: the time, for bench/recovery.py."""
+    """What Done calls after the first step on new members: the time, for bench/recovery/recovery.py."""
     return lambda epoch, step: faults.log(
         event="first-step", after=change, epoch=epoch, step=step, world_size=dist.get_world_size()
     )

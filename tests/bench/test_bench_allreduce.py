@@ -1,4 +1,4 @@
-"""bench/allreduce.py end to end on loopback: it runs, writes its results, and its checks bite."""
+"""bench/allreduce/allreduce.py end to end on loopback: it runs, writes its results, and its checks bite."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import procs
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "bench", "allreduce.py")
+BENCH = os.path.join(REPO, "bench", "allreduce", "allreduce.py")
 ALGORITHMS = {"gloo", "two-pass", "two-pass-pipelined", "ring"}
 QUICK = ["--world-sizes", "2", "--sizes", "4K,64K", "--iters", "2", "--warmup", "1", "--timeout", "90"]
 
@@ -144,7 +144,7 @@ def test_each_rate_and_tcp_setting_writes_its_own_results_files():
 
 @pytest.mark.timeout(120)
 def test_the_gloo_schedule_candidate_sums_correctly(tmp_path):
-    """bench/candidates/gloo_schedule.py is measured against gloo in the README: it must be right too
+    """bench/allreduce/candidates/gloo_schedule.py is measured against gloo in the README: it must be right too
     (N = 3 and the model's 421,642 floats: segments that do not divide evenly)."""
     r = procs.run(
         [
@@ -165,7 +165,7 @@ def test_the_gloo_schedule_candidate_sums_correctly(tmp_path):
             "--results-dir",
             str(tmp_path),
             "--candidate",
-            os.path.join(REPO, "bench", "candidates", "gloo_schedule.py"),
+            os.path.join(REPO, "bench", "allreduce", "candidates", "gloo_schedule.py"),
         ],
         cwd=REPO,
         timeout=110,

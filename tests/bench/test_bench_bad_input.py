@@ -57,7 +57,7 @@ CASES = {
     "time_to_accuracy: bad rate in --rates": ("time_to_accuracy.py", ["--rates", "20mbit,fast"], "fast"),
     "time_to_accuracy: outer lr without nesterov": ("time_to_accuracy.py", ["--outer-lr", "0.5"], "--outer nesterov"),
 }
-# one case of each driver as a real process: `python bench/<driver>.py ...` end to end
+# one case of each driver as a real process: `python bench/<driver>/<driver>.py ...` end to end
 END_TO_END = [
     "allreduce: missing ring file",
     "balance: --against no commit",
@@ -79,7 +79,9 @@ def assert_refused(code, stderr, needle, script, results_dir):
 def test_bad_benchmark_arguments(case, tmp_path, capfd, monkeypatch):
     script, args, needle = CASES[case]
     driver = importlib.import_module(script.removesuffix(".py"))
-    monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "bench", script)])  # argparse's prog, as when run
+    monkeypatch.setattr(
+        sys, "argv", [os.path.join(REPO, "bench", script.removesuffix(".py"), script)]
+    )  # argparse's prog, as when run
     monkeypatch.chdir(REPO)
     scratch, results = tmp_path / "scratch", tmp_path / "results"  # scratch: the drivers' temporary folders
     scratch.mkdir()
@@ -108,7 +110,13 @@ def test_bad_benchmark_arguments_end_to_end(tmp_path):
         script, args, _ = CASES[case]
         (tmp_path / script).mkdir()
         jobs[case] = popen(
-            [sys.executable, os.path.join(REPO, "bench", script), *args, "--results-dir", str(tmp_path / script)],
+            [
+                sys.executable,
+                os.path.join(REPO, "bench", script.removesuffix(".py"), script),
+                *args,
+                "--results-dir",
+                str(tmp_path / script),
+            ],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

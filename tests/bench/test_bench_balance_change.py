@@ -1,4 +1,4 @@
-"""bench/balance_change.py: when a change counts as balanced, on reviews made up here."""
+"""bench/balance/balance_change.py: when a change counts as balanced, on reviews made up here."""
 
 import balance_change
 from balance_change import followed, summary

@@ -1,4 +1,4 @@
-"""bench/balance_pool.py: runs of bench/balance.py pooled, as a real process, on results files
+"""bench/balance/balance_pool.py: runs of bench/balance/balance.py pooled, as a real process, on results files
 made here (the numbers are chosen so that each figure is known), and its bad input."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "bench", "balance_pool.py")
+TOOL = os.path.join(REPO, "bench", "balance", "balance_pool.py")
 
 
 def pool(*args):

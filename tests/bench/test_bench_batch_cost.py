@@ -1,4 +1,4 @@
-"""bench/batch_cost.py: a step's CPU time by batch size, as a real process (a table a row a size),
+"""bench/balance/batch_cost.py: a step's CPU time by batch size, as a real process (a table a row a size),
 and its bad arguments (one line, exit code 2)."""
 
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "bench", "batch_cost.py")
+TOOL = os.path.join(REPO, "bench", "balance", "batch_cost.py")
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""bench/compute.py end to end, short (--short: a few steps, epochs of 1,280 images): every part's
+"""bench/compute/compute.py end to end, short (--short: a few steps, epochs of 1,280 images): every part's
 table and results file, the baseline's worktree removed afterwards, and bad arguments."""
 
 import json
@@ -10,7 +10,7 @@ import procs
 import pytest
 from conftest import REPO
 
-TOOL = f"{REPO}/bench/compute.py"
+TOOL = f"{REPO}/bench/compute/compute.py"
 
 
 @pytest.mark.timeout(400)
@@ -44,4 +44,4 @@ def test_every_part_measures_every_variant_and_leaves_no_worktree(tmp_path):
 def test_bad_arguments_get_one_line_and_exit_code_2(args):
     result = procs.run([sys.executable, TOOL, *args], 50)
     assert result.returncode == 2 and result.stdout == ""
-    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("bench/compute.py: error")
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("bench/compute/compute.py: error")

@@ -1,4 +1,4 @@
-"""bench/page_faults.py: four runs a round, each a real process (a table a row a run), and its bad
+"""bench/balance/page_faults.py: four runs a round, each a real process (a table a row a run), and its bad
 arguments (one line, exit code 2). Whether the limits keep the faults away: tests/test_memory.py."""
 
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "bench", "page_faults.py")
+TOOL = os.path.join(REPO, "bench", "balance", "page_faults.py")
 
 
 @pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""bench/pool_runs.py: pooling runs of the all-reduce benchmark, on results files made up here."""
+"""bench/allreduce/pool_runs.py: pooling runs of the all-reduce benchmark, on results files made up here."""
 
 import contextlib
 import io
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "bench", "pool_runs.py")
+TOOL = os.path.join(REPO, "bench", "allreduce", "pool_runs.py")
 
 
 def results_file(path, ring_ms, gloo_ms, size="2M"):
@@ -25,7 +25,7 @@ def results_file(path, ring_ms, gloo_ms, size="2M"):
 def pool(*files, real=False):
     """pool_runs.py FILES: main(argv) in this process (its `sys.exit(main())` exits with what main returns,
     or with the SystemExit of its OneLineParser), which spares a Python and its torch import (through
-    bench/harness.py); real=True runs it as a process of its own, to pin exit code and stderr end to end."""
+    bench/common/harness.py); real=True runs it as a process of its own, to pin exit code and stderr end to end."""
     if real:
         return subprocess.run([sys.executable, TOOL, *files], capture_output=True, text=True, timeout=30)
     import pool_runs

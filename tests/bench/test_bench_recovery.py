@@ -1,6 +1,6 @@
-"""bench/recovery.py end to end on loopback, one trial of each: a kill, a SIGSTOP, a join, and one
+"""bench/recovery/recovery.py end to end on loopback, one trial of each: a kill, a SIGSTOP, a join, and one
 pair of epochs for the steady-state cost. Only that it runs and measures what it says; the
-numbers themselves are the benchmark's (bench/README.md)."""
+numbers themselves are the benchmark's (bench/recovery/NOTES.md)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ def test_one_trial_of_each(tmp_path):
     result = procs.run(
         [
             sys.executable,
-            os.path.join(REPO, "bench", "recovery.py"),
+            os.path.join(REPO, "bench", "recovery", "recovery.py"),
             "--faults",
             "1",
             "--pairs",
@@ -50,7 +50,14 @@ def test_a_cut_link_with_and_without_overlap(needs_root, tmp_path):
     own sum; the survivors go on within seconds, not the --timeout (60 s) a stuck receive would wait.
     (Seed 1's first cut is rank 0's server: without utils/sync/waits.py's bound, --no-overlap waited
     out --timeout at 9 of 9 such cuts, and gloo's own sum at 2 of 3 without Recovery.abandoned.)"""
-    bench = [sys.executable, os.path.join(REPO, "bench", "recovery.py"), "--only", "cut", "--cut-rate", "200mbit"]
+    bench = [
+        sys.executable,
+        os.path.join(REPO, "bench", "recovery", "recovery.py"),
+        "--only",
+        "cut",
+        "--cut-rate",
+        "200mbit",
+    ]
     result = procs.run([*bench, "--faults", "1", "--results-dir", str(tmp_path)], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "recovery-n3-cut-200mbit.json").read_text())

@@ -1,4 +1,4 @@
-"""bench/time_to_accuracy.py (issues #13, #24): its pure parts, and torch's local SGD as the bench
+"""bench/time_to_accuracy/time_to_accuracy.py (issues #13, #24): its pure parts, and torch's local SGD as the bench
 builds it (in a world of one). Two quick runs end to end: test_bench_time_to_accuracy_runs.py."""
 
 import os
@@ -9,7 +9,7 @@ import time_to_accuracy_report as report
 from time_to_accuracy_worker import eval_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "bench", "time_to_accuracy.py")
+BENCH = os.path.join(REPO, "bench", "time_to_accuracy", "time_to_accuracy.py")
 
 
 def test_configurations_parse_and_nothing_else_does():

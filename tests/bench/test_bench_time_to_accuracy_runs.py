@@ -1,4 +1,4 @@
-"""bench/time_to_accuracy.py (issues #13, #24): two quick runs end to end on loopback (its pure
+"""bench/time_to_accuracy/time_to_accuracy.py (issues #13, #24): two quick runs end to end on loopback (its pure
 parts: test_bench_time_to_accuracy.py)."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 import time_to_accuracy as tta
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "bench", "time_to_accuracy.py")
+BENCH = os.path.join(REPO, "bench", "time_to_accuracy", "time_to_accuracy.py")
 
 
 @pytest.mark.timeout(180)
@@ -70,7 +70,7 @@ def test_loopback_run_trains_ours_and_ddp_powersgd(tmp_path):
     assert ours["counts_bytes"] is True and ours["sent_kb_per_step"] > 0
     md = (tmp_path / f"{stem}.md").read_text()
     assert (
-        "`python3 bench/time_to_accuracy.py --loopback" in md
+        "`python3 bench/time_to_accuracy/time_to_accuracy.py --loopback" in md
         and "| 2 | ours ring+overlap+lazy+powersgd (run 2) |" in md
     )
     assert "Medians over 2 runs" in md and "| 2 | ddp+powersgd | 2 |" in md

@@ -1,4 +1,4 @@
-"""bench/train_step.py end to end on loopback: it runs every configuration and writes its results."""
+"""bench/train_step/train_step.py end to end on loopback: it runs every configuration and writes its results."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import procs
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "bench", "train_step.py")
+BENCH = os.path.join(REPO, "bench", "train_step", "train_step.py")
 CONFIGS = {
     "compute-alone",
     "compute",

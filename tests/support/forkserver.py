@@ -8,7 +8,7 @@ The server is started afresh, so it has never run torch and can fork safely (uti
 is single-threaded, gone with its parent, and passes each child's exit code on through a pipe, so
 that the handle (Forked) is a real process's: its pid, signals, process group and exit code are
 the child's own. The tests use one per pytest worker (tests/support/forker.py), the benchmarks one per
-driver for their loopback workers (bench/harness.py).
+driver for their loopback workers (bench/common/harness.py).
 """
 
 import atexit

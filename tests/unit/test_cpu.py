@@ -42,7 +42,7 @@ def test_a_cpu_groups_quota_and_stalls_are_read_from_its_files_kept_open_cgroup_
 def test_a_ranks_clocks_read_the_kernels_counters_with_the_gil_held(tmp_path):
     """--balance reads counter files twice a step (Balance.now). A read that let the GIL go handed
     it to the sum's thread, and the training thread waited to get it back (70-90 µs a read, about
-    2% of a step: bench/README.md). Here a spinning thread gets no turn while the main thread takes
+    2% of a step: bench/balance/NOTES.md). Here a spinning thread gets no turn while the main thread takes
     200 snapshots (with os.pread instead, it spun about a billion times: the main thread lost the
     GIL at its reads, not only when the switch interval forced it to)."""
     (tmp_path / "cpu.stat").write_text("throttled_usec 0\n")

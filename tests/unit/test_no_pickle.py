@@ -44,9 +44,11 @@ def unpickling(path):
 
 def test_nothing_a_peer_sends_is_unpickled():
     paths = list(sources())
-    assert {"train.py", os.path.join("utils", "exchange.py"), os.path.join("bench", "train_step_worker.py")} <= set(
-        paths
-    )
+    assert {
+        "train.py",
+        os.path.join("utils", "exchange.py"),
+        os.path.join("bench", "train_step", "train_step_worker.py"),
+    } <= set(paths)
     found = {p: unpickling(p) for p in paths}
     assert {p: f for p, f in found.items() if f} == {}
 

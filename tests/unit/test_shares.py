@@ -244,7 +244,7 @@ def test_balanced_batches_train_every_image_once_whatever_the_shares_do(num_exam
 
 def test_unless_it_follows_a_change_a_move_takes_two_looks_and_a_gain_or_persist_looks():
     """A rank's CPU time for the same images moves by 15% and more for 10-30 steps while nothing
-    changes (bench/README.md): equal servers' shares followed it. A move is made only where the
+    changes (bench/balance/NOTES.md): equal servers' shares followed it. A move is made only where the
     codes say a step at the new shares is GAIN shorter than at the old, or PERSIST looks in a
     row want it (a smaller gain: a 2-rank job's steps took 5% longer 3 images from its best split)."""
     b = past_first_look(Balance("measured", rank=0, world_size=2, global_batch=64))

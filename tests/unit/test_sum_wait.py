@@ -2,7 +2,7 @@
 takes in a whole group, at most ABANDON_SECONDS once the group broke. Every kind of sum waits so:
 a bucket's (OverlappedSync), gloo's own asynchronous one, the plain sum (PlainSync) and a round's
 (PeriodicSync). The sums here are stand-ins for a stuck receive; real cables pulled mid-sum are
-bench/recovery.py --cut-rate's (one of each kind in tests/bench/test_bench_recovery.py)."""
+bench/recovery/recovery.py --cut-rate's (one of each kind in tests/bench/test_bench_recovery.py)."""
 
 import threading
 import time

@@ -1,6 +1,6 @@
 """Bad traffic and strangers at a running job's ports change nothing (utils/elastic/wire.py, key.py).
 
-The short version of `python bench/fuzz.py` (100,000 datagrams there): a 3-rank job with the
+The short version of `python bench/fuzz/fuzz.py` (100,000 datagrams there): a 3-rank job with the
 original per-server command, run undisturbed, then under fire while servers without the job's key
 try to join; it must end with the same bits.
 """

@@ -1,6 +1,6 @@
 """utils/setup/memory.py: with glibc's limits set, a rank whose batch changed size faults in no fresh
-pages step after step (without them, 2,700-5,500 a step in most runs measured: bench/README.md).
-The steps are bench/page_faults.py's run, in a process of its own. And the test set's batches
+pages step after step (without them, 2,700-5,500 a step in most runs measured: bench/balance/NOTES.md).
+The steps are bench/balance/page_faults.py's run, in a process of its own. And the test set's batches
 (utils/run.test_model) stay under the limits."""
 
 import json
@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 TOOL = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "page_faults.py"
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "balance", "page_faults.py"
 )
 
 

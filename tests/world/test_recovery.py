@@ -81,7 +81,7 @@ def test_a_shrink_in_place_ends_with_the_bits_of_a_stop_and_resume(fault, extra,
 @pytest.mark.timeout(300)
 def test_powersgd_over_the_hierarchical_sum_goes_on_after_a_lost_rank(tmp_path):
     """PowerSGD loses the dead rank's error feedback; the hierarchical sum under it learns its hosts
-    again. (Every --allreduce x --compress: bench/recovery_sums.py.)"""
+    again. (Every --allreduce x --compress: bench/recovery/recovery_sums.py.)"""
     extra = ["--allreduce", "hierarchical", "--compress", "powersgd", "--powersgd-warmup", "2"]
     result = faulted(f"1:{K + 1}:KILL:sum", ["--nproc", "3", *extra], str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -247,7 +247,7 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
 @pytest.mark.timeout(200)
 def test_a_join_at_an_epochs_last_step_logs_the_first_step_on_the_new_members_in_the_next(tmp_path):
     """Epochs of one step: every join lands at an epoch's last step, and the first step on 3 ranks
-    comes in the next epoch. bench/recovery.py times a join to that step's event and stops the job
+    comes in the next epoch. bench/recovery/recovery.py times a join to that step's event and stops the job
     once it is seen; lost at an epoch's end, a trial ran on to the job's end and failed."""
     events = tmp_path / "events.jsonl"
     run = ["--epochs", "400", "--train-subset", "64", "--test-subset", "100", "--timeout", "60"]

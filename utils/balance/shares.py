@@ -53,7 +53,7 @@ FIRST_LOOK = 2  # the same in a new group at equal shares: every step at them ke
 HISTORY = 40  # steps over which a rank's stretch (own time over CPU time) is measured: 10 CPU quota periods
 RECENT = 8  # a rank's last steps, against its history's older ones: has its speed changed?
 # the part of its CPU quota a rank's share is solved to use (all of it: throttled, it stalls all; 0.8: a first look
-# landed further from the best split, bench/README.md)
+# landed further from the best split, bench/balance/NOTES.md)
 QUOTA_USE = 0.9
 CHANGED = 1.5  # the recent steps' stretch, this many times the older ones' (or 1/this): a change
 LEVELS = 4  # a rank's windows at its earlier shares (since its speed last changed) that its cost is fitted on
@@ -184,7 +184,7 @@ class Balance:
         self.due = False  # a REVIEW-th step has passed since the last look (--sync-every: codes come once a round)
         # a new group at equal shares knows nothing of its ranks' speeds: its first look comes as soon
         # as every rank has timed FIRST_LOOK steps, and moves alone (a look every REVIEW steps, and two
-        # of them for a move, kept a job at equal shares for its first 10 steps: bench/README.md)
+        # of them for a move, kept a job at equal shares for its first 10 steps: bench/balance/NOTES.md)
         self.fresh = weights is None
 
     def shares(self, size=None):
@@ -229,7 +229,7 @@ class Balance:
         however fast the steps it was timed on ran, its quota holds it to q CPU-seconds a second
         on average, and a step that overdraws it stalls every rank for the rest of a quota period.
         Solved to use all of its quota, a rank is throttled in most periods, each time in the
-        middle of somebody's step (measured: bench/README.md)."""
+        middle of somebody's step (measured: bench/balance/NOTES.md)."""
         compute_cpu, compute, rest_cpu, rest, _ = (sum(column) for column in zip(*self.history))
         least = quota_stretch(self.history, self.cores) / QUOTA_USE  # (the quota as read at its last step)
         return max(least, compute / max(compute_cpu, 1e-9)), max(least, rest / max(rest_cpu, 1e-9))
@@ -326,7 +326,7 @@ def fit(levels):
     level's compute, not the last's: at a share of a few images a step's own cost is most of it.
 
     Why: a step has a cost of its own besides its images (measured: a rank's images per second
-    fall as its share shrinks, bench/README.md). Speeds taken as images over seconds make a rank
+    fall as its share shrinks, bench/balance/NOTES.md). Speeds taken as images over seconds make a rank
     given more images look faster, and the shares creep to their balance over many reviews."""
     if len(levels) < 2:
         return None

@@ -6,5 +6,5 @@ join.py        this rank's membership at start-up, or a new server joining a run
 status.py      each rank's progress record (its heartbeats carry it), and train.py --status
 wire.py        the control messages, typed and signed; checks.py: their fields' checks
 sockets.py     the card's address, and cutting gloo's connections at the end of a generation
-faults.py      faults on purpose at a chosen step, for the tests and bench/recovery.py
+faults.py      faults on purpose at a chosen step, for the tests and bench/recovery/recovery.py
 """

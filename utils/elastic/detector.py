@@ -79,7 +79,7 @@ class Detector:
         self.nonce, self.refusal = None, None  # a joining server: its request's nonce; why it was refused
         self.forming = ()  # while join() forms a group: its members
         self.rejected = collections.Counter()  # datagrams dropped, by the check they failed
-        self.cpu = {}  # thread -> its CPU seconds so far (bench/control_cost.py reads them)
+        self.cpu = {}  # thread -> its CPU seconds so far (bench/fuzz/control_cost.py reads them)
         self.progress = None  # this rank's utils.elastic.status.Record (utils/run.py sets it): its beats carry it
         self.progress_of = {}  # id -> the last progress each member's beats carried (train.py --status)
         self.closed = False  # close(): its threads end

@@ -1,4 +1,4 @@
-"""Faults on purpose, at a chosen step: how the tests and bench/recovery.py kill or freeze a rank
+"""Faults on purpose, at a chosen step: how the tests and bench/recovery/recovery.py kill or freeze a rank
 at a known moment (a real signal to a real process, sent by the rank to itself).
 
     RING_FAULT="1:25:KILL"              rank 1 gets SIGKILL as global step 25 begins (before its forward)
@@ -9,7 +9,7 @@ RANK is the rank in the job's first generation; STEP counts from the run's first
 epochs; PHASE is step (default), sum, save (as the checkpoint after that step is written), or
 join (as this member takes a joining server in, at the first growth from step STEP on).
 RING_EVENTS=PATH: each fault, and each rank's first completed step after a change of members
-(utils/elastic/recovery.py), is appended there as a JSON line with its time (bench/recovery.py reads it).
+(utils/elastic/recovery.py), is appended there as a JSON line with its time (bench/recovery/recovery.py reads it).
 
 Each fault fires once per process; with RING_FAULT_ONCE=PATH, once per job (the first process to
 fire creates PATH: a rank that torchrun restarts does not kill itself again). Without RING_FAULT

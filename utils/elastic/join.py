@@ -89,7 +89,7 @@ def join_running_job(config, model, answer_within=None):
     looks for its job first: utils/elastic/rejoin.py); by default --timeout, then one UsageError line.
     It asks at --join's HOST:PORT (or --init-method's), and at every member this server knew."""
     job = config.job
-    faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery.py times from
+    faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery/recovery.py times from
     where = job.join or job.init_method[len("tcp://") :]
     host, port = where.rsplit(":", 1)
     if job.ifname:

@@ -1,6 +1,6 @@
 """The CNN: two 3x3 convolutions with max-pooling, then two fully connected layers.
 
-Its layout is chosen for the CPU (measurements: bench/README.md, "Compute"): the convolutions'
+Its layout is chosen for the CPU (measurements: bench/compute/NOTES.md): the convolutions'
 weights are channels_last, so oneDNN runs both convolutions, forward and backward, in its
 NHWC kernels without reordering (a third faster than the default layout on one core), and
 each pooling comes before its ReLU, so the ReLU and its backward touch a quarter of the values.

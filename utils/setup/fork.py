@@ -16,7 +16,7 @@ signal's death included).
 What a child cannot take afresh is what the libraries read when they loaded (AT_LOAD): those must
 be what the parent had, or `forkable` says no. OMP_NUM_THREADS is one of them: with torch loaded at
 2 threads and set to 1 in the children (torch.set_num_threads), DDP+PowerSGD's two ranks ended with
-different bits under load (bench/README.md, "The test suite's time"); most likely a thread torch
+different bits under load (bench/common/NOTES.md, "The test suite's time"); most likely a thread torch
 did not start (gloo's, running the hook's matrix products) keeps the count the libraries loaded
 with. A process forked from such a parent (a launcher forked by the tests' server) finds in
 LOADED_WITH what its torch loaded with.

@@ -5,7 +5,7 @@ A step allocates and frees the same buffers every time (this CNN's activations a
 kernel when they are freed, and trims its heap's top past its trim threshold; it moves both
 limits by the sizes it sees, and for a training step they settle, in most runs, where every step
 gets fresh pages from the kernel: thousands of them, each faulted in and zeroed. Measured here
-(`python bench/page_faults.py`, medians of 5 runs): a step of 56 images took 21.6 ms with 2,700
+(`python bench/balance/page_faults.py`, medians of 5 runs): a step of 56 images took 21.6 ms with 2,700
 page faults, 22.7 ms with 3,100 after 10 steps at 32 (as when --balance moves a share); with the
 limits below, 16.9 and 17.2 ms and none.
 

@@ -1,0 +1,393 @@
+"""Each rank's compute against the machine's ceiling: the step, the evaluation and the epoch.
+
+    python bench/compute/compute.py                    # every part, medians of 5 rounds (about 12 minutes on 2 cores)
+    python bench/compute/compute.py --parts step,eval  # some parts
+    python bench/compute/compute.py --baseline REF     # the old path: a commit of this repository (default edb07fe)
+    python bench/compute/compute.py --short --out DIR  # a few steps of each, for the tests
+
+The parts, each variant in a process of its own, the variants in turns within a round:
+  ceiling  a 2048x2048 matrix product on one thread, fp32 and bf16 (torch.mm: MKL), and a 1x1
+           convolution of 1024 channels through oneDNN (fp32): what one core can do
+  step     one rank, 32 images, 1 thread: forward, loss.backward(), the optimizer's step, 300 steps
+           after 20 of warm-up. old: the baseline's model and optimizer; default: today's; bf16:
+           today's with --precision bf16; examples: the same model in a plain torch loop as
+           pytorch/examples writes it (torch.optim.Adam, the default layout)
+  eval     the 10,000 test images through the run's test_model: the baseline's and today's (fp32, bf16)
+  epoch    one epoch on 2 ranks x 1 thread over loopback: `python train.py --epochs 1` of the baseline
+           and of today (fp32, bf16), and DDP (torch's own, 2 ranks, gloo) with its best settings on
+           the same model: today's layout, the fused Adam, gradient_as_bucket_view; the same images,
+           schedule and evaluation on rank 0
+
+Results: bench/results/compute/compute.json and .md; method and findings: bench/compute/NOTES.md.
+"""
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "bench" / "results" / "compute"
+sys.path.insert(0, str(REPO / "bench" / "common"))  # harness, for the driver (run directly)
+PARTS = ("ceiling", "step", "eval", "epoch")
+BATCH, STEPS, WARMUP = 32, 300, 20
+SHORT_STEPS, SHORT_IMAGES = 10, 1280  # --short: steps of the step part, training images of the epoch part
+# multiply-adds of one image's forward through utils/model.Net: conv1, conv2, fc1, fc2
+MACS = 28 * 28 * 32 * 9 + 14 * 14 * 64 * 32 * 9 + 64 * 7 * 7 * 128 + 128 * 10
+STEP_FLOP = 3 * 2 * MACS * BATCH  # forward, and backward's two products of each layer
+TIMEOUT = 600  # seconds for any one process of the benchmark
+
+
+# --------------------------------------------------------------------------- the workers (one process each)
+def ceiling_worker():
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+
+    def rate(f, flop):
+        f()
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return flop / statistics.median(times) / 1e9
+
+    out = {}
+    for name, dtype in (("mm_fp32", torch.float32), ("mm_bf16", torch.bfloat16)):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        out[name] = rate(lambda a=a, b=b: a @ b, 2 * 2048**3)
+    x = torch.randn(64, 1024, 16, 16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(1024, 1024, 1, 1).contiguous(memory_format=torch.channels_last)
+    out["conv_fp32"] = rate(lambda: F.conv2d(x, w), 2 * 64 * 16 * 16 * 1024 * 1024)
+    return out
+
+
+def examples_net():
+    """utils/model.Net's layers as pytorch/examples' mnist/main.py writes a model (no dropout, as ours)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+            self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+            self.fc1 = nn.Linear(64 * 7 * 7, 128)
+            self.fc2 = nn.Linear(128, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            x = F.relu(self.fc1(x.flatten(1)))
+            return self.fc2(x)
+
+    return Net()
+
+
+def rank_setup(repo):
+    """What train.py does in each rank before it trains (with the utils of `repo`, on PYTHONPATH):
+    one thread, glibc told to keep freed memory, deterministic kernels; returns MNIST as it loads it."""
+    import torch
+
+    torch.set_num_threads(1)
+    from utils.learn.data import load_mnist
+    from utils.learn.model import use_deterministic_algorithms
+    from utils.setup.memory import keep_freed_memory
+
+    keep_freed_memory()
+    use_deterministic_algorithms()
+    return load_mnist(str(repo / "data"))
+
+
+def step_worker(repo, variant, steps):
+    import torch
+    import torch.nn.functional as F
+
+    images, labels, _, _ = rank_setup(repo)
+    from utils.learn.model import Net
+    from utils.learn.optim import Adam
+
+    torch.manual_seed(1)
+    if variant == "examples":
+        model = examples_net()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        model = Net("bf16") if variant == "bf16" else Net()
+        optimizer = Adam(model.parameters(), lr=1e-3)
+    times = []
+    for i in range(WARMUP + steps):
+        x, y = images[i * BATCH : (i + 1) * BATCH], labels[i * BATCH : (i + 1) * BATCH]
+        start = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return {"ms": statistics.median(times[WARMUP:]) * 1e3}
+
+
+def eval_worker(repo, variant):
+    _, _, images, labels = rank_setup(repo)
+    from utils.learn.model import Net
+    from utils.run import test_model
+
+    model = Net("bf16") if variant == "bf16" else Net()
+    test_model(model, images, labels)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        test_model(model, images, labels)
+        times.append(time.perf_counter() - start)
+    return {"s": statistics.median(times)}
+
+
+def ddp_worker(rank, port, images):
+    """One rank of DDP's epoch: today's model, data order, schedule and evaluation, DDP's sum."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    train_images, train_labels, test_images, test_labels = rank_setup(REPO)
+    train_images, train_labels = train_images[:images], train_labels[:images]
+    from utils.learn.data import step_batches
+    from utils.learn.model import Net
+    from utils.learn.optim import OneCycleLR
+    from utils.run import test_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(1)
+    model = torch.nn.parallel.DistributedDataParallel(Net(), gradient_as_bucket_view=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=4e-3, fused=True)
+    batches, _ = step_batches(len(train_labels), 1, rank, 2, 1, 64)
+    scheduler = OneCycleLR(optimizer, max_lr=4e-3, total_steps=len(batches), pct_start=0.15)
+    dist.barrier()
+    start = time.time()
+    for batch in batches:
+        F.cross_entropy(model(train_images[batch]), train_labels[batch]).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    accuracy = test_model(model.module, test_images, test_labels) if rank == 0 else None
+    seconds = time.time() - start
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"s": seconds, "accuracy": accuracy}
+
+
+# --------------------------------------------------------------------------- the driver
+def die_with_driver():
+    """In each process the driver starts: SIGKILL when the driver dies (PR_SET_PDEATHSIG), however it
+    dies, so a test's timeout or a Ctrl-C leaves nothing behind (train.py's ranks die with their launcher)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def run_all(argvs, env, cwd=REPO, timeout=TIMEOUT):
+    """Run the processes `argvs` at once, each in a session of its own; [(exit code, stdout, stderr)].
+    Every session is killed on the way out, finished or not."""
+    procs = [
+        subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=die_with_driver,
+        )
+        for argv in argvs
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def bounded(argv, cwd, timeout=TIMEOUT, env=None):
+    """argv's stdout, or an error with its stderr's last line (run_all)."""
+    ((code, out, err),) = run_all([argv], env, cwd, timeout)
+    if code:
+        raise RuntimeError(f"{argv[1:4]} exit {code}: {(err.strip().splitlines() or ['?'])[-1]}")
+    return out
+
+
+def worker(*args, repo=REPO):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    out = bounded([sys.executable, __file__, "--worker", *map(str, args), str(repo)], REPO, env=env)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ddp_epoch(images):
+    from harness import free_port
+
+    port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    argv = [sys.executable, __file__, "--worker", "ddp"]
+    results = run_all([[*argv, str(rank), str(port), str(images)] for rank in range(2)], env)
+    if any(code for code, _, _ in results):
+        raise RuntimeError(f"DDP's epoch failed: {results[0][2].strip().splitlines()[-1:]}")
+    return json.loads(results[0][1].strip().splitlines()[-1])
+
+
+def train_epoch(repo, flags, images):
+    """`python train.py --epochs 1` in `repo` on the first `images` training images: the epoch's
+    seconds, communication's share of the step time, the test accuracy."""
+    with tempfile.TemporaryDirectory(prefix="compute-") as folder:
+        files = ["--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt", "--metrics", ""]
+        subset = ["--train-subset", str(images)]
+        out = bounded([sys.executable, str(repo / "train.py"), "--epochs", "1", *subset, *flags, *files], folder)
+    line = re.search(r"epoch 1/1 .*test accuracy ([\d.]+)%\s+time ([\d.]+) s\s+comm (\d+)%", out)
+    if not line:
+        raise RuntimeError(f"no epoch line in train.py's output: {out[-300:]}")
+    return {"s": float(line.group(2)), "comm_pct": int(line.group(3)), "accuracy": float(line.group(1)) / 100}
+
+
+def baseline_tree(ref, folder):
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", folder, ref], check=True)
+    data = Path(folder) / "data"
+    if not (data / "MNIST" / "raw" / "train-images-idx3-ubyte").exists():  # (decompressed once, not in git)
+        subprocess.run(["cp", "-a", str(REPO / "data" / "."), str(data)], check=True)
+    return Path(folder)
+
+
+def plan(parts, old, steps, images):
+    """{(part, variant): a function that measures it once}."""
+    jobs = {}
+    if "ceiling" in parts:
+        jobs["ceiling", "machine"] = lambda: worker("ceiling")
+    for part in ("step", "eval"):
+        if part in parts:
+            jobs[part, "old"] = lambda part=part: worker(part, "old", steps, repo=old)
+            jobs[part, "default"] = lambda part=part: worker(part, "default", steps)
+            jobs[part, "bf16"] = lambda part=part: worker(part, "bf16", steps)
+    if "step" in parts:
+        jobs["step", "examples"] = lambda: worker("step", "examples", steps)
+    if "epoch" in parts:
+        jobs["epoch", "old"] = lambda: train_epoch(old, [], images)
+        jobs["epoch", "default"] = lambda: train_epoch(REPO, [], images)
+        jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"], images)
+        jobs["epoch", "ddp"] = lambda: ddp_epoch(images)
+    return jobs
+
+
+def medians(runs):
+    """{(part, variant): {key: median over the rounds}} of {(part, variant): [one result a round]}."""
+    return {
+        job: {key: statistics.median(r[key] for r in results) for key in results[0] if results[0][key] is not None}
+        for job, results in runs.items()
+    }
+
+
+def table(found, rounds, baseline):
+    ceiling = found.get(("ceiling", "machine"), {})
+    lines = [f"Medians of {rounds} rounds; the old path is commit {baseline}.", ""]
+    if ceiling:
+        lines += ["| ceiling (one thread) | GFLOP/s |", "|---|---|"]
+        lines += [f"| {name} | {value:.1f} |" for name, value in ceiling.items()]
+        lines.append("")
+    steps = {v: r for (p, v), r in found.items() if p == "step"}
+    if steps:
+        lines += [
+            "| step, 32 images, 1 thread | ms/step | images/s | GFLOP/s | of fp32 mm | speed-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        for variant, r in steps.items():
+            gflops = STEP_FLOP / r["ms"] / 1e6
+            share = f"{gflops / ceiling['mm_fp32']:.0%}" if ceiling else "-"
+            speedup = steps["old"]["ms"] / r["ms"] if "old" in steps else float("nan")
+            lines.append(
+                f"| {variant} | {r['ms']:.2f} | {BATCH / r['ms'] * 1e3:,.0f} | {gflops:.1f} | {share} | {speedup:.2f} |"
+            )
+        lines.append("")
+    evals = {v: r for (p, v), r in found.items() if p == "eval"}
+    if evals:
+        lines += ["| evaluation, 10,000 images | s | time / old |", "|---|---|---|"]
+        lines += [f"| {v} | {r['s']:.3f} | {r['s'] / evals['old']['s']:.2f} |" for v, r in evals.items()]
+        lines.append("")
+    epochs = {v: r for (p, v), r in found.items() if p == "epoch"}
+    if epochs:
+        lines += [
+            "| one epoch, 2 ranks × 1 thread | s | time / old | comm % of step | accuracy |",
+            "|---|---|---|---|---|",
+        ]
+        for variant, r in epochs.items():
+            comm = f"{r['comm_pct']:.0f}%" if "comm_pct" in r else "-"
+            lines.append(
+                f"| {variant} | {r['s']:.1f} | {r['s'] / epochs['old']['s']:.2f} | {comm} | {r['accuracy']:.2%} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    from harness import bench_parser, write_results  # (bench/common/harness.py: the driver's, never a worker's)
+
+    p = bench_parser(__doc__)
+    p.prog = "bench/compute/compute.py"
+    p.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)} (default all)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each variant once a round (default 5)")
+    p.add_argument("--baseline", default="edb07fe", help="the old path's commit (default edb07fe, before issue 60)")
+    p.add_argument("--short", action="store_true", help=f"{SHORT_STEPS} steps, epochs of {SHORT_IMAGES} images")
+    p.add_argument("--out", type=Path, default=OUT, help="the results' folder (default bench/results/compute)")
+    args = p.parse_args(argv)
+    steps, images = (SHORT_STEPS, SHORT_IMAGES) if args.short else (STEPS, 60_000)
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS) or args.rounds < 1:
+        print(f"bench/compute/compute.py: error: --parts takes {','.join(PARTS)}; --rounds at least 1", file=sys.stderr)
+        return 2
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="compute-baseline-") as folder:
+        old = baseline_tree(args.baseline, f"{folder}/tree")
+        try:
+            jobs, runs = plan(parts, old, steps, images), {}
+            for rnd in range(args.rounds):
+                names = list(jobs)
+                for job in names[rnd % len(names) :] + names[: rnd % len(names)]:  # each first in turn
+                    runs.setdefault(job, []).append(jobs[job]())
+                    print(f"round {rnd + 1}: {job[0]} {job[1]}: {runs[job][-1]}", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=False)
+    found = medians(runs)
+    md = f"# bench/compute/compute.py\n\n`python bench/compute/compute.py {' '.join(argv)}`\n\n" + table(
+        found, args.rounds, args.baseline
+    )
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / ("compute" if parts == list(PARTS) else "compute-" + "-".join(parts))
+    result = {
+        "argv": argv,
+        "seconds": round(time.time() - started),
+        "baseline": args.baseline,
+        "medians": {f"{p}/{v}": r for (p, v), r in found.items()},
+        "runs": {f"{p}/{v}": r for (p, v), r in runs.items()},
+    }
+    write_results(stem, result, md)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        kind, rest = sys.argv[2], sys.argv[3:]
+        if kind == "ceiling":
+            result = ceiling_worker()
+        elif kind == "ddp":
+            result = ddp_worker(int(rest[0]), int(rest[1]), int(rest[2]))
+        elif kind == "step":
+            result = step_worker(Path(rest[-1]), rest[0], int(rest[1]))
+        else:
+            result = eval_worker(Path(rest[-1]), rest[0])
+        print(json.dumps(result), flush=True)
+        sys.exit(0)
+    sys.exit(main(sys.argv[1:]))
