@@ -6,7 +6,7 @@
 For each combination, `python train.py --nproc 3` (the local launcher, 30 steps) with RING_FAULT
 making rank 1 send itself SIGKILL during step 13's gradient sum (utils/elastic/faults.py). It must
 go on with 2 ranks and finish with identical parameters on both; with PowerSGD, saying that the
-lost rank's error feedback is dropped. tests/test_recovery.py runs one combination (hierarchical
+lost rank's error feedback is dropped. tests/world/test_recovery.py runs one combination (hierarchical
 with PowerSGD); this runs them all. Exit code 1 when any fails.
 """
 

@@ -1,5 +1,5 @@
 """bench/balance/page_faults.py: four runs a round, each a real process (a table a row a run), and its bad
-arguments (one line, exit code 2). Whether the limits keep the faults away: tests/test_memory.py."""
+arguments (one line, exit code 2). Whether the limits keep the faults away: tests/world/test_memory.py."""
 
 import os
 import re

@@ -310,7 +310,7 @@ def test_port_in_use_and_unreachable_master(tmp_path):
 
 
 def test_resume_refuses_a_different_global_batch(straight, tmp_path):
-    """Another number of ranks may resume (tests/test_resize.py), but --batch-size is per rank: on 3 ranks
+    """Another number of ranks may resume (tests/world/test_resize.py), but --batch-size is per rank: on 3 ranks
     instead of 2 it asks for 96 images a step instead of 64, and that changes the run. (The checkpoint:
     the module's uninterrupted run, 2 ranks at the default global batch of 64, copied.)"""
     checkpoint = tmp_path / "c.pt"
