@@ -25,7 +25,7 @@ import os
 import shlex
 import sys
 
-from utils.elastic import rejoin, status
+from utils.elastic import faults, rejoin, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
 from utils.learn.mnist import ensure_mnist
 
@@ -68,12 +68,14 @@ def preflight(config, world_size, train_images, unfinished=False):
 
         try:
             resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
+            done = checkpoint.finished(resume_from, config.recipe.epochs)
+            kind = rejoin.Checkpoint.FINISHED if done else rejoin.Checkpoint.UNFINISHED
         except UsageError:
             if config.job.resume:
                 raise
-            return None, False  # another run's, or not one: this run starts afresh, as without --resume
-        done = checkpoint.finished(resume_from, config.recipe.epochs)
-        return (None, False) if done and not config.job.resume else (resume_from, done)
+            kind = rejoin.Checkpoint.OTHER  # another run's, or not one: this run starts afresh, as without --resume
+        if rejoin.choose(False, kind, config.job.resume) == rejoin.How.RESUME:
+            return resume_from, done
     return None, False
 
 
@@ -92,6 +94,7 @@ def train(config, data):
 
     torch.manual_seed(config.recipe.seed)
     model, job = Net(config.recipe.precision), config.job
+    faults.at_restart(job.rank)
     joins = job.join is not None
     if not joins and rejoin.per_server(job):  # the same command run again: is its job running? (rejoin.py)
         offer = lambda: start_job(config, data, model, rendezvous_seconds=rejoin.RENDEZVOUS_SECONDS)  # noqa: E731

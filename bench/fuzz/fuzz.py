@@ -57,6 +57,8 @@ PROGRESS = {
     "seconds_left": 61.5,
     "host": "node2",
     "pid": 4242,
+    "restarts": 0,
+    "rejoins": 1,
 }
 SAMPLES = [
     Alive(3, "recovering", [1, 12], 1, 2),

@@ -27,6 +27,8 @@ RUN = [
     "2",
     "--save-every",
     "5",
+    "--rejoin-timeout",
+    "0",  # it exits at once (waiting for the cable and joining again: tests/cluster/test_heal_cut.py)
 ]
 
 

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 LONG = ["--epochs", "2", "--test-subset", "200", "--timeout", "60", "--save-every", "20", "--tensorboard", "tb"]
 FIELDS = {"rank", "id", "host", "pid", "epoch", "epochs", "step", "steps", "images_per_second", "share"}
-FIELDS |= {"heartbeat_seconds_ago", "loss", "seconds_left"}
+FIELDS |= {"heartbeat_seconds_ago", "loss", "seconds_left", "restarts", "rejoins"}
 
 
 def status(port, cwd, *extra, timeout=30):

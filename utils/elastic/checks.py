@@ -106,6 +106,8 @@ PROGRESS = {
     "seconds_left": (number, 0.0, MAX_SECONDS),
     "host": (text, 255),
     "pid": (integer, 0, 2**31),
+    "restarts": (integer, 0, 2**31),
+    "rejoins": (integer, 0, 2**31),
 }
 
 

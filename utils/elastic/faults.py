@@ -6,8 +6,9 @@ at a known moment (a real signal to a real process, sent by the rank to itself).
                                         (after backward; overlapped sums are in flight), rank 2 ...
 
 RANK is the rank in the job's first generation; STEP counts from the run's first step, over
-epochs; PHASE is step (default), sum, save (as the checkpoint after that step is written), or
-join (as this member takes a joining server in, at the first growth from step STEP on).
+epochs; PHASE is step (default), sum, save (as the checkpoint after that step is written),
+join (as this member takes a joining server in, at the first growth from step STEP on), or
+restart (as a keeper's restarted process begins, whatever STEP: utils/setup/keeper.py).
 RING_EVENTS=PATH: each fault, and each rank's first completed step after a change of members
 (utils/elastic/recovery.py), is appended there as a JSON line with its time (bench/recovery/recovery.py reads it).
 
@@ -66,6 +67,13 @@ def log(**event):
             os.close(fd)
 
 
+def at_restart(rank):
+    """A keeper (--restart) started this process again, as `rank`: a fault of phase restart fires now."""
+    if os.environ.get("RING_RESTARTS"):
+        setup(rank)
+        point("restart")
+
+
 def at_step(step):
     """Global step `step` begins."""
     global _step
@@ -78,7 +86,7 @@ def point(phase):
         return
     for fault in list(_faults):
         step, signum, where = fault
-        if where == phase and (step == _step or phase == "join" and _step >= step):
+        if where == phase and (step == _step or phase == "join" and _step >= step or phase == "restart"):
             _faults.remove(fault)
             once = os.environ.get("RING_FAULT_ONCE")
             if once:

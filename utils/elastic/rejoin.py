@@ -28,10 +28,11 @@ from utils.errors import PeerError, UsageError
 from utils.store.files import special_kind, write_file
 
 OUT_SINCE = "RING_OUT_SINCE"  # when this server left the job (time.time()): its heal line says how long it was out
+REJOINS = "RING_REJOINS"  # how many times this server waited for its job to join it again
 REJOIN_UNTIL = "RING_REJOIN_UNTIL"  # in the environment of a server that lost the job: when it stops waiting
 LOCAL_RANK = "RING_LOCAL_RANK"  # in the environment of a rank the local launcher started (not a server's command)
 ASK_SECONDS = 2.0  # how long a start waits for a member's answer: any member answers at once, even mid-recovery
-RENDEZVOUS_SECONDS = 10.0  # a waiting server's offer of a whole restart, between two asks of the members
+RENDEZVOUS_SECONDS = 5.0  # a waiting server's offer of a whole restart, between two asks of the members
 
 
 def per_server(job, environ=os.environ):
@@ -121,7 +122,8 @@ def find_job(ask_members, offer_rendezvous, deadline, clock):
 def again(script, argv, seconds, environ=os.environ):
     """This process starts afresh as `script argv` (the same command; its stuck threads and broken
     group gone), waiting up to `seconds` for the job (train.py's train). Does not return."""
-    env = dict(environ, **{REJOIN_UNTIL: repr(time.time() + seconds), OUT_SINCE: repr(time.time())})
+    rejoins = str(status.count(environ.get(REJOINS)) + 1)  # (shown by --status)
+    env = dict(environ, **{REJOIN_UNTIL: repr(time.time() + seconds), OUT_SINCE: repr(time.time()), REJOINS: rejoins})
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-u", os.path.abspath(script), *argv], env)

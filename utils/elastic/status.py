@@ -38,6 +38,8 @@ class Record:
     def __init__(self, epochs=0):
         self.epochs = epochs
         self.host, self.pid = socket.gethostname()[:255], os.getpid()
+        # this server's restarts by its keeper (--restart) and comebacks after it lost the job (utils/elastic/rejoin.py)
+        self.restarts, self.rejoins = count(os.environ.get("RING_RESTARTS")), count(os.environ.get("RING_REJOINS"))
         self.last = (0, 0, 0, None, None)  # epoch, step, steps in the epoch, share, mean loss
         self.recent = ()  # (own images, seconds) of the last WINDOW steps
 
@@ -69,7 +71,14 @@ class Record:
             "seconds_left": within(left, MAX_SECONDS),
             "host": self.host,
             "pid": self.pid,
+            "restarts": self.restarts,
+            "rejoins": self.rejoins,
         }
+
+
+def count(text):
+    """A count from the environment: a whole number from 0, else 0."""
+    return int(text) if text and text.isdigit() and len(text) < 10 else 0
 
 
 def within(value, high):
@@ -143,6 +152,8 @@ def rows(status):
                 "heartbeat_seconds_ago": 0.0 if m["heard"] is None else m["heard"],
                 "loss": progress.get("loss"),
                 "seconds_left": progress.get("seconds_left"),
+                "restarts": progress.get("restarts"),
+                "rejoins": progress.get("rejoins"),
             }
         )
     return out
@@ -168,7 +179,7 @@ def table(job):
         f"generation {job['generation']}, {job['state']}, {len(job['members'])} members (answered by rank "
         f"{job['answered_by']['rank']} at {job['answered_by']['address']}); time left {duration(job['seconds_left'])}"
     )
-    columns = ("rank", "host", "pid", "epoch", "step", "images/s", "share", "heartbeat", "loss")
+    columns = ("rank", "host", "pid", "epoch", "step", "images/s", "share", "heartbeat", "loss", "restarts", "rejoins")
     cells = [columns]
     for r in job["members"]:
         cells.append(
@@ -182,6 +193,8 @@ def table(job):
                 "-" if r["share"] is None else f"{r['share']:.1%}",
                 f"{r['heartbeat_seconds_ago']:.1f} s ago",
                 "-" if r["loss"] is None else f"{r['loss']:.4f}",
+                "-" if r["restarts"] is None else str(r["restarts"]),
+                "-" if r["rejoins"] is None else str(r["rejoins"]),
             )
         )
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]

@@ -1,0 +1,184 @@
+"""A job heals itself: the pure parts. The keeper's backoff (utils/setup/keeper.py), the choice
+between joining, resuming and starting, and a left-behind server's wait for its job over a fake
+transport (utils/elastic/rejoin.py). The real processes: tests/world/test_heal.py."""
+
+import json
+
+import pytest
+
+from utils.elastic import rejoin
+from utils.elastic.rejoin import Checkpoint, How, choose, find_job, known_members, per_server
+from utils.errors import UsageError
+from utils.setup.config import Job, from_args
+from utils.setup.keeper import Backoff, describe
+
+
+def test_the_backoff_doubles_to_its_cap_and_gives_up_after_the_limit():
+    b = Backoff(limit=8, first=1.0, most=60.0, healthy=120.0)
+    delays = [b.failed(ran_seconds=3.0) for _ in range(8)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert b.failed(ran_seconds=3.0) is None  # the 9th failure in a row: given up
+
+
+def test_a_child_that_ran_long_enough_starts_the_backoff_again():
+    b = Backoff(limit=3, first=1.0, most=60.0, healthy=120.0)
+    assert [b.failed(5.0), b.failed(5.0), b.failed(5.0)] == [1.0, 2.0, 4.0]
+    assert b.failed(ran_seconds=600.0) == 1.0  # it trained for 10 minutes: a new failure, not a storm
+    assert [b.failed(5.0), b.failed(5.0)] == [2.0, 4.0]
+    assert b.failed(5.0) is None
+
+
+def test_exit_codes_are_said_in_words():
+    assert describe(-9) == "killed by SIGKILL" and describe(1) == "lost the job (exit 1)" and describe(7) == "exit 7"
+
+
+@pytest.mark.parametrize(
+    "answered, checkpoint, resume, how",
+    [
+        (True, Checkpoint.UNFINISHED, False, How.JOIN),  # a running job wins over any checkpoint
+        (True, Checkpoint.NONE, True, How.JOIN),
+        (False, Checkpoint.UNFINISHED, False, How.RESUME),  # the job stopped as a whole: resume, no flag needed
+        (False, Checkpoint.FINISHED, False, How.START),  # a finished run: a new one, as ever
+        (False, Checkpoint.FINISHED, True, How.RESUME),  # --resume on a finished run: "nothing to do"
+        (False, Checkpoint.OTHER, False, How.START),  # another run's settings: set aside, start afresh
+        (False, Checkpoint.NONE, False, How.START),
+    ],
+)
+def test_the_same_command_joins_resumes_or_starts(answered, checkpoint, resume, how):
+    assert choose(answered, checkpoint, resume) == how
+
+
+class FakeJob:
+    """The transport a waiting server sees: the members answer from ask `answers_at` on (None:
+    never); a whole restart forms at offer `forms_at` (None: never). Each call moves a fake clock."""
+
+    def __init__(self, answers_at=None, forms_at=None, seconds_per_call=5.0):
+        self.answers_at, self.forms_at, self.seconds = answers_at, forms_at, seconds_per_call
+        self.asks = self.offers = 0
+        self.now = 0.0
+
+    def ask(self):
+        self.asks += 1
+        self.now += self.seconds
+        return self.answers_at is not None and self.asks >= self.answers_at
+
+    def offer(self):
+        self.offers += 1
+        self.now += self.seconds
+        return self.forms_at is not None and self.offers >= self.forms_at
+
+    def clock(self):
+        return self.now
+
+
+def test_a_left_behind_server_joins_once_a_member_answers():
+    job = FakeJob(answers_at=4)  # the cable comes back after three asks
+    assert find_job(job.ask, job.offer, deadline=300.0, clock=job.clock) == How.JOIN
+    assert (job.asks, job.offers) == (4, 3)  # between asks it offered a whole restart, which did not form
+
+
+def test_it_takes_part_in_a_whole_restart_when_no_job_is_left():
+    job = FakeJob(forms_at=2)  # every other server came back to start the job again
+    assert find_job(job.ask, job.offer, deadline=300.0, clock=job.clock) == How.TRAINED
+    assert (job.asks, job.offers) == (2, 2)
+
+
+def test_it_gives_up_at_the_deadline_and_never_trains_alone():
+    job = FakeJob()  # nobody answers, nobody comes: it must not form a job of its own
+    assert find_job(job.ask, job.offer, deadline=60.0, clock=job.clock) is None
+    assert job.now <= 60.0 + job.seconds and job.asks - job.offers in (0, 1)
+
+
+def test_the_kept_members_are_checked_before_use(tmp_path):
+    checkpoint = str(tmp_path / "c.pt")
+    book = {
+        0: {"address": ["10.0.0.1", 29500]},
+        1: {"address": ["10.0.0.2", 29501]},
+        2: {"address": ["10.0.0.1", 29500]},
+    }
+    rejoin.keep_book(book, checkpoint)
+    assert known_members(checkpoint) == [("10.0.0.1", 29500), ("10.0.0.2", 29501)]
+    path = rejoin.book_path(checkpoint)
+    for text in ("not json", "{}", '[["a", 1, 2]]', '[["h", 0]]', '[["h", 70000]]', "[[1, 2]]", '[["h", "1"]]'):
+        with open(path, "w") as f:
+            f.write(text)
+        assert known_members(checkpoint) == [], text
+    with open(path, "w") as f:
+        json.dump([["h", 1000 + i] for i in range(1000)], f)
+    assert len(known_members(checkpoint)) == 128  # a long list is cut, not read whole
+    rejoin.forget_book(checkpoint)
+    assert known_members(checkpoint) == []
+
+
+def test_only_a_servers_own_command_looks_for_its_job():
+    server = Job(rank=1, world_size=3, init_method="tcp://10.0.0.1:29500")
+    assert per_server(server, environ={})
+    assert not per_server(server, environ={rejoin.LOCAL_RANK: "1"})  # a rank of the local launcher
+    assert not per_server(Job(rank=1, world_size=3, init_method="env://", torchrun=True), environ={})
+    assert not per_server(Job(rank=1, world_size=3, init_method="tcp://h:1", recover=False), environ={})
+    assert not per_server(Job(rank=0, world_size=1, init_method="tcp://h:1"), environ={})
+    assert not per_server(Job(rank=None), environ={})
+
+
+def test_the_joined_line_says_how_long_the_server_was_out():
+    assert rejoin.absence({}) == ""
+    note = rejoin.absence({rejoin.OUT_SINCE: "0", "RING_RESTARTS": "2"})
+    assert note.startswith("; back after ") and note.endswith(" s out (restart 2)")
+    assert rejoin.absence({rejoin.OUT_SINCE: "soon"}) == ""
+
+
+def test_restart_is_for_a_servers_own_command_and_refused_where_others_restart():
+    import train
+
+    def config(*argv, environ=None):
+        return from_args(train.parse_args(list(argv)), environ or {})
+
+    server = ["--rank", "1", "--world-size", "3", "--init-method", "tcp://10.0.0.1:29500"]
+    job = config(*server, "--restart", "on-failure", "--max-restarts", "4", "--rejoin-timeout", "0").job
+    assert (job.restart, job.max_restarts, job.rejoin_timeout) == ("on-failure", 4, 0.0)
+    for environ, who in (({"RANK": "1", "WORLD_SIZE": "3"}, "torchrun"), (SLURM, "Slurm")):
+        with pytest.raises(UsageError, match=f"{who} restarts its ranks itself"):
+            config("--restart", "on-failure", environ=environ)
+    with pytest.raises(UsageError, match="give --rank, --world-size and --init-method"):
+        config("--restart", "on-failure")  # the local launcher
+    for bad in (["--max-restarts", "0"], ["--rejoin-timeout", "-1"], ["--restart", "always"]):
+        with pytest.raises(UsageError):
+            train.parse_args([*server, *bad])
+
+
+SLURM = {  # a task of srun (as tests/unit/test_slurm_environment.py's)
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_ID": "4321",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_JOB_NODELIST": "node[07-09]",
+}
+
+
+def test_the_systemd_unit_runs_a_servers_command_and_restarts_only_its_failures():
+    import configparser
+    import os
+    import shlex
+
+    from conftest import REPO
+
+    import train
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read(os.path.join(REPO, "scripts", "mnist-ring.service"))
+    service = unit["Service"]
+    assert service["Restart"] == "on-failure" and unit["Install"]["WantedBy"] == "multi-user.target"
+    assert set(service["RestartPreventExitStatus"].split()) == {"2", "3"} and service["SuccessExitStatus"] == "3"
+    words = shlex.split(service["ExecStart"])
+    assert words[1:3] == ["-u", "train.py"]
+    filled = {"EDIT-rank-0-address:23456": "10.0.0.1:23456", "EDIT-card": "lo"}
+    words = [filled.get(w, w).replace("tcp://EDIT-rank-0-address", "tcp://10.0.0.1") for w in words]
+    words = [("3" if before == "--world-size" else "1") if w == "EDIT" else w for before, w in zip(["", *words], words)]
+    args = train.parse_args(words[3:])
+    assert args.restart == "never"  # systemd is the keeper
+    job = from_args(args, {}).job
+    assert job.rank == 1 and job.init_method == "tcp://10.0.0.1:23456" and job.ifname is not None
