@@ -10,7 +10,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pytest finds utils/, scripts/, bench/, bench's folders and tests/support/ through pyproject.toml's pythonpath; the
 # processes the tests start (ranks, workers, probes) find them through the same folders here.
-BENCHMARKS = ("common", "allreduce", "balance", "compute", "fuzz", "recovery", "time_to_accuracy", "train_step")
+BENCHMARKS = ("common", "allreduce", "balance", "compute", "fuzz", "heal", "recovery", "time_to_accuracy", "train_step")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "bench")]
     + [os.path.join(REPO, "bench", b) for b in BENCHMARKS]

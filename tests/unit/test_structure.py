@@ -149,6 +149,7 @@ DRIVERS = (
     "compute/compute",
     "fuzz/fuzz",
     "fuzz/control_cost",
+    "heal/heal",
     "recovery/recovery",
     "recovery/recovery_soak",
     "time_to_accuracy/time_to_accuracy",
