@@ -43,7 +43,7 @@ from utils.elastic.faults import read_events
 
 TRAIN = str(REPO / "train.py")
 HEARTBEAT = 2.0
-RUN = ["--epochs", "1", "--test-subset", "200", "--timeout", "60", "--heartbeat", str(HEARTBEAT)]
+RUN = ["--test-subset", "200", "--timeout", "60", "--heartbeat", str(HEARTBEAT), "--save-every", "50"]
 FULL = 938  # steps an epoch of 60,000 images, 64 a step
 TRIALS = ("kill", "cut", "storm", "soak")
 FOUND = re.compile(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)")
@@ -76,6 +76,12 @@ class Job:
         except OSError:
             return None
         return int(children[0]) if children else None
+
+    def started(self, timeout=120):
+        """Until the job is training (rank 0 saved its step 50: --save-every)."""
+        deadline = time.monotonic() + timeout
+        while not (self.home / "host0" / "runs" / "checkpoint.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def back_on_3(self, since, timeout=180):
         """Seconds from `since` (time.time()) to the job's first step on 3 members after it, or None."""
@@ -154,14 +160,13 @@ def oracle(changes, run, home):
     return FOUND.search(result.stdout).group(2)
 
 
-def kill_trial(cl, tmp, kills, rng, train_subset):
-    run = [*RUN, "--train-subset", str(train_subset)]
+def kill_trial(cl, tmp, kills, rng, train_subset, epochs):
+    run = [*RUN, "--train-subset", str(train_subset), "--epochs", str(epochs)]
     job = Job(cl, tmp / "kill", [*run, "--restart", "on-failure"])
     steps = train_subset // 64
     back, done = [], []
     try:
-        if job.back_on_3(0.0, 120) is None:  # (any first step: every first step is on 3 at the start)
-            time.sleep(5)
+        job.started()
         while len(done) < kills and job.running():
             time.sleep(rng.uniform(3, 8))
             rank = rng.randrange(3)
@@ -197,10 +202,10 @@ def kill_trial(cl, tmp, kills, rng, train_subset):
 
 
 def cut_trial(cl, tmp, cut_seconds, train_subset):
-    job = Job(cl, tmp / "cut", [*RUN, "--train-subset", str(train_subset), "--restart", "on-failure"])
+    job = Job(cl, tmp / "cut", [*RUN, "--train-subset", str(train_subset), "--epochs", "2", "--restart", "on-failure"])
     try:
-        job.back_on_3(0.0, 120)
-        time.sleep(5)
+        job.started()
+        time.sleep(2)
         down = time.time()
         cl.link_down(2)
         time.sleep(cut_seconds)
@@ -227,7 +232,7 @@ def cut_trial(cl, tmp, cut_seconds, train_subset):
 
 def storm_trial(cl, tmp, pairs, train_subset):
     """(epoch seconds with the storm, without a restart), per pair, in turns."""
-    run = [*RUN, "--train-subset", str(train_subset)]
+    run = [*RUN, "--train-subset", str(train_subset), "--epochs", "1"]
     fault = {2: {"RING_FAULT": "2:30:KILL,2:0:KILL:restart"}}
     out = []
     for i in range(pairs):
@@ -245,11 +250,11 @@ def storm_trial(cl, tmp, pairs, train_subset):
 
 
 def soak_trial(cl, tmp, faults, rng, epochs, train_subset):
-    run = [*RUN[2:], "--epochs", str(epochs), "--train-subset", str(train_subset)]
+    run = [*RUN, "--epochs", str(epochs), "--train-subset", str(train_subset)]
     job = Job(cl, tmp / "soak", [*run, "--restart", "on-failure"])
     done = []
     try:
-        job.back_on_3(0.0, 120)
+        job.started()
         while len(done) < faults and any(p.poll() is None for p in job.procs.values()):
             time.sleep(rng.uniform(3, 10))
             rank, kind = rng.randrange(3), rng.choice(["kill", "freeze", "cut", "reboot"])
@@ -313,6 +318,7 @@ def main(argv=None):
     ap = bench_parser(__doc__)
     ap.add_argument("--only", choices=TRIALS, action="append", help="run only this trial (repeatable)")
     ap.add_argument("--kills", type=positive(int), default=10)
+    ap.add_argument("--kill-epochs", type=positive(int), default=8, help="kill trial: epochs")
     ap.add_argument("--cut", type=positive(float), default=30.0, help="seconds the cable is down (cut trial)")
     ap.add_argument("--pairs", type=positive(int), default=2, help="storm trial: pairs of jobs, in turns")
     ap.add_argument("--faults", type=positive(int), default=30, help="soak trial: faults in all")
@@ -330,7 +336,7 @@ def main(argv=None):
     result, lines = {"command": command_line("heal/heal.py"), "host": host_info()}, []
     with netns.Cluster(hosts=3) as cl:
         if "kill" in trials:
-            k = result["kill"] = kill_trial(cl, tmp, args.kills, rng, args.train_subset)
+            k = result["kill"] = kill_trial(cl, tmp, args.kills, rng, args.train_subset, args.kill_epochs)
             ok = len(k["back_seconds"]) == args.kills and all(
                 s is not None and s <= HEARTBEAT + 10 for s in k["back_seconds"]
             )

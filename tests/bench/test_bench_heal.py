@@ -16,6 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.timeout(600)
 def test_one_kill_heals_and_ends_as_the_oracle(tmp_path, needs_root):
     argv = [sys.executable, os.path.join(REPO, "bench", "heal", "heal.py"), "--only", "kill", "--kills", "1"]
+    argv += ["--kill-epochs", "1"]
     result = procs.run([*argv, "--results-dir", str(tmp_path)], timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "kill: 1 kills" in result.stdout and "-> PASS" in result.stdout, result.stdout

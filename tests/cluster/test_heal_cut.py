@@ -15,7 +15,20 @@ from utils.elastic.faults import read_events
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
-RUN = ["--epochs", "1", "--train-subset", "60000", "--test-subset", "200", "--timeout", "60", "--heartbeat", "2"]
+RUN = [
+    "--epochs",
+    "1",
+    "--train-subset",
+    "60000",
+    "--test-subset",
+    "200",
+    "--timeout",
+    "60",
+    "--heartbeat",
+    "2",
+    "--save-every",
+    "50",
+]
 CUT_SECONDS = 12
 
 
@@ -29,7 +42,7 @@ def test_a_server_cut_off_waits_for_the_cable_and_joins_the_job_again(tmp_path):
         deadline = time.monotonic() + 120
         while checkpoint_position(home) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(2)  # well into training (the first checkpoint is written before step 1)
+        time.sleep(1)  # well into training (step 50 is saved)
         c.link_down(2)
         time.sleep(CUT_SECONDS)
         c.link_up(2)
