@@ -1,8 +1,8 @@
 """The trainer's parts, a folder to a job (docs/code-map.md has each module):
 
-run.py, training.py   the epoch loop and what it holds (train_step, train_model, run; Trainer)
+run.py                the epoch loop (train_step, train_model, run)
 setup/                how a process comes to train: the command line, the settings, the launcher, the group
-learn/                what is trained: the model, the optimizer, MNIST
+learn/                what is trained: the model, the optimizer, MNIST, and what the loop holds (Trainer)
 comm/                 the gradient sum over one flat tensor: the ring kernels, the algorithms, compression
 sync/                 what the loop calls between backward and the next forward (buckets, lazy, periodic)
 elastic/              live recovery and joins: membership, agreement, the control plane

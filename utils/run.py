@@ -10,7 +10,7 @@ The gradient sum is a utils.sync GradientSync (plain, overlapped, lazy or period
 stop flag (utils.sync.flags.Flags), so every rank learns of it after the same step; then rank
 0 saves the checkpoint and every rank raises Stopped. A checkpoint records the step and the global
 batch, not the ranks: it resumes on any number (utils/store/checkpoint.py). What the run holds from epoch
-to epoch is a utils.training.Trainer; what rank 0 prints is utils/observe/report.py's; what a rank shows
+to epoch is a utils.learn.training.Trainer; what rank 0 prints is utils/observe/report.py's; what a rank shows
 those who watch the job (--status, --tensorboard), utils/observe/watch.py's.
 """
 
@@ -27,6 +27,7 @@ from utils.elastic.recovery import Done, Recovery
 from utils.elastic.status import Record
 from utils.errors import PeerError, Stopped, first_line
 from utils.learn.model import Net
+from utils.learn.training import UNTIMED, Steps, Trainer
 from utils.observe.report import (
     EpochStats,
     Progress,
@@ -41,7 +42,6 @@ from utils.observe.watch import Watch
 from utils.setup.distributed import check_identical_parameters
 from utils.store import checkpoint
 from utils.timeline import OFF
-from utils.training import UNTIMED, Steps, Trainer
 
 
 class Joining(Exception):
@@ -72,7 +72,7 @@ BYTES = (("bytes_sent", "bytes_sent"), ("bytes_summed", "bytes_summed"))
 
 
 def train_model(steps, batches, position, done=None):
-    """Train on `batches[first_step:]` of `epoch` (utils.training.batches_of_epoch), position being
+    """Train on `batches[first_step:]` of `epoch` (utils.learn.training.batches_of_epoch), position being
     (epoch, first_step, stats); stats (an EpochStats) adds the steps up; `done` (a
     utils.elastic.recovery.Done) notes each step; steps: a Steps.
 

@@ -96,7 +96,7 @@ class LocalStep(GradientSync):
 
 
 def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):
-    """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.training.batches_of_epoch's
+    """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.learn.training.batches_of_epoch's
     (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
     utils.timeline.Recorder, or None: off) records its spans. Its progress lines (rank 0) are kept off
     the driver's stdout. Returns its EpochStats (the loss summed over the steps)."""

@@ -58,8 +58,8 @@ def worker(args) -> int:
 
     from utils.exchange import all_gather_json
     from utils.learn.data import load_mnist
+    from utils.learn.training import batches_of_epoch
     from utils.setup.config import Recipe
-    from utils.training import batches_of_epoch
 
     cfg, say = start_worker(args)
     rank, n, spec = args.rank, cfg["world_size"], cfg["spec"]
@@ -121,7 +121,7 @@ def time_compute(cfg: dict, recipe, data, steps_per_epoch: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from utils.training import batches_of_epoch, make_optimizer
+    from utils.learn.training import batches_of_epoch, make_optimizer
 
     torch.manual_seed(cfg["seed"])
     scratch = Net()
@@ -138,8 +138,8 @@ def time_compute(cfg: dict, recipe, data, steps_per_epoch: int) -> float:
 
 def make_run_sync(cfg: dict, model, recipe, steps_per_epoch: int):
     """(what the steps call forward, the gradient sync) of the configuration: ours, DDP or local SGD."""
+    from utils.learn.training import make_optimizer
     from utils.sync.factory import make_gradient_sync
-    from utils.training import make_optimizer
 
     spec = cfg["spec"]
     optimizer, scheduler = make_optimizer(model, recipe, steps_per_epoch)

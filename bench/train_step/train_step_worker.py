@@ -87,10 +87,10 @@ class Runner:
         import torch
 
         from utils import timeline
+        from utils.learn.training import make_optimizer
         from utils.setup.config import Recipe
         from utils.sync.factory import make_gradient_sync
         from utils.timeline import OFF
-        from utils.training import make_optimizer
 
         self.skip = spec.get("alone") and rank != 0
         torch.manual_seed(cfg["seed"])
@@ -139,8 +139,8 @@ def worker(args) -> int:
 
     from utils.exchange import all_gather_json
     from utils.learn.data import load_mnist
+    from utils.learn.training import batches_of_epoch
     from utils.setup.config import Recipe
-    from utils.training import batches_of_epoch
 
     cfg, say = start_worker(args)
     rank, n, prefix = args.rank, cfg["world_size"], f"  [{cfg['label']} N={cfg['world_size']}]"

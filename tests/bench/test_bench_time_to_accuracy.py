@@ -325,9 +325,9 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
     from torch.distributed.optim import PostLocalSGDOptimizer
 
     from utils.learn.model import Net
+    from utils.learn.training import make_optimizer
     from utils.run import train_step
     from utils.setup.config import Recipe
-    from utils.training import make_optimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

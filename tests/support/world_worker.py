@@ -9,10 +9,10 @@ from periodic_world import periodic
 
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
 from utils.learn.model import Net, parameter_vector
+from utils.learn.training import make_optimizer
 from utils.run import train_step
 from utils.setup.config import Recipe, Sync
 from utils.sync.factory import make_gradient_sync
-from utils.training import make_optimizer
 
 
 def inputs(rank, size):

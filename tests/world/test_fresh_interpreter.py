@@ -11,7 +11,7 @@ def test_training_imports_no_torch_dynamo():
     code = (
         "import sys, torch\n"
         "from utils.learn.model import Net\n"
-        "from utils.training import make_optimizer\n"
+        "from utils.learn.training import make_optimizer\n"
         "from utils.setup.config import Recipe\n"
         "model = Net()\n"
         "optimizer, scheduler = make_optimizer(model, Recipe(epochs=1), 10)\n"

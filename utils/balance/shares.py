@@ -28,8 +28,8 @@ How the ranks agree, with no message of their own:
      shares that give every rank the same step time. The shares move only when two looks in a row
      want the move (one after a change of speed or in a new group), it is large enough (THRESHOLD),
      and it gains GAIN, or PERSIST looks want it: noise must not make the shares flap.
-The measurements behind each rule and constant (and what was tried and dropped) are in the
-balance benchmark's notes under bench/.
+The measurements behind each rule and constant, and what was tried and dropped:
+bench/balance/NOTES.md.
 
 A change of members (a lost rank, a join) starts again from equal shares: the new ranks' speeds
 arrive with the next sums. --balance A:B:... fixes the shares in those proportions instead (no

@@ -1,6 +1,6 @@
 """Going on without a lost rank: the trainer's side of utils/elastic/membership.py.
 
-    recovery = Recovery(membership, trainer)        trainer: the run's utils.training.Trainer
+    recovery = Recovery(membership, trainer)        trainer: the run's utils.learn.training.Trainer
     sync, (epoch, step, stats) = recovery.go_on(error, old_sync, (epoch, step, stats))
 
 When a step fails (a peer died, fell silent or was cut off), utils/run.py abandons the step in
