@@ -1,0 +1,74 @@
+"""The keeper of --restart on-failure (utils/setup/keeper.py) over small stand-in programs: what it
+starts again, what ends it, and that a signal to it goes on to its child and ends it too."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+KEEP = textwrap.dedent(
+    """
+    import sys
+    from utils.setup import keeper
+    say = lambda line: print(line, file=sys.stderr, flush=True)
+    sys.exit(keeper.keep(sys.argv[2:], sys.argv[1], "prog: rank 1", 3, say))
+    """
+)
+
+
+def keep(tmp_path, program, *argv, timeout=60):
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(program))
+    return subprocess.run(
+        [sys.executable, "-c", KEEP, str(prog), *argv], capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_or_bad_input_is_not_started_again(tmp_path):
+    result = keep(tmp_path, "import sys; sys.exit(2)")
+    assert result.returncode == 2 and result.stderr == "", result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_is_started_again_with_the_same_arguments_until_it_succeeds(tmp_path):
+    program = """
+        import os, signal, sys
+        runs = len(os.listdir("."))  # prog.py, then one file a run
+        open(f"run{runs}-{'-'.join(sys.argv[1:])}-{os.environ['RING_RESTARTS'] if runs > 1 else 0}", "w").close()
+        if runs == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(1 if runs == 2 else 0)
+    """
+    result = keep(tmp_path, program, "--rank", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "prog: rank 1: training killed by SIGKILL; starting it again in 1 s (restart 1)",
+        "prog: rank 1: training lost the job (exit 1); starting it again in 2 s (restart 2)",
+    ]
+    assert sorted(p.name for p in tmp_path.glob("run*")) == ["run1---rank-1-0", "run2---rank-1-1", "run3---rank-1-2"]
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_to_the_keeper_stops_its_child_and_nothing_starts_again(tmp_path):
+    program = """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # as train.py: stopped, saved
+        open("started", "w").close()
+        time.sleep(60)
+    """
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(program))
+    keeper = subprocess.Popen([sys.executable, "-c", KEEP, str(prog)], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        keeper.send_signal(signal.SIGTERM)
+        _, err = keeper.communicate(timeout=30)
+    finally:
+        keeper.kill()
+    assert keeper.returncode == 3 and err == "", err
