@@ -110,15 +110,23 @@ class Job:
         while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         codes = {r: p.poll() for r, p in self.procs.items()}
+        self.kill_all()
+        return codes
+
+    def kill_all(self):
         for p in self.procs.values():
             self.cl.kill(p)
-        return codes
 
     def outputs(self, rank):
         return (self.home / f"rank{rank}.out").read_text(), (self.home / f"rank{rank}.err").read_text()
 
     def digests(self):
         return {m.group(2) for r in range(3) for m in FOUND.finditer(self.outputs(r)[0])}
+
+    def images_once(self, images):
+        """Every epoch trained `images` images (each once), as metrics.jsonl's rows say."""
+        rows = self.metrics()
+        return bool(rows) and all(row["images"] == images for row in rows)
 
     def metrics(self):
         rows = []
@@ -183,8 +191,7 @@ def kill_trial(cl, tmp, kills, rng, train_subset, epochs):
                 break
         codes = job.wait(900)
     finally:
-        for p in job.procs.values():
-            cl.kill(p)
+        job.kill_all()
     changes = job.changes(steps)
     rows = job.metrics()
     result = {
@@ -193,7 +200,7 @@ def kill_trial(cl, tmp, kills, rng, train_subset, epochs):
         "codes": codes,
         "changes": changes,
         "digests": sorted(job.digests()),
-        "images_ok": bool(rows) and all(row["images"] == train_subset for row in rows),
+        "images_ok": job.images_once(train_subset),
         "members_at_end": rows[-1]["members"] if rows else None,
     }
     result["oracle"] = oracle(changes, run, tmp / "kill-oracle") if len(result["digests"]) == 1 else None
@@ -215,8 +222,7 @@ def cut_trial(cl, tmp, cut_seconds, train_subset):
         went_on = job.first_after(down, "shrank")
         codes = job.wait(900)
     finally:
-        for p in job.procs.values():
-            cl.kill(p)
+        job.kill_all()
         cl.link_up(2)
     rows = job.metrics()
     return {
@@ -225,7 +231,7 @@ def cut_trial(cl, tmp, cut_seconds, train_subset):
         "majority_went_on_after_cut": went_on,
         "codes": codes,
         "digests": sorted(job.digests()),
-        "images_ok": bool(rows) and all(row["images"] == train_subset for row in rows),
+        "images_ok": job.images_once(train_subset),
         "members_at_end": rows[-1]["members"] if rows else None,
     }
 
@@ -284,8 +290,7 @@ def soak_trial(cl, tmp, faults, rng, epochs, train_subset):
                 break
         codes = job.wait(1800)
     finally:
-        for p in job.procs.values():
-            cl.kill(p)
+        job.kill_all()
         for r in range(3):
             cl.link_up(r)
     rows = job.metrics()

@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+import torch  # noqa: F401  (its first import runs ldconfig: here, before no_process_started, not in a test)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,6 +5,7 @@ transport (utils/elastic/rejoin.py). The real processes: tests/world/test_heal.p
 import json
 
 import pytest
+from slurm_env import TASK
 
 from utils.elastic import rejoin
 from utils.elastic.rejoin import Checkpoint, How, choose, find_job, known_members, per_server
@@ -136,7 +137,7 @@ def test_restart_is_for_a_servers_own_command_and_refused_where_others_restart()
     server = ["--rank", "1", "--world-size", "3", "--init-method", "tcp://10.0.0.1:29500"]
     job = config(*server, "--restart", "on-failure", "--max-restarts", "4", "--rejoin-timeout", "0").job
     assert (job.restart, job.max_restarts, job.rejoin_timeout) == ("on-failure", 4, 0.0)
-    for environ, who in (({"RANK": "1", "WORLD_SIZE": "3"}, "torchrun"), (SLURM, "Slurm")):
+    for environ, who in (({"RANK": "1", "WORLD_SIZE": "3"}, "torchrun"), (TASK, "Slurm")):
         with pytest.raises(UsageError, match=f"{who} restarts its ranks itself"):
             config("--restart", "on-failure", environ=environ)
     with pytest.raises(UsageError, match="give --rank, --world-size and --init-method"):
@@ -144,18 +145,6 @@ def test_restart_is_for_a_servers_own_command_and_refused_where_others_restart()
     for bad in (["--max-restarts", "0"], ["--rejoin-timeout", "-1"], ["--restart", "always"]):
         with pytest.raises(UsageError):
             train.parse_args([*server, *bad])
-
-
-SLURM = {  # a task of srun (as tests/unit/test_slurm_environment.py's)
-    "SLURM_PROCID": "1",
-    "SLURM_NTASKS": "4",
-    "SLURM_LOCALID": "1",
-    "SLURM_NODEID": "0",
-    "SLURM_JOB_ID": "4321",
-    "SLURM_STEP_ID": "0",
-    "SLURM_STEP_NODELIST": "node[07-08]",
-    "SLURM_JOB_NODELIST": "node[07-09]",
-}
 
 
 def test_the_systemd_unit_runs_a_servers_command_and_restarts_only_its_failures():

@@ -2,23 +2,12 @@
 and rank 0's requeue through it: tests/world/test_scontrol.py.)"""
 
 import pytest
-from slurm_hostlists import HOSTLISTS
+from slurm_env import HOSTLISTS, TASK
 
 import train
 from utils.errors import UsageError
 from utils.setup.config import from_args
 from utils.setup.slurm import FIRST_PORT, describe, expand_hostlist, step_from
-
-TASK = {
-    "SLURM_PROCID": "1",
-    "SLURM_NTASKS": "4",
-    "SLURM_LOCALID": "1",
-    "SLURM_NODEID": "0",
-    "SLURM_JOB_ID": "4321",
-    "SLURM_STEP_ID": "0",
-    "SLURM_STEP_NODELIST": "node[07-08]",
-    "SLURM_JOB_NODELIST": "node[07-09]",
-}
 
 
 def config(*argv, environ):

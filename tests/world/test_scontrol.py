@@ -8,7 +8,7 @@ import subprocess
 import types
 
 import pytest
-from slurm_hostlists import HOSTLISTS
+from slurm_env import HOSTLISTS
 
 from utils.setup import slurm
 
