@@ -39,6 +39,7 @@ from utils.observe.report import (
     stopped_line,
 )
 from utils.observe.watch import Watch
+from utils.setup import keeper
 from utils.setup.distributed import check_identical_parameters
 from utils.store import checkpoint
 from utils.timeline import OFF
@@ -109,6 +110,7 @@ def train_model(steps, batches, position, done=None):
             stats.steps += 1
             stats.images += size
             stats.own_images += len(batch)
+            keeper.trained()  # (under --restart: a keeper's backoff starts again, this process trains)
             if done is not None:  # its sums are done or (lazy) under way: gradient_sync.abandon() tells
                 done.add(epoch, step, stats)
             flags = gradient_sync.flags()

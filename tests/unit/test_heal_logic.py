@@ -15,18 +15,21 @@ from utils.setup.keeper import Backoff, describe
 
 
 def test_the_backoff_doubles_to_its_cap_and_gives_up_after_the_limit():
-    b = Backoff(limit=8, first=1.0, most=60.0, healthy=120.0)
-    delays = [b.failed(ran_seconds=3.0) for _ in range(8)]
+    b = Backoff(limit=8, first=1.0, most=60.0)
+    delays = [b.failed(trained=False) for _ in range(8)]
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
-    assert b.failed(ran_seconds=3.0) is None  # the 9th failure in a row: given up
+    assert b.failed(trained=False) is None  # the 9th failure in a row: given up
 
 
-def test_a_child_that_ran_long_enough_starts_the_backoff_again():
-    b = Backoff(limit=3, first=1.0, most=60.0, healthy=120.0)
-    assert [b.failed(5.0), b.failed(5.0), b.failed(5.0)] == [1.0, 2.0, 4.0]
-    assert b.failed(ran_seconds=600.0) == 1.0  # it trained for 10 minutes: a new failure, not a storm
-    assert [b.failed(5.0), b.failed(5.0)] == [2.0, 4.0]
-    assert b.failed(5.0) is None
+def test_a_child_that_trained_starts_the_backoff_again():
+    """A storm is a server that fails before it trains again; one that trains between faults is back
+    after a second each time."""
+    b = Backoff(limit=3, first=1.0, most=60.0)
+    assert [b.failed(False), b.failed(False), b.failed(False)] == [1.0, 2.0, 4.0]
+    assert b.failed(trained=True) == 1.0
+    assert [b.failed(True) for _ in range(10)] == [1.0] * 10
+    assert [b.failed(False), b.failed(False)] == [2.0, 4.0]
+    assert b.failed(False) is None
 
 
 def test_exit_codes_are_said_in_words():

@@ -227,8 +227,7 @@ def make_parser(prog="train.py"):
         "--max-restarts",
         type=positive(int, MAX_RESTARTS),
         default=10,
-        help="--restart gives up after this many failures in a row, each within 2 minutes of its start "
-        "(default %(default)s)",
+        help="--restart gives up after this many failures in a row, none of them training a step (default %(default)s)",
     )
     faults.add_argument(
         "--rejoin-timeout",

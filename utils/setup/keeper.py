@@ -9,9 +9,11 @@ The keeper starts the same command again, and that command joins the running job
 ends the keeper too: a finished run (0), bad input or a refusal (2: it would fail the same way
 every time), a stop on a signal (3), a signal to the keeper itself (passed on to the child).
 
-Restarts back off (Backoff): 1 s, 2 s, 4 s ... up to a minute, back to 1 s after a child that ran
-HEALTHY_SECONDS; after `limit` failures in a row the keeper gives up with one line. It loads no
-torch: a restart costs the child's start only. The child is in the keeper's process group: a kill
+Restarts back off (Backoff): 1 s, 2 s, 4 s ... up to a minute, back to 1 s after a child that
+trained (it says so through a pipe after its first step: trained()); after `limit` failures in a
+row the keeper gives up with one line. A storm is a server failing before it trains again; a
+server that trains between faults comes back each time after a second. It loads no torch: a
+restart costs the child's start only. The child is in the keeper's process group: a kill
 of the group (Ctrl-C, systemd's stop) reaches both; a kill -9 of the keeper alone leaves the training
 running, as it would be without a keeper. Under torchrun and Slurm their own restarts
 (--max-restarts, --requeue) keep precedence: utils/setup/config.py refuses --restart there.
@@ -25,9 +27,8 @@ import time
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED
 
-HEALTHY_SECONDS = 120.0  # a child that ran this long failed afresh: the backoff starts again from its first delay
 FIRST_DELAY, MAX_DELAY = 1.0, 60.0
-KEPT = "RING_KEPT"  # in a child's environment: started by a keeper (it must not keep itself)
+KEPT = "RING_KEPT"  # in a child's environment: the pipe to its keeper (trained() writes a byte into it)
 RESTARTS = "RING_RESTARTS"  # the child's restarts so far (its heartbeats carry it: --status)
 OUT_SINCE = "RING_OUT_SINCE"  # when the child before it failed (time.time()): utils/elastic/rejoin.py's too
 FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED)  # what ends the keeper: done, refused or bad input, stopped
@@ -35,15 +36,15 @@ FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED)  # what ends the keeper: done, refused
 
 class Backoff:
     """When to start again after a failure: exponential from `first` to `most` seconds; `limit`
-    failures in a row (a child that ran `healthy` seconds or more ends the row) and it gives up."""
+    failures in a row (a child that trained ends the row) and it gives up."""
 
-    def __init__(self, limit, first=FIRST_DELAY, most=MAX_DELAY, healthy=HEALTHY_SECONDS):
-        self.limit, self.first, self.most, self.healthy = limit, first, most, healthy
+    def __init__(self, limit, first=FIRST_DELAY, most=MAX_DELAY):
+        self.limit, self.first, self.most = limit, first, most
         self.in_a_row = 0
 
-    def failed(self, ran_seconds):
-        """A child failed after running `ran_seconds`: the delay before the next start, or None to give up."""
-        self.in_a_row = 1 if ran_seconds >= self.healthy else self.in_a_row + 1
+    def failed(self, trained):
+        """A child failed, having trained a step or not: the delay before the next start, or None to give up."""
+        self.in_a_row = 1 if trained else self.in_a_row + 1
         if self.in_a_row > self.limit:
             return None
         return min(self.most, self.first * 2 ** (self.in_a_row - 1))
@@ -69,16 +70,24 @@ def keep(argv, prog, label, limit, say):
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, pass_on)
-    env = dict(os.environ, **{KEPT: "1"})
+    env = dict(os.environ)
     while True:
-        started = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-u", prog, *argv], env=env)
+        heard, told = os.pipe()
+        env[KEPT] = str(told)
+        child = subprocess.Popen([sys.executable, "-u", prog, *argv], env=env, pass_fds=(told,))
+        os.close(told)
         code = child.wait()  # (a signal meanwhile is passed on, and the wait goes on)
+        os.set_blocking(heard, False)
+        try:
+            trained = bool(os.read(heard, 1))
+        except BlockingIOError:  # (nothing written, and the write end still open somewhere)
+            trained = False
+        os.close(heard)
         if code in FINAL or passed:
             return code if code >= 0 else 128 - code
-        delay = backoff.failed(time.monotonic() - started)
+        delay = backoff.failed(trained)
         if delay is None:
-            say(f"{label}: gave up after {limit} restarts in a row, each failing within {HEALTHY_SECONDS:g} s "
+            say(f"{label}: gave up after {limit} restarts in a row, none of them training a step "
                 f"(last: {describe(code)}); the job goes on without this server")  # fmt: skip
             return EXIT_LOST_PEER
         restarts += 1
@@ -89,3 +98,18 @@ def keep(argv, prog, label, limit, say):
             time.sleep(0.1)
         if passed:  # stopped while nothing was running: nothing to save
             return 128 + passed[0]
+
+
+def trained(environ=os.environ):
+    """In a keeper's child, after each step: the first call tells the keeper this process trains."""
+    global _told
+    if _told or KEPT not in environ:
+        return
+    _told = True
+    try:  # (the pipe stays open: its number must not name another file, here or after a rejoin's exec)
+        os.write(int(environ[KEPT]), b"t")
+    except (OSError, ValueError):
+        pass
+
+
+_told = False
