@@ -259,6 +259,8 @@ def main(argv=None):
             rejoin.again(__file__, argv, job.rejoin_timeout)  # (this process, started afresh: no return)
         hint = f"; to resume: {resume_command(argv)}" if e.resumable else ""
         say(f"{PROG}: rank {rank}: {e}{hint}")
+        if e.final:
+            keeper.final()
         return EXIT_LOST_PEER
     except Stopped as e:
         stop.leaving()  # a requeue's SIGTERM, or a late repeat, must not make this exit a crash

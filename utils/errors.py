@@ -28,6 +28,7 @@ class PeerError(Exception):
         self.doing = doing  # what the rank was doing, for the trainer's "lost a peer while ..."
         self.position = None  # where the rank is, if a recovery moved it (utils/elastic/recovery.py)
         self.left_behind = False  # the job went on without this rank, or its side had no majority: it may rejoin
+        self.final = False  # it waited for the job in vain: --restart must not start it again
 
 
 class Stopped(Exception):

@@ -327,7 +327,7 @@ def main(argv=None):
     ap.add_argument("--cut", type=positive(float), default=30.0, help="seconds the cable is down (cut trial)")
     ap.add_argument("--pairs", type=positive(int), default=2, help="storm trial: pairs of jobs, in turns")
     ap.add_argument("--faults", type=positive(int), default=30, help="soak trial: faults in all")
-    ap.add_argument("--epochs", type=positive(int), default=30, help="soak trial: epochs of --train-subset images")
+    ap.add_argument("--epochs", type=positive(int), default=300, help="soak trial: epochs of --soak-subset images")
     ap.add_argument("--train-subset", type=positive(int), default=60000, help="images an epoch (kill, cut, storm)")
     ap.add_argument("--soak-subset", type=positive(int), default=12800, help="images an epoch (soak)")
     ap.add_argument("--seed", type=int, default=1)

@@ -72,3 +72,15 @@ def test_a_signal_to_the_keeper_stops_its_child_and_nothing_starts_again(tmp_pat
     finally:
         keeper.kill()
     assert keeper.returncode == 3 and err == "", err
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_waited_for_its_job_in_vain_is_not_started_again(tmp_path):
+    program = """
+        import sys
+        from utils.setup import keeper
+        keeper.final()  # (train.py, after --rejoin-timeout passed without the job)
+        sys.exit(1)
+    """
+    result = keep(tmp_path, program)
+    assert result.returncode == 1 and result.stderr == "", result.stderr

@@ -61,7 +61,7 @@ class Fenced(Exception):
     def __init__(self, generation):
         super().__init__(
             f"the job went on without this rank (generation {generation}); it wrote nothing (the "
-            f"survivors hold the job's checkpoint); restart this server's command to start a job afresh"
+            f"survivors hold the job's checkpoint)"
         )
 
 

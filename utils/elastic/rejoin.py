@@ -83,11 +83,13 @@ def look_for_job(config, offer):
         return How.JOIN if known_members(config.outputs.checkpoint) and job_answers(config) else How.START
     how = find_job(lambda: job_answers(config), offer, waits_until, time.time)
     if how is None:
-        raise PeerError(
+        error = PeerError(
             f"waited {config.job.rejoin_timeout:g} s (--rejoin-timeout) for the job: no member answered, and not "
-            "every rank came to start it again",
+            "every rank came to start it again (the job is over, or this server is still cut off)",
             resumable=False,
         )
+        error.final = True
+        raise error
     return how
 
 

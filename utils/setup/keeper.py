@@ -7,7 +7,8 @@ it was cut off and its side had no majority, or it was frozen and the job went o
 The keeper starts the same command again, and that command joins the running job by itself
 (utils/elastic/rejoin.py), or resumes the job if it stopped as a whole. What is not a failure
 ends the keeper too: a finished run (0), bad input or a refusal (2: it would fail the same way
-every time), a stop on a signal (3), a signal to the keeper itself (passed on to the child).
+every time), a stop on a signal (3), a signal to the keeper itself (passed on to the child), a
+child that waited --rejoin-timeout for its job in vain (the job is over, or the network still out).
 
 Restarts back off (Backoff): 1 s, 2 s, 4 s ... up to a minute, back to 1 s after a child that
 trained (it says so through a pipe after its first step: trained()); after `limit` failures in a
@@ -32,6 +33,7 @@ KEPT = "RING_KEPT"  # in a child's environment: the pipe to its keeper (trained(
 RESTARTS = "RING_RESTARTS"  # the child's restarts so far (its heartbeats carry it: --status)
 OUT_SINCE = "RING_OUT_SINCE"  # when the child before it failed (time.time()): utils/elastic/rejoin.py's too
 FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED)  # what ends the keeper: done, refused or bad input, stopped
+TRAINED_WORD, FINAL_WORD = b"t", b"f"  # what a child tells its keeper: it trains; it waited for its job in vain
 
 
 class Backoff:
@@ -79,12 +81,13 @@ def keep(argv, prog, label, limit, say):
         code = child.wait()  # (a signal meanwhile is passed on, and the wait goes on)
         os.set_blocking(heard, False)
         try:
-            trained = bool(os.read(heard, 1))
+            said = os.read(heard, 16)
         except BlockingIOError:  # (nothing written, and the write end still open somewhere)
-            trained = False
+            said = b""
         os.close(heard)
-        if code in FINAL or passed:
+        if code in FINAL or passed or FINAL_WORD in said:
             return code if code >= 0 else 128 - code
+        trained = TRAINED_WORD in said
         delay = backoff.failed(trained)
         if delay is None:
             say(f"{label}: gave up after {limit} restarts in a row, none of them training a step "
@@ -103,11 +106,21 @@ def keep(argv, prog, label, limit, say):
 def trained(environ=os.environ):
     """In a keeper's child, after each step: the first call tells the keeper this process trains."""
     global _told
-    if _told or KEPT not in environ:
+    if not _told:
+        _told = True
+        tell(TRAINED_WORD, environ)
+
+
+def final(environ=os.environ):
+    """In a keeper's child that waited for its job in vain: the keeper must not start it again."""
+    tell(FINAL_WORD, environ)
+
+
+def tell(word, environ):
+    if KEPT not in environ:
         return
-    _told = True
     try:  # (the pipe stays open: its number must not name another file, here or after a rejoin's exec)
-        os.write(int(environ[KEPT]), b"t")
+        os.write(int(environ[KEPT]), word)
     except (OSError, ValueError):
         pass
 
