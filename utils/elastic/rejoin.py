@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from utils.elastic import key, status
+from utils.elastic import faults, key, status
 from utils.errors import PeerError, UsageError
 from utils.store.files import special_kind, write_file
 
@@ -81,7 +81,9 @@ def look_for_job(config, offer):
     waits_until = float(os.environ.get(REJOIN_UNTIL, "0"))
     if not waits_until:
         return How.JOIN if known_members(config.outputs.checkpoint) and job_answers(config) else How.START
-    how = find_job(lambda: job_answers(config), offer, waits_until, time.time)
+    how = find_job(
+        lambda: logged("rejoin-ask", job_answers, config), lambda: logged("rejoin-offer", offer), waits_until, time.time
+    )
     if how is None:
         error = PeerError(
             f"waited {config.job.rejoin_timeout:g} s (--rejoin-timeout) for the job: no member answered, and not "
@@ -91,6 +93,14 @@ def look_for_job(config, offer):
         error.final = True
         raise error
     return how
+
+
+def logged(event, call, *args):
+    """call(*args), its outcome and seconds in RING_EVENTS (bench/heal/heal.py reads how a wait went)."""
+    started = time.monotonic()
+    outcome = call(*args)
+    faults.log(event=event, outcome=bool(outcome), seconds=round(time.monotonic() - started, 3))
+    return outcome
 
 
 def job_answers(config):
