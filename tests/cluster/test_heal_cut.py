@@ -15,9 +15,9 @@ from utils.elastic.faults import read_events
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
-RUN = [
+RUN = [  # two epochs: the job outlasts the cut even on a loaded machine
     "--epochs",
-    "1",
+    "2",
     "--train-subset",
     "60000",
     "--test-subset",
@@ -52,8 +52,8 @@ def test_a_server_cut_off_waits_for_the_cable_and_joins_the_job_again(tmp_path):
     out0, err2, out2 = results[0][1], results[2][2], results[2][1]
     assert re.search(r"only rank 2 of 3 is reachable .*not a majority, so this side stops", err2), report(results)
     assert "waiting up to 300 s to join the job again" in err2, report(results)
-    assert "lost rank 2 at epoch 1" in out0, report(results)
-    joined = re.search(r"rank \d+: joined the job after epoch 1, step \d+, .*; back after ([\d.]+) s out$", out2, re.M)
+    assert "lost rank 2 at epoch" in out0, report(results)
+    joined = re.search(r"rank \d+: joined the job after epoch \d, step \d+, .*; back after ([\d.]+) s out$", out2, re.M)
     assert joined, report(results)
     came = re.search(r"rank (\d+) comes back after [\d.]+ s out, \d+ steps? missed", out0)
     assert came, report(results)
