@@ -82,7 +82,6 @@ class Detector:
         self.cpu = {}  # thread -> its CPU seconds so far (bench/fuzz/control_cost.py reads them)
         self.progress = None  # this rank's utils.elastic.status.Record (utils/run.py sets it): its beats carry it
         self.progress_of = {}  # id -> the last progress each member's beats carried (train.py --status)
-        self.closed = False  # close(): its threads end
         self.book_file = None  # the checkpoint beside which the members' addresses are kept (utils/elastic/rejoin.py)
 
     def start(self, book, token):
@@ -93,12 +92,6 @@ class Detector:
         self.heard = {m: now for m in self.members}
         for target in (self._receive, self._beat):
             self.thread(target)
-
-    def close(self):
-        """A membership not used after all (a start that looked for a running job and found none):
-        its port is free again, its receiving thread ends."""
-        self.closed = True
-        self.sock.close()
 
     def start_beating(self):
         """A joined server: heartbeats from now on (its receiver runs since request_join)."""
@@ -194,8 +187,6 @@ class Detector:
             try:
                 datagram, source = self.sock.recvfrom(65536)
             except OSError:
-                if self.closed:
-                    return
                 continue
             try:
                 sender, job, message = self.envelope.open(datagram)

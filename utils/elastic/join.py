@@ -82,11 +82,9 @@ def check_keys(fingerprints):
         raise UsageError(f"{why}; give every server the same key, or none")
 
 
-def join_running_job(config, model, answer_within=None):
+def join_running_job(config, model):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name.
-    answer_within: seconds to wait for an answer, then return None (the same command run again, which
-    looks for its job first: utils/elastic/rejoin.py); by default --timeout, then one UsageError line.
     It asks at --join's HOST:PORT (or --init-method's), and at every member this server knew."""
     job = config.job
     faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery/recovery.py times from
@@ -102,18 +100,11 @@ def join_running_job(config, model, answer_within=None):
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         try:
             decision = membership.request_join(
-                candidates,
-                {"model": model, **config.must_agree()},
-                identity(),
-                job.rank,
-                answer_within or config.sync.timeout,
+                candidates, {"model": model, **config.must_agree()}, identity(), job.rank, config.sync.timeout
             )
         except ValueError as e:
             raise UsageError(f"the job at {where} refused this server: {e}") from None
         except RuntimeError:
-            if answer_within is not None:
-                membership.close()
-                return None
             raise UsageError(
                 f"no running job answered at {where} within {config.sync.timeout:g} s (wrong address, the job "
                 f"is over, a firewall on its UDP ports, or not the job's key: members drop what it does not sign)"

@@ -79,11 +79,11 @@ def look_for_job(config, offer):
     How.START. A server that lost the job (REJOIN_UNTIL) waits for it (find_job; offer(): a whole
     restart, True when it formed and trained), and says in one line if it waited in vain."""
     waits_until = float(os.environ.get(REJOIN_UNTIL, "0"))
-    if not waits_until:
-        return How.JOIN if known_members(config.outputs.checkpoint) and job_answers(config) else How.START
-    how = find_job(
-        lambda: logged("rejoin-ask", job_answers, config), lambda: logged("rejoin-offer", offer), waits_until, time.time
-    )
+    more = known_members(config.outputs.checkpoint)
+    if not waits_until:  # (a server that was in no job here, or whose job finished, asks nobody)
+        return How.JOIN if more and job_answers(config, more) else How.START
+    ask = lambda: logged("rejoin-ask", job_answers, config, more)  # noqa: E731
+    how = find_job(ask, lambda: logged("rejoin-offer", offer), waits_until, time.time)
     if how is None:
         error = PeerError(
             f"waited {config.job.rejoin_timeout:g} s (--rejoin-timeout) for the job: no member answered, and not "
@@ -103,15 +103,14 @@ def logged(event, call, *args):
     return outcome
 
 
-def job_answers(config):
+def job_answers(config, more):
     """Whether a member of this server's job answers (train.py --status's question, which any
-    member answers at once), at --init-method or at a member this server knew."""
+    member answers at once), at --init-method or at `more`, the members this server knew."""
     host, port = config.job.init_method[len("tcp://") :].rsplit(":", 1)
     try:
         secret = key.for_joining(config.job.key_file, config.outputs.checkpoint)
     except UsageError:  # no key here: no job this server could join
         return False
-    more = known_members(config.outputs.checkpoint)
     return status.ask(host.strip("[]"), int(port), secret, ASK_SECONDS, more) is not None
 
 
