@@ -5,6 +5,7 @@
 128+signal (130, 143)  stopped at once: a second signal, or a signal before training began
 """
 
+import enum
 import re
 
 EXIT_LOST_PEER, EXIT_BAD_INPUT, EXIT_STOPPED = 1, 2, 3
@@ -19,16 +20,45 @@ class UsageError(Exception):
     """Bad input from the user: an argument, a file, the data. Exit code 2."""
 
 
-class PeerError(Exception):
-    """The job broke off: a peer died, fell silent or never came. Exit code 1."""
+class Outcome(enum.Enum):
+    """What a PeerError means for this rank, and so what train.py does after it."""
 
-    def __init__(self, message, resumable=True, doing="summing gradients"):
+    LOST = "lost"  # a peer was lost while training: the checkpoint resumes the job (--resume)
+    NOTHING_TO_RESUME = "nothing to resume"  # before training began, or while the state went round
+    LEFT_BEHIND = "left behind"  # the job went on without this rank, or its side had no majority: it may rejoin
+    FENCED = "fenced"  # told the job went on without it: it writes nothing, and may rejoin
+    GAVE_UP = "gave up"  # it waited --rejoin-timeout for its job in vain: --restart must not start it again
+
+
+class PeerError(Exception):
+    """The job broke off: a peer died, fell silent or never came. Exit code 1.
+
+    outcome: an Outcome; doing: what the rank was doing, for the loop's "lost a peer while ...";
+    position: where a recovery left this rank, (epoch, step, stats), if it moved it."""
+
+    def __init__(self, message, outcome=Outcome.LOST, doing="summing gradients", position=None):
         super().__init__(message)
-        self.resumable = resumable  # False before training started: there is nothing to resume
-        self.doing = doing  # what the rank was doing, for the trainer's "lost a peer while ..."
-        self.position = None  # where the rank is, if a recovery moved it (utils/elastic/recovery.py)
-        self.left_behind = False  # the job went on without this rank, or its side had no majority: it may rejoin
-        self.final = False  # it waited for the job in vain: --restart must not start it again
+        self.outcome, self.doing, self.position = outcome, doing, position
+
+    @property
+    def resumable(self):
+        """Whether --resume continues the job from its checkpoint (not before training began)."""
+        return self.outcome in (Outcome.LOST, Outcome.LEFT_BEHIND)
+
+    @property
+    def left_behind(self):
+        """Whether the job may still run without this rank: its server may wait for it and rejoin."""
+        return self.outcome in (Outcome.LEFT_BEHIND, Outcome.FENCED)
+
+    @property
+    def final(self):
+        """Whether a keeper (--restart) must not start this server again."""
+        return self.outcome == Outcome.GAVE_UP
+
+    def where(self, place):
+        """The same error, its message saying where this rank was ("(epoch 2, step 7)", "after epoch 2"),
+        its outcome kept."""
+        return PeerError(f"lost a peer while {self.doing} {place}: {self}", self.outcome, self.doing, self.position)
 
 
 class Stopped(Exception):

@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from utils.errors import PeerError, first_line
+from utils.errors import Outcome, PeerError, first_line
 
 MAX_BYTES = 2**31  # a longer message is a peer gone wrong, not a state of this program
 
@@ -87,7 +87,9 @@ def broadcast_bytes(data, src):
 def checked_length(size, rank):
     length = int(size.item())
     if not 0 <= length <= MAX_BYTES:
-        raise PeerError(f"rank {rank} announced a message of {length} bytes; not this program's", resumable=False)
+        raise PeerError(
+            f"rank {rank} announced a message of {length} bytes; not this program's", Outcome.NOTHING_TO_RESUME
+        )
     return length
 
 
@@ -95,7 +97,9 @@ def decode_json(data, rank):
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise PeerError(f"rank {rank} sent something that is not JSON ({first_line(e)})", resumable=False) from None
+        raise PeerError(
+            f"rank {rank} sent something that is not JSON ({first_line(e)})", Outcome.NOTHING_TO_RESUME
+        ) from None
 
 
 def encode_state(state):
@@ -114,5 +118,5 @@ def decode_state(data, rank):
         raise PeerError(
             f"rank {rank} sent a state the weights-only loader refused "
             f"({reason.group(0) if reason else first_line(e)})",
-            resumable=False,
+            Outcome.NOTHING_TO_RESUME,
         ) from None

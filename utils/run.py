@@ -143,7 +143,7 @@ def train_model(steps, batches, position, done=None):
         gradient_sync.finish()
         count(TIMES + BYTES)
     except PeerError as e:
-        raise PeerError(f"lost a peer while {e.doing} (epoch {epoch}, step {step}): {e}") from None
+        raise e.where(f"(epoch {epoch}, step {step})") from None
     finally:
         progress.close()
 
@@ -282,7 +282,7 @@ def train_epoch(trainer, position, done, members):
     try:
         trainer.save_checkpoint(epoch + 1, 0, EpochStats())
     except PeerError as e:
-        raise PeerError(f"lost a peer while {e.doing} after epoch {epoch}: {e}") from None
+        raise e.where(f"after epoch {epoch}") from None
     return accuracy
 
 

@@ -16,7 +16,7 @@ from utils.elastic import faults, key
 from utils.elastic.membership import Membership
 from utils.elastic.rejoin import keep_book, known_members, per_server
 from utils.elastic.sockets import card_address
-from utils.errors import PeerError, UsageError, first_line
+from utils.errors import Outcome, PeerError, UsageError, first_line
 from utils.exchange import all_gather_json, broadcast_json
 from utils.setup.program import identity
 from utils.store.outputs import job_pid
@@ -116,7 +116,7 @@ def join_running_job(config, model):
             if attempt == JOIN_ATTEMPTS:
                 raise PeerError(
                     f"the job took this server in {attempt} times but its group never formed: {first_line(e)}",
-                    resumable=False,
+                    Outcome.NOTHING_TO_RESUME,
                 ) from None
     membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
     membership.start_beating()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from utils.comm import hierarchical
 from utils.elastic import faults
 from utils.elastic.membership import Fenced, NoQuorum
-from utils.errors import PeerError, UsageError, first_line
+from utils.errors import Outcome, PeerError, UsageError, first_line
 from utils.exchange import all_gather_state, broadcast_state
 from utils.observe.report import EpochStats
 from utils.store import checkpoint, outputs
@@ -56,13 +56,6 @@ class Done:
         if self.first is not None:
             self.first, first = None, self.first
             first(epoch, step)
-
-
-def left_behind(error):
-    """`error`, marked as a rank the job went on without (or whose side had no majority): its server
-    may wait for the job and join it again (train.py, utils/elastic/rejoin.py)."""
-    error.left_behind = True
-    return error
 
 
 class Recovery:
@@ -87,10 +80,10 @@ class Recovery:
             try:
                 decision = membership.agree([epoch, step], tried)
             except Fenced as e:
-                raise left_behind(PeerError(str(e), resumable=False)) from None
+                raise PeerError(str(e), Outcome.FENCED) from None
             except NoQuorum as e:
                 message = f"{first_line(error)}; {e}{self.save_last_step(position, e.alive, old_sync)}"
-                raise left_behind(PeerError(message)) from None
+                raise PeerError(message, Outcome.LEFT_BEHIND) from None
             if not self.config.job.recover:
                 survivors = decision.members
                 raise PeerError(
@@ -179,7 +172,9 @@ class Recovery:
         try:
             state = broadcast_state(self.state(*position) if dist.get_rank() == source else None, src=source)
         except RuntimeError as e:
-            raise PeerError(f"lost a peer while the state went round: {first_line(e)}", resumable=False) from None
+            raise PeerError(
+                f"lost a peer while the state went round: {first_line(e)}", Outcome.NOTHING_TO_RESUME
+            ) from None
         if dist.get_rank() != source:
             self.model.load_state_dict(state["model"])
         for p in self.model.parameters():  # an abandoned step's gradients must not add to the next one's
@@ -189,9 +184,8 @@ class Recovery:
         try:
             return self._new_sync(state, at, old_sync, position, source, furthest)
         except RuntimeError as e:
-            error = PeerError(f"lost a peer while forming the new group: {first_line(e)}", resumable=False)
-            error.position = at
-            raise error from None
+            message = f"lost a peer while forming the new group: {first_line(e)}"
+            raise PeerError(message, Outcome.NOTHING_TO_RESUME, position=at) from None
 
     def _new_sync(self, state, at, old_sync, position, source, furthest):
         sync = self.make_sync(hierarchical.discover(self.config.job.host_id))  # the new group's servers

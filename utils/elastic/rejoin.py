@@ -24,7 +24,7 @@ import sys
 import time
 
 from utils.elastic import faults, key, status
-from utils.errors import PeerError, UsageError
+from utils.errors import Outcome, PeerError, UsageError
 from utils.store.files import special_kind, write_file
 
 OUT_SINCE = "RING_OUT_SINCE"  # when this server left the job (time.time()): its heal line says how long it was out
@@ -85,13 +85,11 @@ def look_for_job(config, offer):
     ask = lambda: logged("rejoin-ask", job_answers, config, more)  # noqa: E731
     how = find_job(ask, lambda: logged("rejoin-offer", offer), waits_until, time.time)
     if how is None:
-        error = PeerError(
+        raise PeerError(
             f"waited {config.job.rejoin_timeout:g} s (--rejoin-timeout) for the job: no member answered, and not "
             "every rank came to start it again (the job is over, or this server is still cut off)",
-            resumable=False,
+            Outcome.GAVE_UP,
         )
-        error.final = True
-        raise error
     return how
 
 

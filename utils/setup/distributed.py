@@ -18,7 +18,7 @@ import urllib.parse
 
 import torch.distributed as dist
 
-from utils.errors import PeerError, UsageError, first_line
+from utils.errors import Outcome, PeerError, UsageError, first_line
 from utils.exchange import all_gather_json
 from utils.learn.model import load_parameter_vector, parameter_vector
 from utils.setup.program import differences, identity
@@ -57,10 +57,10 @@ def init_distributed(job, seconds, attempt_store=None):
             raise PeerError(
                 f"joined at {where} but could not connect to every other rank "
                 f"(a firewall on gloo's ports, or a peer that went away): {first_line(e)}",
-                resumable=False,
+                Outcome.NOTHING_TO_RESUME,
             ) from None
         if job.rank == 0 or "wait timeout" in text:  # we reached rank 0, but not everyone came
-            raise PeerError(came, resumable=False) from None
+            raise PeerError(came, Outcome.NOTHING_TO_RESUME) from None
         raise UsageError(
             f"could not reach rank 0 at {where} within {seconds:g} s "
             f"(wrong address, rank 0 not running, or a firewall): {first_line(e)}"
@@ -130,7 +130,7 @@ def handshake(store, rank, world_size, seconds, came):
                     time.sleep(0.02)
                 raise UsageError(difference)
         if waiting and time.monotonic() > deadline:
-            raise PeerError(came, resumable=False)
+            raise PeerError(came, Outcome.NOTHING_TO_RESUME)
         time.sleep(0.02)
 
 
@@ -139,7 +139,7 @@ def read_handshake(store, rank, deadline, came):
     key = f"{HANDSHAKE}/rank-{rank}"
     while not store.check([key]):
         if time.monotonic() > deadline:
-            raise PeerError(came, resumable=False)
+            raise PeerError(came, Outcome.NOTHING_TO_RESUME)
         time.sleep(0.02)
     try:
         theirs = json.loads(store.get(key).decode())
@@ -184,11 +184,13 @@ def torchrun_attempt_store(rank, world_size, timeout):
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
     except (RuntimeError, ValueError) as e:
-        raise PeerError(f"could not reach torchrun's store at {where}: {first_line(e)}", resumable=False) from None
+        raise PeerError(
+            f"could not reach torchrun's store at {where}: {first_line(e)}", Outcome.NOTHING_TO_RESUME
+        ) from None
     try:
         return agree_on_attempt(agent_store, rank, world_size, timeout)
     except RuntimeError as e:  # the store went away: torchrun's agent is gone or restarting
-        raise PeerError(f"lost torchrun's store at {where}: {first_line(e)}", resumable=False) from None
+        raise PeerError(f"lost torchrun's store at {where}: {first_line(e)}", Outcome.NOTHING_TO_RESUME) from None
 
 
 def agree_on_attempt(agent_store, rank, world_size, timeout):
@@ -203,7 +205,7 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
             if time.monotonic() > deadline:
                 raise PeerError(
                     f"not every rank of this torchrun attempt came within {timeout.total_seconds():g} s",
-                    resumable=False,
+                    Outcome.NOTHING_TO_RESUME,
                 )
             time.sleep(0.05)
         agent_store.set(f"train.py/{mine}/go", ",".join(v.decode() for v in agent_store.multi_get(answers)))
@@ -219,7 +221,8 @@ def agree_on_attempt(agent_store, rank, world_size, timeout):
             return dist.PrefixStore(f"train.py/attempt-{answered}", agent_store), False
         if time.monotonic() > deadline:
             raise PeerError(
-                f"rank 0 of this torchrun attempt did not come within {timeout.total_seconds():g} s", resumable=False
+                f"rank 0 of this torchrun attempt did not come within {timeout.total_seconds():g} s",
+                Outcome.NOTHING_TO_RESUME,
             )
         time.sleep(0.05)
 
