@@ -1,0 +1,154 @@
+"""Instruments: fault injection and the benchmarks' event log, one object that does nothing unless a
+test or benchmark turns it on. Whoever needs it is handed it; the training loop never names it.
+
+    instruments = from_environ()       train.py, once: OFF unless RING_INSTRUMENTS is set
+    instruments.bind(me)               this rank's id in the job, once it is known
+    instruments.at_step(step)          global step `step` begins: a fault of phase "step" fires
+    instruments.point(phase)           "sum", "save", "join": a fault of that phase fires
+    instruments.at_restart(rank)       (a keeper restarted this process) a fault of phase "restart"
+    instruments.log(event=..., ...)    one JSON line, with the time and this rank, in the events file
+
+RING_INSTRUMENTS is a JSON object, each key optional:
+
+    {"faults": "1:25:KILL,0:25:STOP:sum", "once": PATH, "events": PATH}
+
+faults: RANK:STEP:SIGNAL[:PHASE], comma-separated. RANK is the rank in the job's first generation;
+STEP counts from the run's first step, over epochs; PHASE is step (default: as the step begins,
+before its forward), sum (after backward, overlapped sums in flight), save (as the checkpoint after
+that step is written), join (as this member takes a joining server in, at the first growth from step
+STEP on) or restart (as a keeper's restarted process begins, whatever STEP: utils/setup/keeper.py).
+A real signal, sent by the rank to itself. Each fault fires once per process; with "once", once per
+job (the first process to fire creates PATH: a rank that torchrun restarts does not kill itself again).
+events: each fault, and what the elastic code notes (a rank's first step after a change of members,
+an agreement, a rejoin's ask) are appended there as JSON lines (bench/ and tests/ read them: read_events).
+"""
+
+import json
+import os
+import signal
+import time
+
+VARIABLE = "RING_INSTRUMENTS"
+SIGNALS_THAT_STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # (utils/setup/stop.py's)
+
+
+class Instruments:
+    """Turned off: every call does nothing. (Injected is the one a test or benchmark turns on.)"""
+
+    enabled = False
+
+    def bind(self, me):
+        pass
+
+    def log(self, **event):
+        pass
+
+    def at_step(self, step):
+        pass
+
+    def point(self, phase):
+        pass
+
+    def at_restart(self, rank):
+        pass
+
+
+OFF = Instruments()
+
+
+class Injected(Instruments):
+    """Instruments turned on by RING_INSTRUMENTS (see the module's docstring). send_to_self(signum):
+    how a stop signal reaches this process (utils.setup.stop.send_to_self: it rides with the next
+    sum this rank starts, even under load)."""
+
+    enabled = True
+
+    def __init__(self, faults="", once=None, events=None, send_to_self=None):
+        self.spec, self.once, self.events = faults or "", once, events
+        self.send_to_self = send_to_self or (lambda signum: os.kill(os.getpid(), signum))
+        self.me, self.faults, self.step = None, [], None
+
+    def bind(self, me):
+        self.me = me
+        self.faults = parse(self.spec, me)
+
+    def log(self, **event):
+        if not self.events:
+            return
+        line = json.dumps(dict(event, time=time.time(), rank=self.me)) + "\n"
+        fd = os.open(self.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def at_step(self, step):
+        self.step = step
+        self.point("step")
+
+    def at_restart(self, rank):
+        self.bind(rank)
+        self.point("restart")
+
+    def point(self, phase):
+        for fault in [f for f in self.faults if self._due(f, phase)]:
+            self.faults.remove(fault)
+            if self.once and not first_in_job(self.once):
+                continue
+            step, signum, _ = fault
+            self.log(event="fault", signal=signum.name, step=step, phase=phase)
+            if signum in SIGNALS_THAT_STOP:
+                self.send_to_self(signum)
+            else:
+                os.kill(os.getpid(), signum)
+
+    def _due(self, fault, phase):
+        step, _, where = fault
+        if where != phase:
+            return False
+        return (
+            phase == "restart" or step == self.step or (phase == "join" and self.step is not None and self.step >= step)
+        )
+
+
+def parse(spec, me):
+    """[(step, signal, phase)] of rank `me` in a faults spec ("1:25:KILL,0:25:STOP:sum")."""
+    found = []
+    for part in filter(None, spec.split(",")):
+        rank, step, name, *phase = part.split(":")
+        if int(rank) == me:
+            found.append((int(step), getattr(signal, "SIG" + name.upper()), (phase or ["step"])[0]))
+    return found
+
+
+def first_in_job(path):
+    """Whether this process is the first of the job to fire a fault (it creates `path`)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+def from_environ(environ=os.environ, send_to_self=None):
+    """OFF, or the Injected instruments that RING_INSTRUMENTS asks for."""
+    text = environ.get(VARIABLE)
+    if not text:
+        return OFF
+    settings = json.loads(text)
+    return Injected(settings.get("faults", ""), settings.get("once"), settings.get("events"), send_to_self)
+
+
+def environ_for(faults=None, once=None, events=None):
+    """{RING_INSTRUMENTS: ...} for a test's or a benchmark's environment."""
+    settings = {k: v for k, v in (("faults", faults), ("once", once), ("events", events)) if v}
+    return {VARIABLE: json.dumps(settings)}
+
+
+def read_events(path):
+    """The events that log() appended to `path` so far (bench/ and tests/ read them while the ranks
+    run: a line still being written is left out)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().splitlines() if line.endswith("}")]
