@@ -28,6 +28,7 @@ import sys
 from utils.elastic import faults, rejoin, status
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
 from utils.learn.mnist import ensure_mnist
+from utils.observe.instruments import OFF, from_environ
 
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
 from utils.setup import cli, keeper, stop
@@ -84,12 +85,11 @@ def say_finished(config):
     print(f"{path} is a finished run ({epochs} of {epochs} epochs); nothing to do", flush=True)
 
 
-def train(config, data):
+def train(config, data, instruments=OFF):
     import torch
 
-    from utils.elastic.join import join_running_job, report_dropped
+    from utils.elastic.join import join_running_job
     from utils.learn.model import Net
-    from utils.run import run
     from utils.setup.distributed import model_name
 
     torch.manual_seed(config.recipe.seed)
@@ -106,57 +106,97 @@ def train(config, data):
         config = dataclasses.replace(config, job=dataclasses.replace(job, join=job.join or ""))
         membership, decision = join_running_job(config, model_name(model))
         stop.arm()
-        try:
-            run(model, data, config, membership=membership, joining=decision)
-        finally:  # (stopped, or a lost peer, too)
-            report_dropped(membership)
+        train_rank(model, data, config, membership, None, None, instruments, decision)
         return
-    start_job(config, data, model)
+    start_job(config, data, model, instruments=instruments)
 
 
-def start_job(config, data, model, rendezvous_seconds=None):
+def train_rank(model, data, config, membership, hosts, resume_from, instruments, decision=None):
+    """This rank's training, from the job's start (hosts, resume_from) or, for a joining server, from
+    the members' state (decision); elastic when it has a membership (utils/elastic/recovery.py)."""
+    from utils.elastic.join import report_dropped
+    from utils.elastic.recovery import Elastic, NotElastic
+    from utils.learn.training import Trainer
+    from utils.run import run
+
+    instruments.bind(membership.me if membership is not None else config.job.rank or 0)
+    trainer = Trainer(model, data, config, membership, keeper.trained, instruments)
+    elastic = NotElastic() if membership is None else Elastic(membership, trainer, instruments)
+    try:
+        if membership is not None:
+            trainer.add(elastic)
+            membership.progress = trainer.watch.record  # what its heartbeats carry (--status)
+        if decision is not None:
+            elastic.join(decision, rejoin.absence())
+        else:
+            trainer.start(hosts, resume_from)
+        run(trainer, elastic)
+    finally:  # (stopped, or a lost peer, too)
+        report_dropped(membership)
+
+
+def start_job(config, data, model, rendezvous_seconds=None, instruments=OFF):
     """Start the job with every rank, or resume it (rank 0 decides: --resume, or a server's command run
     again on an unfinished checkpoint), and train it to its end. rendezvous_seconds: a server waiting
     for its job offers a restart this long; returns False if not every rank came (else True)."""
     import torch.distributed as dist
 
-    from utils.comm import hierarchical
-    from utils.elastic.join import report_dropped, start_membership
-    from utils.exchange import broadcast_state
-    from utils.observe.report import say_where_training_starts
-    from utils.run import run
-    from utils.setup import slurm
-    from utils.setup.distributed import (
-        agree,
-        broadcast_parameters,
-        init_distributed,
-        model_name,
-        torchrun_attempt_store,
-    )
+    from utils.setup.distributed import init_distributed
+
+    check_share(len(data[1]), config.job.world_size, config.recipe.global_batch)
+    config, resume_from, done, attempt_store = before_rendezvous(config, data, model)
+    try:
+        init_distributed(config.job, rendezvous_seconds or config.sync.timeout, attempt_store)
+    except (PeerError, UsageError):
+        if rendezvous_seconds is None:
+            raise
+        release()  # (rank 0's locks: taken again at the next offer)
+        return False
+    started = meet(config, model, resume_from, done)
+    if started is not None:
+        stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
+        train_rank(model, data, *started, instruments)
+    dist.destroy_process_group()
+    return True
+
+
+def before_rendezvous(config, data, model):
+    """Under torchrun's agent, this attempt's store; on rank 0, what a bad file or another job's
+    outputs would fail on (preflight), before anyone waits. Returns (config, the checkpoint to resume
+    or None, whether it is a finished run, the attempt's store or None)."""
+    from utils.setup.distributed import torchrun_attempt_store
     from utils.store import checkpoint
 
     job = config.job
-    check_share(len(data[1]), job.world_size, config.recipe.global_batch)
     attempt_store, restarted = None, False
     if job.torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        attempt_store, restarted = torchrun_attempt_store(
-            job.rank, job.world_size, datetime.timedelta(seconds=config.sync.timeout)
-        )
+        timeout = datetime.timedelta(seconds=config.sync.timeout)
+        attempt_store, restarted = torchrun_attempt_store(job.rank, job.world_size, timeout)
     resume_from, done = None, False
-    if job.rank == 0:  # before rendezvous, so that a bad file or another job's outputs fail fast
+    if job.rank == 0:
         if restarted:  # torchrun started this rank again after a failure: it resumes without --resume
             config = dataclasses.replace(config, job=dataclasses.replace(job, resume=True))
         resume_from, done = preflight(config, job.world_size, len(data[1]), rejoin.per_server(job))
         lock_outputs(config.outputs, hold=not done)  # a finished run writes nothing, not even a lock file
         if resume_from is None and job.model_path:
             checkpoint.load_model_state(model, job.model_path)
-    try:
-        init_distributed(job, rendezvous_seconds or config.sync.timeout, attempt_store)
-    except (PeerError, UsageError):
-        if rendezvous_seconds is None:
-            raise
-        release()  # (rank 0's locks: taken again at the next offer)
-        return False
+    return config, resume_from, done, attempt_store
+
+
+def meet(config, model, resume_from, done):
+    """In the new group: the ranks agree on what they train, every rank gets rank 0's checkpoint and
+    parameters, and its membership. Returns (config, membership, hosts, checkpoint or None); None
+    for a finished run (rank 0 says so; nobody trains or writes)."""
+    import torch.distributed as dist
+
+    from utils.comm import hierarchical
+    from utils.elastic.join import start_membership
+    from utils.exchange import broadcast_state
+    from utils.observe.report import say_where_training_starts
+    from utils.setup.distributed import agree, broadcast_parameters, model_name
+    from utils.store import checkpoint
+
+    job = config.job
     if job.rank == 0 and not done:
         remove_stale_temps(config.outputs.checkpoint)  # only now: they could have been another job's
         say_where_training_starts(config, resume_from, resume_from and checkpoint.upgrade(resume_from)[1])
@@ -167,27 +207,26 @@ def start_job(config, data, model, rendezvous_seconds=None):
             dist.barrier()  # nobody leaves (rank 0 hosts the rendezvous) before everyone has the news
             if job.rank == 0:
                 say_finished(config)
-            dist.destroy_process_group()
-            return True
-        if resume_from is not None:
-            model.load_state_dict(resume_from["model"])
-        broadcast_parameters(model)
+            return None
+        broadcast_parameters(model)  # (a resume's model: from the checkpoint, which every rank has now)
         hosts = hierarchical.discover(job.host_id)  # which ranks share a server: for the log and the hierarchical sum
         membership = start_membership(config, model_name(model)) if job.world_size > 1 else None
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
-    if job.rank == 0:
-        if resume_from is None and set_aside(config.outputs.checkpoint):
-            print(f"starting afresh; the earlier checkpoint is kept as {config.outputs.checkpoint}.prev", flush=True)
-        if job.slurm:
-            print(slurm.describe(job.slurm), flush=True)
-    stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
-    try:
-        run(model, data, config, hosts, resume_from=resume_from, membership=membership)
-    finally:  # (stopped, or a lost peer, too)
-        report_dropped(membership)
-    dist.destroy_process_group()
-    return True
+    say_starting(config, resume_from)
+    return config, membership, hosts, resume_from
+
+
+def say_starting(config, resume_from):
+    """Rank 0: that an earlier run's checkpoint is set aside, and Slurm's allocation."""
+    from utils.setup import slurm
+
+    if config.job.rank != 0:
+        return
+    if resume_from is None and set_aside(config.outputs.checkpoint):
+        print(f"starting afresh; the earlier checkpoint is kept as {config.outputs.checkpoint}.prev", flush=True)
+    if config.job.slurm:
+        print(slurm.describe(config.job.slurm), flush=True)
 
 
 def resume_command(argv):
@@ -246,7 +285,7 @@ def main(argv=None):
 
             evaluate(config, data)
         else:
-            train(config, data)
+            train(config, data, from_environ(send_to_self=stop.send_to_self))
             rejoin.forget_book(config.outputs.checkpoint)  # the job finished: the command run again starts afresh
         return 0
     except UsageError as e:

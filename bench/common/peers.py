@@ -6,15 +6,12 @@ and the NIC's byte counter they both read. Every one of them runs through the tr
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import harness  # noqa: F401  # the repository on the path (the benchmarks are run directly)
 
 from utils.comm.allreduce import ALGORITHMS
 from utils.comm.compress import NoCompression
-from utils.sync.flags import Flags
 from utils.sync.interface import GradientSync
 from utils.timeline import OFF
 
@@ -73,7 +70,7 @@ class LocalStep(GradientSync):
     has_rank_state = False
 
     def __init__(self, optimizer, scheduler, at_end=lambda: None):
-        super().__init__(optimizer, scheduler, NoCompression(), Flags, OFF)
+        super().__init__(optimizer, scheduler, NoCompression(), OFF)
         self.at_end = at_end
 
     def sum(self):
@@ -96,17 +93,28 @@ class LocalStep(GradientSync):
 
 
 def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, recorder=None):
-    """utils.run.train_model, the trainer's own loop, over batches[first_step:] (utils.learn.training.batches_of_epoch's
+    """utils.run.train_steps, the trainer's own loop, over batches[first_step:] (utils.learn.training.batches_of_epoch's
     (batch, weight, size) items) with `sync` in the place of its gradient sync; `recorder` (a
-    utils.timeline.Recorder, or None: off) records its spans. Its progress lines (rank 0) are kept off
-    the driver's stdout. Returns its EpochStats (the loss summed over the steps)."""
-    from utils.observe.report import EpochStats
-    from utils.run import Steps, train_model
+    utils.timeline.Recorder, or None: off) records its spans. Returns its EpochStats (the loss
+    summed over the steps)."""
+    from types import SimpleNamespace
 
-    stats = EpochStats()
-    with contextlib.redirect_stdout(io.StringIO()):
-        train_model(Steps(model, sync, images, labels, timeline=recorder or OFF), batches, (epoch, first_step, stats))
-    return stats
+    from utils.learn.callbacks import Callbacks, StepProbe, TimelineWindow
+    from utils.learn.state import Position, TrainingState
+    from utils.run import train_steps
+    from utils.sync.interface import DistributedOptimizer
+
+    timeline = recorder or OFF
+    state = TrainingState(model, sync.base_optimizer, sync.scheduler)
+    state.attach(sync)
+    state.position = Position(epoch, first_step)
+    callbacks = Callbacks(TimelineWindow(timeline, len(batches)), probe=StepProbe(timeline))
+    trainer = SimpleNamespace(
+        model=model, state=state, sync=sync, optimizer=DistributedOptimizer(sync), data=(images, labels),
+        batches=lambda _: batches, callbacks=callbacks,
+    )  # fmt: skip
+    train_steps(trainer)
+    return state.stats
 
 
 def make_ddp(model, hook: str | None = None, powersgd_rank: int = 4, powersgd_warmup: int = 2, seed: int = 0):

@@ -56,7 +56,7 @@ class Lockstep(LocalStep):
 
 
 class PhaseClock:
-    """A gradient sync, timed: a step's forward+backward (from weigh() to sum()), the sum or
+    """A gradient sync, timed: a step's forward+backward (from begin() to sum()), the sum or
     wait after it, and the optimizer, summed over the steps in `parts`. Anything else is the sync's."""
 
     def __init__(self, sync):
@@ -65,9 +65,9 @@ class PhaseClock:
     def __getattr__(self, name):
         return getattr(self.sync, name)
 
-    def weigh(self, weight):
+    def begin(self, weight=1.0, flags=None):
         self.start = time.perf_counter()
-        self.sync.weigh(weight)
+        self.sync.begin(weight, flags)
 
     def sum(self):
         self.backward_end = time.perf_counter()
@@ -75,7 +75,7 @@ class PhaseClock:
         self.sum_end = time.perf_counter()
 
     def step(self):
-        self.sync.optimizer.step()
+        self.sync.step()
         times = (self.start, self.backward_end, self.sum_end, time.perf_counter())
         self.parts = [total + b - a for total, a, b in zip(self.parts, times, times[1:])]
 

@@ -328,6 +328,7 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
     from utils.learn.training import make_optimizer
     from utils.run import train_step
     from utils.setup.config import Recipe
+    from utils.sync.interface import DistributedOptimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -339,9 +340,10 @@ def test_local_sgd_is_torchs_and_the_schedule_drives_its_inner_adam():
         assert isinstance(wrapped, PostLocalSGDOptimizer) and wrapped.optim is optimizer
         assert (wrapped.averager.period, wrapped.averager.warmup_steps) == (2, 3)
         sync, rates = LocalStep(wrapped, scheduler, at_end=lambda: average_parameters(net)), []
+        view = DistributedOptimizer(sync)
         for _ in range(5):
             rates.append(optimizer.param_groups[0]["lr"])
-            train_step(ddp, torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]), sync, sync.optimizer)
+            train_step(ddp, torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]), sync, view)
         assert wrapped.averager.step == 5
         assert rates[0] < rates[1] < rates[4] and wrapped.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
         before = [p.detach().clone() for p in net.parameters()]

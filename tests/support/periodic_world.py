@@ -44,7 +44,6 @@ def periodic(rank, rounds=4, every=3):
             every,
             outer,
             merge_after=merge_after,
-            local_flag=lambda: Flags(speeds=(rank + 1,)),  # (--balance's codes: they arrive with a merge)
             weighted=bool(weighted),
         )
         key = f"periodic/{name}/{outer}/{wire}/{merge_after}{weighted}"
@@ -53,13 +52,13 @@ def periodic(rank, rounds=4, every=3):
         for step in range(1, rounds * every + 3):
             # --balance's weights (N times this rank's share of the step): unequal on odd steps
             weight = 2 * (rank + 1) / (world_size + 1) if weighted and step % 2 else 1.0
-            sync.weigh(weight)
+            sync.begin(weight, Flags(speeds=(rank + 1,)))  # (--balance's codes: they arrive with a merge)
             record["weight"].append(torch.tensor(weight))
             images = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
             model(images).square().mean().backward()
             record["start"].append(sync.start.clone())
             sync.sum()
-            sync.optimizer.step()
+            sync.step()  # (what the loop's DistributedOptimizer.step() takes)
             record["after"].append(optimizer.after)
             record["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
             record["anchor"].append(sync.anchor.clone())

@@ -13,6 +13,7 @@ from utils.learn.training import make_optimizer
 from utils.run import train_step
 from utils.setup.config import Recipe, Sync
 from utils.sync.factory import make_gradient_sync
+from utils.sync.interface import DistributedOptimizer
 
 
 def inputs(rank, size):
@@ -49,9 +50,10 @@ def training(rank, world_size):
         model = Net()
         optimizer, scheduler = make_optimizer(model, Recipe(epochs=1), 3)
         gradient_sync = make_gradient_sync(model, sync, optimizer, scheduler, seed=1)
+        optimizer_view = DistributedOptimizer(gradient_sync)
         for step in range(3):
             images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(100 * step + rank))
-            train_step(model, images, torch.arange(4) + rank, gradient_sync, gradient_sync.optimizer)
+            train_step(model, images, torch.arange(4) + rank, gradient_sync, optimizer_view)
         gradient_sync.finish()
         results[mode] = parameter_vector(model).clone()
         results[f"{mode}/bytes"] = torch.tensor(gradient_sync.stats()["bytes_sent"])

@@ -1,4 +1,4 @@
-"""The checkpoint's schema, its checks and upgrade (utils/store/checkpoint.py); every written file: atomic, through a
+"""The checkpoint's schema (utils/learn/state.py builds and restores it), its checks and upgrade (utils/store/checkpoint.py); every written file: atomic, through a
 symlink, in place for a device or FIFO (utils/store/files.py)."""
 
 import os
@@ -11,6 +11,7 @@ import torch
 
 from utils.errors import UsageError
 from utils.learn.model import Net
+from utils.learn.state import EpochStats, Position, TrainingState
 from utils.store import checkpoint, files
 
 
@@ -19,8 +20,9 @@ def state(epoch=2, step=0, settings=None, **extra):
     optimizer = torch.optim.Adam(model.parameters())
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=10)
     settings = settings or {"model": "Net/421642", "global-batch": 64, "compress": "none"}
-    s = checkpoint.training_state(model, optimizer, scheduler, epoch, step, {"steps": 3}, 2, None, settings, {})
-    return {**s, **extra}
+    s = TrainingState(model, optimizer, scheduler, settings=settings)
+    s.position = Position(epoch, step, EpochStats(steps=3))
+    return {**s.state_dict(world_size=2), **extra}
 
 
 def test_save_and_load_against_the_expected_settings(tmp_path):
@@ -28,7 +30,7 @@ def test_save_and_load_against_the_expected_settings(tmp_path):
     checkpoint.save(state(), path)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # no temp file left
     loaded = checkpoint.load(str(path), {"model": "Net/421642", "global-batch": 64, "compress": "none"})
-    assert checkpoint.SCHEMA <= set(loaded) and loaded["epoch_stats"] == {"steps": 3}
+    assert checkpoint.SCHEMA <= set(loaded) and loaded["epoch_stats"]["steps"] == 3
     with pytest.raises(UsageError, match="was made with --global-batch 64, this run has 96"):
         checkpoint.load(str(path), {"model": "Net/421642", "global-batch": 96, "compress": "none"})
 
@@ -64,7 +66,9 @@ def test_restore_gives_back_the_position_and_the_random_state():
     model = Net()
     optimizer = torch.optim.Adam(model.parameters())
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=10)
-    assert checkpoint.restore(s, optimizer, scheduler, None, 0, 2) == (1, 7, {"steps": 3})
+    restored = TrainingState(model, optimizer, scheduler)
+    restored.load_state_dict(s, 0, 2)
+    assert restored.position == Position(1, 7, EpochStats(steps=3))
     assert torch.equal(torch.rand(3), expected)
 
 

@@ -89,8 +89,10 @@ def plain_sync(model, held_sum, broken):
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    parts = ([params], [held_sum], make_compressor("none", [params]), optimizer, scheduler, lambda: Flags(1))
-    return PlainSync(*parts, broken=broken)
+    parts = ([params], [held_sum], make_compressor("none", [params]), optimizer, scheduler)
+    sync = PlainSync(*parts, broken=broken)
+    sync.begin(1.0, Flags(1))
+    return sync
 
 
 def backward(model):
@@ -136,7 +138,7 @@ def test_a_rounds_sum_still_running_after_the_group_broke_is_given_up():
     for _ in range(2):  # a round: its sum starts at its end
         backward(model)
         sync.sum()
-        sync.optimizer.step()
+        sync.step()
     assert sync.pending is not None
     broken.set()
     given_up_within_the_bound(sync.finish)

@@ -1,33 +1,43 @@
-"""One rank's training run, as the epoch loop (utils/run.py) and live recovery (utils/elastic/recovery.py)
-share it: the model and what steps it, the data, the outputs, and who watches.
+"""One rank's training run, as the loop (utils/run.py) and the elastic wrapper (utils/elastic/recovery.py)
+share it: the training state, the gradient sum and its optimizer, the data, the concerns around
+each step, and who reports.
 
-    trainer = Trainer(model, data, config, membership)
-    trainer.sync = trainer.new_sync(hosts)      the gradient sum (a new one after a change of members)
-    trainer.state(epoch, step, stats)           this rank's checkpoint dict
-    trainer.save_checkpoint(epoch, step, stats) rank 0 writes it (every rank calls: a collective)
-    Steps(model, sync, images, labels, ...)     what one epoch's steps use (utils.run.train_model)
+    trainer = Trainer(model, data, config, membership, on_step, instruments)
+    trainer.start(hosts, resume_from)     a new job's first gradient sum (or a resume's state)
+    trainer.new_sync(hosts)               a gradient sum over the group as it is now (a collective)
+    trainer.checkpointer.save(state)      rank 0 writes the checkpoint (every rank calls: a collective)
 """
-
-import dataclasses
 
 import torch
 import torch.distributed as dist
 
 from utils.balance.shares import Balance
-from utils.elastic import faults
+from utils.comm import hierarchical
 from utils.elastic.status import Record
 from utils.errors import PeerError, first_line
 from utils.exchange import all_gather_state
+from utils.learn.callbacks import (
+    Callbacks,
+    Instrumented,
+    OnStep,
+    Rebalancing,
+    SaveEvery,
+    StepProbe,
+    StopSignals,
+    TimelineWindow,
+    Watching,
+)
 from utils.learn.data import BalancedBatches, step_batches
 from utils.learn.optim import Adam, OneCycleLR
+from utils.learn.state import TrainingState
 from utils.observe.board import Board
+from utils.observe.instruments import OFF as INSTRUMENTS_OFF
+from utils.observe.report import EpochReport, start_line
 from utils.observe.watch import Watch
-from utils.setup import stop
 from utils.setup.distributed import model_name
 from utils.store import checkpoint
 from utils.sync.factory import make_gradient_sync
-from utils.sync.flags import Flags
-from utils.sync.interface import GradientSync
+from utils.sync.interface import DistributedOptimizer
 from utils.timeline import OFF, Recorder
 
 
@@ -41,8 +51,8 @@ def make_optimizer(model, recipe, steps_per_epoch):
 
 def batches_of_epoch(num_examples, epoch, recipe, balance=None):
     """This rank's (batch, weight, images of the step in all) for every step of `epoch`
-    (utils/data.step_batches; --balance: utils/data.BalancedBatches); the weight is its share of
-    the step's images times N, so the average over ranks weighs every image alike."""
+    (utils.learn.data.step_batches; --balance: utils.learn.data.BalancedBatches); the weight is its
+    share of the step's images times N, so the average over ranks weighs every image alike."""
     if balance is not None:
         return BalancedBatches(num_examples, epoch, recipe.seed, recipe.global_batch, balance)
     n = dist.get_world_size()
@@ -52,61 +62,34 @@ def batches_of_epoch(num_examples, epoch, recipe, balance=None):
     ]
 
 
-def stop_flag(membership=None, balance=None):
-    """This rank's flags for the next sum: a signal it got; on the leader, a server waiting to join
-    (utils/elastic/membership.py), so that every rank learns of it at one step; --balance: its speed."""
-    return Flags(
-        signalled=1 if stop.signalled() else 0,
-        joining=membership is not None and membership.wants_growth(),
-        speeds=balance.slots() if balance is not None else (),
-    )
+class Checkpointer:
+    """Rank 0 writes the checkpoint of the training state (every rank calls save: the state may
+    hold every rank's own part of the sum, gathered first)."""
 
+    def __init__(self, path, timeline=OFF, instruments=INSTRUMENTS_OFF):
+        self.path, self.timeline, self.instruments = path, timeline, instruments
 
-class Untimed:
-    """A step's clock when nothing times the steps (--balance times them: utils/balance/shares.py)."""
-
-    def start(self):
-        pass
-
-    def computed(self):
-        pass
-
-    def ended(self, images):
-        pass
-
-
-UNTIMED = Untimed()
-
-
-@dataclasses.dataclass
-class Steps:
-    """What an epoch's steps use (train_model): the model, its gradient sum, the training images;
-    and, as the run has them, the timeline, --balance (utils/balance/shares.py: it times each step and
-    reviews the shares), who watches (a utils.observe.watch.Watch, told each step's progress), and the
-    checkpoint's save(epoch, step, stats) every save_every steps."""
-
-    model: torch.nn.Module
-    sync: GradientSync
-    images: torch.Tensor
-    labels: torch.Tensor
-    timeline: object = OFF
-    balance: object = None
-    watch: object = None
-    save: object = None
-    save_every: int = 0
-
-    @property
-    def clock(self):
-        """What times each step (train_step marks it): --balance, or nobody."""
-        return self.balance if self.balance is not None else UNTIMED
+    def save(self, state):
+        state.settle()
+        everyone = None
+        if state.sync.has_rank_state:
+            try:
+                everyone = all_gather_state(state.sync.state_dict())
+            except RuntimeError as e:
+                raise PeerError(first_line(e), doing="saving a checkpoint") from None
+        self.instruments.point("save")
+        if dist.get_rank() == 0:
+            with self.timeline.span("checkpoint"):
+                checkpoint.save(state.state_dict(everyone, dist.get_world_size()), self.path)
 
 
 class Trainer:
     """What every epoch of one rank's run uses. model, data (train images, labels, test images,
     labels), config: as given; membership: this rank's utils.elastic.membership.Membership (None:
-    a lost rank stops the job). sync: the gradient sum in use, set by whoever makes it."""
+    a lost rank stops the job); on_step: called after every step; instruments: the tests' and
+    benchmarks' (utils/observe/instruments.py)."""
 
-    def __init__(self, model, data, config, membership=None):
+    def __init__(self, model, data, config, membership=None, on_step=None, instruments=INSTRUMENTS_OFF):
         self.model, self.data, self.config, self.membership = model, data, config, membership
         recipe, outputs = config.recipe, config.outputs
         self.steps_per_epoch = len(batches_of_epoch(len(data[1]), 1, recipe))
@@ -114,56 +97,75 @@ class Trainer:
         if config.sync.balance:
             rank, world_size, threads = dist.get_rank(), dist.get_world_size(), torch.get_num_threads()
             self.balance = Balance(config.sync.balance, rank, world_size, recipe.global_batch, threads)
-        self.optimizer, self.scheduler = make_optimizer(model, recipe, self.steps_per_epoch)
-        self.timeline = OFF  # rank 0 was given --timeline (utils/distributed.agree): every rank records
+        optimizer, scheduler = make_optimizer(model, recipe, self.steps_per_epoch)
+        settings = {"model": model_name(model), **config.must_keep()}
+        self.state = TrainingState(model, optimizer, scheduler, self.balance, settings, config.to_dict())
+        self.timeline = OFF  # rank 0 was given --timeline (utils.setup.distributed.agree): every rank records
         if outputs.timeline_steps:
             self.timeline = Recorder(outputs.timeline, *outputs.timeline_steps, recipe.epochs * self.steps_per_epoch)
-        self.settings = {"model": model_name(model), **config.must_keep()}
-        self.sync = None  # a joining server makes its own with the members (Recovery.form)
-        self.hint = None  # rank 0's utils.observe.report.SlowRankHint, once this rank's place is known (run)
-        self.record = Record(recipe.epochs)  # this rank's progress: its heartbeats carry it (train.py --status)
+        self.watch = self.make_watch()
+        self.checkpointer = Checkpointer(outputs.checkpoint, self.timeline, instruments)
+        self.callbacks = self.make_callbacks(on_step, instruments)
+        self.report = EpochReport(config, self.watch, self.members, self.balance, self.steps_per_epoch, len(data[3]))
+        self.sync = self.optimizer = self.accuracy = None
+
+    def make_watch(self):
+        """Who watches: this rank's progress record (its heartbeats carry it: --status), rank 0's curves."""
+        outputs = self.config.outputs
         board = (lambda at: Board(outputs.tensorboard, at)) if outputs.tensorboard else None  # rank 0 opens it
-        self.watch = Watch(self.record, board, lambda: self.optimizer.param_groups[0]["lr"])
+        return Watch(Record(self.config.recipe.epochs), board, lambda: self.state.optimizer.param_groups[0]["lr"])
+
+    def make_callbacks(self, on_step, instruments):
+        steps, outputs, balance = self.steps_per_epoch, self.config.outputs, self.balance
+        rank_0 = lambda: dist.get_rank() == 0  # noqa: E731 (a survivor may become rank 0)
+        return Callbacks(
+            OnStep(on_step) if on_step else None,
+            Instrumented(instruments, steps) if instruments.enabled else None,
+            StopSignals(),
+            Rebalancing(balance, self.timeline, self.watch, instruments, steps) if balance is not None else None,
+            Watching(self.watch, rank_0, steps, self.members),
+            SaveEvery(outputs.save_every, self.checkpointer, steps) if outputs.save_every else None,
+            TimelineWindow(self.timeline, steps),
+            probe=StepProbe(self.timeline, balance, instruments),
+        )
+
+    def add(self, callback):
+        """One more concern, called after the others (the elastic wrapper's)."""
+        self.callbacks.callbacks.append(callback)
+
+    def members(self):
+        """The ids of the ranks in the job now (for metrics.jsonl and the curves)."""
+        return list(self.membership.members) if self.membership is not None else list(range(dist.get_world_size()))
 
     def batches(self, epoch):
         return batches_of_epoch(len(self.data[1]), epoch, self.config.recipe, self.balance)
 
-    def new_group(self, shares=None):
-        """The ranks are a new group (a resume, a join, a lost rank): --balance starts again from
-        equal shares, or from a checkpoint's `shares`, until the new group's speeds arrive."""
-        if self.balance is not None:
-            self.balance.restart(dist.get_rank(), dist.get_world_size(), shares)
+    def start(self, hosts, resume_from=None):
+        """A job's first gradient sum, over `hosts` (utils.comm.hierarchical.discover); rank 0 says
+        what is trained. resume_from: a checkpoint dict (the same on every rank) to continue from."""
+        self.new_sync(hosts)
+        if dist.get_rank() == 0:
+            print(start_line(self.config, self.model, self.data, hierarchical.describe(hosts), self.sync), flush=True)
+            if self.sync.note():
+                print(self.sync.note(), flush=True)
+        if resume_from is not None:
+            self.state.load_state_dict(resume_from, dist.get_rank(), dist.get_world_size())
+            if self.balance is not None and resume_from.get("balance") and dist.get_rank() == 0:
+                if resume_from.get("world_size") == dist.get_world_size():
+                    print(f"shares from the checkpoint: {'/'.join(map(str, self.balance.shares()))}", flush=True)
 
     def new_sync(self, hosts):
-        """A gradient sum over the default group as it is now (a collective); hosts: the servers' ranks."""
+        """A gradient sum over the default group as it is now (a collective); hosts: the servers'
+        ranks. It and its DistributedOptimizer replace the ones before."""
         broken = self.membership.broken if self.membership is not None else None
-        flags = lambda: stop_flag(self.membership, self.balance)  # noqa: E731
-        return make_gradient_sync(
-            self.model, self.config.sync, self.optimizer, self.scheduler, self.config.recipe.seed, flags, hosts,
-            self.timeline, broken,
-        )  # fmt: skip
+        state, config = self.state, self.config
+        self.sync = make_gradient_sync(
+            self.model, config.sync, state.optimizer, state.scheduler, config.recipe.seed, hosts, self.timeline, broken
+        )
+        self.optimizer = DistributedOptimizer(self.sync)
+        state.attach(self.sync)
+        return self.sync
 
-    def state(self, epoch, step, stats, everyone=None, world_size=None):
-        """The checkpoint dict of this rank after `step` of `epoch` (everyone: every rank's own
-        gradient-sync state; world_size: the ranks it was made on, if the group is gone)."""
-        world_size = world_size or dist.get_world_size()
-        shares = self.balance.state(world_size) if self.balance is not None else None
-        return checkpoint.training_state(
-            self.model, self.optimizer, self.scheduler, epoch, step, dataclasses.asdict(stats), world_size,
-            everyone, self.settings, self.config.to_dict(), shares,
-        )  # fmt: skip
-
-    def save_checkpoint(self, epoch, step, stats):
-        """Rank 0 writes everything needed to continue after `step` of `epoch` (every rank calls it:
-        the checkpoint may hold every rank's own state, sync.has_rank_state)."""
-        everyone = [None] * dist.get_world_size()
-        if self.sync.has_rank_state:
-            try:
-                everyone = all_gather_state(self.sync.state_dict())
-            except RuntimeError as e:
-                raise PeerError(first_line(e), doing="saving a checkpoint") from None
-        faults.point("save")
-        if dist.get_rank() == 0:
-            with self.timeline.span("checkpoint"):
-                everyone = everyone if self.sync.has_rank_state else None
-                checkpoint.save(self.state(epoch, step, stats, everyone), self.config.outputs.checkpoint)
+    def close(self):
+        self.sync.close()
+        self.watch.close()

@@ -133,9 +133,17 @@ def first_in_job(path):
 def from_environ(environ=os.environ, send_to_self=None):
     """OFF, or the Injected instruments that RING_INSTRUMENTS asks for."""
     text = environ.get(VARIABLE)
+    if not text and any(environ.get(k) for k in ("RING_FAULT", "RING_EVENTS")):  # TEMP: until the tests move
+        text = json.dumps(
+            {
+                "faults": environ.get("RING_FAULT"),
+                "once": environ.get("RING_FAULT_ONCE"),
+                "events": environ.get("RING_EVENTS"),
+            }
+        )
     if not text:
         return OFF
-    settings = json.loads(text)
+    settings = {k: v for k, v in json.loads(text).items() if v}
     return Injected(settings.get("faults", ""), settings.get("once"), settings.get("events"), send_to_self)
 
 

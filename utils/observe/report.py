@@ -7,7 +7,6 @@ the lines every rank says after a join or a stop.
     stopped_line()     after a stop: who got which signal, where the checkpoint is (a collective)
 """
 
-import dataclasses
 import json
 import os
 import sys
@@ -43,12 +42,13 @@ def start_line(config, model, data, hosts, gradient_sync):
 class Progress:
     """tqdm on a terminal; under nohup (not a terminal), a plain line every tenth of the epoch."""
 
-    def __init__(self, epoch, first_step, total, enabled):
+    def __init__(self, epoch, first_step, total, enabled, started=None):
+        """started: when the epoch began (time.time()): its clock goes on after a change of members."""
         self.epoch, self.total, self.enabled = epoch, total, enabled
         self.bar = None
         if enabled and sys.stderr.isatty():
             self.bar = tqdm(total=total, initial=first_step, desc=f"epoch {epoch}", leave=False)
-        self.start, self.next_report = time.time(), first_step + max(1, total // 10)
+        self.start, self.next_report = started or time.time(), first_step + max(1, total // 10)
 
     def update(self, step, mean_loss):
         if self.bar is not None:
@@ -67,19 +67,28 @@ class Progress:
             self.bar.close()
 
 
-@dataclasses.dataclass
-class EpochStats:
-    """What an epoch's log line reports; carried in mid-epoch checkpoints."""
+class EpochReport:
+    """Rank 0's report after an epoch's evaluation: the epoch line, the metrics line, the curves'
+    epoch points (watch: a utils.observe.watch.Watch), and once a hint at a slow rank. members():
+    the ids of the ranks in the job now; balance: --balance's (None without)."""
 
-    loss_sum: float = 0.0
-    steps: int = 0
-    comm_seconds: float = 0.0  # the step waited for communication this long
-    step_seconds: float = 0.0
-    busy_seconds: float = 0.0  # communication ran this long (hidden or not)
-    bytes_sent: int = 0  # this rank sent this much for gradient sums
-    bytes_summed: int = 0  # the summed buffers' size on the wire (compressed)
-    images: int = 0  # the steps' images in all, every rank's (each step once)
-    own_images: int = 0  # this rank's share of them
+    def __init__(self, config, watch, members, balance, steps_per_epoch, test_images):
+        self.config, self.watch, self.members, self.balance = config, watch, members, balance
+        self.steps_per_epoch, self.test_images = steps_per_epoch, test_images
+        self.hint = SlowRankHint(balance is None)
+
+    def epoch(self, state, accuracy, ranks):
+        """state: the training state at the epoch's end; ranks: every rank's epoch_by_rank."""
+        epoch, stats = state.position.epoch, state.stats
+        sent = max(r["bytes_sent_per_step"] for r in ranks)
+        extra = {
+            "losses": self.watch.epoch(epoch * self.steps_per_epoch, accuracy, sent),
+            "test_images": self.test_images,
+        }
+        rebalances = self.balance.changes if self.balance is not None else None
+        seconds, members = state.epoch_seconds(), self.members()
+        report_epoch(epoch, seconds, stats, accuracy, ranks, self.config, members, rebalances, extra)
+        self.hint.check(ranks, stats.steps)
 
 
 def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, rebalances=None, extra=None):

@@ -6,19 +6,19 @@ ranks or another:
 
     model, optimizer, scheduler, rng     the state dicts, and torch's random state
     epoch, step                          continue after this step (step 0: at the epoch's start)
-    epoch_stats                          the epoch's log-line sums so far (utils/run.EpochStats)
+    epoch_stats                          the epoch's log-line sums so far (utils.learn.state.EpochStats)
     world_size                           the ranks it was made on
     compression                          every rank's compression state (None: uncompressed)
     settings                             {flag: value} a resume must keep (Config.must_keep + model)
     config                               the whole utils.setup.config.Config, for the record
     balance                              --balance's weights of the ranks' shares (None: equal)
 
-    state = training_state(...); save(state, path)       rank 0
+    save(state.state_dict(...), path)                    rank 0 (utils.learn.state.TrainingState builds it)
     checkpoint = load(path, expected_settings)           checked, or one UsageError line
     finished(checkpoint, epochs)                         the end of a run: nothing left to train
-    restore(checkpoint, optimizer, scheduler, sync, rank, world_size) -> (epoch, step, stats)
 
-Checkpoints, state dicts and every other output are written by utils/files.write_file (atomic
+The training state restores it (TrainingState.load_state_dict). Checkpoints, state dicts and
+every other output are written by utils.store.files.write_file (atomic
 for a regular file, through a symlink, in place for a device or FIFO).
 """
 
@@ -34,26 +34,6 @@ from utils.errors import UsageError
 from utils.store.files import write_file
 
 SCHEMA = {"model", "optimizer", "scheduler", "rng", "epoch", "step", "epoch_stats", "settings"}  # required keys
-
-
-def training_state(
-    model, optimizer, scheduler, epoch, step, stats, world_size, compression, settings, config, shares=None
-):
-    """The checkpoint dict of a run after `step` of `epoch` (see the module's docstring)."""
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": torch.get_rng_state(),
-        "epoch": epoch,
-        "step": step,
-        "epoch_stats": stats,
-        "world_size": world_size,
-        "compression": compression,
-        "settings": settings,
-        "config": config,
-        "balance": shares,
-    }
 
 
 def save(state, path):
@@ -98,17 +78,6 @@ def load(path, expected):
 def finished(checkpoint, epochs):
     """Whether `checkpoint` is the end of a run: every epoch done, nothing left to train."""
     return checkpoint is not None and checkpoint["epoch"] > epochs and checkpoint["step"] == 0
-
-
-def restore(checkpoint, optimizer, scheduler, sync, rank, world_size):
-    """Continue from `checkpoint` (the model is loaded already): returns (epoch, step, epoch_stats).
-    On another number of ranks the sync makes each rank's state of the old ranks' (load_states)."""
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    torch.set_rng_state(checkpoint["rng"])
-    if checkpoint.get("compression"):
-        sync.load_states(checkpoint["compression"], rank, world_size)
-    return checkpoint["epoch"], checkpoint["step"], checkpoint["epoch_stats"]
 
 
 def safe_load(path, what="file"):

@@ -91,18 +91,14 @@ def make_buckets(params, bucket_bytes):
 class BucketSync(GradientSync):
     """What the bucketed kinds share: the buckets, their all-reduces, the flag in the last bucket."""
 
-    def __init__(self, buckets, allreduces, compressor, optimizer, scheduler, local_flag, timeline=OFF):
-        super().__init__(optimizer, scheduler, compressor, local_flag, timeline)
+    def __init__(self, buckets, allreduces, compressor, optimizer, scheduler, timeline=OFF):
+        super().__init__(optimizer, scheduler, compressor, timeline)
         self.buckets, self.allreduces = buckets, allreduces
         self.flag_bucket = len(buckets) - 1
-        self.weight = 1.0  # this step's gradient weight (see flat_buffer)
 
     @property
     def has_rank_state(self):
         return self.compressor.compresses  # (PowerSGD's error buffers, fp16's scales)
-
-    def weigh(self, weight):
-        self.weight = weight
 
     def stats(self):
         unique = list({id(a): a for a in self.allreduces}.values())  # gloo's buckets share one
@@ -127,8 +123,8 @@ class BucketSync(GradientSync):
         self.close()
         return False
 
-    def _average(self, i, weight):
-        flag = self.local_flag().values() if i == self.flag_bucket else None
+    def _average(self, i, weight, own_flags):
+        flag = own_flags if i == self.flag_bucket else None
         summed = average_gradients(self.buckets[i], self.allreduces[i], self.compressor, i, weight, flag, self.timeline)
         if flag is not None:
             self.flag_sums = summed
@@ -149,7 +145,7 @@ class PlainSync(BucketSync):
         start = time.perf_counter()
         try:
             if self.broken is None:
-                self._average(0, self.weight)
+                self._average(0, self.weight, self.own_flags)
             else:
                 self._average_on_a_thread()
         except RuntimeError as e:  # gloo reports a dead or silent peer this way
@@ -162,7 +158,7 @@ class PlainSync(BucketSync):
 
         def average():
             with self.timeline.drawn_in(step, row=TRAINING_ROW):
-                self._average(0, self.weight)
+                self._average(0, self.weight, self.own_flags)
 
         work = beside(average, "plain-sum")
         wait_for(work.done, self.broken)
@@ -180,6 +176,7 @@ class OverlappedSync(BucketSync):
         super().__init__(*parts, **named)
         self.broken = broken
         self.weights = [1.0] * len(self.buckets)  # the weight each bucket was started with
+        self.flags_of = [None] * len(self.buckets)  # the flags it was started with (the flag bucket's)
         self.steps = [None] * len(self.buckets)  # the step it was started in, if the timeline recorded it
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(b) for b in self.buckets]  # gradients still to come, this step
@@ -212,7 +209,7 @@ class OverlappedSync(BucketSync):
     def _start(self, i):
         # a lazy step's bucket thread may run after the next step has begun: its weight is set by
         # then, and its spans would be drawn in that step (or left out of the timeline's window)
-        self.weights[i] = self.weight
+        self.weights[i], self.flags_of[i] = self.weight, self.own_flags
         self.steps[i] = self.timeline.current_step() if self.timeline.recording else None
         if self.timeline.recording:  # handed over, inside backward (its thread may start a moment later)
             now = self.timeline.now_ns()
@@ -220,7 +217,7 @@ class OverlappedSync(BucketSync):
         if not self.native:
             self.ready[i].set()
             return
-        flag = self.local_flag().values() if i == self.flag_bucket else None
+        flag = self.own_flags if i == self.flag_bucket else None
         flat, numel = flat_buffer(self.buckets[i], self.weight, flag)
         started_ns = self.timeline.now_ns()  # where the span starts, as its length is counted: from the sum's start
         work = self.allreduces[i].sum_async(flat)  # an error raised here, inside backward: wait_bucket reports it
@@ -235,7 +232,7 @@ class OverlappedSync(BucketSync):
                     return
                 start = time.perf_counter()
                 with self.timeline.drawn_in(self.steps[i]):
-                    self._average(i, self.weights[i])
+                    self._average(i, self.weights[i], self.flags_of[i])
                 with self.lock:
                     self.busy_seconds += time.perf_counter() - start
                 self.summed[i].set()

@@ -7,19 +7,16 @@ from utils.comm.allreduce import make_allreduce
 from utils.comm.compress import make_compressor
 from utils.errors import PeerError, first_line
 from utils.sync.buckets import OverlappedSync, PlainSync, make_buckets
-from utils.sync.flags import Flags
 from utils.sync.lazy import LazySync
 from utils.sync.periodic import PeriodicSync
 from utils.timeline import OFF
 
 
-def make_gradient_sync(
-    model, sync, optimizer, scheduler, seed=0, local_flag=Flags, hosts=None, timeline=OFF, broken=None
-):
+def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, hosts=None, timeline=OFF, broken=None):
     """The gradient sync of a utils.setup.config.Sync for `model` (a collective: every rank makes it
     at the same point, since it makes the buckets' process groups).
 
-    local_flag: () -> this rank's Flags; hosts: the servers' ranks, for the hierarchical sum
+    hosts: the servers' ranks, for the hierarchical sum
     (utils.comm.hierarchical.discover; None: it asks); timeline: where the sync draws its spans;
     broken: the membership's Event of a broken group (utils/sync/waits.py), or None."""
     params = list(model.parameters())
@@ -36,9 +33,7 @@ def make_gradient_sync(
         outer = (sync.sync_every, sync.outer, sync.outer_lr, sync.outer_momentum, sync.merge_after)
         compressor = make_compressor(sync.compress, [params])
         weighted = sync.balance is not None  # (without --balance the plain mean: its bits stay)
-        return PeriodicSync(
-            model, outer_sum, compressor, optimizer, scheduler, *outer, local_flag, timeline, weighted, broken
-        )
+        return PeriodicSync(model, outer_sum, compressor, optimizer, scheduler, *outer, timeline, weighted, broken)
     buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
     try:
@@ -47,7 +42,7 @@ def make_gradient_sync(
         allreduces = [first] + [first if shared else allreduce(own_group=True) for _ in buckets[1:]]
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
-    parts = (buckets, allreduces, compressor, optimizer, scheduler, local_flag, timeline)
+    parts = (buckets, allreduces, compressor, optimizer, scheduler, timeline)
     if not sync.overlap:
         return PlainSync(*parts, broken=broken)
     return (LazySync if sync.lazy_update else OverlappedSync)(model, *parts, broken=broken)

@@ -44,3 +44,6 @@ class Flags:
             return cls()
         total = round(sums[0])
         return cls(signalled=total % JOIN, joining=total >= JOIN, speeds=tuple(map(round, sums[1:])))
+
+
+NO_FLAGS = Flags()  # a step with nothing to raise

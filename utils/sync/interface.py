@@ -1,15 +1,17 @@
 """The one interface of every gradient sync (the flags that ride along with its sums: flags.py).
 
-The training loop (utils/run.py) holds a GradientSync and calls, for every step:
+The training loop (utils/run.py) holds a GradientSync and the DistributedOptimizer made for it,
+and calls, for every step:
 
-    sync.weigh(w)            this rank's share of the step's images, times N
+    sync.begin(w, flags)     this rank's share of the step's images times N, and its Flags
     loss.backward()
     sync.sum()               the ring sum over all ranks (overlapped kinds: already running)
-    sync.optimizer.step()    the optimizer's step, as this kind of sum calls for it (DistributedOptimizer)
+    optimizer.step()         the optimizer's step, as this kind of sum calls for it (DistributedOptimizer)
     sync.flags()             what the ranks raised with this step's sum (the same Flags everywhere)
 
-and, now and then, finish() (before evaluating or saving), flush() (the end of training),
-stats(), state_dict() / load_state_dict() (the checkpoint), close() and abandon() (after a lost
+The training state (utils/learn/state.py) calls, now and then, optimizer.settle() (before
+evaluating or saving) and optimizer.flush() (the end of training), and stats(), state_dict() /
+load_state_dict() (the checkpoint); the elastic wrapper close() and abandon() (after a lost
 peer). What differs between the kinds is asked of the object: has_rank_state, note(), and its
 compressor (describe(), compresses).
 """
@@ -19,21 +21,21 @@ from __future__ import annotations
 import abc
 
 from utils.comm.compress import state_for
-from utils.sync.flags import Flags
+from utils.sync.flags import NO_FLAGS, Flags
 
 
 class GradientSync(abc.ABC):
     """What the training loop calls between loss.backward() and the next forward.
 
-    optimizer, scheduler: the step's (base_optimizer: Adam; optimizer: the loop's view of it,
-    a DistributedOptimizer); compressor: what the sums carry (utils/comm/compress.py);
-    local_flag: () -> this rank's Flags, read as the sum that carries them starts; timeline: where
-    the sync draws its spans (utils/timeline.py)."""
+    optimizer, scheduler: the step's (base_optimizer: Adam; the loop steps it through a
+    DistributedOptimizer); compressor: what the sums carry (utils/comm/compress.py); timeline:
+    where the sync draws its spans (utils/timeline.py)."""
 
-    def __init__(self, optimizer, scheduler, compressor, local_flag, timeline):
+    def __init__(self, optimizer, scheduler, compressor, timeline):
         self.base_optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
-        self.optimizer = DistributedOptimizer(self)
-        self.local_flag, self.timeline = local_flag, timeline
+        self.timeline = timeline
+        self.weight = 1.0  # this step's gradient weight (utils/sync/buckets.py's flat_buffer)
+        self.own_flags = NO_FLAGS.values()  # this rank's flags for this step's sum (their values), from begin()
         self.flag_sums = []  # the flags' values summed over ranks, as of the last sum that carried them
         self.busy_seconds = 0.0  # communication ran this long
         self.waited_seconds = 0.0  # the training thread waited this long for it
@@ -45,13 +47,14 @@ class GradientSync(abc.ABC):
         own optimizer): then a checkpoint holds every rank's."""
 
     def seconds_waited(self) -> float:
-        """How long the training thread has waited for communication so far (--balance leaves it
-        out of a rank's own time: utils/balance.own_clock)."""
+        """How long the training thread has waited for communication so far."""
         return self.waited_seconds
 
-    def weigh(self, weight: float) -> None:
-        """This step's weight of this rank's gradient: its share of the step's images times N."""
-        return None
+    def begin(self, weight: float = 1.0, flags: Flags = None) -> None:
+        """A step begins: this rank's gradient weighs `weight` (its share of the step's images times
+        N), and `flags` (this rank's Flags) ride with the step's sum. The sum's threads read only
+        what is handed here."""
+        self.weight, self.own_flags = weight, (flags or NO_FLAGS).values()
 
     @abc.abstractmethod
     def sum(self) -> None:
@@ -113,10 +116,18 @@ class DistributedOptimizer:
     step the sum's kind calls for (GradientSync.step), the way Horovod's DistributedOptimizer and
     torch's PostLocalSGDOptimizer wrap an optimizer. The plain kinds: Adam's step and the schedule
     now; lazy (--lazy-update): each bucket's, as the next forward needs it; --sync-every: the
-    inner step, and at a round's end the outer one."""
+    inner step, and at a round's end the outer one. settle(): every update due applied (before
+    evaluating or saving); flush(): the end of training."""
 
     def __init__(self, sync: GradientSync):
         self.sync = sync
+        self.param_groups = sync.base_optimizer.param_groups
 
     def step(self) -> None:
         self.sync.step()
+
+    def settle(self) -> None:
+        self.sync.finish()
+
+    def flush(self) -> None:
+        self.sync.flush()

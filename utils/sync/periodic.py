@@ -25,7 +25,7 @@ rank after every outer step; the working parameters differ between syncs by desi
 
 The flags ride in the outer sum as extra values: every rank learns of a signal at the same
 merge step, and --balance of the speeds, so its shares are looked at once a round. Under
---balance each rank's change is weighed by its share of the round's images (weigh). finish()
+--balance each rank's change is weighed by its share of the round's images (begin). finish()
 (before evaluating or saving) only waits for the sum in flight; its result is merged at its step
 as always, so saving changes no bits, and a checkpoint holds every rank's own state
 (state_dict()): a stop mid-round resumes bit for bit. flush(), at the end of training,
@@ -40,7 +40,6 @@ import torch
 from utils.comm.allreduce import beside
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
-from utils.sync.flags import Flags
 from utils.sync.interface import GradientSync
 from utils.sync.waits import wait_for, waited_since
 from utils.timeline import OFF
@@ -62,12 +61,11 @@ class PeriodicSync(GradientSync):
         outer_lr=DEFAULT_OUTER_LR,
         outer_momentum=DEFAULT_OUTER_MOMENTUM,
         merge_after=None,
-        local_flag=Flags,
         timeline=OFF,
         weighted=False,
         broken=None,
     ):
-        super().__init__(optimizer, scheduler, compressor, local_flag, timeline)
+        super().__init__(optimizer, scheduler, compressor, timeline)
         self.params = [p for p in model.parameters()]
         self.allreduce = allreduce  # compressor (--compress none, bf16 or fp16): how the change travels
         self.every, self.outer, self.outer_lr, self.outer_momentum = every, outer, outer_lr, outer_momentum
@@ -76,7 +74,7 @@ class PeriodicSync(GradientSync):
         self.start = self.anchor.clone()  # where this rank's round began
         self.momentum = torch.zeros_like(self.anchor) if outer == "nesterov" else None
         self.inner = 0  # inner steps taken this round
-        # --balance: the round's change weighs as many images as this rank's shares of its steps had (see weigh)
+        # --balance: the round's change weighs as many images as this rank's shares of its steps had (see begin)
         self.weighted, self.weights = weighted, 0.0  # weights: the sum of this round's steps' weights so far
         self.merged = False  # the last step merged a round's sum: the flags that came with it are new (set by step)
         self.pending = None  # the sum in flight: a utils.comm.allreduce.Work
@@ -87,11 +85,12 @@ class PeriodicSync(GradientSync):
     # -- the training loop's calls ---------------------------------------------------------------
     has_rank_state = True  # each rank's own optimizer and working parameters, mid-round
 
-    def weigh(self, weight):
+    def begin(self, weight=1.0, flags=None):
         """Each inner step is on this rank's own share alone; with --balance (weighted) the round's
         change is weighed by the mean of its steps' weights, so that the mean change counts every
         image of the round alike (a rank with a fifth of the images moves the mean a fifth, not a
         half). Without --balance the plain mean stays (its bits with it)."""
+        super().begin(weight, flags)
         self.weights += weight
 
     def sum(self):
@@ -168,7 +167,7 @@ class PeriodicSync(GradientSync):
         self._set(self.anchor - progress)
 
     def _start(self, change):
-        flags = self.local_flag().values()
+        flags = self.own_flags
         buffer = torch.empty(change.numel() + len(flags))
         buffer[: change.numel()] = change
         buffer[change.numel() :] = torch.tensor(flags)
