@@ -10,8 +10,8 @@ together; the argparse value types at the end could go to a module of their own.
     Config   all four; the checkpoint stores it whole (Config.to_dict)
 
 Each field says, in its metadata, the flag it comes from and whether every rank must have the
-same value (agree: utils/distributed.agree compares them by name) and whether a resume must
-keep it (resume: utils/checkpoint.load compares them with the checkpoint's). Both checks read
+same value (agree: utils/setup/distributed.agree compares them by name) and whether a resume must
+keep it (resume: utils/store/checkpoint.load compares them with the checkpoint's). Both checks read
 these lists, so a new setting is checked once it is declared here. Defaults are resolved here
 (the global batch, PowerSGD's rank and warm-up, the timeline's steps), never in the core.
 """
@@ -324,7 +324,7 @@ def from_args(args, environ=os.environ):
 
 
 def balance_mode(text):
-    """--balance's value: 'measured', or proportions A:B:... (utils/balance.parse_fixed)."""
+    """--balance's value: 'measured', or proportions A:B:... (utils/balance/shares.parse_fixed)."""
     if text == "measured":
         return text
     try:
