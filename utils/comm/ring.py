@@ -192,8 +192,8 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
     Receives are posted one step ahead (message tag = step). gloo's send is a rendezvous: it
     starts only once the receiver's "ready" notice has arrived, and that notice queues behind
     whatever the receiver is still sending on the same connection (with N=2 the neighbours
-    are the same rank, so a late notice serialises the two directions: 2x the time) and in
-    the same NIC queue. Posted a step early, it is there before the neighbour needs it.
+    are the same rank, so a late notice serialises the two directions: bench/allreduce/NOTES.md)
+    and in the same NIC queue. Posted a step early, it is there before the neighbour needs it.
     """
     Ring(segments, group, wire_dtype).run(first, last)
 
