@@ -254,110 +254,169 @@ def test_the_measured_order_names_the_suite_s_files():
     assert all(seconds >= 0 for seconds in measured.values())
 
 
-# --------------------------------------------------------------------------- every name that words name exists
-WORDED = ("utils", "bench", "scripts", "tests", "docs")  # a path or dotted name starting so is checked
-PATH = re.compile(r"(?<![\w/.-])(?:utils|bench|scripts|tests|docs)/[\w./*-]*[\w*](?:::\w+)?|(?<![\w/.-])train\.py\b")
-DOTTED = re.compile(r"(?<![\w./-])utils(?:\.[A-Za-z_]\w*)+")
+def test_every_module_and_name_the_words_name_exists():
+    """Every module, file, function or class that a docstring, comment, doc or note names in utils/,
+    train.py, README.md, docs/ and bench/ (bench/results aside) exists where it says
+    (tests/support/stale_references.py, which also runs alone over the tree)."""
+    from stale_references import stale_references
+
+    stale = stale_references()
+    assert not stale, f"{len(stale)} stale references:\n" + "\n".join(stale)
 
 
-def worded_files():
-    """What says things in words: utils/ and train.py (their comments and docstrings), README.md, docs/
-    and bench/ (its notes and its scripts' comments and docstrings; bench/results records its own day)."""
-    found = [*sources("utils"), "train.py", "README.md"]
-    for folder in ("docs", "bench"):
-        for root, dirs, names in os.walk(os.path.join(REPO, folder)):
-            dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "results"))
-            found += [os.path.relpath(os.path.join(root, n), REPO) for n in sorted(names) if n.endswith((".py", ".md"))]
+def test_the_stale_reference_checker_knows_each_form(tmp_path):
+    from stale_references import stale_references
+
+    fine = (
+        "utils/comm/ring.py utils/comm/ utils/comm/ring.ring_steps utils.comm.ring.Ring.landing utils/setup/config.Job "
+        "utils.comm.ring bench/*/NOTES.md bench/results/compute/compute.{json,md} scripts/plot_metrics.py train.py "
+        "tests/unit/test_structure.py::test_the_tests_are_filed_by_how_they_run (utils/learn/model.Net)."
+    )
+    stale = (
+        "utils/memory.py utils/memory.MMAP_THRESHOLD utils.comm.ring.no_such utils/comm/ring.Ring.no_such "
+        "utils/model.Net scripts/nothing.py bench/stats.compare tests/unit/test_structure.py::test_nothing "
+        "utils.data.step_batches"
+    )
+    (tmp_path / "NOTES.md").write_text(f"{fine}\n{stale}\n")
+    code = f'"""{fine}"""\n\n# {stale}\nNAMES = "utils.data utils/memory.py"  # (code, not words)\n'
+    (tmp_path / "tool.py").write_text(code)
+    found = stale_references([str(tmp_path / "NOTES.md"), str(tmp_path / "tool.py")])
+    assert sorted(f.split(": ", 1)[1] for f in found) == sorted(stale.split() * 2), found
+    assert all(f.startswith((f"{tmp_path}/NOTES.md:2: ", f"{tmp_path}/tool.py:3: ")) for f in found), found
+
+
+def functions(path):
+    """(name, lines from its def to its last line, docstring included) of every function in `path`."""
+    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree) if isinstance(n, kinds)]
+
+
+def test_no_function_over_50_lines_and_the_run_s_over_30():
+    """argparse's declarations (utils/setup/cli.make_parser) aside."""
+    long = [
+        f"{path}: {name} has {lines} lines"
+        for path in [*sources("utils"), "train.py"]
+        for name, lines in functions(path)
+        if lines > (30 if path == "utils/run.py" else 50) and (path, name) != ("utils/setup/cli.py", "make_parser")
+    ]
+    assert not long, "\n".join(long)
+
+
+USER_VARIABLES = {"RING_KEY_FILE", "RING_JOB_KEY"}  # what a user sets; what a test or a launcher hands:
+HANDED_VARIABLES = {"RING_INSTRUMENTS", "RING_HANDOFF"}  # utils/observe/instruments.py, the handoff's message
+
+
+def test_at_most_four_ring_variables():
+    named = {
+        name
+        for path in [*sources("utils"), "train.py"]
+        for name in re.findall(r"\bRING_[A-Z_]+", open(os.path.join(REPO, path)).read())
+    }
+    assert named <= USER_VARIABLES | HANDED_VARIABLES, sorted(named - USER_VARIABLES - HANDED_VARIABLES)
+
+
+def project_classes():
+    """{name: ClassDef} of every class in utils/."""
+    return {
+        n.name: n
+        for path in sources("utils")
+        for n in ast.walk(ast.parse(open(os.path.join(REPO, path)).read()))
+        if isinstance(n, ast.ClassDef)
+    }
+
+
+def name_of(node):
+    """What an expression is called by: `f` of f or of a.f; "" for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def base_names(node):
+    return [name_of(b) for b in node.bases]
+
+
+def test_no_class_is_made_of_two_of_the_project_s_classes():
+    classes = project_classes()
+    mixed = {name: bases for name, node in classes.items() if len(bases := set(base_names(node)) & set(classes)) > 1}
+    assert not mixed, mixed
+
+
+def exception_classes(classes):
+    """The project's exceptions: classes whose bases lead to an Exception or BaseException."""
+    found, grew = {"Exception", "BaseException"}, True
+    while grew:
+        more = {name for name, node in classes.items() if set(base_names(node)) & found}
+        found, grew = found | more, bool(more - found)
     return found
 
 
-def words(path):
-    """[(line number, text)]: a .py file's comments and docstrings, any other file's every line."""
-    text = open(os.path.join(REPO, path)).read()
-    if not path.endswith(".py"):
-        return list(enumerate(text.splitlines(), 1))
-    import io
-    import tokenize
-
-    said = [
-        (t.start[0], t.string)
-        for t in tokenize.generate_tokens(io.StringIO(text).readline)
-        if t.type == tokenize.COMMENT
-    ]
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
+def exception_attributes_set(text, exceptions):
+    """["line: what"] where `text` sets an attribute of an exception outside the exception's own class:
+    `error.x = ...` or setattr(error, ...) on a name bound by `except ... as error` or by making one of
+    `exceptions` (error = PeerError(...)) in the same function or class or module."""
+    found = []
+    for scope in ast.walk(ast.parse(text)):
+        if not isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(scope, ast.ClassDef) and scope.name in exceptions:
+            continue
+        errors = {h.name for h in ast.walk(scope) if isinstance(h, ast.ExceptHandler) and h.name}
+        for node in ast.walk(scope):
             if (
-                isinstance(first, ast.Expr)
-                and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and name_of(node.value.func) in exceptions
             ):
-                said += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
-    return said
+                errors |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(scope):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", None) in errors:
+                    found.append(f"{node.lineno}: {ast.unparse(target)} = ...")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+                if getattr(node.args[0], "id", None) in errors:
+                    found.append(f"{node.lineno}: setattr({ast.unparse(node.args[0])}, ...)")
+    return sorted(set(found))
 
 
-def defined(module_path, names):
-    """Whether the module at `module_path` defines names[0] at its top level (a def, a class, an assignment;
-    an import only in a package's __init__) and, if names[0] is a class, names[1] in its body or as self.x."""
-    tree = ast.parse(open(os.path.join(REPO, module_path)).read())
-    here = {}
-    for node in tree.body:
-        for inner in [node, *(getattr(node, "body", []) if isinstance(node, (ast.If, ast.Try)) else [])]:
-            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                here[inner.name] = inner
-            elif isinstance(inner, (ast.Assign, ast.AnnAssign)):
-                for target in inner.targets if isinstance(inner, ast.Assign) else [inner.target]:
-                    here |= {n.id: inner for n in ast.walk(target) if isinstance(n, ast.Name)}
-            elif isinstance(inner, (ast.Import, ast.ImportFrom)) and module_path.endswith("__init__.py"):
-                here |= {(a.asname or a.name): inner for a in inner.names}
-    if names[0] not in here:
-        return False
-    if len(names) == 1 or not isinstance(here[names[0]], ast.ClassDef):
-        return True
-    members = {n.name for n in ast.walk(here[names[0]]) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    members |= {n.id for n in ast.walk(here[names[0]]) if isinstance(n, ast.Name)}
-    members |= {n.attr for n in ast.walk(here[names[0]]) if isinstance(n, ast.Attribute)}
-    return names[1] in members
+def test_no_attribute_of_an_exception_is_set_outside_its_class():
+    """An exception's meaning is given when it is made (utils/errors.py's Outcome), not set on it in flight."""
+    exceptions = exception_classes(project_classes())
+    assert {"PeerError", "UsageError"} <= exceptions
+    for path in [*sources("utils"), "train.py"]:
+        found = exception_attributes_set(open(os.path.join(REPO, path)).read(), exceptions)
+        assert not found, (path, found)
+    sample = (
+        "def f():\n    try:\n        g()\n    except OSError as e:\n        e.final = True\n"
+        "    error = PeerError('lost')\n    error.resumable = False\n    setattr(error, 'x', 1)\n"
+        "    other = Thing()\n    other.final = True\n"
+        "class PeerError(Exception):\n    def __init__(self):\n        self.final = False\n"
+    )
+    assert exception_attributes_set(sample, exceptions) == [
+        "5: e.final = ...",
+        "7: error.resumable = ...",
+        "8: setattr(error, ...)",
+    ]
 
 
-def resolves(parts):
-    """Whether ["utils", "comm", "ring", "ring_steps"] names something that exists: the longest prefix that
-    is a module or package, then what follows defined in it."""
-    for cut in range(len(parts), 0, -1):
-        base = os.path.join(REPO, *parts[:cut])
-        module = base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__init__.py")
-        if os.path.isfile(module) or (cut == len(parts) and os.path.isdir(base)):
-            return cut == len(parts) or defined(os.path.relpath(module, REPO), parts[cut:])
-    return False
+def calls(path, name):
+    """The lines of `path` that call something named `name` (a function, or a method of anything)."""
+    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and name in (getattr(n.func, "attr", None), getattr(n.func, "id", None))
+    ]
 
 
-def path_exists(said):
-    """utils/x/y.py, bench/*/NOTES.md, tests/unit/test_x.py::test_y, utils/x/y.name, utils/x.Name; under
-    bench/results, a file's name may be cut where a template goes on (allreduce-<mode>.{json,md})."""
-    import glob
-
-    said, _, test = said.rstrip("./").partition("::")
-    if "**" in said:  # a pattern (.gitignore's), not a name
-        return True
-    if glob.glob(os.path.join(REPO, said) + ("*" if said.startswith("bench/results/") else "")):
-        return not test or defined(said, [test])
-    folder, _, last = said.rpartition("/")
-    stem, *names = last.split(".")
-    return not test and bool(names) and resolves([*folder.split("/"), stem, *names])
+def test_only_the_training_state_loads_state_dicts():
+    """train.py, utils/run.py and utils/elastic/ restore nothing themselves: the training state does."""
+    for path in ["train.py", "utils/run.py", *sources("utils/elastic")]:
+        assert not calls(path, "load_state_dict"), (path, calls(path, "load_state_dict"))
 
 
-def stale_references(paths=None):
-    """["file:line: name"] for every module, file, function or class that the words in `paths` (default:
-    worded_files()) name and that does not exist where they say."""
-    stale = []
-    for path in worded_files() if paths is None else paths:
-        for number, line in words(path):
-            named = [(m, path_exists(m)) for m in PATH.findall(line)]
-            named += [(m, resolves(m.split("."))) for m in DOTTED.findall(line)]
-            stale += [f"{path}:{number}: {m}" for m, ok in named if not ok]
-    return stale
-
-
-def test_every_module_and_name_the_words_name_exists():
-    stale = stale_references()
-    assert not stale, f"{len(stale)} stale references:\n" + "\n".join(stale)
+def test_the_loop_imports_neither_the_fault_injector_nor_the_keeper():
+    modules = {module_of(p): p for p in sources("utils")}
+    found = utils_imports("utils/run.py", modules) | imported("utils/run.py")
+    banned = {"utils.elastic.faults", "utils.observe.instruments", "utils.setup.keeper"}
+    assert not found & banned, found & banned
