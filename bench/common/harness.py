@@ -44,7 +44,7 @@ def numel(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-MODEL_NUMEL = numel(Net())  # the gradient every benchmark sums: utils/model.Net's, however it changes
+MODEL_NUMEL = numel(Net())  # the gradient every benchmark sums: utils/learn/model.Net's, however it changes
 
 
 # --------------------------------------------------------------------------- command line

@@ -2,7 +2,7 @@
 
 A bound is a factor on a time: "ours within 1.02x DDP's" is bound 1.02 (ours / DDP <= 1.02);
 "1.3x faster than gloo" is bound 1 / 1.3. The step benchmarks' ratios PASS only if both the
-medians' ratio and the paired median are within it (bench/stats.compare). Target names in the
+medians' ratio and the paired median are within it (bench/common/stats.compare). Target names in the
 reports are made from these bounds, so a bound changed here changes what every report says.
 """
 

@@ -38,13 +38,39 @@ sys.path.insert(0, str(REPO / "bench" / "common"))  # harness, for the driver (r
 PARTS = ("ceiling", "step", "eval", "epoch")
 BATCH, STEPS, WARMUP = 32, 300, 20
 SHORT_STEPS, SHORT_IMAGES = 10, 1280  # --short: steps of the step part, training images of the epoch part
-# multiply-adds of one image's forward through utils/model.Net: conv1, conv2, fc1, fc2
+# multiply-adds of one image's forward through utils/learn/model.Net: conv1, conv2, fc1, fc2
 MACS = 28 * 28 * 32 * 9 + 14 * 14 * 64 * 32 * 9 + 64 * 7 * 7 * 128 + 128 * 10
 STEP_FLOP = 3 * 2 * MACS * BATCH  # forward, and backward's two products of each layer
 TIMEOUT = 600  # seconds for any one process of the benchmark
+# Where a worker finds what it measures: today's module first, then the baseline's (edb07fe's utils/
+# was flat, before the modules were filed into utils/learn, utils/setup...). A worker imports from the
+# tree it was started in (PYTHONPATH), so the old path's workers run the baseline's own code.
+HOMES = {
+    "load_mnist": ("utils.learn.data", "utils.data"),
+    "step_batches": ("utils.learn.data", "utils.data"),
+    "Net": ("utils.learn.model", "utils.model"),
+    "use_deterministic_algorithms": ("utils.learn.model", "utils.model"),
+    "Adam": ("utils.learn.optim", "utils.optim"),
+    "OneCycleLR": ("utils.learn.optim", "utils.optim"),
+    "keep_freed_memory": ("utils.setup.memory", "utils.memory"),
+    "test_model": ("utils.run",),
+}
 
 
 # --------------------------------------------------------------------------- the workers (one process each)
+def named(name):
+    """`name` from the first of its HOMES that this tree has."""
+    import importlib
+
+    for module in HOMES[name]:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as missing:
+            if missing.name != module and not module.startswith(f"{missing.name}."):
+                raise  # the module is there but lacks one of its own imports
+    raise ImportError(f"{name}: in none of {', '.join(HOMES[name])}")
+
+
 def ceiling_worker():
     import torch
     import torch.nn.functional as F
@@ -71,7 +97,7 @@ def ceiling_worker():
 
 
 def examples_net():
-    """utils/model.Net's layers as pytorch/examples' mnist/main.py writes a model (no dropout, as ours)."""
+    """utils/learn/model.Net's layers as pytorch/examples' mnist/main.py writes a model (no dropout, as ours)."""
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -98,13 +124,9 @@ def rank_setup(repo):
     import torch
 
     torch.set_num_threads(1)
-    from utils.learn.data import load_mnist
-    from utils.learn.model import use_deterministic_algorithms
-    from utils.setup.memory import keep_freed_memory
-
-    keep_freed_memory()
-    use_deterministic_algorithms()
-    return load_mnist(str(repo / "data"))
+    named("keep_freed_memory")()
+    named("use_deterministic_algorithms")()
+    return named("load_mnist")(str(repo / "data"))
 
 
 def step_worker(repo, variant, steps):
@@ -112,8 +134,7 @@ def step_worker(repo, variant, steps):
     import torch.nn.functional as F
 
     images, labels, _, _ = rank_setup(repo)
-    from utils.learn.model import Net
-    from utils.learn.optim import Adam
+    Net, Adam = named("Net"), named("Adam")
 
     torch.manual_seed(1)
     if variant == "examples":
@@ -135,8 +156,7 @@ def step_worker(repo, variant, steps):
 
 def eval_worker(repo, variant):
     _, _, images, labels = rank_setup(repo)
-    from utils.learn.model import Net
-    from utils.run import test_model
+    Net, test_model = named("Net"), named("test_model")
 
     model = Net("bf16") if variant == "bf16" else Net()
     test_model(model, images, labels)
@@ -156,16 +176,13 @@ def ddp_worker(rank, port, images):
 
     train_images, train_labels, test_images, test_labels = rank_setup(REPO)
     train_images, train_labels = train_images[:images], train_labels[:images]
-    from utils.learn.data import step_batches
-    from utils.learn.model import Net
-    from utils.learn.optim import OneCycleLR
-    from utils.run import test_model
+    Net, OneCycleLR, test_model = named("Net"), named("OneCycleLR"), named("test_model")
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(1)
     model = torch.nn.parallel.DistributedDataParallel(Net(), gradient_as_bucket_view=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=4e-3, fused=True)
-    batches, _ = step_batches(len(train_labels), 1, rank, 2, 1, 64)
+    batches, _ = named("step_batches")(len(train_labels), 1, rank, 2, 1, 64)
     scheduler = OneCycleLR(optimizer, max_lr=4e-3, total_steps=len(batches), pct_start=0.15)
     dist.barrier()
     start = time.time()

@@ -16,7 +16,7 @@ from peers import LocalStep, bytes_sent, make_ddp, nic_tx_bytes, our_sync, train
 
 
 def make_model(name: str):
-    """The trainer's CNN (utils/model.Net), or "reference": the CNN of the PyTorch MNIST example
+    """The trainer's CNN (utils/learn/model.Net), or "reference": the CNN of the PyTorch MNIST example
     that issue #6's baseline numbers were measured with (1,199,882 parameters, ~3x the trainer's
     compute and bytes), without its two dropouts so that every configuration stays bit-comparable."""
     import torch.nn as nn

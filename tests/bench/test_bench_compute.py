@@ -1,5 +1,6 @@
 """bench/compute/compute.py end to end, short (--short: a few steps, epochs of 1,280 images): every part's
-table and results file, the baseline's worktree removed afterwards, and bad arguments."""
+table and results file, the default baseline's old path, the baseline's worktree removed afterwards, and
+bad arguments."""
 
 import json
 import re
@@ -35,6 +36,23 @@ def test_every_part_measures_every_variant_and_leaves_no_worktree(tmp_path):
     assert found["epoch/old"]["accuracy"] == found["epoch/default"]["accuracy"]  # the baseline is HEAD here
     table = (tmp_path / "compute.md").read_text()
     assert re.search(r"^\| default \| [\d.]+ \| [\d,]+ \| [\d.]+ \| \d+% \| [\d.]+ \|$", table, re.M), table
+    after = subprocess.run(["git", "-C", REPO, "worktree", "list"], capture_output=True, text=True).stdout
+    assert after == before
+
+
+@pytest.mark.timeout(150)
+def test_the_default_baseline_runs_the_old_path_from_its_own_module_names(tmp_path):
+    """The default baseline (edb07fe) keeps its modules where they were then (utils/model.py...): its
+    workers find them there, not under today's names."""
+    before = subprocess.run(["git", "-C", REPO, "worktree", "list"], capture_output=True, text=True).stdout
+    result = procs.run(
+        [sys.executable, TOOL, "--short", "--rounds", "1", "--parts", "step", "--out", str(tmp_path)], 130
+    )
+    assert result.returncode == 0, result.stderr
+    found = json.loads((tmp_path / "compute-step.json").read_text())
+    assert found["baseline"] == "edb07fe"
+    assert set(found["medians"]) == {f"step/{v}" for v in ("old", "default", "bf16", "examples")}
+    assert all(r["ms"] > 0 for r in found["medians"].values())
     after = subprocess.run(["git", "-C", REPO, "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before
 

@@ -252,3 +252,171 @@ def test_the_measured_order_names_the_suite_s_files():
     files = {os.path.basename(p) for p in sources("tests") if os.path.basename(p).startswith("test_")}
     assert set(measured) <= files and len(measured) >= 0.9 * len(files), sorted(files - set(measured))
     assert all(seconds >= 0 for seconds in measured.values())
+
+
+def test_every_module_and_name_the_words_name_exists():
+    """Every module, file, function or class that a docstring, comment, doc or note names in utils/,
+    train.py, README.md, docs/ and bench/ (bench/results aside) exists where it says
+    (tests/support/stale_references.py, which also runs alone over the tree)."""
+    from stale_references import stale_references
+
+    stale = stale_references()
+    assert not stale, f"{len(stale)} stale references:\n" + "\n".join(stale)
+
+
+def test_the_stale_reference_checker_knows_each_form(tmp_path):
+    from stale_references import stale_references
+
+    fine = (
+        "utils/comm/ring.py utils/comm/ utils/comm/ring.ring_steps utils.comm.ring.Ring.landing utils/setup/config.Job "
+        "utils.comm.ring bench/*/NOTES.md bench/results/compute/compute.{json,md} scripts/plot_metrics.py train.py "
+        "tests/unit/test_structure.py::test_the_tests_are_filed_by_how_they_run (utils/learn/model.Net)."
+    )
+    stale = (
+        "utils/memory.py utils/memory.MMAP_THRESHOLD utils.comm.ring.no_such utils/comm/ring.Ring.no_such "
+        "utils/model.Net scripts/nothing.py bench/stats.compare tests/unit/test_structure.py::test_nothing "
+        "utils.data.step_batches"
+    )
+    (tmp_path / "NOTES.md").write_text(f"{fine}\n{stale}\n")
+    code = f'"""{fine}"""\n\n# {stale}\nNAMES = "utils.data utils/memory.py"  # (code, not words)\n'
+    (tmp_path / "tool.py").write_text(code)
+    found = stale_references([str(tmp_path / "NOTES.md"), str(tmp_path / "tool.py")])
+    assert sorted(f.split(": ", 1)[1] for f in found) == sorted(stale.split() * 2), found
+    assert all(f.startswith((f"{tmp_path}/NOTES.md:2: ", f"{tmp_path}/tool.py:3: ")) for f in found), found
+
+
+def functions(path):
+    """(name, lines from its def to its last line, docstring included) of every function in `path`."""
+    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree) if isinstance(n, kinds)]
+
+
+def test_no_function_over_50_lines_and_the_run_s_over_30():
+    """argparse's declarations (utils/setup/cli.make_parser) aside."""
+    long = [
+        f"{path}: {name} has {lines} lines"
+        for path in [*sources("utils"), "train.py"]
+        for name, lines in functions(path)
+        if lines > (30 if path == "utils/run.py" else 50) and (path, name) != ("utils/setup/cli.py", "make_parser")
+    ]
+    assert not long, "\n".join(long)
+
+
+USER_VARIABLES = {"RING_KEY_FILE", "RING_JOB_KEY"}  # what a user sets; what a test or a launcher hands:
+HANDED_VARIABLES = {"RING_INSTRUMENTS", "RING_HANDOFF"}  # utils/observe/instruments.py, the handoff's message
+
+
+def test_at_most_four_ring_variables():
+    named = {
+        name
+        for path in [*sources("utils"), "train.py"]
+        for name in re.findall(r"\bRING_[A-Z_]+", open(os.path.join(REPO, path)).read())
+    }
+    assert named <= USER_VARIABLES | HANDED_VARIABLES, sorted(named - USER_VARIABLES - HANDED_VARIABLES)
+
+
+def project_classes():
+    """{name: ClassDef} of every class in utils/."""
+    return {
+        n.name: n
+        for path in sources("utils")
+        for n in ast.walk(ast.parse(open(os.path.join(REPO, path)).read()))
+        if isinstance(n, ast.ClassDef)
+    }
+
+
+def name_of(node):
+    """What an expression is called by: `f` of f or of a.f; "" for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def base_names(node):
+    return [name_of(b) for b in node.bases]
+
+
+def test_no_class_is_made_of_two_of_the_project_s_classes():
+    classes = project_classes()
+    mixed = {name: bases for name, node in classes.items() if len(bases := set(base_names(node)) & set(classes)) > 1}
+    assert not mixed, mixed
+
+
+def exception_classes(classes):
+    """The project's exceptions: classes whose bases lead to an Exception or BaseException."""
+    found, grew = {"Exception", "BaseException"}, True
+    while grew:
+        more = {name for name, node in classes.items() if set(base_names(node)) & found}
+        found, grew = found | more, bool(more - found)
+    return found
+
+
+def exception_attributes_set(text, exceptions):
+    """["line: what"] where `text` sets an attribute of an exception outside the exception's own class:
+    `error.x = ...` or setattr(error, ...) on a name bound by `except ... as error` or by making one of
+    `exceptions` (error = PeerError(...)) in the same function or class or module."""
+    found = []
+    for scope in ast.walk(ast.parse(text)):
+        if not isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(scope, ast.ClassDef) and scope.name in exceptions:
+            continue
+        errors = {h.name for h in ast.walk(scope) if isinstance(h, ast.ExceptHandler) and h.name}
+        for node in ast.walk(scope):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and name_of(node.value.func) in exceptions
+            ):
+                errors |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(scope):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", None) in errors:
+                    found.append(f"{node.lineno}: {ast.unparse(target)} = ...")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+                if getattr(node.args[0], "id", None) in errors:
+                    found.append(f"{node.lineno}: setattr({ast.unparse(node.args[0])}, ...)")
+    return sorted(set(found))
+
+
+def test_no_attribute_of_an_exception_is_set_outside_its_class():
+    """An exception's meaning is given when it is made (utils/errors.py's Outcome), not set on it in flight."""
+    exceptions = exception_classes(project_classes())
+    assert {"PeerError", "UsageError"} <= exceptions
+    for path in [*sources("utils"), "train.py"]:
+        found = exception_attributes_set(open(os.path.join(REPO, path)).read(), exceptions)
+        assert not found, (path, found)
+    sample = (
+        "def f():\n    try:\n        g()\n    except OSError as e:\n        e.final = True\n"
+        "    error = PeerError('lost')\n    error.resumable = False\n    setattr(error, 'x', 1)\n"
+        "    other = Thing()\n    other.final = True\n"
+        "class PeerError(Exception):\n    def __init__(self):\n        self.final = False\n"
+    )
+    assert exception_attributes_set(sample, exceptions) == [
+        "5: e.final = ...",
+        "7: error.resumable = ...",
+        "8: setattr(error, ...)",
+    ]
+
+
+def calls(path, name):
+    """The lines of `path` that call something named `name` (a function, or a method of anything)."""
+    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and name in (getattr(n.func, "attr", None), getattr(n.func, "id", None))
+    ]
+
+
+def test_only_the_training_state_loads_state_dicts():
+    """train.py, utils/run.py and utils/elastic/ restore nothing themselves: the training state does."""
+    for path in ["train.py", "utils/run.py", *sources("utils/elastic")]:
+        assert not calls(path, "load_state_dict"), (path, calls(path, "load_state_dict"))
+
+
+def test_the_loop_imports_neither_the_fault_injector_nor_the_keeper():
+    modules = {module_of(p): p for p in sources("utils")}
+    found = utils_imports("utils/run.py", modules) | imported("utils/run.py")
+    banned = {"utils.elastic.faults", "utils.observe.instruments", "utils.setup.keeper"}
+    assert not found & banned, found & banned

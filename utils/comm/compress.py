@@ -139,8 +139,9 @@ class PowerSGD(NoCompression):
     """Rank-R PowerSGD with error feedback and warm-started Q, per bucket.
 
     A Q (cols x R) is kept as the transpose of a row-major R x cols tensor, and the products are
-    written with M's rows as the long side (P = (Qᵀ·Mᵀ)ᵀ, Qᵀ = Pᵀ·M): single-threaded BLAS takes
-    about 6x longer for M·Q and Mᵀ·P with R columns (fc1, rank 4: 470 µs against 75 µs).
+    written with M's rows as the long side (P = (Qᵀ·Mᵀ)ᵀ, Qᵀ = Pᵀ·M): single-threaded BLAS is
+    several times slower for M·Q and Mᵀ·P with R columns (bench/train_step/NOTES.md, "PowerSGD's
+    matrix products, reordered").
 
     buckets: the parameters of each bucket, in the order of its flat buffer.
     warmup: steps summed uncompressed (and without error feedback) before compression starts.

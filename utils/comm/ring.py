@@ -83,49 +83,73 @@ def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
     piece c while piece c+1 is still arriving. Each message has its own tag
     (pass 1: c, pass 2: K + c). The sum order is the same for any K: g0 + g1 + ... + gN-1.
     """
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if n == 1:
+    if dist.get_world_size(group) == 1:
         return flat
-    wire = wire_dtype or flat.dtype
-    exact = wire == flat.dtype
-    k = max(1, min(chunks, flat.numel()))
-    own = torch.tensor_split(flat, k)
-    partial = torch.empty_like(flat, dtype=wire)  # pass-1 sums arriving from rank-1
-    total = torch.empty_like(flat, dtype=wire)  # the finished total
-    rounded = partial if exact else torch.empty_like(partial)  # pass-1 sums as sent on: rounded once
-    outgoing = torch.tensor_split(rounded, k)
-    partials, totals = torch.tensor_split(partial, k), torch.tensor_split(total, k)
-    last = n - 1
-    pending = []  # sends still in flight
-
-    if rank == 0:
-        receives = [dist.irecv(totals[c], last, group=group, tag=k + c) for c in range(k)]
-        pending += [dist.isend(own[c] if exact else outgoing[c].copy_(own[c]), 1, group=group, tag=c) for c in range(k)]
-        for c in range(k):
-            receives[c].wait()
-            if n > 2:  # pass 2 starts here
-                pending.append(dist.isend(totals[c], 1, group=group, tag=k + c))
-    else:
-        receives = [dist.irecv(partials[c], rank - 1, group=group, tag=c) for c in range(k)]
-        for c in range(k):
-            receives[c].wait()
-            if exact:
-                partials[c].add_(own[c])
-            else:  # add in float32, round once
-                outgoing[c].copy_(own[c].add_(partials[c]))
-            pending.append(dist.isend(outgoing[c], (rank + 1) % n, group=group, tag=c if rank < last else k + c))
-        if rank == last:
-            total = rounded  # pass 1 ended here with the total
-        else:
-            receives = [dist.irecv(totals[c], rank - 1, group=group, tag=k + c) for c in range(k)]
-            for c in range(k):
-                receives[c].wait()
-                if rank < n - 2:  # pass 2 stops at rank N-2
-                    pending.append(dist.isend(totals[c], rank + 1, group=group, tag=k + c))
-    for work in pending:
+    chain = Chain(flat, chunks, group, wire_dtype)
+    total = chain.head() if chain.rank == 0 else chain.link()
+    for work in chain.pending:
         work.wait()
     flat.copy_(total)
     return flat
+
+
+class Chain:
+    """One two-pass sum in flight on this rank: its pieces (`own`, the buffer's K views), where the
+    pass-1 sums and the total land, and the sends not yet finished. Pass 1's messages are tagged c,
+    pass 2's K + c, for piece c."""
+
+    def __init__(self, flat, chunks, group, wire_dtype):
+        self.group, self.n, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        wire = wire_dtype or flat.dtype
+        self.exact = wire == flat.dtype
+        self.k = k = max(1, min(chunks, flat.numel()))
+        self.own = torch.tensor_split(flat, k)
+        partial = torch.empty_like(flat, dtype=wire)  # pass-1 sums arriving from rank-1
+        self.total = torch.empty_like(flat, dtype=wire)  # the finished total
+        self.rounded = partial if self.exact else torch.empty_like(partial)  # pass-1 sums as sent on: rounded once
+        self.outgoing = torch.tensor_split(self.rounded, k)
+        self.partials, self.totals = torch.tensor_split(partial, k), torch.tensor_split(self.total, k)
+        self.pending = []  # sends still in flight
+
+    def send(self, piece, to, tag):
+        self.pending.append(dist.isend(piece, to, group=self.group, tag=tag))
+
+    def receive(self, pieces, sender, first_tag):
+        """Post the receives of all K `pieces` from `sender` at once."""
+        return [dist.irecv(pieces[c], sender, group=self.group, tag=first_tag + c) for c in range(self.k)]
+
+    def head(self):
+        """Rank 0: send its pieces down the chain, receive the total from rank N-1 and start pass 2."""
+        k, last = self.k, self.n - 1
+        receives = self.receive(self.totals, last, k)
+        for c in range(k):
+            self.send(self.own[c] if self.exact else self.outgoing[c].copy_(self.own[c]), 1, c)
+        for c in range(k):
+            receives[c].wait()
+            if self.n > 2:  # pass 2 starts here
+                self.send(self.totals[c], 1, k + c)
+        return self.total
+
+    def link(self):
+        """Rank 1..N-1: add its pieces to what arrives and send the sums on (rank N-1: the total, back
+        to rank 0); then, but on rank N-1, receive the total and forward it as far as rank N-2."""
+        k, n, rank, last = self.k, self.n, self.rank, self.n - 1
+        receives = self.receive(self.partials, rank - 1, 0)
+        for c in range(k):
+            receives[c].wait()
+            if self.exact:
+                self.partials[c].add_(self.own[c])
+            else:  # add in float32, round once
+                self.outgoing[c].copy_(self.own[c].add_(self.partials[c]))
+            self.send(self.outgoing[c], (rank + 1) % n, c if rank < last else k + c)
+        if rank == last:
+            return self.rounded  # pass 1 ended here with the total
+        receives = self.receive(self.totals, rank - 1, k)
+        for c in range(k):
+            receives[c].wait()
+            if rank < n - 2:  # pass 2 stops at rank N-2
+                self.send(self.totals[c], rank + 1, k + c)
+        return self.total
 
 
 def ring_sum(flat, group=None, wire_dtype=None):
@@ -168,64 +192,76 @@ def ring_steps(segments, group, first, last, wire_dtype=None):
     Receives are posted one step ahead (message tag = step). gloo's send is a rendezvous: it
     starts only once the receiver's "ready" notice has arrived, and that notice queues behind
     whatever the receiver is still sending on the same connection (with N=2 the neighbours
-    are the same rank, so a late notice serialises the two directions: 2x the time) and in
-    the same NIC queue. Posted a step early, it is there before the neighbour needs it.
+    are the same rank, so a late notice serialises the two directions: bench/allreduce/NOTES.md)
+    and in the same NIC queue. Posted a step early, it is there before the neighbour needs it.
     """
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    wire = wire_dtype or segments[0].dtype
-    exact = wire == segments[0].dtype
-    sizes = [segment.numel() for segment in segments]
-    # Rounded copies for the wire: one per segment, never reused while a send may still read it.
-    # The all-gather passes finished (rounded) segments; afterwards every rank copies them back.
-    outgoing = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
-    gathered = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
-    scratch = [torch.empty(max(sizes), dtype=wire) for _ in range(2)]  # reduce-scatter steps alternate
-    right, left = (rank + 1) % n, (rank - 1) % n
+    Ring(segments, group, wire_dtype).run(first, last)
 
-    def landing(step):
+
+class Ring:
+    """ring_steps over one list of segments: the rounded copies for the wire, the scratch that
+    partial sums land in, and the sends not yet finished."""
+
+    def __init__(self, segments, group, wire_dtype):
+        self.segments, self.group = segments, group
+        self.n, self.rank = n, rank = dist.get_world_size(group), dist.get_rank(group)
+        wire = wire_dtype or segments[0].dtype
+        self.exact = exact = wire == segments[0].dtype
+        self.sizes = sizes = [segment.numel() for segment in segments]
+        # Rounded copies for the wire: one per segment, never reused while a send may still read it.
+        # The all-gather passes finished (rounded) segments; afterwards every rank copies them back.
+        self.outgoing = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
+        self.gathered = segments if exact else torch.empty(sum(sizes), dtype=wire).split(sizes)
+        self.scratch = [torch.empty(max(sizes), dtype=wire) for _ in range(2)]  # reduce-scatter steps alternate
+        self.right, self.left = (rank + 1) % n, (rank - 1) % n
+        self.sends = []
+
+    def run(self, first, last):
+        """Steps first..last-1, each step's receive posted one step ahead."""
+        n, rank = self.n, self.rank
+        incoming = self.receive(first, last)
+        self.send(first, (rank - first) % n)
+        for step in range(first, last):
+            upcoming = self.receive(step + 1, last)  # one step ahead
+            index, buffer = self.landing(step)
+            if incoming is not None:
+                incoming.wait()
+            if step < n - 1:
+                self.segments[index].add_(buffer)  # own + partial from the left (in float32)
+            if step + 1 < last:
+                self.send(step + 1, index)  # pass it on
+            incoming = upcoming
+        for work in self.sends:
+            work.wait()
+        if not self.exact and last > n - 1:  # the all-gather ran: keep the rounded sums
+            for segment, finished in zip(self.segments, self.gathered):
+                segment.copy_(finished)
+
+    def landing(self, step):
         """(segment index, buffer) for what arrives in `step`: partial sums go to scratch first."""
-        index = (rank - step - 1) % n
-        if step < n - 1:
-            return index, scratch[step % 2][: sizes[index]]
-        return index, gathered[index]
+        index = (self.rank - step - 1) % self.n
+        if step < self.n - 1:
+            return index, self.scratch[step % 2][: self.sizes[index]]
+        return index, self.gathered[index]
 
-    # Segments may be empty (a buffer smaller than N); both ends know, both skip.
-    def receive(step):
-        buffer = landing(step)[1] if step < last else None
-        return (
-            dist.irecv(buffer, group=group, group_src=left, tag=step) if buffer is not None and buffer.numel() else None
-        )
+    def receive(self, step, last):
+        """Post the receive of `step` (none past the last step, none of an empty segment: both ends skip it)."""
+        buffer = self.landing(step)[1] if step < last else None
+        if buffer is None or not buffer.numel():
+            return None
+        return dist.irecv(buffer, group=self.group, group_src=self.left, tag=step)
 
-    sends = []
-
-    def send(step, index):
+    def send(self, step, index):
         """Send segment `index` in `step`: a partial sum, a finished one (both rounded), or a gathered one."""
+        n, exact = self.n, self.exact
         if step < n - 1:
-            segment = outgoing[index] if exact else outgoing[index].copy_(segments[index])
+            segment = self.outgoing[index] if exact else self.outgoing[index].copy_(self.segments[index])
         elif step == n - 1:  # this rank's finished segment; it keeps the rounded value too
-            segment = gathered[index] if exact else gathered[index].copy_(segments[index])
+            segment = self.gathered[index] if exact else self.gathered[index].copy_(self.segments[index])
         else:
-            segment = gathered[index]
+            segment = self.gathered[index]
         if segment.numel():
-            sends.append(dist.isend(segment, group=group, group_dst=right, tag=step))
-
-    incoming = receive(first)
-    send(first, (rank - first) % n)
-    for step in range(first, last):
-        upcoming = receive(step + 1)  # one step ahead
-        index, buffer = landing(step)
-        if incoming is not None:
-            incoming.wait()
-        if step < n - 1:
-            segments[index].add_(buffer)  # own + partial from the left (in float32)
-        if step + 1 < last:
-            send(step + 1, index)  # pass it on
-        incoming = upcoming
-    for work in sends:
-        work.wait()
-    if not exact and last > n - 1:  # the all-gather ran: keep the rounded sums
-        for segment, finished in zip(segments, gathered):
-            segment.copy_(finished)
+            self.sends.append(dist.isend(segment, group=self.group, group_dst=self.right, tag=step))
 
 
 def gloo_sum(flat, group=None, wire_dtype=None):

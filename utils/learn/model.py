@@ -2,7 +2,7 @@
 
 Its layout is chosen for the CPU (measurements: bench/compute/NOTES.md): the convolutions'
 weights are channels_last, so oneDNN runs both convolutions, forward and backward, in its
-NHWC kernels without reordering (a third faster than the default layout on one core), and
+NHWC kernels without reordering, and
 each pooling comes before its ReLU, so the ReLU and its backward touch a quarter of the values.
 relu(max_pool(x)) equals max_pool(relu(x)) value for value (ReLU keeps order), and a saved model
 evaluates the same either way. The MNIST images (N, 1, 28, 28) are channels_last as they are:
@@ -62,12 +62,10 @@ def load_parameter_vector(model, flat):
 def use_deterministic_algorithms():
     """torch.use_deterministic_algorithms(True), without its import of torch._inductor.
 
-    The public call also sets the flag of torch.compile's inductor, which this program never uses;
-    importing inductor (and dynamo with it) costs 1.3 s of CPU. A rank that trains imports dynamo
-    later anyway (the optimizer's first add_param_group does), but one whose model file, outputs or
-    settings are bad now says so that much sooner, and --eval never pays. The flag the eager
-    kernels read is the one set here; where this private call is missing (another torch), the
-    public one does the same."""
+    The public call also sets the flag of torch.compile's inductor, which this program never uses,
+    and so imports inductor (and dynamo with it), seconds of CPU at every start (measured:
+    bench/compute/NOTES.md, "Start-up"). The flag the eager kernels read is the one set here;
+    where this private call is missing (another torch), the public one does the same."""
     if hasattr(torch._C, "_set_deterministic_algorithms"):
         torch._C._set_deterministic_algorithms(True, warn_only=False)
     else:

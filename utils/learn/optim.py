@@ -1,9 +1,10 @@
 """Adam and the one-cycle learning rate, written out.
 
 Why not torch.optim: its optimizers import torch.compile's machinery (torch._dynamo, and sympy
-with it) the first time they are used, even when nothing is compiled. That is about 2 s of CPU
-in every rank at every start and every rejoin, as much again as importing torch itself, on
-servers that other people share.
+with it) the first time they are used, even when nothing is compiled: a cost in every rank at every
+start and every rejoin, on servers that other people share (measured: bench/compute/NOTES.md,
+"Start-up"). The seam: utils/learn/training.make_optimizer makes the run's optimizer and schedule
+from these two and nothing else in the program names them, so torch.optim's drop back in there.
 
 These are torch.optim.Adam(fused=True)'s sums (its one-pass kernel, called directly) and
 torch.optim.lr_scheduler.OneCycleLR's schedule, so the parameters come out bit for bit the
@@ -43,8 +44,8 @@ class Adam:
     @torch.no_grad()
     def step(self):
         """torch's fused Adam kernel (torch.optim.Adam(fused=True) calls the same): every sum of
-        the update in one pass over each parameter, 0.16 ms a step here against 0.41 for the
-        single-tensor path's seven passes (bench/compute/NOTES.md)."""
+        the update in one pass over each parameter, instead of the single-tensor path's seven
+        (measured: bench/compute/NOTES.md)."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

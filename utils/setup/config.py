@@ -10,8 +10,8 @@ together; the argparse value types at the end could go to a module of their own.
     Config   all four; the checkpoint stores it whole (Config.to_dict)
 
 Each field says, in its metadata, the flag it comes from and whether every rank must have the
-same value (agree: utils/distributed.agree compares them by name) and whether a resume must
-keep it (resume: utils/checkpoint.load compares them with the checkpoint's). Both checks read
+same value (agree: utils/setup/distributed.agree compares them by name) and whether a resume must
+keep it (resume: utils/store/checkpoint.load compares them with the checkpoint's). Both checks read
 these lists, so a new setting is checked once it is declared here. Defaults are resolved here
 (the global batch, PowerSGD's rank and warm-up, the timeline's steps), never in the core.
 """
@@ -176,6 +176,32 @@ class Config:
 def from_args(args, environ=os.environ):
     """The Config of a parsed command line (train.parse_args), validated, defaults resolved.
     UsageError (one line, exit code 2) for what does not go together."""
+    check_placement(args)
+    check_options(args)
+    check_sync_options(args)
+    rank, world_size, init_method, torchrun, slurm = ranks_from(args, environ)
+    check_world(args, world_size, torchrun, slurm)
+    recover = (not torchrun) if args.recover is None else args.recover
+    where = dict(rank=rank, world_size=world_size, init_method=init_method, torchrun=torchrun, slurm=slurm)
+    global_batch = args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH)
+    timeline_steps = (args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None
+    return Config(
+        job=as_given(args, Job, recover=recover, **where),
+        recipe=as_given(args, Recipe, global_batch=global_batch),
+        sync=sync_of(args),
+        outputs=as_given(args, Outputs, timeline_steps=timeline_steps, tensorboard=args.tensorboard or None),
+    )
+
+
+def as_given(args, kind, **resolved):
+    """A `kind` (Job, Recipe, Sync or Outputs): the `resolved` fields, and every other field the
+    command line's option of its name as given."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind) if f.name not in resolved}
+    return kind(**given, **resolved)
+
+
+def check_placement(args):
+    """--rank, --world-size, --init-method and --ifname, each well formed and given together."""
     if args.rank is not None or args.world_size is not None:
         if args.rank is None or args.world_size is None:
             raise UsageError("--rank and --world-size go together")
@@ -191,6 +217,10 @@ def from_args(args, environ=os.environ):
         check_init_method(args.init_method)
     if args.ifname is not None:
         check_interface(args.ifname)
+
+
+def check_options(args):
+    """Options that need or exclude another: the batch's, --lazy-update's, the timeline's, --join's."""
     if args.batch_size and args.global_batch:
         raise UsageError("give --global-batch or --batch-size (per rank), not both")
     if args.lazy_update and not args.overlap:
@@ -206,6 +236,11 @@ def from_args(args, environ=os.environ):
             raise UsageError(f"malformed --join {args.join!r}; expected HOST:PORT of a member, e.g. 192.168.0.2:23456")
         if args.timeline:
             raise UsageError("--join does not work with --timeline yet")
+
+
+def check_sync_options(args):
+    """The sum's options that need or exclude another (--sync-every's, --outer's, --compress's), and
+    --eval's model (checked here, in the order a command line has always been checked)."""
     if args.sync_every == 1 and args.outer is not None:
         raise UsageError(
             f"--outer {args.outer} needs --sync-every 2 or more: with 1 the gradients are summed every step"
@@ -225,6 +260,11 @@ def from_args(args, environ=os.environ):
     for option, value in (("--powersgd-rank", args.powersgd_rank), ("--powersgd-warmup", args.powersgd_warmup)):
         if value is not None and args.compress != "powersgd":
             raise UsageError(f"{option} needs --compress powersgd (this run has --compress {args.compress})")
+
+
+def ranks_from(args, environ):
+    """(rank, world size, init method, torchrun, slurm) from the command line, torchrun's environment
+    or a Slurm step's; without them, the local launcher's (rank None, --nproc ranks)."""
     torchrun = args.rank is None and "RANK" in environ and not args.eval
     slurm = slurm_step(environ) if args.rank is None and not torchrun and not args.eval else None
     if args.rank is not None:
@@ -236,6 +276,12 @@ def from_args(args, environ=os.environ):
         check_init_method(init_method)
     else:
         rank, world_size, init_method = None, args.nproc, None
+    return rank, world_size, init_method, torchrun, slurm
+
+
+def check_world(args, world_size, torchrun, slurm):
+    """--restart only for a server started by hand, a world that the flags can count, --balance's
+    proportions one per rank."""
     if args.restart != "never" and (torchrun or slurm):
         raise UsageError(
             f"--restart is for a server started by hand; {'torchrun' if torchrun else 'Slurm'} restarts its ranks "
@@ -256,75 +302,29 @@ def from_args(args, environ=os.environ):
             f"--balance {args.balance} gives {len(parse_fixed(args.balance))} proportions for {world_size} ranks; "
             "give one per rank, or --balance alone to measure"
         )
-    powersgd = args.compress == "powersgd"
-    return Config(
-        job=Job(
-            rank=rank,
-            world_size=world_size,
-            init_method=init_method,
-            ifname=args.ifname,
-            torchrun=torchrun,
-            nproc=args.nproc,
-            data_dir=args.data_dir,
-            model_path=args.model_path,
-            resume=args.resume,
-            eval=args.eval,
-            recover=(not torchrun) if args.recover is None else args.recover,
-            heartbeat=args.heartbeat,
-            join=args.join,
-            key_file=args.key_file,
-            restart=args.restart,
-            max_restarts=args.max_restarts,
-            rejoin_timeout=args.rejoin_timeout,
-            slurm=slurm,
-        ),
-        recipe=Recipe(
-            batch_size=args.batch_size,
-            global_batch=args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH),
-            lr=args.lr,
-            seed=args.seed,
-            epochs=args.epochs,
-            train_subset=args.train_subset,
-            test_subset=args.test_subset,
-            precision=args.precision,
-        ),
-        sync=Sync(
-            allreduce=args.allreduce,
-            chunks=args.chunks,
-            overlap=args.overlap,
-            lazy_update=args.lazy_update,
-            bucket_mb=args.bucket_mb,
-            compress=args.compress,
-            powersgd_rank=(args.powersgd_rank or DEFAULT_POWERSGD_RANK) if powersgd else None,
-            powersgd_warmup=(DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup)
-            if powersgd
-            else None,
-            timeout=args.timeout,
-            sync_every=args.sync_every,
-            outer=(args.outer or "average") if args.sync_every > 1 else None,
-            outer_lr=(DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr)
-            if args.outer == "nesterov"
-            else None,
-            outer_momentum=(DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum)
-            if args.outer == "nesterov"
-            else None,
-            merge_after=(args.merge_after or default_merge_after(args.sync_every)) if args.sync_every > 1 else None,
-            balance=args.balance,
-        ),
-        outputs=Outputs(
-            save_path=args.save_path,
-            checkpoint=args.checkpoint,
-            save_every=args.save_every,
-            metrics=args.metrics,
-            timeline=args.timeline,
-            timeline_steps=(args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None,
-            tensorboard=args.tensorboard or None,
-        ),
+
+
+def sync_of(args):
+    """How the gradients are summed; the options of a kind the run does not use are None."""
+    powersgd, nesterov, periodic = args.compress == "powersgd", args.outer == "nesterov", args.sync_every > 1
+    return as_given(
+        args,
+        Sync,
+        powersgd_rank=(args.powersgd_rank or DEFAULT_POWERSGD_RANK) if powersgd else None,
+        powersgd_warmup=(DEFAULT_POWERSGD_WARMUP if args.powersgd_warmup is None else args.powersgd_warmup)
+        if powersgd
+        else None,
+        outer=(args.outer or "average") if periodic else None,
+        outer_lr=(DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr) if nesterov else None,
+        outer_momentum=(DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum)
+        if nesterov
+        else None,
+        merge_after=(args.merge_after or default_merge_after(args.sync_every)) if periodic else None,
     )
 
 
 def balance_mode(text):
-    """--balance's value: 'measured', or proportions A:B:... (utils/balance.parse_fixed)."""
+    """--balance's value: 'measured', or proportions A:B:... (utils/balance/shares.parse_fixed)."""
     if text == "measured":
         return text
     try:
