@@ -130,11 +130,14 @@ class Job:
     max_restarts: int = 10  # failures in a row after which the keeper gives up
     rejoin_timeout: float = 300.0  # seconds a server that lost the job waits to join it again (0: exit 1)
     slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
+    given_host_id: str | None = None  # --host-id: ranks with the same one share a server
 
     @property
     def host_id(self):
         """What names this rank's server for the hierarchical sum (utils.comm.hierarchical.discover):
-        Slurm's node, which Slurm knows; None: the sum finds out by itself."""
+        --host-id, else Slurm's node, which Slurm knows; None: the sum finds out by itself."""
+        if self.given_host_id:
+            return self.given_host_id
         return f"slurm job {self.slurm.job_id} node {self.slurm.node_id}" if self.slurm else None
 
 
@@ -277,6 +280,7 @@ def from_args(args, environ=os.environ):
             max_restarts=args.max_restarts,
             rejoin_timeout=args.rejoin_timeout,
             slurm=slurm,
+            given_host_id=args.host_id,
         ),
         recipe=Recipe(
             batch_size=args.batch_size,
@@ -407,6 +411,13 @@ def seed_value(text):
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
     return value
+
+
+def host_id_text(text):
+    """--host-id: a name of up to 255 printable characters."""
+    if not (0 < len(text) <= 255 and text.isprintable()):
+        raise argparse.ArgumentTypeError(f"expected a name of 1 to 255 printable characters, got {text[:300]!r}")
+    return text
 
 
 def non_negative_int(text):

@@ -21,7 +21,7 @@ from utils.errors import UsageError
 
 VARIABLE = "RING_HANDOFF"
 MAX_TEXT = 65536  # a handoff is a few hundred bytes: more is not one of ours
-MAX_COUNT = 2**31  # restarts and rejoins: counts, not anything near this
+MAX_COUNT = 10**9  # restarts and rejoins: counts, never near this (--status shows them)
 
 
 @dataclass(frozen=True)
