@@ -136,9 +136,8 @@ class Job:
     def host_id(self):
         """What names this rank's server for the hierarchical sum (utils.comm.hierarchical.discover):
         --host-id, else Slurm's node, which Slurm knows; None: the sum finds out by itself."""
-        if self.given_host_id:
-            return self.given_host_id
-        return f"slurm job {self.slurm.job_id} node {self.slurm.node_id}" if self.slurm else None
+        slurm_node = f"slurm job {self.slurm.job_id} node {self.slurm.node_id}" if self.slurm else None
+        return self.given_host_id or slurm_node
 
 
 @dataclass(frozen=True)

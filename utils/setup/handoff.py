@@ -70,7 +70,8 @@ class Handoff:
             ("torch_loaded_with", self.torch_loaded_with is None or _names_to_texts(self.torch_loaded_with)),
         ):
             if not good:
-                raise UsageError(f"malformed {VARIABLE} in the environment: {name} is {getattr(self, name)!r}")
+                said = repr(getattr(self, name))[:100]
+                raise UsageError(f"malformed {VARIABLE} in the environment: {name} is {said}")
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
