@@ -14,30 +14,34 @@ Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the sam
 saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
 servers or another.
 
-This file sets up: the command line becomes a utils.setup.config.Config; then it evaluates, starts every
-rank here (utils/setup/launch.py), or joins the process group (utils/setup/distributed.py) and hands over to
-utils/run.py, which trains. Exceptions become one line and an exit code (utils/errors.py).
+This file sets up: the command line becomes a utils.setup.config.Config; then main() runs one mode:
+--status, the keeper (--restart, utils/setup/keeper.py), every rank here (utils/setup/launch.py),
+--eval, or a rank, whose supervisor (utils/setup/lifecycle.py) starts, joins or waits for the job
+through the process group (utils/setup/distributed.py) and utils/run.py, which trains. Its end is one
+line and an exit code (utils/setup/process.py, utils/errors.py).
 """
 
 import dataclasses
-import datetime
 import os
-import shlex
 import sys
 
-from utils.elastic import faults, rejoin, status
-from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED, PeerError, Stopped, UsageError, first_line
+from utils.elastic import rejoin, status
+from utils.errors import EXIT_BAD_INPUT, PeerError, Stopped, UsageError, first_line
 from utils.learn.mnist import ensure_mnist
 from utils.observe.instruments import OFF, from_environ
 
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
 from utils.setup import cli, keeper, stop
 from utils.setup.config import check_share, from_args
+from utils.setup.handoff import Handoff
 from utils.setup.launch import launch_local, threads_per_rank
+from utils.setup.lifecycle import Supervisor
 from utils.setup.memory import keep_freed_memory
 from utils.setup.precision import refusal, this_cpu
-from utils.store.files import check_folder, check_writable, remove_stale_temps, set_aside
-from utils.store.outputs import lock_outputs, release
+from utils.setup.preflight import before_rendezvous, preflight, say_finished
+from utils.setup.process import Ending, resume_command, say
+from utils.store.files import remove_stale_temps, set_aside
+from utils.store.outputs import release
 
 # c10d logs socket errors with stack traces; we report them in one line (set before torch loads)
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -49,66 +53,38 @@ def parse_args(argv):
     return cli.parse_args(argv, PROG)
 
 
-def preflight(config, world_size, train_images, unfinished=False):
-    """What rank 0, or the local launcher for all its ranks, checks before anyone trains (one
-    error line, not one per rank): the outputs can be written and no other job holds them, the
-    ranks can share the data, and the checkpoint to resume from matches this run. Returns (that
-    checkpoint or None, whether it is a finished run). It only looks; rank 0 takes the lock afterwards.
-    unfinished: without --resume, resume a checkpoint of these settings with epochs left (a server's
-    command run again: utils/elastic/rejoin.py); another run's checkpoint is set aside as ever."""
-    for option, path in config.outputs.files():
-        check_writable(path, option)
-    if config.outputs.tensorboard:
-        check_folder(config.outputs.tensorboard, "--tensorboard")
-    lock_outputs(config.outputs, hold=False)
-    check_share(train_images, world_size, config.recipe.global_batch)
-    if (config.job.resume or unfinished) and os.path.exists(config.outputs.checkpoint):
-        from utils.learn.model import Net
-        from utils.setup.distributed import model_name
-        from utils.store import checkpoint
-
-        try:
-            resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
-            done = checkpoint.finished(resume_from, config.recipe.epochs)
-            kind = rejoin.Checkpoint.FINISHED if done else rejoin.Checkpoint.UNFINISHED
-        except UsageError:
-            if config.job.resume:
-                raise
-            kind = rejoin.Checkpoint.OTHER  # another run's, or not one: this run starts afresh, as without --resume
-        if rejoin.choose(False, kind, config.job.resume) == rejoin.How.RESUME:
-            return resume_from, done
-    return None, False
-
-
-def say_finished(config):
-    epochs, path = config.recipe.epochs, config.outputs.checkpoint
-    print(f"{path} is a finished run ({epochs} of {epochs} epochs); nothing to do", flush=True)
-
-
-def train(config, data, instruments=OFF):
+def train(config, data, instruments, supervisor):
+    """Train this rank: its supervisor starts the job, joins it or waits for it (instruments: the
+    tests' and benchmarks', utils/observe/instruments.py)."""
     import torch
 
-    from utils.elastic.join import join_running_job
     from utils.learn.model import Net
-    from utils.setup.distributed import model_name
 
     torch.manual_seed(config.recipe.seed)
-    model, job = Net(config.recipe.precision), config.job
-    faults.at_restart(job.rank)
-    joins = job.join is not None
-    if not joins and rejoin.per_server(job):  # the same command run again: is its job running? (rejoin.py)
-        offer = lambda: start_job(config, data, model, rendezvous_seconds=rejoin.RENDEZVOUS_SECONDS)  # noqa: E731
-        how = rejoin.look_for_job(config, offer)
-        if how == rejoin.How.TRAINED:  # (a server that waited for its job: the whole job started again)
-            return
-        joins = how == rejoin.How.JOIN
-    if joins:  # a server joining a running job: the members send it everything
-        config = dataclasses.replace(config, job=dataclasses.replace(job, join=job.join or ""))
+    model = Net(config.recipe.precision)
+    supervisor.run(Rank(config, data, model, instruments))
+
+
+class Rank:
+    """What a rank's supervisor asks of it (utils/setup/lifecycle.py): start or join the job."""
+
+    def __init__(self, config, data, model, instruments):
+        self.config, self.data, self.model, self.instruments = config, data, model, instruments
+
+    def start(self, rendezvous_seconds=None):
+        return start_job(self.config, self.data, self.model, rendezvous_seconds, self.instruments)
+
+    def join(self):
+        """A server joining a running job: the members send it everything."""
+        from utils.elastic.join import join_running_job
+        from utils.setup.distributed import model_name
+
+        job, model = self.config.job, self.model
+        config = dataclasses.replace(self.config, job=dataclasses.replace(job, join=job.join or ""))
         membership, decision = join_running_job(config, model_name(model))
         stop.arm()
-        train_rank(model, data, config, membership, None, None, instruments, decision)
-        return
-    start_job(config, data, model, instruments=instruments)
+        train_rank(model, self.data, config, membership, None, None, self.instruments, decision)
+        return True
 
 
 def train_rank(model, data, config, membership, hosts, resume_from, instruments, decision=None):
@@ -160,29 +136,6 @@ def start_job(config, data, model, rendezvous_seconds=None, instruments=OFF):
     return True
 
 
-def before_rendezvous(config, data, model):
-    """Under torchrun's agent, this attempt's store; on rank 0, what a bad file or another job's
-    outputs would fail on (preflight), before anyone waits. Returns (config, the checkpoint to resume
-    or None, whether it is a finished run, the attempt's store or None)."""
-    from utils.setup.distributed import torchrun_attempt_store
-    from utils.store import checkpoint
-
-    job = config.job
-    attempt_store, restarted = None, False
-    if job.torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        timeout = datetime.timedelta(seconds=config.sync.timeout)
-        attempt_store, restarted = torchrun_attempt_store(job.rank, job.world_size, timeout)
-    resume_from, done = None, False
-    if job.rank == 0:
-        if restarted:  # torchrun started this rank again after a failure: it resumes without --resume
-            config = dataclasses.replace(config, job=dataclasses.replace(job, resume=True))
-        resume_from, done = preflight(config, job.world_size, len(data[1]), rejoin.per_server(job))
-        lock_outputs(config.outputs, hold=not done)  # a finished run writes nothing, not even a lock file
-        if resume_from is None and job.model_path:
-            checkpoint.load_model_state(model, job.model_path)
-    return config, resume_from, done, attempt_store
-
-
 def meet(config, model, resume_from, done):
     """In the new group: the ranks agree on what they train, every rank gets rank 0's checkpoint and
     parameters, and its membership. Returns (config, membership, hosts, checkpoint or None); None
@@ -229,98 +182,92 @@ def say_starting(config, resume_from):
         print(slurm.describe(config.job.slurm), flush=True)
 
 
-def resume_command(argv):
-    """The command that continues this job from its checkpoint."""
-    if os.environ.get("RING_RESUME_COMMAND"):  # set by the local launcher: its command, not ours
-        return os.environ["RING_RESUME_COMMAND"]
-    return shlex.join(["python3", "-u", PROG, *argv, *([] if "--resume" in argv else ["--resume"])])
-
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    rank = "?"
+    """Parse, run one mode, and turn how it ended into one line and an exit code."""
+    process = Process(sys.argv[1:] if argv is None else argv, PROG, __file__)
     try:
-        args = parse_args(argv)
-        if args.status is not None:  # a question to a running job: no torch, no training
-            status.command(args.status, args.init_method, args.key_file, args.checkpoint, args.json)
-            return 0
-        config = from_args(args)
-        job = config.job
-        if job.restart == "on-failure" and not os.environ.get(keeper.KEPT):  # this process keeps the training going
-            return keeper.keep(argv, __file__, f"{PROG}: rank {job.rank}", job.max_restarts, say)
-        if refusal(config.recipe.precision, this_cpu()):  # each server asks its own CPU
-            raise UsageError(refusal(config.recipe.precision, this_cpu()))
-        keep_freed_memory()  # a step's freed buffers stay for the next (utils/setup/memory.py); forked ranks inherit it
-        if job.rank is None and not job.eval:  # the local launcher: check here what every rank would trip over
-            # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh
-            os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(job.nproc))
-            if job.model_path:  # the only check that needs torch
-                from utils.learn.model import Net
-                from utils.store.checkpoint import load_model_state
-
-                load_model_state(Net(), job.model_path)
-            if preflight(config, job.nproc, config.recipe.train_subset)[1]:
-                say_finished(config)
-                return 0
-            ensure_mnist(job.data_dir)
-            return launch_local(
-                __file__,
-                argv,
-                job.nproc,
-                PROG,
-                dict(os.environ, RING_RESUME_COMMAND=resume_command(argv)),
-                keep_going=job.recover,
-                fork_ranks=not job.model_path,  # (its check ran torch here)
-            )
-        rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
-        if not job.eval:
-            stop.install(f"{PROG}: rank {rank}")
-        from utils.learn.data import load_mnist
-        from utils.learn.model import use_deterministic_algorithms
-
-        use_deterministic_algorithms()
-        data = load_mnist(job.data_dir, config.recipe.train_subset, config.recipe.test_subset)
-        if job.eval:
-            from utils.run import evaluate
-
-            evaluate(config, data)
-        else:
-            train(config, data, from_environ(send_to_self=stop.send_to_self))
-            rejoin.forget_book(config.outputs.checkpoint)  # the job finished: the command run again starts afresh
-        return 0
+        return process.run()
     except UsageError as e:
         say(f"{PROG}: error: {e}")
         return EXIT_BAD_INPUT
     except PeerError as e:
-        if e.left_behind and rejoin.per_server(job) and job.rejoin_timeout > 0 and stop.signalled() is None:
-            say(f"{PROG}: rank {rank}: {e}; waiting up to {job.rejoin_timeout:g} s to join the job again")
-            release()
-            rejoin.again(__file__, argv, job.rejoin_timeout)  # (this process, started afresh: no return)
-        hint = f"; to resume: {resume_command(argv)}" if e.resumable else ""
-        say(f"{PROG}: rank {rank}: {e}{hint}")
-        if e.final:
-            keeper.final()
-        return EXIT_LOST_PEER
+        return process.lost(e)
     except Stopped as e:
-        stop.leaving()  # a requeue's SIGTERM, or a late repeat, must not make this exit a crash
-        say(f"{PROG}: rank {rank}: {e}; to resume: {resume_command(argv)}")
-        if job.slurm and job.rank == 0 and stop.signalled() == "SIGUSR1":  # Slurm's warning: its time is nearly up
-            from utils.setup.slurm import requeue
-
-            say(f"{PROG}: rank 0: {requeue(job.slurm, config.outputs.checkpoint)}")
-        return EXIT_STOPPED
+        return process.stopped(e)
     except KeyboardInterrupt:
-        say(f"{PROG}: rank {rank}: interrupted")
+        say(f"{PROG}: rank {process.rank}: interrupted")
         return 130
     finally:
         release()  # this job's lock files (rank 0's), if it took them
 
 
-def say(line):
-    """One line to stderr in one write: ranks under torchrun or our launcher share one pipe, and
-    print's two writes (text, then newline) let their lines run into each other."""
-    sys.stderr.flush()
-    os.write(2, (line + "\n").encode())
+class Process(Ending):
+    """This run of train.py: the mode it runs, from its command line and what it was handed; how it
+    ends: utils/setup/process.py."""
+
+    def run(self):
+        """The one mode this command runs; its exit code."""
+        self.handoff = Handoff.from_environ()
+        args = parse_args(self.argv)
+        if args.status is not None:  # a question to a running job: no torch, no training
+            status.command(args.status, args.init_method, args.key_file, args.checkpoint, args.json)
+            return 0
+        self.config = config = from_args(args)
+        job = config.job
+        if job.restart == "on-failure" and self.handoff.keeper_pipe is None:  # this process keeps the training going
+            label = f"{PROG}: rank {job.rank}"
+            return keeper.keep(self.argv, __file__, label, job.max_restarts, say, self.handoff)
+        if refusal(config.recipe.precision, this_cpu()):  # each server asks its own CPU
+            raise UsageError(refusal(config.recipe.precision, this_cpu()))
+        keep_freed_memory()  # a step's freed buffers stay for the next (utils/setup/memory.py); forked ranks inherit it
+        if job.rank is None and not job.eval:
+            return launch(config, self.argv, self.handoff)
+        self.rank = job.rank if job.rank is not None else os.environ.get("RANK", 0)
+        if job.eval:
+            from utils.run import evaluate
+
+            evaluate(config, load_data(config))
+            return 0
+        return self.train()
+
+    def train(self):
+        """A rank of the job: trains it to its end (utils/setup/lifecycle.py: how it begins)."""
+        config = self.config
+        stop.install(f"{PROG}: rank {self.rank}")
+        data = load_data(config)
+        instruments = from_environ(send_to_self=stop.send_to_self)
+        self.supervisor = Supervisor(config, self.handoff, instruments)
+        train(config, data, instruments, self.supervisor)
+        rejoin.forget_book(config.outputs.checkpoint)  # the job finished: the command run again starts afresh
+        return 0
+
+
+def launch(config, argv, handoff):
+    """The local launcher: check here what every rank would trip over, then start them all."""
+    job = config.job
+    # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(job.nproc))
+    if job.model_path:  # the only check that needs torch
+        from utils.learn.model import Net
+        from utils.store.checkpoint import load_model_state
+
+        load_model_state(Net(), job.model_path)
+    if preflight(config, job.nproc, config.recipe.train_subset)[1]:
+        say_finished(config)
+        return 0
+    ensure_mnist(job.data_dir)
+    handoff = handoff.replace(resume_command=resume_command(argv, handoff))  # its command resumes, not a rank's
+    fork_ranks = not job.model_path  # (its check ran torch here)
+    return launch_local(__file__, argv, job.nproc, PROG, handoff, keep_going=job.recover, fork_ranks=fork_ranks)
+
+
+def load_data(config):
+    """MNIST, deterministic kernels first (every rank computes the same bits)."""
+    from utils.learn.data import load_mnist
+    from utils.learn.model import use_deterministic_algorithms
+
+    use_deterministic_algorithms()
+    return load_mnist(config.job.data_dir, config.recipe.train_subset, config.recipe.test_subset)
 
 
 if __name__ == "__main__":

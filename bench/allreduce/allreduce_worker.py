@@ -37,7 +37,10 @@ def sums(cfg: dict, say) -> tuple[dict, object]:
     from utils.comm import ring as default_ring
 
     ring = load_module(cfg["ring_file"], "ring_under_test") if cfg["ring_file"] else default_ring
-    hosts = hierarchical.discover()
+    import torch.distributed as dist
+
+    host_ids = cfg.get("host_ids")  # (on loopback, several ranks to a host: each faked by its id)
+    hosts = hierarchical.discover(host_ids[dist.get_rank()] if host_ids else None)
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "-")
     where = f"{cfg['init_method']}, GLOO_SOCKET_IFNAME={ifname}, torch {torch.__version__}"
     say(f"  N={cfg['world_size']}: {cfg['world_size']} ranks up, {hierarchical.describe(hosts)} ({where})")

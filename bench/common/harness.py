@@ -247,15 +247,17 @@ def sum_seconds(n: int, rate_bits: float | None, numel: int) -> float:
 
 
 def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float, what: str, ok_codes=(0,), per_host=1):
-    """One world: ranks 0..N-1 of `script --worker --rank R --config CONFIG` (cfg plus "out", where rank 0
-    writes its results), on emulated host r // per_host of `cl` (GLOO_SOCKET_IFNAME its NIC) or on
-    loopback (per_host > 1 faked through RING_HOST_ID), until all have exited. Rank 0's stdout is ours;
-    every rank's stderr goes to tmp/rank<R>-<tag>.log. A rank exiting with a code not in ok_codes, or
-    the timeout, stops the world: LaunchError (naming `what`, with each rank's stderr tail). Returns
-    rank 0's results with "load": what else used the machine meanwhile (warned about when not quiet).
+    """One world: ranks 0..N-1 of `script --worker --rank R --config CONFIG` (cfg plus "out", where rank 0 writes
+    its results), on emulated host r // per_host of `cl` (GLOO_SOCKET_IFNAME its NIC) or on loopback
+    (per_host > 1 faked: the config's "host_ids" name each rank's host), until all have exited. Rank 0's
+    stdout is ours; every rank's stderr goes to tmp/rank<R>-<tag>.log. A rank exiting with a code not in
+    ok_codes, or the timeout, stops the world: LaunchError (naming `what`, with each rank's stderr tail).
+    Returns rank 0's results with "load": what else used the machine meanwhile (warned about when not
+    quiet).
     """
     config, out_path = tmp / f"config-{tag}.json", tmp / f"result-{tag}.json"
-    config.write_text(json.dumps({**cfg, "out": str(out_path)}))
+    host_ids = [str(r // per_host) for r in range(cfg["world_size"])] if not cl and per_host > 1 else None
+    config.write_text(json.dumps({**cfg, "out": str(out_path), "host_ids": host_ids}))
     watch, procs, logs = LoadWatch(), [], []
     log_paths = [tmp / f"rank{r}-{tag}.log" for r in range(cfg["world_size"])]
     try:
@@ -264,8 +266,6 @@ def launch_world(script: str, cfg: dict, cl, tmp: Path, tag: str, timeout: float
             host = r // per_host
             env = {"GLOO_SOCKET_IFNAME": cl.nic(host) if cl else "lo", "OMP_NUM_THREADS": "1"}
             env.update(PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
-            if not cl and per_host > 1:
-                env["RING_HOST_ID"] = str(host)
             logs.append(open(path, "wb"))
             kw = dict(stdin=subprocess.DEVNULL, stdout=None if r == 0 else logs[-1], stderr=logs[-1], cwd=REPO)
             if cl:

@@ -3,8 +3,8 @@
 argv: rank world_size port out topology [topology ...]. A topology is the host id of ranks
 0, 1, ... ("0,0,1,1": ranks 0 and 1 share host 0, ranks 2 and 3 host 1); ranks beyond it sit
 that one out, so one world of processes checks many topologies. The first topology covers the
-world and is found the way train.py finds it: RING_HOST_ID (the test sets each rank's id in it)
-and discover(), through make_allreduce("hierarchical") with its default hosts; it is also summed
+world and is found the way train.py finds it: this rank's host id (its entry in that topology) handed
+to discover(), whose hosts make_allreduce("hierarchical") sums over; it is also summed
 with bfloat16 on the wire.
 The others go to Hierarchy directly.
 """
@@ -41,8 +41,9 @@ if __name__ == "__main__":
     for i, topology in enumerate(topologies):
         hosts = hierarchical.hosts_of(topology.split(","))
         if i == 0:
-            assert hierarchical.discover() == hosts, (hierarchical.discover(), hosts)
-            allreduce = make_allreduce("hierarchical")  # over discover()'s hosts, the default group's timeout
+            found = hierarchical.discover(topology.split(",")[rank])
+            assert found == hosts, (found, hosts)
+            allreduce = make_allreduce("hierarchical", hosts=found)  # the default group's timeout
         else:
             allreduce = make_allreduce("hierarchical", timeout=timeout, hosts=hosts)
         ring_group = None  # one rank per host: compare with `ring`

@@ -20,12 +20,12 @@ class RecordingSGD(torch.optim.SGD):
         return loss
 
 
-def periodic(rank, rounds=4, every=3):
+def periodic(rank, rounds=4, every=3, hosts=None):
     """--sync-every 3 on a tiny linear model, under every all-reduce and both outer steps, merging one
     step into the next round (and a round's end merge, and fp16, on the ring): at every step this
     rank's start point before it, its parameters after the optimizer and after the step, and the
     anchor; then 2 steps of a round cut short, and flush(); and once with --balance's weights. The
-    test replays it in float64."""
+    test replays it in float64. hosts: the hierarchical sum's (None: found out)."""
     results = {}
     plan = [(name, outer, "none", 1, "") for name in ALGORITHMS for outer in ("average", "nesterov")]
     plan += [("ring", "average", "none", 3, ""), ("ring", "nesterov", "fp16", 2, "")]
@@ -37,7 +37,7 @@ def periodic(rank, rounds=4, every=3):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         sync = PeriodicSync(
             model,
-            make_allreduce(name, chunks=3, own_group=True),
+            make_allreduce(name, chunks=3, own_group=True, hosts=hosts),
             make_compressor(wire, [list(model.parameters())]),
             optimizer,
             scheduler,

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from periodic_world import periodic
 
+from utils.comm import hierarchical
 from utils.comm.allreduce import ALGORITHMS, make_allreduce
 from utils.learn.model import Net, parameter_vector
 from utils.learn.training import make_optimizer
@@ -20,10 +21,10 @@ def inputs(rank, size):
     return torch.randn(size, generator=torch.Generator().manual_seed(10 * rank + size))
 
 
-def sums(rank):
+def sums(rank, hosts):
     results = {}
     for name in ALGORITHMS:
-        allreduce = make_allreduce(name, chunks=3, own_group=True)
+        allreduce = make_allreduce(name, chunks=3, own_group=True, hosts=hosts)
         for wire in (None, torch.bfloat16):
             for size in (1, 5, 1001):
                 flat = inputs(rank, size)
@@ -71,6 +72,7 @@ if __name__ == "__main__":
         world_size=world_size,
         timeout=datetime.timedelta(seconds=30),
     )
-    torch.save({**sums(rank), **training(rank, world_size), **periodic(rank)}, out)
+    hosts = hierarchical.discover("abc"[rank // 2])  # 2 ranks to a fake host, for the hierarchical sum
+    torch.save({**sums(rank, hosts), **training(rank, world_size), **periodic(rank, hosts=hosts)}, out)
     dist.barrier()
     dist.destroy_process_group()

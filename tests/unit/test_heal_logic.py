@@ -1,6 +1,6 @@
 """A job heals itself: the pure parts. The keeper's backoff (utils/setup/keeper.py), the choice
-between joining, resuming and starting, and a left-behind server's wait for its job over a fake
-transport (utils/elastic/rejoin.py). The real processes: tests/world/test_heal.py."""
+between joining, resuming and starting (utils/elastic/rejoin.py); a left-behind server's wait for its
+job over a fake transport: tests/unit/test_lifecycle.py. The real processes: tests/world/test_heal.py."""
 
 import json
 
@@ -8,9 +8,10 @@ import pytest
 from slurm_env import TASK
 
 from utils.elastic import rejoin
-from utils.elastic.rejoin import Checkpoint, How, choose, find_job, known_members, per_server
+from utils.elastic.rejoin import Checkpoint, How, choose, known_members, per_server
 from utils.errors import UsageError
 from utils.setup.config import Job, from_args
+from utils.setup.handoff import Handoff
 from utils.setup.keeper import Backoff, describe
 
 
@@ -52,47 +53,6 @@ def test_the_same_command_joins_resumes_or_starts(answered, checkpoint, resume, 
     assert choose(answered, checkpoint, resume) == how
 
 
-class FakeJob:
-    """The transport a waiting server sees: the members answer from ask `answers_at` on (None:
-    never); a whole restart forms at offer `forms_at` (None: never). Each call moves a fake clock."""
-
-    def __init__(self, answers_at=None, forms_at=None, seconds_per_call=5.0):
-        self.answers_at, self.forms_at, self.seconds = answers_at, forms_at, seconds_per_call
-        self.asks = self.offers = 0
-        self.now = 0.0
-
-    def ask(self):
-        self.asks += 1
-        self.now += self.seconds
-        return self.answers_at is not None and self.asks >= self.answers_at
-
-    def offer(self):
-        self.offers += 1
-        self.now += self.seconds
-        return self.forms_at is not None and self.offers >= self.forms_at
-
-    def clock(self):
-        return self.now
-
-
-def test_a_left_behind_server_joins_once_a_member_answers():
-    job = FakeJob(answers_at=4)  # the cable comes back after three asks
-    assert find_job(job.ask, job.offer, deadline=300.0, clock=job.clock) == How.JOIN
-    assert (job.asks, job.offers) == (4, 3)  # between asks it offered a whole restart, which did not form
-
-
-def test_it_takes_part_in_a_whole_restart_when_no_job_is_left():
-    job = FakeJob(forms_at=2)  # every other server came back to start the job again
-    assert find_job(job.ask, job.offer, deadline=300.0, clock=job.clock) == How.TRAINED
-    assert (job.asks, job.offers) == (2, 2)
-
-
-def test_it_gives_up_at_the_deadline_and_never_trains_alone():
-    job = FakeJob()  # nobody answers, nobody comes: it must not form a job of its own
-    assert find_job(job.ask, job.offer, deadline=60.0, clock=job.clock) is None
-    assert job.now <= 60.0 + job.seconds and job.asks - job.offers in (0, 1)
-
-
 def test_the_kept_members_are_checked_before_use(tmp_path):
     checkpoint = str(tmp_path / "c.pt")
     book = {
@@ -116,19 +76,20 @@ def test_the_kept_members_are_checked_before_use(tmp_path):
 
 def test_only_a_servers_own_command_looks_for_its_job():
     server = Job(rank=1, world_size=3, init_method="tcp://10.0.0.1:29500")
-    assert per_server(server, environ={})
-    assert not per_server(server, environ={rejoin.LOCAL_RANK: "1"})  # a rank of the local launcher
-    assert not per_server(Job(rank=1, world_size=3, init_method="env://", torchrun=True), environ={})
-    assert not per_server(Job(rank=1, world_size=3, init_method="tcp://h:1", recover=False), environ={})
-    assert not per_server(Job(rank=0, world_size=1, init_method="tcp://h:1"), environ={})
-    assert not per_server(Job(rank=None), environ={})
+    assert per_server(server, Handoff())
+    assert not per_server(server, Handoff(launched_locally=True))  # a rank of the local launcher
+    assert not per_server(Job(rank=1, world_size=3, init_method="env://", torchrun=True), Handoff())
+    assert not per_server(Job(rank=1, world_size=3, init_method="tcp://h:1", recover=False), Handoff())
+    assert not per_server(Job(rank=0, world_size=1, init_method="tcp://h:1"), Handoff())
+    assert not per_server(Job(rank=None), Handoff())
 
 
 def test_the_joined_line_says_how_long_the_server_was_out():
-    assert rejoin.absence({}) == ""
-    note = rejoin.absence({rejoin.OUT_SINCE: "0", "RING_RESTARTS": "2"})
+    assert rejoin.absence(Handoff()) == ""
+    note = rejoin.absence(Handoff(out_since=0.0, restarts=2))
     assert note.startswith("; back after ") and note.endswith(" s out (restart 2)")
-    assert rejoin.absence({rejoin.OUT_SINCE: "soon"}) == ""
+    with pytest.raises(UsageError):  # a time that is not one: refused where the handoff is read, in one line
+        Handoff.from_environ({"RING_HANDOFF": '{"out_since": "soon"}'})
 
 
 def test_restart_is_for_a_servers_own_command_and_refused_where_others_restart():

@@ -1,4 +1,4 @@
-"""The hierarchical ring (utils/comm/hierarchical.py) over loopback, hosts faked with RING_HOST_ID:
+"""The hierarchical ring (utils/comm/hierarchical.py) over loopback, hosts faked with a host id per rank:
 correct against a float64 reference, bit-identical on every rank, and `ring` itself when every
 host has one rank. 1-3 hosts × 1-3 ranks, uneven hosts, ranks of a host not numbered together,
 all in one world of 9 processes (a topology of fewer ranks uses ranks 0, 1, ...); and once with
@@ -17,7 +17,7 @@ from utils.comm.hierarchical import blocks, describe, hosts_of, plan
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "hierarchical_worker.py")
 
-# each rank's host id; the first covers the world (and is found through RING_HOST_ID)
+# each rank's host id; the first covers the world (and is found through discover())
 TOPOLOGIES = [
     "0,0,0,1,1,1,2,2,2",  # 3 hosts × 3 ranks
     "0",
@@ -39,14 +39,8 @@ WORLD = len(TOPOLOGIES[0].split(","))
 
 @pytest.mark.timeout(150)
 def test_hierarchical_sums_exactly_once_and_identically(tmp_path):
-    first = TOPOLOGIES[0].split(",")
     results = run_workers(
-        WORKER,
-        WORLD,
-        tmp_path,
-        TOPOLOGIES,
-        timeout=120,
-        env=lambda r: dict(os.environ, RING_HOST_ID=first[r], OMP_NUM_THREADS="1"),
+        WORKER, WORLD, tmp_path, TOPOLOGIES, timeout=120, env=lambda r: dict(os.environ, OMP_NUM_THREADS="1")
     )
     checked = 0
     for topology in TOPOLOGIES:
@@ -101,6 +95,8 @@ def test_uneven_hosts_train_and_say_so_once(tmp_path):
                 "25",
                 "--allreduce",
                 "hierarchical",
+                "--host-id",
+                host,
                 "--no-overlap",
                 "--metrics",
                 "",
@@ -109,7 +105,7 @@ def test_uneven_hosts_train_and_say_so_once(tmp_path):
                 "--checkpoint",
                 str(tmp_path / "c.pt"),
             ],
-            env=dict(os.environ, RING_HOST_ID=host, OMP_NUM_THREADS="1"),
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

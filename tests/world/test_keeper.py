@@ -13,8 +13,9 @@ KEEP = textwrap.dedent(
     """
     import sys
     from utils.setup import keeper
+    from utils.setup.handoff import Handoff
     say = lambda line: print(line, file=sys.stderr, flush=True)
-    sys.exit(keeper.keep(sys.argv[2:], sys.argv[1], "prog: rank 1", 3, say))
+    sys.exit(keeper.keep(sys.argv[2:], sys.argv[1], "prog: rank 1", 3, say, Handoff.from_environ()))
     """
 )
 
@@ -37,8 +38,9 @@ def test_a_refusal_or_bad_input_is_not_started_again(tmp_path):
 def test_a_crash_is_started_again_with_the_same_arguments_until_it_succeeds(tmp_path):
     program = """
         import os, signal, sys
+        from utils.setup.handoff import Handoff
         runs = len(os.listdir("."))  # prog.py, then one file a run
-        open(f"run{runs}-{'-'.join(sys.argv[1:])}-{os.environ['RING_RESTARTS'] if runs > 1 else 0}", "w").close()
+        open(f"run{runs}-{'-'.join(sys.argv[1:])}-{Handoff.from_environ().restarts}", "w").close()
         if runs == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         sys.exit(1 if runs == 2 else 0)

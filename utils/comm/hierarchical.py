@@ -33,10 +33,10 @@ the network namespace (the inode of /proc/self/ns/net) and the IPv4 address of t
 (GLOO_SOCKET_IFNAME). The hostname alone does not do: scripts/cluster.py's emulated hosts are
 network namespaces of one machine that share the hostname, and containers often share one
 ("localhost"). Ranks in one network namespace of one kernel reach each other over loopback,
-whatever they are called. RING_HOST_ID, when set, replaces the key: ranks with the same value
-share a host. It is a knob for tests (fake hosts over loopback) and for setups the key gets
+whatever they are called. train.py --host-id ID, when given, replaces the key: ranks with the same
+ID share a host. It is a knob for tests (fake hosts over loopback) and for setups the key gets
 wrong; a wrong grouping costs speed, never correctness. Under srun, train.py hands discover()
-Slurm's node (Job.host_id), which Slurm knows better than any key.
+Slurm's node, which Slurm knows better than any key (utils.setup.config.Job.host_id says which).
 
 Process groups: a Hierarchy holds the subgroups of one sum: one per host with more than one
 rank, one per cross-host ring. dist.new_group is a collective of all ranks, so every rank
@@ -62,12 +62,10 @@ MAX_PIECES = 32
 
 
 def host_key(host_id=None):
-    """What makes this rank's host: RING_HOST_ID if set, else `host_id` if given (Slurm's node),
-    else hostname, boot id, netns, gloo card."""
-    if os.environ.get("RING_HOST_ID"):
-        return "RING_HOST_ID=" + os.environ["RING_HOST_ID"]
+    """What makes this rank's host: `host_id` if given (--host-id, or Slurm's node), else hostname,
+    boot id, netns, gloo card."""
     if host_id:
-        return "RING_HOST_ID=" + host_id
+        return "host id " + host_id
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -23,6 +23,7 @@ from utils.elastic import key
 from utils.elastic.checks import MAX_SECONDS, Rejected
 from utils.elastic.wire import Ask, Envelope, Status
 from utils.errors import UsageError
+from utils.setup.handoff import Handoff
 
 WINDOW = 20  # images per second and the step time: over this rank's last WINDOW steps
 CANDIDATES = 64  # the asker tries the job's port + 0..63 (member r listens on port + r; utils/elastic/join.py)
@@ -39,7 +40,8 @@ class Record:
         self.epochs = epochs
         self.host, self.pid = socket.gethostname()[:255], os.getpid()
         # this server's restarts by its keeper (--restart) and comebacks after it lost the job (utils/elastic/rejoin.py)
-        self.restarts, self.rejoins = count(os.environ.get("RING_RESTARTS")), count(os.environ.get("RING_REJOINS"))
+        handoff = Handoff.from_environ()
+        self.restarts, self.rejoins = handoff.restarts, handoff.rejoins
         self.last = (0, 0, 0, None, None)  # epoch, step, steps in the epoch, share, mean loss
         self.recent = ()  # (own images, seconds) of the last WINDOW steps
 
@@ -74,11 +76,6 @@ class Record:
             "restarts": self.restarts,
             "rejoins": self.rejoins,
         }
-
-
-def count(text):
-    """A count from the environment: a whole number from 0, else 0."""
-    return int(text) if text and text.isdigit() and len(text) < 10 else 0
 
 
 def within(value, high):

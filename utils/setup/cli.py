@@ -29,6 +29,7 @@ from utils.setup.config import (
     OneLineParser,
     balance_mode,
     chunk_count,
+    host_id_text,
     momentum_value,
     non_negative_float,
     non_negative_int,
@@ -64,6 +65,13 @@ def make_parser(prog="train.py"):
         const="",
         metavar="HOST:PORT",
         help="join the running job at its next step, through --init-method or HOST:PORT of any member",
+    )
+    where.add_argument(
+        "--host-id",
+        type=host_id_text,
+        metavar="ID",
+        help="ranks with the same ID share a server, for --allreduce hierarchical (default: found out; "
+        "docs/gradient-sum.md)",
     )
     where.add_argument(
         "--key-file",

@@ -130,12 +130,14 @@ class Job:
     max_restarts: int = 10  # failures in a row after which the keeper gives up
     rejoin_timeout: float = 300.0  # seconds a server that lost the job waits to join it again (0: exit 1)
     slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
+    given_host_id: str | None = None  # --host-id: ranks with the same one share a server
 
     @property
     def host_id(self):
         """What names this rank's server for the hierarchical sum (utils.comm.hierarchical.discover):
-        Slurm's node, which Slurm knows; None: the sum finds out by itself."""
-        return f"slurm job {self.slurm.job_id} node {self.slurm.node_id}" if self.slurm else None
+        --host-id, else Slurm's node, which Slurm knows; None: the sum finds out by itself."""
+        slurm_node = f"slurm job {self.slurm.job_id} node {self.slurm.node_id}" if self.slurm else None
+        return self.given_host_id or slurm_node
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ def from_args(args, environ=os.environ):
     global_batch = args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH)
     timeline_steps = (args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None
     return Config(
-        job=as_given(args, Job, recover=recover, **where),
+        job=as_given(args, Job, recover=recover, given_host_id=args.host_id, **where),
         recipe=as_given(args, Recipe, global_batch=global_batch),
         sync=sync_of(args),
         outputs=as_given(args, Outputs, timeline_steps=timeline_steps, tensorboard=args.tensorboard or None),
@@ -407,6 +409,13 @@ def seed_value(text):
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
     return value
+
+
+def host_id_text(text):
+    """--host-id: a name of up to 255 printable characters."""
+    if not (0 < len(text) <= 255 and text.isprintable()):
+        raise argparse.ArgumentTypeError(f"expected a name of 1 to 255 printable characters, got {text[:300]!r}")
+    return text
 
 
 def non_negative_int(text):

@@ -5,27 +5,24 @@
     start(loaded, script, argv, env, ...)   fork; the child runs `python SCRIPT ARGV` and exits; its pid
     Child(pid, args)                a forked child as a Popen-like handle: poll, wait, signals
 
-Most of a rank's start is `import torch`: about 3 s of CPU on a 2-core test machine, as long as a
-small run's training. The local launcher (utils/setup/launch.py) and the tests (tests/support/forker.py) load it
-once and fork each rank from there, as torch's own DataLoader forks its workers. The child is a
-process of its own and runs the script as `python SCRIPT ARGV` would: the repository's modules
-imported afresh, its own environment, folder, standard streams and session, files it was not given
-closed (as Popen's close_fds), none of the parent's exit handlers, and the same exit code (a
-signal's death included).
+Most of a rank's start is `import torch`, as long as a small run's training (measured:
+bench/common/NOTES.md, "Forking instead of loading torch"). The local launcher
+(utils/setup/launch.py) and the tests (tests/support/forker.py) load it once and fork each rank from
+there, as torch's own DataLoader forks its workers. The child is a process of its own and runs the
+script as `python SCRIPT ARGV` would: the repository's modules imported afresh, its own environment,
+folder, standard streams and session, files it was not given closed (as Popen's close_fds), none of
+the parent's exit handlers, and the same exit code (a signal's death included).
 
 What a child cannot take afresh is what the libraries read when they loaded (AT_LOAD): those must
-be what the parent had, or `forkable` says no. OMP_NUM_THREADS is one of them: with torch loaded at
-2 threads and set to 1 in the children (torch.set_num_threads), DDP+PowerSGD's two ranks ended with
-different bits under load (bench/common/NOTES.md, "The test suite's time"); most likely a thread torch
-did not start (gloo's, running the hook's matrix products) keeps the count the libraries loaded
-with. A process forked from such a parent (a launcher forked by the tests' server) finds in
-LOADED_WITH what its torch loaded with.
+be what the parent had, or `forkable` says no. OMP_NUM_THREADS is one of them: a fork whose torch
+loaded with another thread count than the child's ended with other bits (bench/common/NOTES.md,
+"Forking instead of loading torch"). A process forked from such a parent (a launcher forked by the
+tests' server) finds in its handoff (utils/setup/handoff.py: torch_loaded_with) what its torch loaded with.
 """
 
 import atexit
 import ctypes
 import io
-import json
 import logging
 import os
 import runpy
@@ -38,11 +35,12 @@ import traceback
 import weakref
 from dataclasses import dataclass
 
+from utils.setup.handoff import Handoff
+
 # variables the libraries (or Python) read once, at load: a child must see the parent's
 AT_LOAD = ("TORCH_CPP_LOG_LEVEL", "MKL_", "DNNL_", "ONEDNN_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON")
 # ... but these the child sets for itself
 OWN = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
-LOADED_WITH = "RING_TORCH_LOADED_WITH"  # in a process that did not load its torch: the AT_LOAD variables it did
 LIBRARIES = ("/site-packages/", "/dist-packages/", f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/")
 PR_SET_PDEATHSIG, PR_SET_NAME, CLONE_NEWNET = 1, 15, 0x40000000
 
@@ -65,9 +63,8 @@ def preload():
     fork only from a process that has not run torch since (a fork after OpenMP's threads have run is
     not safe: the child's pool would wait for threads it does not have)."""
     pythonpath = os.environ.get("PYTHONPATH", "")
-    if "torch" in sys.modules:  # loaded before: only a fork parent's note says with what
-        said = os.environ.get(LOADED_WITH)
-        return Loaded(json.loads(said) if said else None, pythonpath, frozenset())
+    if "torch" in sys.modules:  # loaded before: only a fork parent's handoff says with what
+        return Loaded(Handoff.from_environ().torch_loaded_with, pythonpath, frozenset())
     before, loaded_with = _open_files(), at_load(os.environ)
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -123,19 +120,7 @@ def start(
 
 
 def _run_child(loaded, script, argv, env, cwd, stdio, process, ready):
-    new_session, die_with_parent, name, netns = process
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    if netns:
-        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {netns}")
-        os.close(fd)
-    if new_session:
-        os.setsid()
-    if die_with_parent:
-        libc.prctl(PR_SET_PDEATHSIG, die_with_parent)
-    if name:
-        libc.prctl(PR_SET_NAME, name.encode()[:15])
+    _become(*process)
     for target, fd in enumerate(stdio):
         if fd is not None and fd != target:
             os.dup2(fd, target)
@@ -152,7 +137,7 @@ def _run_child(loaded, script, argv, env, cwd, stdio, process, ready):
     if cwd is not None:
         os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(env, **{LOADED_WITH: json.dumps(loaded.env)})
+    os.environ.update(Handoff.from_environ(env).replace(torch_loaded_with=loaded.env).environ(env))
     script = os.path.abspath(script)
     _fresh_modules(script, env, loaded.pythonpath)
     sys.argv = [script, *argv]
@@ -174,6 +159,22 @@ def _run_child(loaded, script, argv, env, cwd, stdio, process, ready):
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def _become(new_session, die_with_parent, name, netns):
+    """The child's process of its own: network namespace, session, the parent's death, its name."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if netns:
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {netns}")
+        os.close(fd)
+    if new_session:
+        os.setsid()
+    if die_with_parent:
+        libc.prctl(PR_SET_PDEATHSIG, die_with_parent)
+    if name:
+        libc.prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def _own_exit_handlers():

@@ -1,6 +1,7 @@
 """--restart on-failure: the process on a server that keeps its rank's training alive.
 
-    keep(argv, prog, label, limit)   run train.py's training as a child; start it again when it fails
+    keep(argv, prog, label, limit, say, handoff)   run train.py's training as a child; start it again when it fails
+    after_child(code, said, stopped, backoff)      DONE, GIVE_UP or RESTART (and its delay) after a child (pure)
 
 A server's training process can end without the job ending: it crashed (kill -9, out of memory),
 it was cut off and its side had no majority, or it was frozen and the job went on without it.
@@ -27,11 +28,10 @@ import sys
 import time
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED
+from utils.setup.handoff import Handoff
+from utils.setup.lifecycle import State
 
 FIRST_DELAY, MAX_DELAY = 1.0, 60.0
-KEPT = "RING_KEPT"  # in a child's environment: the pipe to its keeper (trained() writes a byte into it)
-RESTARTS = "RING_RESTARTS"  # the child's restarts so far (its heartbeats carry it: --status)
-OUT_SINCE = "RING_OUT_SINCE"  # when the child before it failed (time.time()): utils/elastic/rejoin.py's too
 FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED)  # what ends the keeper: done, refused or bad input, stopped
 TRAINED_WORD, FINAL_WORD = b"t", b"f"  # what a child tells its keeper: it trains; it waited for its job in vain
 
@@ -59,43 +59,30 @@ def describe(code):
     return {EXIT_LOST_PEER: "lost the job (exit 1)"}.get(code, f"exit {code}")
 
 
-def keep(argv, prog, label, limit, say):
+def keep(argv, prog, label, limit, say, handoff):
     """Run `prog argv` as a child until it ends in a way that is not a failure; returns the exit code
-    to leave with. label: "train.py: rank 1"; say(line): one line to stderr."""
-    backoff, restarts, passed = Backoff(limit), 0, []
-    child = None
+    to leave with. label: "train.py: rank 1"; say(line): one line to stderr; handoff: this process's
+    (utils/setup/handoff.py), which each child gets with its keeper's pipe, restarts and time out."""
+    backoff, passed, child = Backoff(limit), [], []
 
     def pass_on(signum, _frame):  # a stop for the job: the child stops after its step; no restart after it
         passed.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, pass_on)
-    env = dict(os.environ)
     while True:
-        heard, told = os.pipe()
-        env[KEPT] = str(told)
-        child = subprocess.Popen([sys.executable, "-u", prog, *argv], env=env, pass_fds=(told,))
-        os.close(told)
-        code = child.wait()  # (a signal meanwhile is passed on, and the wait goes on)
-        os.set_blocking(heard, False)
-        try:
-            said = os.read(heard, 16)
-        except BlockingIOError:  # (nothing written, and the write end still open somewhere)
-            said = b""
-        os.close(heard)
-        if code in FINAL or passed or FINAL_WORD in said:
+        code, said = run_child(prog, argv, handoff, child)
+        state, delay = after_child(code, said, bool(passed), backoff)
+        if state == State.DONE:
             return code if code >= 0 else 128 - code
-        trained = TRAINED_WORD in said
-        delay = backoff.failed(trained)
-        if delay is None:
+        if state == State.GIVE_UP:
             say(f"{label}: gave up after {limit} restarts in a row, none of them training a step "
                 f"(last: {describe(code)}); the job goes on without this server")  # fmt: skip
             return EXIT_LOST_PEER
-        restarts += 1
-        say(f"{label}: training {describe(code)}; starting it again in {delay:g} s (restart {restarts})")
-        env = dict(env, **{RESTARTS: str(restarts), OUT_SINCE: repr(time.time())})
+        handoff = handoff.replace(restarts=handoff.restarts + 1, out_since=time.time())
+        say(f"{label}: training {describe(code)}; starting it again in {delay:g} s (restart {handoff.restarts})")
         waited = time.monotonic() + delay
         while time.monotonic() < waited and not passed:
             time.sleep(0.1)
@@ -103,25 +90,54 @@ def keep(argv, prog, label, limit, say):
             return 128 + passed[0]
 
 
-def trained(environ=os.environ):
-    """In a keeper's child, after each step: the first call tells the keeper this process trains."""
+def after_child(code, said, stopped, backoff):
+    """(State, delay): what the keeper does after a child ended with `code`, having written `said`
+    into its pipe; stopped: a stop signal came meanwhile. DONE (what is not a failure), GIVE_UP
+    (too many failures in a row), or RESTART after `delay` seconds."""
+    if code in FINAL or stopped or FINAL_WORD in said:
+        return State.DONE, None
+    delay = backoff.failed(TRAINED_WORD in said)
+    return (State.GIVE_UP, None) if delay is None else (State.RESTART, delay)
+
+
+def run_child(prog, argv, handoff, child):
+    """Start `prog argv` with the pipe to this keeper in its handoff (child: [the process], for the
+    signal handler) and wait for it: (its exit code, what it wrote into the pipe)."""
+    heard, told = os.pipe()
+    env = handoff.replace(keeper_pipe=told).environ(os.environ)
+    child[:] = [subprocess.Popen([sys.executable, "-u", prog, *argv], env=env, pass_fds=(told,))]
+    os.close(told)
+    code = child[0].wait()  # (a signal meanwhile is passed on, and the wait goes on)
+    os.set_blocking(heard, False)
+    try:
+        said = os.read(heard, 16)
+    except BlockingIOError:  # (nothing written, and the write end still open somewhere)
+        said = b""
+    os.close(heard)
+    return code, said
+
+
+def trained(handoff=None):
+    """In a keeper's child, after each step: the first call tells the keeper this process trains.
+    handoff: this process's (None: read it once)."""
     global _told
     if not _told:
         _told = True
-        tell(TRAINED_WORD, environ)
+        tell(TRAINED_WORD, handoff)
 
 
-def final(environ=os.environ):
+def final(handoff=None):
     """In a keeper's child that waited for its job in vain: the keeper must not start it again."""
-    tell(FINAL_WORD, environ)
+    tell(FINAL_WORD, handoff)
 
 
-def tell(word, environ):
-    if KEPT not in environ:
+def tell(word, handoff):
+    pipe = (Handoff.from_environ() if handoff is None else handoff).keeper_pipe
+    if pipe is None:
         return
     try:  # (the pipe stays open: its number must not name another file, here or after a rejoin's exec)
-        os.write(int(environ[KEPT]), word)
-    except (OSError, ValueError):
+        os.write(pipe, word)
+    except OSError:
         pass
 
 

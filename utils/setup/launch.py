@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
 from utils.setup import fork, stop
+from utils.setup.handoff import Handoff
 
 GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.2
@@ -190,34 +191,23 @@ def rank_flags(rank, world_size, port, interface):
     ]
 
 
-def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=False, fork_ranks=True):
+def launch_local(script, argv, nproc, prog="train.py", handoff=None, keep_going=False, fork_ranks=True):
     """Start `nproc` ranks of `script argv` over loopback and wait for all of them; the exit code.
+    handoff: what this launcher hands its ranks (utils/setup/handoff.py: its resume command, say);
+    they learn too that they are its ranks, not servers' commands, and that its pid stands for the job.
     keep_going: a rank that dies does not stop the others (they go on without it, --recover);
     the job then succeeds if every rank that ended by itself succeeded. fork_ranks=False: this
     process has run torch (a fork after OpenMP has run threads is not safe): start them afresh."""
     port, lo = free_port(), loopback_interface()
     threads = threads_per_rank(nproc)
     print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
-    env = dict(
-        environ or os.environ, OMP_NUM_THREADS=str(threads), RING_JOB_PID=str(os.getpid()), RING_LOCAL_RANK="1"
-    )  # the pid a refused job names: this launcher's; its ranks are not servers' commands (utils/elastic/rejoin.py)
-    # each rank a fork of this launcher once it has loaded torch (utils/setup/fork.py): ranks start in a
-    # moment instead of loading torch each; a variable torch reads at load set otherwise: exec them
-    loaded = fork.preload() if fork_ranks else None
-    env["PYTHONUNBUFFERED"] = "1"
+    handoff = (handoff or Handoff()).replace(job_pid=os.getpid(), launched_locally=True)
+    env = dict(handoff.environ(os.environ), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    loaded = fork.preload() if fork_ranks else None  # (before any thread)
     procs = []
     try:
         for r in range(nproc):
-            rank_argv = [*argv, *rank_flags(r, nproc, port, lo)]
-            if loaded and fork.forkable(env, loaded.env):
-                pid = fork.start(loaded, script, rank_argv, env, die_with_parent=signal.SIGTERM, name=f"rank {r}")
-                procs.append(fork.Child(pid, [script, *rank_argv]))
-            else:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-u", os.path.abspath(script), *rank_argv], env=env, preexec_fn=die_with_parent
-                    )
-                )
+            procs.append(start_rank(script, [*argv, *rank_flags(r, nproc, port, lo)], env, r, loaded))
         stop.install(prog)  # SIGTERM/SIGINT to the launcher go on to its ranks, which stop after a step, saved
         stop.forward_to(procs)
         outcome = supervise(
@@ -228,6 +218,21 @@ def launch_local(script, argv, nproc, prog="train.py", environ=None, keep_going=
     finally:
         for p in procs:
             kill(p)
+    return exit_code(outcome, keep_going, prog)
+
+
+def start_rank(script, argv, env, rank, loaded):
+    """One rank: a fork of this launcher once it has loaded torch (loaded: fork.preload's; see
+    utils/setup/fork.py), so that it starts in a moment instead of loading torch; exec'd afresh when a
+    variable torch reads at load is set otherwise, or loaded is None."""
+    if loaded and fork.forkable(env, loaded.env):
+        pid = fork.start(loaded, script, argv, env, die_with_parent=signal.SIGTERM, name=f"rank {rank}")
+        return fork.Child(pid, [script, *argv])
+    return subprocess.Popen([sys.executable, "-u", os.path.abspath(script), *argv], env=env, preexec_fn=die_with_parent)
+
+
+def exit_code(outcome, keep_going, prog):
+    """The launcher's exit code from what supervise saw, and the line that explains it if none did."""
     lost = [r for r, code in enumerate(outcome.codes) if code is not None and code < 0]
     said = next((code for code in outcome.codes if code is not None and code > 0), 0)  # a rank's own exit code
     if keep_going and lost and not said and 0 in outcome.codes:

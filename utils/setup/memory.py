@@ -1,13 +1,12 @@
 """glibc's malloc, told to keep the memory a training step frees for the next step.
 
-A step allocates and frees the same buffers every time (this CNN's activations and gradients at
-56 images a step: about 20 MB). glibc's malloc hands buffers over its mmap threshold back to the
-kernel when they are freed, and trims its heap's top past its trim threshold; it moves both
-limits by the sizes it sees, and for a training step they settle, in most runs, where every step
-gets fresh pages from the kernel: thousands of them, each faulted in and zeroed. Measured here
-(`python bench/balance/page_faults.py`, medians of 5 runs): a step of 56 images took 21.6 ms with 2,700
-page faults, 22.7 ms with 3,100 after 10 steps at 32 (as when --balance moves a share); with the
-limits below, 16.9 and 17.2 ms and none.
+A step allocates and frees the same buffers every time (this CNN's activations and gradients).
+glibc's malloc hands buffers over its mmap threshold back to the kernel when they are freed, and
+trims its heap's top past its trim threshold; it moves both limits by the sizes it sees, and for a
+training step they settle, in most runs, where every step gets fresh pages from the kernel:
+thousands of them, each faulted in and zeroed. With the fixed limits below the freed buffers stay
+for the next step (the page faults and the step's time measured: bench/balance/NOTES.md, "glibc's
+malloc limits").
 
 Fixed limits also turn glibc's own rule off. Only where the buffers live changes, never what is
 computed: torch aligns its buffers alike either way, so the bits stay the same.

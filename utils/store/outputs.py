@@ -113,9 +113,12 @@ def try_lock(fd, patience):
             time.sleep(0.05)
 
 
-def job_pid():
-    """The pid that stands for this job: the local launcher's, when it started this rank."""
-    return os.environ.get("RING_JOB_PID") or os.getpid()
+def job_pid(handoff=None):
+    """The pid that stands for this job: the local launcher's, when it started this rank (its
+    handoff says so: utils/setup/handoff.py; None: this process's own)."""
+    from utils.setup.handoff import Handoff
+
+    return (Handoff.from_environ() if handoff is None else handoff).job_pid or os.getpid()
 
 
 def holder(fd):
