@@ -1,5 +1,9 @@
 """The failure detector: heartbeats beside gloo on a small UDP socket, and fencing.
 
+Why this long: the beats and the inbox are one conversation: what a beat says (the generation,
+the state, a report, the decision this rank leads) follows from what the inbox heard, and both
+end a generation the same way (break_).
+
 Every heartbeat/5 seconds each rank tells every member "alive, generation g"; a member not heard
 for `heartbeat` seconds is taken for silent (SIGSTOP, a cut link, a frozen server). A generation
 ends (break_()) when gloo reports an error, when a member falls silent, or when a member says its
@@ -328,18 +332,7 @@ class Detector:
         with roster.lock:
             if roster.me not in roster.members:  # a server still joining: a member answers instead
                 return
-            now = time.monotonic()
-            answer = status.answer(
-                message.nonce,
-                roster.generation,
-                roster.state.value,
-                roster.members,
-                roster.book,
-                self.heard,
-                self.progress_of,
-                roster.me,
-                now,
-            )
+            answer = status.answer(message.nonce, roster, self.heard, self.progress_of, time.monotonic())
         try:
             self.sock.sendto(self.envelope.seal(answer, to=sender), source)
         except OSError:  # (too large for a datagram, or the asker's address is unreachable)
