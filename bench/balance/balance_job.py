@@ -12,7 +12,7 @@ from pathlib import Path
 
 from harness import REPO, throttle
 
-from utils.elastic.faults import read_events
+from utils.observe.instruments import environ_for, read_events
 from utils.setup.launch import die_with_parent, free_port, kill
 
 TRAIN = str(REPO / "train.py")
@@ -20,7 +20,7 @@ TRAIN = str(REPO / "train.py")
 
 class Job:
     """A loopback job of len(fractions) ranks, each held to its fraction of a core (None: free);
-    `changes`: (step, rank, fraction) applied once rank 0 reports that step (RING_EVENTS)."""
+    `changes`: (step, rank, fraction) applied once rank 0 reports that step (its events: RING_INSTRUMENTS)."""
 
     def __init__(self, fractions, args, folder, changes=(), timeout=900.0, train=TRAIN):
         self.fractions, self.args, self.folder, self.train = fractions, args, Path(folder), train
@@ -29,10 +29,10 @@ class Job:
         self.applied = []  # (time, step seen, rank, fraction)
 
     def run(self):
-        """(rank 0's stdout, the RING_EVENTS lines); raises if a rank fails or the job overruns."""
+        """(rank 0's stdout, the events its ranks logged); raises if a rank fails or the job overruns."""
         self.folder.mkdir(parents=True, exist_ok=True)
         n, port = len(self.fractions), free_port()
-        env = dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(self.events))
+        env = dict(os.environ, OMP_NUM_THREADS="1", **environ_for(events=str(self.events)))
         ranks, quotas = [], []
         logs = [open(self.folder / f"rank{r}.log", "w+") for r in range(n)]
         try:

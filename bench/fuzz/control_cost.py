@@ -5,9 +5,10 @@
 
 Part 1 runs `python train.py` with the original per-server command; every rank logs, at the end,
 the CPU seconds of its two control-plane threads (heartbeats and inbox: utils/elastic/detector.py)
-and of the whole process (RING_EVENTS). Part 2 times one heartbeat's journey, sealed and opened,
-side by side with and without authentication: the same message as plain JSON with the same
-checks, against it signed with HMAC-SHA256 and its counter checked (utils/elastic/wire.py).
+and of the whole process, as an event (RING_INSTRUMENTS: utils/observe/instruments.py). Part 2
+times one heartbeat's journey, sealed and opened, side by side with and without authentication:
+the same message as plain JSON with the same checks, against it signed with HMAC-SHA256 and its
+counter checked (utils/elastic/wire.py).
 """
 
 import argparse
@@ -25,6 +26,7 @@ import fuzz  # (the job's start: one process per rank, the original command)
 import harness  # noqa: F401  (first: puts the repository's utils/ on the path)
 
 from utils.elastic.wire import KINDS, Alive, Envelope
+from utils.observe.instruments import VARIABLE, environ_for, read_events
 from utils.setup.launch import supervise
 
 
@@ -60,14 +62,13 @@ def per_message_us(repeats, rounds=15):
 def run_and_read(ranks, args, timeout):
     folder = tempfile.mkdtemp(prefix="control-cost-")
     events = os.path.join(folder, "events.jsonl")
-    os.environ["RING_EVENTS"] = events
+    os.environ.update(environ_for(events=events))
     try:
         procs = fuzz.start(folder, fuzz.free_port(), ranks, args)
         outcome = supervise(procs, timeout=timeout, poll=0.2)
     finally:
-        del os.environ["RING_EVENTS"]
-    with open(events) as f:
-        rows = [json.loads(line) for line in f if '"control-plane"' in line]
+        del os.environ[VARIABLE]
+    rows = [e for e in read_events(events) if e["event"] == "control-plane"]
     return [p.returncode for p in procs], rows, outcome.outputs[0][0]
 
 

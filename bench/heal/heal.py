@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # bench/common: harness (run directly)
 from harness import REPO, RESULTS, bench_parser, command_line, host_info, netns, positive, results_stem, write_results
 
-from utils.elastic.faults import read_events
+from utils.observe.instruments import environ_for, read_events
 
 TRAIN = str(REPO / "train.py")
 HEARTBEAT = 2.0
@@ -50,12 +50,13 @@ FOUND = re.compile(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{
 
 
 class Job:
-    """One job on the cluster's 3 emulated servers, each started with `extra` (and its own env)."""
+    """One job on the cluster's 3 emulated servers, each started with `extra` (and its own faults:
+    rank -> a RING_INSTRUMENTS faults spec, utils/observe/instruments.py)."""
 
-    def __init__(self, cl, home, extra, envs=None, port=29500):
+    def __init__(self, cl, home, extra, faults=None, port=29500):
         self.cl, self.home, self.extra, self.port = cl, home, extra, port
         self.events = home / "events.jsonl"
-        self.envs = envs or {}
+        self.faults = faults or {}
         self.procs = {}
         for r in range(3):
             (home / f"host{r}").mkdir(parents=True)
@@ -63,7 +64,7 @@ class Job:
 
     def start(self, rank):
         """The server's command (again, after a reboot): output appended to its logs."""
-        env = {"OMP_NUM_THREADS": "1", "RING_EVENTS": str(self.events), **self.envs.get(rank, {})}
+        env = {"OMP_NUM_THREADS": "1", **environ_for(faults=self.faults.get(rank), events=str(self.events))}
         with open(self.home / f"rank{rank}.out", "ab") as out, open(self.home / f"rank{rank}.err", "ab") as err:
             argv = self.cl.train_argv(rank, self.port, self.extra)
             self.procs[rank] = self.cl.popen(rank, argv, env=env, cwd=self.home / f"host{rank}", stdout=out, stderr=err)
@@ -148,7 +149,7 @@ class Job:
 
 def oracle(changes, run, home):
     """The final digest of the same job stopped after each change's step and resumed on the new number
-    of ranks (the local launcher; RING_FAULT's SIGTERM stops it after that step)."""
+    of ranks (the local launcher; a fault's SIGTERM, RING_INSTRUMENTS, stops it after that step)."""
     legs, ranks = [], 3
     for step, world in changes:
         legs.append((ranks, step))
@@ -157,7 +158,8 @@ def oracle(changes, run, home):
     home.mkdir()
     result = None
     for i, (ranks, step) in enumerate(legs):
-        env = dict(os.environ, OMP_NUM_THREADS="1", **({"RING_FAULT": f"0:{step}:TERM"} if step is not None else {}))
+        stop = environ_for(faults=f"0:{step}:TERM") if step is not None else {}
+        env = dict(os.environ, OMP_NUM_THREADS="1", **stop)
         argv = [sys.executable, TRAIN, *run, "--nproc", str(ranks), *(["--resume"] if i else [])]
         result = subprocess.run(argv, cwd=home, env=env, capture_output=True, text=True, timeout=900)
         want = 3 if step is not None else 0
@@ -240,13 +242,13 @@ def cut_trial(cl, tmp, cut_seconds, train_subset):
 def storm_trial(cl, tmp, pairs, train_subset):
     """(epoch seconds with the storm, without a restart), per pair, in turns."""
     run = [*RUN, "--train-subset", str(train_subset), "--epochs", "1"]
-    fault = {2: {"RING_FAULT": "2:30:KILL,2:0:KILL:restart"}}
+    fault = {2: "2:30:KILL,2:0:KILL:restart"}
     out = []
     for i in range(pairs):
         arms = {}
         for arm in ("storm", "quiet") if i % 2 == 0 else ("quiet", "storm"):
             extra = [*run, *(["--restart", "on-failure", "--max-restarts", "5"] if arm == "storm" else [])]
-            job = Job(cl, tmp / f"storm{i}-{arm}", extra, envs=fault)
+            job = Job(cl, tmp / f"storm{i}-{arm}", extra, faults=fault)
             codes = job.wait(900)
             seconds = [row["seconds"] for row in job.metrics()]
             gave_up = "gave up after 5 restarts" in job.outputs(2)[1]

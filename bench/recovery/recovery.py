@@ -5,10 +5,10 @@
     python bench/recovery/recovery.py --faults 5 --world-size 3
     python bench/recovery/recovery.py --only cut --cut-rate 200mbit --faults 20  # link cuts mid-sum (root)
 
-Every trial is `python train.py` itself on N ranks (1 thread each). RING_FAULT (utils/elastic/faults.py)
-makes one rank, chosen at random (rank 0 included), send itself SIGKILL or SIGSTOP at a random
-step; RING_EVENTS records the fault's time and each survivor's first completed step after the
-change of members. Reported, as medians with min and max:
+Every trial is `python train.py` itself on N ranks (1 thread each). RING_INSTRUMENTS
+(utils/observe/instruments.py) makes one rank, chosen at random (rank 0 included), send itself
+SIGKILL or SIGSTOP at a random step, and logs the fault's time and each survivor's first completed
+step after the change of members. Reported, as medians with min and max:
 
     fault -> next completed step   the fault's time to the last survivor's first completed step
     steps lost                     completed steps redone: the step after the one they went on from
@@ -43,8 +43,8 @@ from harness import REPO, RESULTS, emulated_cluster
 from stats import md_head, md_row
 from targets import bound
 
-from utils.elastic.faults import read_events
 from utils.errors import EXIT_STOPPED
+from utils.observe.instruments import environ_for, read_events
 from utils.setup.launch import free_port, kill, supervise
 from utils.sync.waits import ABANDON_SECONDS
 
@@ -71,7 +71,7 @@ def fault_trial(kind, world_size, rng, tmp):
     rank, step = rng.randrange(world_size), rng.randrange(STEPS // 10 + 2, STEPS - STEPS // 10)
     cwd = Path(tempfile.mkdtemp(dir=tmp))
     fault = f"{rank}:{step}:{'KILL' if kind == 'kill' else 'STOP'}"
-    env = dict(os.environ, RING_FAULT=fault, RING_EVENTS=str(cwd / "events.jsonl"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, **environ_for(faults=fault, events=str(cwd / "events.jsonl")), OMP_NUM_THREADS="1")
     proc = start([*RUN, "--nproc", str(world_size), "--heartbeat", str(HEARTBEAT)], cwd, env, subprocess.PIPE)
     outcome = supervise([proc], timeout=240)
     if outcome.codes != [0]:
@@ -96,7 +96,7 @@ def join_trial(world_size, rng, tmp):
     log = cwd / "events.jsonl"
     common = f"--world-size {world_size} --init-method tcp://127.0.0.1:{port} --gloo_socket_ifname lo".split()
     common += [*RUN, "--epochs", "60", "--heartbeat", str(JOIN_HEARTBEAT)]
-    env = dict(os.environ, RING_FAULT=f"{rank}:{step}:KILL", RING_EVENTS=str(log), OMP_NUM_THREADS="1")
+    env = dict(os.environ, **environ_for(faults=f"{rank}:{step}:KILL", events=str(log)), OMP_NUM_THREADS="1")
     ranks = [start(["--rank", str(r), *common], cwd, env) for r in range(world_size)]
     joiner, stopped = None, []
 
@@ -110,7 +110,7 @@ def join_trial(world_size, rng, tmp):
         deadline = time.monotonic() + 120
         while ranks[rank].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        joiner = start(["--rank", str(rank), *common, "--join"], cwd, dict(env, RING_FAULT=""))
+        joiner = start(["--rank", str(rank), *common, "--join"], cwd, dict(env, **environ_for(events=str(log))))
         members = [*[r for i, r in enumerate(ranks) if i != rank], joiner]
         outcome = supervise(members, timeout=240, grace=None, ok_codes=(0, EXIT_STOPPED), while_running=joined)
     finally:
@@ -141,7 +141,10 @@ def cut_trial(cl, flags, victim, delay, tmp, port, train=TRAIN):
             home.mkdir()
             argv = cl.train_argv(r, port, [*RUN, "--heartbeat", str(HEARTBEAT), "--save-every", "5", flags])
             argv[2] = train  # the train.py under test (--baseline: an older one)
-            kw = dict(env={"OMP_NUM_THREADS": "1", "RING_EVENTS": str(log)}, cwd=home)
+            env = {"OMP_NUM_THREADS": "1", **environ_for(events=str(log))}
+            if train != TRAIN:  # an older train.py, from before RING_INSTRUMENTS, logs where RING_EVENTS says
+                env["RING_EVENTS"] = str(log)
+            kw = dict(env=env, cwd=home)
             procs.append(cl.popen(cl.host_of(r), argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw))
         deadline = time.monotonic() + 120
         while not (cwd / "host0" / "runs" / "checkpoint.pt").exists() and time.monotonic() < deadline:

@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # bench/common: harness, stats (run directly)
 from harness import REPO, RESULTS, bench_parser, command_line, host_info, positive, results_stem, write_results
 
+from utils.observe.instruments import environ_for
 from utils.setup.launch import free_port, kill
 
 TRAIN = str(REPO / "train.py")
@@ -110,7 +111,7 @@ class Soak:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                env=dict(os.environ, OMP_NUM_THREADS="1", RING_EVENTS=str(self.events)),
+                env=dict(os.environ, OMP_NUM_THREADS="1", **environ_for(events=str(self.events))),
             )
         self.joins += join
 

@@ -3,8 +3,8 @@
     python bench/recovery/recovery_sums.py                      # every --allreduce x --compress, about 16 runs
     python bench/recovery/recovery_sums.py --only hierarchical  # the combinations whose name contains this
 
-For each combination, `python train.py --nproc 3` (the local launcher, 30 steps) with RING_FAULT
-making rank 1 send itself SIGKILL during step 13's gradient sum (utils/elastic/faults.py). It must
+For each combination, `python train.py --nproc 3` (the local launcher, 30 steps) with RING_INSTRUMENTS
+making rank 1 send itself SIGKILL during step 13's gradient sum (utils/observe/instruments.py). It must
 go on with 2 ranks and finish with identical parameters on both; with PowerSGD, saying that the
 lost rank's error feedback is dropped. tests/world/test_recovery.py runs one combination (hierarchical
 with PowerSGD); this runs them all. Exit code 1 when any fails.
@@ -12,6 +12,7 @@ with PowerSGD); this runs them all. Exit code 1 when any fails.
 
 import argparse
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def trial(extra):
             result = subprocess.run(
                 [sys.executable, str(REPO / "train.py"), *RUN, *extra, "--metrics", ""],
                 cwd=cwd,
-                env=dict(os.environ, RING_FAULT=FAULT),
+                env=dict(os.environ, RING_INSTRUMENTS=json.dumps({"faults": FAULT})),  # (instruments.environ_for's)
                 capture_output=True,
                 text=True,
                 timeout=300,

@@ -11,7 +11,7 @@ import pytest
 import throttle
 
 from utils.balance.shares import REVIEW
-from utils.elastic.faults import read_events
+from utils.observe.instruments import environ_for, read_events
 
 RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
 
@@ -19,9 +19,9 @@ RUN = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--tim
 def throttled_run(tmp_path, extra, fractions=(0.8, 0.3)):
     """2 ranks over loopback, each held to its fraction of a core from its start (both: so that on
     a machine busy with other tests rank 0 is still well ahead of rank 1); (stdout of
-    rank 0, the epoch's metrics row, the RING_EVENTS lines)."""
+    rank 0, the epoch's metrics row, the events logged (RING_INSTRUMENTS))."""
     events = tmp_path / "events.jsonl"
-    ranks = procs.start_ranks(2, [*RUN, *extra], cwd=str(tmp_path), env={"RING_EVENTS": str(events)})
+    ranks = procs.start_ranks(2, [*RUN, *extra], cwd=str(tmp_path), env=environ_for(events=str(events)))
     try:
         with throttle.CpuQuota("test-balance-0") as fast, throttle.CpuQuota("test-balance-1") as slow:
             for quota, rank, fraction in ((fast, ranks[0], fractions[0]), (slow, ranks[1], fractions[1])):

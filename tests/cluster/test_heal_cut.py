@@ -11,7 +11,7 @@ from forker import popen
 from hosts import ENV, NICS, remember, report, start_ranks, wait_ranks
 from procs import checkpoint_position
 
-from utils.elastic.faults import read_events
+from utils.observe.instruments import environ_for, read_events
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
 
@@ -36,7 +36,7 @@ CUT_SECONDS = 12
 def test_a_server_cut_off_waits_for_the_cable_and_joins_the_job_again(tmp_path):
     with remember(cluster.Cluster(3, nics=NICS, starter=popen)) as c:
         events = tmp_path / "events.jsonl"
-        env = dict(ENV, RING_EVENTS=str(events))
+        env = dict(ENV, **environ_for(events=str(events)))
         procs = start_ranks(c, [c.train_argv(r, 29500, RUN) for r in range(3)], tmp_path, env=env)
         home = tmp_path / "host0" / "runs" / "checkpoint.pt"
         deadline = time.monotonic() + 120

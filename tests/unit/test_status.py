@@ -58,8 +58,9 @@ def started_pair():
     a, b = Membership(0, 5.0, "127.0.0.1", KEY), Membership(1, 5.0, "127.0.0.1", KEY)
     book = {m.me: {"address": list(m.address), "pid": 100 + m.me, "host": "h"} for m in (a, b)}
     for m in (a, b):
-        m.progress = status.Record(2)
-        m.progress.stepped(1, 5 + m.me, 30, 32, 64, 0.1, 1.5)
+        record = status.Record(2)
+        record.stepped(1, 5 + m.me, 30, 32, 64, 0.1, 1.5)
+        m.carry(record)
         m.start(book, "00ff")
     return a, b
 
@@ -74,15 +75,15 @@ def test_any_member_answers_for_every_member_and_a_wrong_key_gets_nothing():
     assert all(None not in m.values() for m in job["members"]), job
     lines = status.table(job)
     assert len(lines) == 4 and lines[1].split()[:3] == ["rank", "host", "pid"], lines
-    before = a.rejected["signature"] + b.rejected["signature"]
+    before = a.detector.rejected["signature"] + b.detector.rejected["signature"]
     assert status.ask("127.0.0.1", a.address[1], b"another key, of thirty-two bytes", seconds=0.5) is None
-    assert a.rejected["signature"] + b.rejected["signature"] > before
+    assert a.detector.rejected["signature"] + b.detector.rejected["signature"] > before
     spoofed = Envelope(KEY, ASKER).seal(Ask("cd" * 6))  # a name that is not its question's
     __import__("socket").socket(2, 2).sendto(spoofed, tuple(a.address))
     deadline = time.monotonic() + 5
-    while not a.rejected["sender"] and time.monotonic() < deadline:
+    while not a.detector.rejected["sender"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert a.rejected["sender"] == 1
+    assert a.detector.rejected["sender"] == 1
 
 
 def test_addresses_of_the_status_question():

@@ -132,12 +132,14 @@ def test_a_member_counts_bad_datagrams_and_its_threads_live_on():
     ]:
         attacker.sendto(datagram, member.address)
     deadline = time.monotonic() + 10
-    while sum(member.rejected.values()) < 5 and time.monotonic() < deadline:
+    while sum(member.detector.rejected.values()) < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert member.rejected["size"] == 3 and member.rejected["signature"] == 2, member.rejected
+    assert member.detector.rejected["size"] == 3 and member.detector.rejected["signature"] == 2, (
+        member.detector.rejected
+    )
     assert {t.name for t in __import__("threading").enumerate()} >= {"membership-receive", "membership-beat"}
     time.sleep(0.5)  # the peer's beats still count
-    assert not member.broken.is_set() and time.monotonic() - member.heard[1] < 1.0
+    assert not member.broken.is_set() and time.monotonic() - member.detector.heard[1] < 1.0
 
 
 def test_the_key_from_a_file_the_environment_or_a_copy(tmp_path):

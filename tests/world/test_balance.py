@@ -10,7 +10,7 @@ import procs
 import pytest
 from procs import final_digest
 
-from utils.elastic.faults import read_events
+from utils.observe.instruments import environ_for, read_events
 
 
 def last_row(folder):
@@ -23,7 +23,7 @@ K = 12  # of 30 steps
 
 
 def faulted(fault, args, cwd):
-    return procs.train([*SHORT, *args], timeout=200, cwd=cwd, env=dict(os.environ, RING_FAULT=fault))
+    return procs.train([*SHORT, *args], timeout=200, cwd=cwd, env=dict(os.environ, **environ_for(faults=fault)))
 
 
 LATE = 26  # of 30 steps: too few left for a measuring --balance to move (its codes need MEASURED timed steps)
@@ -93,7 +93,7 @@ def test_a_lost_rank_while_measuring_the_survivors_measure_afresh_and_end_identi
     """Rank 2 of 3 killed as step K+1 begins under a measuring --balance: the two left start again
     from equal shares (a new group), cut each step alike and end with identical parameters."""
     events = tmp_path / "events.jsonl"
-    env = dict(os.environ, RING_FAULT=f"2:{K + 1}:KILL", RING_EVENTS=str(events))
+    env = dict(os.environ, **environ_for(faults=f"2:{K + 1}:KILL", events=str(events)))
     shrunk = procs.train([*SHORT, "--nproc", "3", "--balance"], timeout=200, cwd=str(tmp_path), env=env)
     assert shrunk.returncode == 0 and "parameters identical on all 2 ranks" in shrunk.stdout, shrunk.stderr[-3000:]
     row = last_row(tmp_path)

@@ -11,6 +11,8 @@ import procs
 import pytest
 from procs import final_digest
 
+from utils.observe.instruments import environ_for
+
 RUN = ["--epochs", "1", "--train-subset", "60000", "--test-subset", "200", "--timeout", "60", "--heartbeat", "2"]
 STEPS = 938  # 60,000 images, 64 a step
 
@@ -24,7 +26,7 @@ def stop_and_resume(cwd, legs):
     """The oracle: a local job stopped after each leg's step and resumed on the next leg's ranks;
     legs: [(ranks, stop after step or None)]. Returns the final digest."""
     for i, (ranks, step) in enumerate(legs):
-        env = dict(os.environ, RING_FAULT=f"0:{step}:TERM") if step is not None else None
+        env = dict(os.environ, **environ_for(faults=f"0:{step}:TERM")) if step is not None else None
         result = procs.train([*RUN, "--nproc", str(ranks), *(["--resume"] if i else [])], 300, str(cwd), env)
         if step is not None:
             assert result.returncode == 3 and f"step {step}/{STEPS}" in result.stderr, result.stderr
@@ -37,7 +39,7 @@ def test_a_killed_server_comes_back_by_itself_and_the_job_ends_as_a_stop_and_res
     """--restart on-failure on every server; rank 1's training is killed (-9) at step 40. Its keeper
     starts it again, it finds the job and joins it; the job ends on 3 ranks with the bits of the same
     job stopped where it lost rank 1, resumed on 2, stopped where rank 1 came back, resumed on 3."""
-    env = {"RING_FAULT": "1:40:KILL", "RING_FAULT_ONCE": str(tmp_path / "fired")}
+    env = environ_for(faults="1:40:KILL", once=str(tmp_path / "fired"))
     ranks = procs.start_ranks(3, [*RUN, "--restart", "on-failure"], cwd=tmp_path, env=env)
     try:
         results = procs.wait_all(ranks, timeout=400)
@@ -67,7 +69,7 @@ def test_the_same_command_run_again_joins_a_running_job_and_resumes_a_stopped_on
     stopped as a whole (SIGTERM), the same commands again (no --resume) resume it, bit for bit as a
     job never stopped."""
     run = [*RUN[:3], "19200", *RUN[4:]]  # 300 steps
-    ranks = procs.start_ranks(3, run, cwd=tmp_path, env={"RING_FAULT": "2:30:KILL"})
+    ranks = procs.start_ranks(3, run, cwd=tmp_path, env=environ_for(faults="2:30:KILL"))
     port = int(re.search(r"tcp://127.0.0.1:(\d+)", " ".join(ranks[0].args)).group(1))
     again = None
     try:
@@ -83,7 +85,7 @@ def test_the_same_command_run_again_joins_a_running_job_and_resumes_a_stopped_on
 
     whole = tmp_path / "whole"
     whole.mkdir()
-    ranks = procs.start_ranks(3, run, cwd=whole, env={"RING_FAULT": "0:100:TERM"})
+    ranks = procs.start_ranks(3, run, cwd=whole, env=environ_for(faults="0:100:TERM"))
     first = procs.wait_all(ranks, timeout=200)
     assert [code for code, _, _ in first] == [3, 3, 3], [err for _, _, err in first]
     ranks = procs.start_ranks(3, run, cwd=whole)  # the same commands again
@@ -102,7 +104,7 @@ def test_a_server_that_fails_at_every_restart_is_given_up_and_the_job_goes_on(tm
     (1 s, 2 s) and gives up after --max-restarts 2 in one line; the job ends on 2 ranks."""
     run = [*RUN[:3], "19200", *RUN[4:]]
     port = procs.free_port()
-    env = {"RING_FAULT": "2:30:KILL,2:0:KILL:restart"}
+    env = environ_for(faults="2:30:KILL,2:0:KILL:restart")
     ranks = [procs.start_rank(r, 3, run, port, tmp_path, env) for r in range(2)]
     ranks.append(procs.start_rank(2, 3, [*run, "--restart", "on-failure", "--max-restarts", "2"], port, tmp_path, env))
     try:
@@ -126,7 +128,7 @@ def test_a_frozen_server_that_wakes_finds_the_job_gone_on_and_joins_it_again(tmp
     """SIGSTOP at step 30: the others go on without rank 2 after --heartbeat. SIGCONT: it learns it was
     fenced out, waits for the job (--rejoin-timeout) and joins it at its next step, by itself."""
     events = tmp_path / "events.jsonl"
-    ranks = procs.start_ranks(3, RUN, cwd=tmp_path, env={"RING_FAULT": "2:30:STOP", "RING_EVENTS": str(events)})
+    ranks = procs.start_ranks(3, RUN, cwd=tmp_path, env=environ_for(faults="2:30:STOP", events=str(events)))
     try:
         procs.wait_for(lambda: procs.stat(ranks[2].pid)[0] == "T", 120, "rank 2 to stop itself")
         procs.wait_for(lambda: '"after": "shrank"' in events.read_text(), 60, "the others to go on without rank 2")

@@ -1,5 +1,5 @@
-"""A lost rank costs at most the step in flight: real processes, real signals (RING_FAULT makes a
-rank send itself SIGKILL, SIGSTOP or SIGTERM at a chosen step, utils/elastic/faults.py).
+"""A lost rank costs at most the step in flight: real processes, real signals (RING_INSTRUMENTS's
+faults make a rank send itself SIGKILL, SIGSTOP or SIGTERM at a chosen step, utils/observe/instruments.py).
 
 The oracle: a job that loses a rank as step k+1 begins and goes on in place must end with the same
 bits as the same job stopped by SIGTERM after step k and resumed with --resume on the survivors.
@@ -15,14 +15,14 @@ import procs
 import pytest
 from procs import checkpoint_position, final_digest
 
-from utils.elastic.faults import read_events
+from utils.observe.instruments import environ_for, read_events
 
 SHORT = ["--epochs", "1", "--train-subset", "1920", "--test-subset", "200", "--timeout", "60"]
 K = 12  # the step the faults come after (30 steps in all)
 
 
 def faulted(fault, args, cwd, timeout=120):
-    return procs.train([*SHORT, *args], timeout=timeout, cwd=cwd, env=dict(os.environ, RING_FAULT=fault))
+    return procs.train([*SHORT, *args], timeout=timeout, cwd=cwd, env=dict(os.environ, **environ_for(faults=fault)))
 
 
 _references = {}  # (flags, k) -> digest; --lazy-update changes when updates apply, not the bits
@@ -136,7 +136,7 @@ def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
     launcher = procs.popen(
         [procs.sys.executable, procs.TRAIN, *args],
         cwd=tmp_path,
-        env=dict(os.environ, RING_FAULT=f"2:{K + 1}:STOP", RING_EVENTS=str(events)),
+        env=dict(os.environ, **environ_for(faults=f"2:{K + 1}:STOP", events=str(events))),
         text=True,
         stdout=procs.subprocess.PIPE,
         stderr=procs.subprocess.PIPE,
@@ -251,7 +251,7 @@ def test_a_join_at_an_epochs_last_step_logs_the_first_step_on_the_new_members_in
     once it is seen; lost at an epoch's end, a trial ran on to the job's end and failed."""
     events = tmp_path / "events.jsonl"
     run = ["--epochs", "400", "--train-subset", "64", "--test-subset", "100", "--timeout", "60"]
-    port, env = procs.free_port(), {"RING_EVENTS": str(events)}
+    port, env = procs.free_port(), environ_for(events=str(events))
     ranks = procs.start_ranks(2, run, port, str(tmp_path), env=env)
     joiner = None
     try:
@@ -296,7 +296,7 @@ def test_under_torchrun_a_restart_resumes_from_the_step_before_the_fault(tmp_pat
     (tmp_path / "straight").mkdir()
     straight = procs.train([*SHORT, "--metrics", ""], timeout=120, cwd=str(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr
-    env = dict(os.environ, OMP_NUM_THREADS="1", RING_FAULT=f"1:{K + 1}:KILL", RING_FAULT_ONCE=str(tmp_path / "fired"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", **environ_for(faults=f"1:{K + 1}:KILL", once=str(tmp_path / "fired")))
     result = procs.run(
         [
             procs.sys.executable,
@@ -348,7 +348,7 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
     ]  # 400 steps: still running when rank 0 is back
     events, port = tmp_path / "events.jsonl", procs.free_port()
     ranks = procs.start_ranks(
-        5, args, port, str(tmp_path), env={"RING_FAULT": f"0:{K}:STOP:sum,4:0:KILL:join", "RING_EVENTS": str(events)}
+        5, args, port, str(tmp_path), env=environ_for(faults=f"0:{K}:STOP:sum,4:0:KILL:join", events=str(events))
     )
     joiner = None
     try:
@@ -358,7 +358,7 @@ def test_five_ranks_rank_0_frozen_in_a_sum_then_a_rank_killed_while_rank_0_rejoi
         fenced = procs.supervise([ranks[0]], timeout=30, grace=None, poll=0.05)
         assert not fenced.timed_out and ranks[0].returncode == 1, fenced.outputs
         assert "train.py: rank 0: the job went on without this rank (generation 1)" in fenced.outputs[0][1]
-        joiner = procs.start_rank(0, 5, [*args, "--join"], port, tmp_path, env={"RING_EVENTS": str(events)})
+        joiner = procs.start_rank(0, 5, [*args, "--join"], port, tmp_path, env=environ_for(events=str(events)))
         results = procs.wait_all([*ranks[1:], joiner], timeout=300)
     finally:
         for p in [*ranks, *([joiner] if joiner else [])]:

@@ -10,6 +10,8 @@ import procs
 import pytest
 from procs import final_digest
 
+from utils.observe.instruments import environ_for
+
 SHORT = ["--epochs", "1", "--train-subset", "3200", "--test-subset", "1000", "--timeout", "60"]  # 50 steps
 FP16 = ["--compress", "fp16"]
 
@@ -91,7 +93,7 @@ def test_a_stop_mid_round_resumes_bit_for_bit(h8_nesterov, tmp_path):
     stopped_dir.mkdir()
     args = [*SHORT, "--sync-every", "8", "--outer", "nesterov", *FP16, "--metrics", "m.jsonl"]
     straight = h8_nesterov[0]  # the same run, which also wrote a timeline
-    stopped = procs.train(args, cwd=str(stopped_dir), env=dict(os.environ, RING_FAULT="0:21:TERM"))
+    stopped = procs.train(args, cwd=str(stopped_dir), env=dict(os.environ, **environ_for(faults="0:21:TERM")))
     assert stopped.returncode == 3 and "stopped after epoch 1, step 28/50" in stopped.stderr, stopped.stderr
     shutil.copytree(stopped_dir, resized_dir)
 
@@ -121,7 +123,7 @@ def test_a_lost_rank_is_seen_at_a_rounds_end_and_the_others_go_on(tmp_path):
     result = procs.train(
         [*SHORT, "--nproc", "3", "--sync-every", "8", "--metrics", "m.jsonl"],
         cwd=str(tmp_path),
-        env=dict(os.environ, RING_FAULT="1:20:KILL"),
+        env=dict(os.environ, **environ_for(faults="1:20:KILL")),
     )
     assert result.returncode == 0, result.stderr
     # the round ending at step 24 sums in the background; its failure, or the next one's, is seen at its merge

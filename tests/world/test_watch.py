@@ -14,6 +14,8 @@ import pytest
 from procs import checkpoint_position
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from utils.observe.instruments import environ_for
+
 LONG = ["--epochs", "2", "--test-subset", "200", "--timeout", "60", "--save-every", "20", "--tensorboard", "tb"]
 FIELDS = {"rank", "id", "host", "pid", "epoch", "epochs", "step", "steps", "images_per_second", "share"}
 FIELDS |= {"heartbeat_seconds_ago", "loss", "seconds_left", "restarts", "rejoins"}
@@ -179,7 +181,9 @@ def test_event_files_read_back_and_a_resume_continues_the_same_steps(tmp_path):
         bad.stderr
     )
 
-    stopped = procs.train(SHORT, timeout=120, cwd=str(tmp_path), env=dict(os.environ, RING_FAULT="0:13:TERM"))
+    stopped = procs.train(
+        SHORT, timeout=120, cwd=str(tmp_path), env=dict(os.environ, **environ_for(faults="0:13:TERM"))
+    )
     assert stopped.returncode == 3 and "stopped after epoch 2, step 3/10" in stopped.stderr, stopped.stderr
     _, before = scalars(tmp_path / "tb")
     assert [s for s, _ in before["train/loss"]][-1] >= 13  # (steps past the checkpoint's may be drawn: purged below)

@@ -1,8 +1,8 @@
 """The survivors' agreement as pure logic: from what a rank has heard to what it does next.
 
 No sockets, no clocks, no torch: utils/elastic/membership.py gathers a View every 10 ms while
-it recovers and acts on assess()'s answer; tests/unit/test_agreement.py runs whole jobs of these
-over a fake network.
+it recovers (from its Ballot, this rank's side of the agreement, and what its detector heard) and
+acts on assess()'s answer; tests/unit/test_agreement.py runs whole jobs of these over a fake network.
 
     every rank:  "recovering g, my position (epoch, step)"   to every member, every 50 ms
     a member is gone when its port refuses (a killed process), or it stays silent
@@ -63,6 +63,38 @@ class Fenced(Exception):
             f"the job went on without this rank (generation {generation}); it wrote nothing (the "
             f"survivors hold the job's checkpoint)"
         )
+
+
+class Ballot:
+    """This rank's side of an agreement in progress: its own position and try, and what the other
+    members' beats reported and named (utils/elastic/detector.py hears them). Read and changed under
+    the roster's lock (utils/elastic/roster.py)."""
+
+    def __init__(self):
+        self.report = None  # while recovering: this rank's position, [epoch, step]
+        self.attempt = 0  # while recovering: how many decisions did not form
+        self.reports = {}  # member -> (generation, attempt, report) its last recovering beat carried
+        self.named = {}  # member -> the generation in which a survivor saw it fall silent
+
+    def begin(self, report, attempt):
+        self.report, self.attempt = report, attempt
+
+    def heard(self, sender, g, attempt, report, lost):
+        """A member's recovering beat: its report, and the member it saw fall silent (or None)."""
+        self.reports[sender] = (g, attempt, report)
+        if lost is not None:
+            self.named[lost] = g
+
+    def clear(self):
+        """A generation formed: nothing of the last agreement counts."""
+        self.report, self.reports, self.named = None, {}, {}
+
+    def reports_for(self, generation, attempt):
+        """{member: report} that the others' beats carried for this generation and attempt."""
+        return {m: r for m, (g, a, r) in self.reports.items() if g == generation and a == attempt}
+
+    def named_in(self, generation):
+        return frozenset(m for m, g in self.named.items() if g == generation)
 
 
 def has_quorum(alive, members):

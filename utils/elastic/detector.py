@@ -1,5 +1,9 @@
 """The failure detector: heartbeats beside gloo on a small UDP socket, and fencing.
 
+Why this long: the beats and the inbox are one conversation: what a beat says (the generation,
+the state, a report, the decision this rank leads) follows from what the inbox heard, and both
+end a generation the same way (break_).
+
 Every heartbeat/5 seconds each rank tells every member "alive, generation g"; a member not heard
 for `heartbeat` seconds is taken for silent (SIGSTOP, a cut link, a frozen server). A generation
 ends (break_()) when gloo reports an error, when a member falls silent, or when a member says its
@@ -10,8 +14,11 @@ fenced out (FencedOut).
 
 Every datagram is opened by utils/elastic/wire.py before anything reads it: one that fails a
 check is dropped and counted in `rejected`, by the check it failed. A table maps each kind to its
-handler; nothing a handler raises leaves the receiving thread, and a thread that dies anyway
-ends the process with one line (guarded).
+handler (a join's kinds to the handlers the growth gave: route()); nothing a handler raises leaves
+the receiving thread, and a thread that dies anyway ends the process with one line (guarded).
+
+Who is in is the roster's (utils/elastic/roster.py); what the others' beats report while they
+recover goes into the agreement's Ballot (utils/elastic/agreement.py), which its own beats carry.
 """
 
 import collections
@@ -20,11 +27,12 @@ import socket
 import threading
 import time
 
-from utils.elastic import agreement, faults, status
+from utils.elastic import agreement, status
 from utils.elastic.agreement import Fenced, State
 from utils.elastic.sockets import cut_connections
-from utils.elastic.wire import Alive, Ask, Decision, Envelope, FencedOut, Join, Refused, Rejected
+from utils.elastic.wire import Alive, Ask, Decision, Envelope, FencedOut, Rejected
 from utils.errors import EXIT_LOST_PEER
+from utils.observe.instruments import OFF
 from utils.store.outputs import release
 
 RECOVERY_BEAT = 0.05  # seconds between messages while recovering
@@ -47,65 +55,118 @@ def guarded(target, me):
     return run
 
 
-class Detector:
-    """A rank's heartbeats and inbox (the fields below are the membership's too: Membership derives
-    from Detector and Growth). `me` is the rank's id for the whole job: its rank in the first
-    generation. `key`: the job's key (bytes)."""
+class ThreadClocks:
+    """The CPU seconds each of the detector's threads has used so far, by name ("beat", "receive"):
+    what the control plane costs (bench/fuzz/control_cost.py reads them in the event that
+    utils/elastic/join.report_dropped logs)."""
 
-    def __init__(self, me, heartbeat, address, key, port=0):
-        self.me, self.heartbeat = me, heartbeat
-        self.envelope = Envelope(key, me)
+    def __init__(self):
+        self.seconds = {}
+
+    def note(self, name):
+        self.seconds[name] = time.thread_time()
+
+
+class Detector:
+    """A rank's heartbeats and inbox, on its own UDP socket. roster: who is in (utils/elastic/roster.py,
+    shared with the agreement and the growth, and its lock); ballot: the agreement's state, which
+    its beats carry while recovering and into which it puts what the others' beats report
+    (utils/elastic/agreement.Ballot); key: the job's key (bytes); instruments: where a break is
+    logged (utils/observe/instruments.py); cpu: its threads' clocks (ThreadClocks)."""
+
+    def __init__(self, roster, ballot, heartbeat, address, key, port=0, instruments=OFF, cpu=None):
+        self.roster, self.ballot, self.heartbeat = roster, ballot, heartbeat
+        self.instruments, self.cpu = instruments, cpu or ThreadClocks()
+        self.envelope = Envelope(key, roster.me)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:  # the job's port + this rank: where a joining server looks (utils/elastic/join.py)
             self.sock.bind((address, port))
         except OSError:
             self.sock.bind((address, 0))
         self.address = self.sock.getsockname()
-        self.lock = threading.Lock()
-        self.book, self.token = {}, None  # id -> {"address", "pid", "host"}; the job's random id
-        self.generation, self.members = 0, []
-        self.state = State.TRAINING
-        self.report = None  # while recovering: this rank's position
-        self.heard, self.refused, self.reports = {}, set(), {}
-        self.named = {}  # rank -> generation in which a survivor saw it fall silent
-        self.attempt = 0  # while recovering: how many decisions did not form
-        self.decisions, self.sending = [], None  # decisions received; the one this leader sends
-        self.fenced_at = None  # the generation that went on without this rank
+        self.peers = {}  # id -> a UDP socket connected to it (sees refusals)
+        self.heard, self.refused = {}, set()  # id -> when it was last heard; ids whose port refused
+        self.decisions = []  # (job, wire.Decision) received in this generation
+        self.announcing = None  # the decision this rank leads: its beats send it again until it forms
+        self.awaiting = None  # a joining server: its request's nonce (a decision naming it is taken)
         self.broken, self.reason, self.lost = threading.Event(), None, None  # why it ended; who was lost
         self.cut_at = 0.0  # when break_ last cut the connections
-        self.peers = {}  # id -> a UDP socket connected to it (sees refusals)
-        self.settings, self.identity = None, None  # what a joining server must have alike
-        self.joining = {}  # the leader: nonce -> join request of a server waiting to join
-        self.nonce, self.refusal = None, None  # a joining server: its request's nonce; why it was refused
-        self.forming = ()  # while join() forms a group: its members
+        self.fenced_at, self.fenced_heard = None, None  # the generation that went on without this rank; when told
         self.rejected = collections.Counter()  # datagrams dropped, by the check they failed
-        self.cpu = {}  # thread -> its CPU seconds so far (bench/fuzz/control_cost.py reads them)
-        self.progress = None  # this rank's utils.elastic.status.Record (utils/run.py sets it): its beats carry it
+        self.carried = None  # this rank's utils.elastic.status.Record, which its beats carry (carry())
         self.progress_of = {}  # id -> the last progress each member's beats carried (train.py --status)
-        self.book_file = None  # the checkpoint beside which the members' addresses are kept (utils/elastic/rejoin.py)
+        self.routes = {}  # kind -> the handler another part gave for it (route())
 
-    def start(self, book, token):
-        """Begin: `book` maps every id to its address (this rank's `address` among them)."""
-        self.book, self.token, self.envelope.job = book, token, token
-        self.members = sorted(book)
+    def route(self, kind, handler):
+        """Datagrams of `kind` (a wire message class) go to handler(sender, job, message)."""
+        self.routes[kind] = handler
+
+    def carry(self, record):
+        """This rank's progress (a utils.elastic.status.Record): its beats carry its snapshot."""
+        self.carried = record
+
+    def start(self, token):
+        """Begin: the roster holds the job's members and book; beats and inbox from now on."""
+        self.envelope.job = token
         now = time.monotonic()
-        self.heard = {m: now for m in self.members}
+        self.heard = {m: now for m in self.roster.members}
         for target in (self._receive, self._beat):
             self.thread(target)
 
     def start_beating(self):
-        """A joined server: heartbeats from now on (its receiver runs since request_join)."""
+        """A joined server: heartbeats from now on (its receiver runs since it asked to join)."""
         now = time.monotonic()
-        self.heard = {m: now for m in self.members}
+        self.heard = {m: now for m in self.roster.members}
         self.thread(self._beat)
+
+    def listen(self):
+        """The receiver, if it does not run yet (a joining server's, before it is a member)."""
+        if not any(t.name == "membership-receive" for t in threading.enumerate()):
+            self.thread(self._receive)
 
     def thread(self, target):
         name = f"membership-{target.__name__[1:]}"
-        threading.Thread(target=guarded(target, self.me), name=name, daemon=True).start()
+        threading.Thread(target=guarded(target, self.roster.me), name=name, daemon=True).start()
 
-    def move(self, to):
-        """The one place the state changes (under the lock)."""
-        self.state = agreement.move(self.state, to)
+    def sign_as(self, sender, job=None):
+        """Seal from now on as `sender` (and for `job`, if given): a joining server's name changes."""
+        self.envelope.sender = sender
+        if job is not None:
+            self.envelope.job = job
+
+    def send_to(self, address, message, to=None):
+        """One datagram to an address that is not a member's (a joining server's); OSError passes."""
+        self.sock.sendto(self.envelope.seal(message, to=to), address)
+
+    def announce(self, decision):
+        """The decision this rank leads: sent now, and with every beat until its group forms."""
+        with self.roster.lock:
+            self.announcing = decision
+        self.send_decision(decision)  # now, not only with the next beat: a leader that stops (--no-recover) leaves
+
+    def stop_announcing(self):
+        """(Under the lock) an agreement begins again: the decision this rank led is void."""
+        self.announcing = None
+
+    def await_decision(self, nonce):
+        """(Under the lock) a joining server's new request: a decision that names `nonce` is taken
+        from a non-member; the decisions heard before it are forgotten."""
+        self.awaiting, self.decisions = nonce, []
+
+    def silences(self, now):
+        """{member: seconds since it was last heard} (under the lock)."""
+        return {m: now - t for m, t in self.heard.items()}
+
+    def begin_generation(self, members, changed):
+        """(Under the lock) a generation of `members` formed; `changed`: ids with a new book entry."""
+        for member in changed:
+            if member in self.peers:
+                self.peers.pop(member).close()
+        self.refused -= set(members)
+        self.decisions, self.lost, self.announcing = [], None, None
+        now = time.monotonic()
+        self.heard = {m: now for m in members}
+        self.broken.clear()
 
     def dropped(self):
         """One line on the datagrams this rank dropped, or None if it dropped none."""
@@ -113,76 +174,91 @@ class Detector:
             return None
         counts = ", ".join(f"{n:,} {why}" for why, n in self.rejected.most_common())
         return (
-            f"rank {self.me}: dropped {sum(self.rejected.values()):,} control datagrams that failed a check ({counts})"
+            f"rank {self.roster.me}: dropped {sum(self.rejected.values()):,} control datagrams that failed a check "
+            f"({counts})"
         )
 
-    def rank_of(self, member):
-        return self.members.index(member)
-
     # -- the threads ---------------------------------------------------------------------------
-    def _send(self, member, message):
+    def send(self, member, message):
+        """One datagram to a member; a refused port means its process is gone."""
+        roster = self.roster
         peer = self.peers.get(member)
         if peer is None:
             peer = self.peers[member] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            peer.connect(tuple(self.book[member]["address"]))
+            peer.connect(tuple(roster.book[member]["address"]))
         try:
             peer.send(self.envelope.seal(message, to=member))
         except ConnectionRefusedError:  # nothing listens there any more: the process is gone
-            with self.lock:
+            with roster.lock:
                 self.refused.add(member)
-            if member in self.members and self.state == State.TRAINING:
+            if member in roster.members and roster.state == State.TRAINING:
                 self.break_(f"rank {member} is gone (its port refused)", lost=member)
-            elif member in self.forming:  # a member of the group being formed is gone: its waits end now
+            elif member in roster.forming:  # a member of the group being formed is gone: its waits end now
                 cut_connections()
         except OSError:
             pass
+
+    def send_decision(self, decision):
+        """A decision this rank leads, to its members (its joiners into the book first)."""
+        book = self.roster.book
+        for member in decision.joined.values():  # into the book now: a joiner that died refuses
+            entry = decision.book[str(member)]
+            if book.get(member) != entry:
+                book[member] = entry
+                if member in self.peers:
+                    self.peers.pop(member).close()
+        for member in decision.members:
+            if member != self.roster.me:
+                self.send(member, decision)
 
     def _beat(self):
         sent = 0.0
         while True:
             now = time.monotonic()
-            with self.lock:
-                training = self.state == State.TRAINING
+            with self.roster.lock:
+                training = self.roster.state == State.TRAINING
                 due = not training or now - sent >= min(0.5, self.heartbeat / 5)
-                if due:
-                    report = self.report if self.state == State.RECOVERING else None
-                    mine = self.progress_of[self.me] = self.progress.snapshot() if self.progress else None
-                    message = Alive(self.generation, self.state.value, report, self.attempt, self.lost, mine)
-                targets = [m for m in self.members if m != self.me]
-                decision = self.sending
+                message = self._alive() if due else None
+                targets = [m for m in self.roster.members if m != self.roster.me]
+                decision = self.announcing
             if due:
                 sent = now
                 for member in targets:
-                    self._send(member, message)
+                    self.send(member, message)
                 if decision is not None:
-                    self._send_decision(decision)
+                    self.send_decision(decision)
             if training:  # looked at more often than beats are sent: silence is noticed within 0.1 s of it
-                silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
-                if silent:
-                    self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
-                if self.broken.is_set() and now - self.cut_at > CUT_AGAIN_SECONDS:
-                    self.cut_at = now  # (a rank woken by SIGCONT may sit in a wait on a pair made after the cut)
-                    cut_connections()
+                self._look_for_silence(targets, now)
             if self.fenced_at is not None and now - self.fenced_heard > FENCED_EXIT_SECONDS:
                 self._exit_fenced()
-            self.cpu["beat"] = time.thread_time()
+            self.cpu.note("beat")
             time.sleep(TRAINING_LOOK if training and not self.broken.is_set() else RECOVERY_BEAT)
+
+    def _alive(self):
+        """This rank's beat (under the lock): its generation and state, its report while it recovers,
+        the member it lost, and its progress."""
+        roster, ballot = self.roster, self.ballot
+        report = ballot.report if roster.state == State.RECOVERING else None
+        mine = self.progress_of[roster.me] = self.carried.snapshot() if self.carried else None
+        return Alive(roster.generation, roster.state.value, report, ballot.attempt, self.lost, mine)
+
+    def _look_for_silence(self, targets, now):
+        silent = [m for m in targets if now - self.heard.get(m, now) > self.heartbeat]
+        if silent:
+            self.break_(f"rank {silent[0]} was silent for {self.heartbeat:g} s", lost=silent[0])
+        if self.broken.is_set() and now - self.cut_at > CUT_AGAIN_SECONDS:
+            self.cut_at = now  # (a rank woken by SIGCONT may sit in a wait on a pair made after the cut)
+            cut_connections()
 
     def _exit_fenced(self):
         """The last resort of a fenced rank whose main thread stays in a wait that no cut ended: it
         holds nothing the job needs (it writes nothing), so it leaves as train.py would have."""
-        os.write(2, f"train.py: rank {self.me}: {Fenced(self.fenced_at)}\n".encode())
+        os.write(2, f"train.py: rank {self.roster.me}: {Fenced(self.fenced_at)}\n".encode())
         release()
         os._exit(EXIT_LOST_PEER)
 
     def _receive(self):
-        handlers = {
-            Alive: self._on_alive,
-            Decision: self._on_decision,
-            FencedOut: self._on_fenced,
-            Join: self._on_join,
-            Refused: self._on_refused,
-        }
+        handlers = {Alive: self._on_alive, Decision: self._on_decision, FencedOut: self._on_fenced}
         while True:
             try:
                 datagram, source = self.sock.recvfrom(65536)
@@ -190,24 +266,25 @@ class Detector:
                 continue
             try:
                 sender, job, message = self.envelope.open(datagram)
+                handler = handlers.get(type(message)) or self.routes.get(type(message))
                 if type(message) is Ask:  # (answered where it came from)
                     self._on_ask(sender, message, source)
-                elif type(message) in handlers:
-                    handlers[type(message)](sender, job, message)
+                elif handler is not None:
+                    handler(sender, job, message)
                 else:  # a kind only a non-member takes (an answer to train.py --status)
                     self.rejected["not for a member"] += 1
             except Rejected as e:
                 self.rejected[str(e)] += 1
             except Exception:  # noqa: BLE001 (checked, yet it failed: count it; the thread goes on)
                 self.rejected["failed in its handler"] += 1
-            self.cpu["receive"] = time.thread_time()
+            self.cpu.note("receive")
 
     def from_member(self, sender, job):
         """Whether a datagram is a member's of this job: counts it heard if so."""
-        if job != self.token or type(sender) is not int:
+        if job != self.roster.token or type(sender) is not int:
             self.rejected["another job"] += 1
             return False
-        with self.lock:
+        with self.roster.lock:
             self.heard[sender] = time.monotonic()
             self.refused.discard(sender)
         return True
@@ -215,35 +292,34 @@ class Detector:
     def _on_alive(self, sender, job, message):
         if not self.from_member(sender, job):
             return
-        with self.lock:
-            current, members, state = self.generation, self.members, self.state
+        roster = self.roster
+        with roster.lock:
+            current, members, state = roster.generation, roster.members, roster.state
             if message.progress is not None:
                 self.progress_of[sender] = message.progress
             if message.state == State.RECOVERING.value:
-                self.reports[sender] = (message.g, message.attempt, message.report)
-                if message.lost is not None:
-                    self.named[message.lost] = message.g  # it saw that rank fall silent
+                self.ballot.heard(sender, message.g, message.attempt, message.report, message.lost)
         if agreement.must_fence(message.g, current, sender, members):
-            self._send(sender, FencedOut(current))  # it missed a generation: tell it
+            self.send(sender, FencedOut(current))  # it missed a generation: tell it
         elif message.g == current and message.state == "recovering" and state in (State.TRAINING, State.GROWING):
             self.break_(f"rank {sender} lost a peer")
         elif message.g > current and state == State.TRAINING:
             self.break_(f"rank {sender} is at a newer generation")  # then the agreement finds out
 
     def _on_decision(self, sender, job, message):
-        joiner = self.nonce is not None and self.nonce in message.joined
+        joiner = self.awaiting is not None and self.awaiting in message.joined
         if not joiner and not self.from_member(sender, job):
             return
-        with self.lock:
+        with self.roster.lock:
             self.decisions.append((job, message))
 
     def _on_fenced(self, sender, job, message):
         if not self.from_member(sender, job):
             return
-        with self.lock:
-            if message.g > self.generation and self.fenced_at is None:
+        with self.roster.lock:
+            if message.g > self.roster.generation and self.fenced_at is None:
                 self.fenced_at, self.fenced_heard = message.g, time.monotonic()
-                self.move(State.FENCED)
+                self.roster.move(State.FENCED)
         if self.fenced_at is not None:
             self.break_("the job went on without this rank")
 
@@ -252,38 +328,24 @@ class Detector:
         if sender != f"status-{message.nonce}":
             self.rejected["sender"] += 1
             return
-        with self.lock:
-            if self.me not in self.members:  # a server still joining: a member answers instead
+        roster = self.roster
+        with roster.lock:
+            if roster.me not in roster.members:  # a server still joining: a member answers instead
                 return
-            now = time.monotonic()
-            answer = status.answer(
-                message.nonce,
-                self.generation,
-                self.state.value,
-                self.members,
-                self.book,
-                self.heard,
-                self.progress_of,
-                self.me,
-                now,
-            )
+            answer = status.answer(message.nonce, roster, self.heard, self.progress_of, time.monotonic())
         try:
             self.sock.sendto(self.envelope.seal(answer, to=sender), source)
         except OSError:  # (too large for a datagram, or the asker's address is unreachable)
             self.rejected["answer not sent"] += 1
 
-    def _on_refused(self, sender, job, message):
-        if self.nonce is not None and message.nonce == self.nonce:
-            self.refusal = message.reason
-
-    # -- ending a generation, agreeing on the next ------------------------------------------------
+    # -- ending a generation ---------------------------------------------------------------------
     def break_(self, reason, lost=None):
         """End this generation: note why, and cut every connection (once)."""
-        with self.lock:
+        with self.roster.lock:
             if self.broken.is_set():
                 return
             self.reason, self.lost = reason, lost
             self.broken.set()
-            faults.log(event="break", reason=reason, g=self.generation)
+            self.instruments.log(event="break", reason=reason, g=self.roster.generation)
             self.cut_at = time.monotonic()
         cut_connections()

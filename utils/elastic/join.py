@@ -1,7 +1,10 @@
 """Who is in the job: this rank's membership at start-up, or a new server joining a running job.
 
-start_membership(config, model)   every rank of a job that starts (a collective)
-join_running_job(config, model)   a server started with --join
+start_membership(config, model, instruments)   every rank of a job that starts (a collective)
+join_running_job(config, model, instruments)   a server started with --join
+report_dropped(membership)                     at the end: the control datagrams it dropped
+
+instruments: utils/observe/instruments.py's (OFF: none); bound to this rank's id once it is known.
 """
 
 import hashlib
@@ -12,17 +15,18 @@ import time
 
 import torch.distributed as dist
 
-from utils.elastic import faults, key
+from utils.elastic import key
 from utils.elastic.membership import Membership
 from utils.elastic.rejoin import keep_book, known_members, per_server
 from utils.elastic.sockets import card_address
 from utils.errors import Outcome, PeerError, UsageError, first_line
 from utils.exchange import all_gather_json, broadcast_json
+from utils.observe.instruments import OFF
 from utils.setup.program import identity
 from utils.store.outputs import job_pid
 
 
-def start_membership(config, model):
+def start_membership(config, model, instruments=OFF):
     """This rank's Membership, on the card gloo uses, signing with the job's key; the ranks' control
     addresses and the key are exchanged through the default group (a collective). model: its name."""
     job = config.job
@@ -35,9 +39,8 @@ def start_membership(config, model):
         int(os.environ.get("MASTER_PORT", 0)) if job.init_method == "env://" else int(job.init_method.rsplit(":", 1)[1])
     )
     given = key.given(job.key_file)
-    membership = Membership(
-        job.rank, job.heartbeat, card_address(job.ifname, toward.strip("[]")), given, port + job.rank if port else 0
-    )
+    address = card_address(job.ifname, toward.strip("[]"))
+    membership = Membership(job.rank, job.heartbeat, address, given, port + job.rank if port else 0, instruments)
     mine = {
         "entry": {"address": list(membership.address), "pid": job_pid(), "host": socket.gethostname()},
         "token": os.urandom(8).hex(),
@@ -54,13 +57,13 @@ def start_membership(config, model):
                 f"(a new server joins with --key-file and a copy of it)",
                 flush=True,
             )
-    membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
+    membership.require({"model": model, **config.must_agree()}, identity())
     dist.barrier()  # the heartbeats start together: a rank still writing its key copy is not taken for silent
     membership.start({r: e["entry"] for r, e in enumerate(everyone)}, everyone[0]["token"])
     if per_server(job):  # the members' addresses, kept for the same command run again (utils/elastic/rejoin.py)
         membership.book_file = config.outputs.checkpoint
         keep_book(membership.book, config.outputs.checkpoint)
-    faults.setup(job.rank)
+    instruments.bind(job.rank)
     return membership
 
 
@@ -82,19 +85,19 @@ def check_keys(fingerprints):
         raise UsageError(f"{why}; give every server the same key, or none")
 
 
-def join_running_job(config, model):
+def join_running_job(config, model, instruments=OFF):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name.
     It asks at --join's HOST:PORT (or --init-method's), and at every member this server knew."""
     job = config.job
-    faults.log(event="join-ready")  # torch and the data are loaded: what bench/recovery/recovery.py times from
+    instruments.log(event="join-ready")  # torch and the data are loaded: what bench/recovery/recovery.py times from
     where = job.join or job.init_method[len("tcp://") :]
     host, port = where.rsplit(":", 1)
     if job.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
     own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank  # where members listen (free if it is back)
     secret = key.for_joining(job.key_file, config.outputs.checkpoint)
-    membership = Membership(None, job.heartbeat, card_address(job.ifname, host), secret, own_port)
+    membership = Membership(None, job.heartbeat, card_address(job.ifname, host), secret, own_port, instruments)
     candidates = [(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)]
     candidates += [a for a in known_members(config.outputs.checkpoint) if a not in candidates]
     for attempt in range(1, JOIN_ATTEMPTS + 1):
@@ -118,11 +121,11 @@ def join_running_job(config, model):
                     f"the job took this server in {attempt} times but its group never formed: {first_line(e)}",
                     Outcome.NOTHING_TO_RESUME,
                 ) from None
-    membership.settings, membership.identity = {"model": model, **config.must_agree()}, identity()
+    membership.require({"model": model, **config.must_agree()}, identity())
     membership.start_beating()
     membership.book_file = config.outputs.checkpoint
     keep_book(membership.book, config.outputs.checkpoint)
-    faults.setup(membership.me)
+    instruments.bind(membership.me)
     return membership, decision
 
 
@@ -138,4 +141,4 @@ def report_dropped(membership):
     line = membership.dropped()
     if line:
         print(line, flush=True)
-    faults.log(event="control-plane", cpu=membership.cpu, process_cpu=time.process_time())
+    membership.instruments.log(event="control-plane", cpu=membership.cpu.seconds, process_cpu=time.process_time())

@@ -1,14 +1,19 @@
 """Who is in the job: a failure detector beside gloo, and the survivors' agreement when a rank is lost.
 
-    membership = Membership(me, heartbeat, address, key)  every rank (utils/elastic/join.py)
-    membership.start(book, token)                         the ranks' control addresses, exchanged once
-    decision = membership.agree(report)                   after a lost peer: who goes on, from where
-    membership.join(decision, timeout)                    the survivors' new default process group
+    membership = Membership(me, heartbeat, address, key, instruments=OFF)  every rank (utils/elastic/join.py)
+    membership.start(book, token)                  the ranks' control addresses, exchanged once
+    membership.carry(record)                       this rank's progress, which its heartbeats carry
+    decision = membership.agree(report)            after a lost peer: who goes on, from where
+    decision = membership.grow(report, timeout)    a server waits to join: the next generation
+    membership.join(decision, timeout, ...)        the decided generation's default process group
 
-The failure detector (utils/elastic/detector.py) notices a lost member and ends the
-generation; every datagram is signed with the job's key and checked (utils/elastic/wire.py)
-before it is used. The agreement's rules are pure logic (utils/elastic/agreement.py); the group
-of the next generation is formed by utils/elastic/former.py; the join half is growth.py.
+A Membership is made of parts, each owning its own state, that share one Roster (who is in, the
+state below and the lock: utils/elastic/roster.py):
+    Detector   heartbeats and inbox on a UDP socket, fencing (utils/elastic/detector.py); every
+               datagram is signed with the job's key and checked (utils/elastic/wire.py) before use
+    Ballot     this rank's side of an agreement (utils/elastic/agreement.py, whose rules are pure logic)
+    Growth     the joins (utils/elastic/growth.py)
+The group of the next generation is formed by utils/elastic/former.py.
 
     State:  TRAINING --a loss--> RECOVERING --a group formed--> TRAINING
             TRAINING --a server waits--> GROWING --formed--> TRAINING (a loss meanwhile: RECOVERING)
@@ -23,56 +28,134 @@ import time
 
 import torch.distributed as dist
 
-from utils.elastic import agreement, faults
-from utils.elastic.agreement import Fenced, NoQuorum, State
-from utils.elastic.detector import Detector
+from utils.elastic import agreement
+from utils.elastic.agreement import Ballot, Fenced, NoQuorum, State
+from utils.elastic.detector import Detector, ThreadClocks
 from utils.elastic.former import form_group
 from utils.elastic.growth import Growth
 from utils.elastic.rejoin import keep_book
-from utils.elastic.wire import Decision
+from utils.elastic.roster import Roster
+from utils.elastic.wire import Decision, Join, Refused
 from utils.errors import UsageError
+from utils.observe.instruments import OFF
 
 MAX_AGREE_SECONDS = 60.0  # an agreement that takes longer is given up (NoQuorum)
 
 
-class Membership(Detector, Growth):
-    """This rank's view of the job (see the module's docstring)."""
+class Membership:
+    """This rank's view of the job (see the module's docstring): its parts, each with its own state,
+    share the roster. me: the rank's id for the whole job (its rank in the first generation; None:
+    a server that joins, until it is taken in); key: the job's key (bytes); port: where it listens
+    (the job's port + its rank; any free port if taken); instruments: where the agreement's events
+    and a break are logged (utils/observe/instruments.py)."""
 
+    def __init__(self, me, heartbeat, address, key, port=0, instruments=OFF):
+        self.roster, self.ballot, self.cpu = Roster(me), Ballot(), ThreadClocks()
+        self.instruments = instruments
+        self.detector = Detector(self.roster, self.ballot, heartbeat, address, key, port, instruments, self.cpu)
+        self.growth = Growth(self.roster, self.detector)
+        self.detector.route(Join, self.growth.on_join)
+        self.detector.route(Refused, self.growth.on_refused)
+        self.leading = None  # (decision, its group's store) while this rank leads a generation that has not formed
+        self.book_file = None  # the checkpoint beside which the members' addresses are kept (utils/elastic/rejoin.py)
+
+    # -- what others read ---------------------------------------------------------------------
+    me = property(lambda self: self.roster.me)
+    members = property(lambda self: self.roster.members)
+    book = property(lambda self: self.roster.book)
+    heartbeat = property(lambda self: self.detector.heartbeat)
+    address = property(lambda self: self.detector.address)
+    envelope = property(lambda self: self.detector.envelope)
+    broken = property(lambda self: self.detector.broken)
+    reason = property(lambda self: self.detector.reason)
+    lost = property(lambda self: self.detector.lost)
+    settings = property(lambda self: self.growth.settings)
+    identity = property(lambda self: self.growth.identity)
+
+    def start(self, book, token):
+        """Begin: `book` maps every id to its address (this rank's `address` among them)."""
+        self.roster.book, self.roster.token = book, token
+        self.roster.members = sorted(book)
+        self.detector.start(token)
+
+    def start_beating(self):
+        """A joined server: heartbeats from now on (its receiver runs since request_join)."""
+        self.detector.start_beating()
+
+    def carry(self, record):
+        """This rank's progress (a utils.elastic.status.Record): its beats carry it (train.py --status)."""
+        self.detector.carry(record)
+
+    def require(self, settings, identity):
+        """What a joining server must have alike: these settings ({name: value}) and program identity."""
+        self.growth.require(settings, identity)
+
+    def dropped(self):
+        """One line on the datagrams this rank dropped, or None if it dropped none."""
+        return self.detector.dropped()
+
+    def rank_of(self, member):
+        return self.roster.rank_of(member)
+
+    # -- growth ----------------------------------------------------------------------------------
+    def request_join(self, candidates, settings, identity, want, timeout):
+        """A new server asks the job to take it in (utils/elastic/growth.Growth.request_join)."""
+        return self.growth.request_join(candidates, settings, identity, want, timeout)
+
+    def wants_growth(self):
+        """The leader has a server waiting to join (it rides in the stop flag: utils/run.py)."""
+        return self.growth.wants_growth()
+
+    def forget_joiners(self, decision):
+        """A growth that failed: its joiners (all, if it decided nothing) must ask again."""
+        self.growth.forget_joiners(decision)
+
+    def grow(self, report, timeout):
+        """Every member, at the step boundary whose sum said a server waits: the next generation's
+        decision (the leader decides; the others wait for it). A RuntimeError if none comes."""
+        decision, store = self.growth.grow(report, timeout)
+        if store is not None:
+            self.leading = (decision, store)
+        return decision
+
+    # -- a lost member: the survivors agree --------------------------------------------------------
     def view(self, generation, attempt, started):
         """What this rank knows now (utils/elastic/agreement.View), under the lock."""
-        now = time.monotonic()
-        reports = {m: r for m, (g, a, r) in self.reports.items() if g == generation and a == attempt}
+        now, roster, ballot, detector = time.monotonic(), self.roster, self.ballot, self.detector
         return agreement.View(
-            self.me,
-            self.members,
-            {**reports, self.me: self.report},
-            {m: now - t for m, t in self.heard.items()},
-            frozenset(self.refused),
-            self.lost,
-            frozenset(m for m, g in self.named.items() if g == generation),
+            roster.me,
+            roster.members,
+            {**ballot.reports_for(generation, attempt), roster.me: ballot.report},
+            detector.silences(now),
+            frozenset(detector.refused),
+            detector.lost,
+            ballot.named_in(generation),
             now - started,
-            self.heartbeat,
+            detector.heartbeat,
         )
 
     def agree(self, report, tried=()):
         """Block until this generation's survivors agree; returns the decision (a wire.Decision).
         Raises NoQuorum or Fenced. report: this rank's position, [epoch, step] (the step it last completed)."""
-        self.break_("this rank lost a peer")
+        roster, detector = self.roster, self.detector
+        detector.break_("this rank lost a peer")
         started = time.monotonic()
-        with self.lock:
-            if self.state == State.FENCED:
-                raise Fenced(self.fenced_at)
-            self.move(State.RECOVERING)
-            self.report, self.sending = report, None
-            self.attempt = attempt = len(tried)  # the survivors' try at forming this generation's successor
-        generation = self.generation
+        with roster.lock:
+            if roster.state == State.FENCED:
+                raise Fenced(detector.fenced_at)
+            roster.move(State.RECOVERING)
+            attempt = len(tried)  # the survivors' try at forming this generation's successor
+            self.ballot.begin(report, attempt)
+            self.leading = None
+            detector.stop_announcing()
+        generation = roster.generation
         while True:
-            with self.lock:
-                if self.fenced_at is not None:
-                    raise Fenced(self.fenced_at)
-                later = [d for _, d in self.decisions if d.g > generation]
-                mine = [d for d in later if self.me in d.members and d.attempt == attempt and d.name not in tried]
-                outsider = [d for d in later if self.me not in d.members]
+            with roster.lock:
+                if detector.fenced_at is not None:
+                    raise Fenced(detector.fenced_at)
+                later = [d for _, d in detector.decisions if d.g > generation]
+                mine = [d for d in later if roster.me in d.members and d.attempt == attempt and d.name not in tried]
+                outsider = [d for d in later if roster.me not in d.members]
                 view = self.view(generation, attempt, started)
             if mine:
                 return mine[0]
@@ -80,12 +163,14 @@ class Membership(Detector, Growth):
                 raise Fenced(outsider[0].g)
             outcome = agreement.assess(view)
             if outcome.action == "decide":
-                faults.log(
+                self.instruments.log(
                     event="agreed", g=generation + 1, attempt=attempt, reports=outcome.reports, gone=outcome.gone
                 )
                 return self._decide(generation, outcome.reports, attempt)
             if outcome.action == "give up":
-                faults.log(event="no-quorum", g=generation, attempt=attempt, reports=outcome.reports, gone=outcome.gone)
+                self.instruments.log(
+                    event="no-quorum", g=generation, attempt=attempt, reports=outcome.reports, gone=outcome.gone
+                )
                 raise NoQuorum(set(outcome.reports), view.members, outcome.gone)
             if view.elapsed > MAX_AGREE_SECONDS:
                 raise NoQuorum(set(outcome.reports), view.members, outcome.gone)
@@ -93,62 +178,44 @@ class Membership(Detector, Growth):
 
     def _decide(self, generation, reports, attempt):
         """The leader: the next generation's members, store and source (the furthest position)."""
-        store = dist.TCPStore(self.book[self.me]["address"][0], 0, is_master=True, wait_for_workers=False)
-        members, source, furthest = agreement.successor(self.members, reports)
+        roster = self.roster
+        store = dist.TCPStore(roster.book[roster.me]["address"][0], 0, is_master=True, wait_for_workers=False)
+        members, source, furthest = agreement.successor(roster.members, reports)
         decision = Decision(
             generation + 1,
-            f"{generation + 1}.{self.me}.{os.urandom(4).hex()}",
+            f"{generation + 1}.{roster.me}.{os.urandom(4).hex()}",
             members,
-            [self.book[self.me]["address"][0], store.port],
+            [roster.book[roster.me]["address"][0], store.port],
             source,
             furthest,
             {str(m): list(reports[m]) for m in members},
             attempt,
         )
-        with self.lock:
-            self.sending, self.leader_store = decision, store
-        self._send_decision(decision)  # now, not only with the next beat: a leader that stops (--no-recover) leaves
+        self.leading = (decision, store)
+        self.detector.announce(decision)
         return decision
 
-    def _send_decision(self, decision):
-        for member in decision.joined.values():  # into the book now: a joiner that died refuses
-            entry = decision.book[str(member)]
-            if self.book.get(member) != entry:
-                self.book[member] = entry
-                if member in self.peers:
-                    self.peers.pop(member).close()
-        for member in decision.members:
-            if member != self.me:
-                self._send(member, decision)
-
+    # -- the next generation forms -----------------------------------------------------------------
     def join(self, decision, timeout, gloo_timeout):
         """Form the decided generation's default process group; returns this rank's new rank.
         A RuntimeError if a member does not come within `timeout` (then agree() again)."""
-        self.forming = decision.members
+        roster = self.roster
+        roster.forming = decision.members
         try:
-            store = self.leader_store if decision.members[0] == self.me and self.sending is decision else None
-            form_group(decision, self.me, store, timeout, gloo_timeout)
+            leading = self.leading
+            mine = leading is not None and leading[0] is decision and decision.members[0] == roster.me
+            form_group(decision, roster.me, leading[1] if mine else None, timeout, gloo_timeout)
         finally:
-            self.forming = ()
-        with self.lock:
-            self.generation, self.members = decision.g, decision.members
-            for m, entry in decision.book.items():
-                if self.book.get(int(m)) != entry and int(m) in self.peers:  # a new server under an old rank
-                    self.peers.pop(int(m)).close()
-                self.book[int(m)] = entry
-            self.refused -= set(decision.members)
-            for nonce in decision.joined:
-                self.joining.pop(nonce, None)
-            if self.state != State.FENCED:
-                self.move(State.TRAINING)
-            self.report, self.sending = None, None
-            self.reports, self.decisions, self.lost, self.named = {}, [], None, {}
-            now = time.monotonic()
-            self.heard = {m: now for m in decision.members}
-            self.broken.clear()
+            roster.forming = ()
+        with roster.lock:
+            changed = roster.adopt(decision)
+            self.detector.begin_generation(decision.members, changed)
+            self.growth.taken_in(decision)
+            self.ballot.clear()
+            self.leading = None
         if self.book_file is not None:
             try:
-                keep_book(self.book, self.book_file)
+                keep_book(roster.book, self.book_file)
             except UsageError:  # (a full disk: the book is a convenience; the checkpoint says the rest)
                 pass
-        return decision.members.index(self.me)
+        return decision.members.index(roster.me)

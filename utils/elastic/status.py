@@ -82,12 +82,13 @@ def within(value, high):
     return float(value) if value is not None and math.isfinite(value) and 0 <= value <= high else None
 
 
-def answer(nonce, generation, state, members, book, heard, progress_of, me, now):
-    """The Status a member sends for Ask `nonce`: every member in rank order, with the seconds since
-    this member heard it (None: itself), its host and pid, and its last progress (None: none yet)."""
-    listing = []
-    for m in members:
-        progress, entry = progress_of.get(m), book.get(m, {})
+def answer(nonce, roster, heard, progress_of, now):
+    """The Status a member sends for Ask `nonce`: every member of its roster (utils/elastic/roster.py)
+    in rank order, with the seconds since this member heard it (None: itself; heard: id -> when), its
+    host and pid, and its last progress (None: none yet; progress_of: id -> the last its beats carried)."""
+    listing, me = [], roster.me
+    for m in roster.members:
+        progress, entry = progress_of.get(m), roster.book.get(m, {})
         listing.append(
             {
                 "id": m,
@@ -97,7 +98,7 @@ def answer(nonce, generation, state, members, book, heard, progress_of, me, now)
                 "progress": progress,
             }
         )
-    return Status(nonce, generation, state, listing)
+    return Status(nonce, roster.generation, roster.state.value, listing)
 
 
 def ask(host, port, secret, seconds=ASK_SECONDS, more=()):
