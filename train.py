@@ -101,7 +101,7 @@ def train_rank(model, data, config, membership, hosts, resume_from, instruments,
     try:
         if membership is not None:
             trainer.add(elastic)
-            membership.progress = trainer.watch.record  # what its heartbeats carry (--status)
+            membership.carry(trainer.watch.record)  # what its heartbeats carry (--status)
         if decision is not None:
             elastic.join(decision, rejoin.absence())
         else:

@@ -1,4 +1,5 @@
-"""The checkpoint's schema (utils/learn/state.py builds and restores it), its checks and upgrade (utils/store/checkpoint.py); every written file: atomic, through a
+"""The checkpoint's schema (utils/learn/state.py builds and restores it), its checks and upgrade
+(utils/store/checkpoint.py); every written file: atomic, through a
 symlink, in place for a device or FIFO (utils/store/files.py)."""
 
 import os

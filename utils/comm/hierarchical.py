@@ -41,7 +41,7 @@ Slurm's node, which Slurm knows better than any key (utils.setup.config.Job.host
 Process groups: a Hierarchy holds the subgroups of one sum: one per host with more than one
 rank, one per cross-host ring. dist.new_group is a collective of all ranks, so every rank
 creates every Hierarchy at the same point, in the same order (utils/sync/factory.py makes one per
-gradient bucket, so buckets never share connections; utils/allreduce.Hierarchical owns it).
+gradient bucket, so buckets never share connections; utils.comm.allreduce.Hierarchical owns it).
 """
 
 import fcntl

@@ -233,7 +233,7 @@ class Elastic(Callback):
             raise PeerError(
                 f"lost a peer while the state went round: {first_line(e)}", Outcome.NOTHING_TO_RESUME
             ) from None
-        self.state.load_state_dict(dict(received, compression=None), model=not me_source, shares=False)
+        self.trainer.restore(dict(received, compression=None), model=not me_source, shares=False)
         try:
             self.new_sync(old_sync, position, source, tuple(decision.position))
         except RuntimeError as e:

@@ -149,10 +149,15 @@ class Trainer:
             if self.sync.note():
                 print(self.sync.note(), flush=True)
         if resume_from is not None:
-            self.state.load_state_dict(resume_from, dist.get_rank(), dist.get_world_size())
+            self.restore(resume_from)
             if self.balance is not None and resume_from.get("balance") and dist.get_rank() == 0:
                 if resume_from.get("world_size") == dist.get_world_size():
                     print(f"shares from the checkpoint: {'/'.join(map(str, self.balance.shares()))}", flush=True)
+
+    def restore(self, state, model=True, shares=True):
+        """Go on from `state` (a checkpoint dict: a resume's, a recovery's or a join's) on this group
+        (utils.learn.state.TrainingState.load_state_dict: model, shares)."""
+        self.state.load_state_dict(state, dist.get_rank(), dist.get_world_size(), model, shares)
 
     def new_sync(self, hosts):
         """A gradient sum over the default group as it is now (a collective); hosts: the servers'

@@ -133,14 +133,6 @@ def first_in_job(path):
 def from_environ(environ=os.environ, send_to_self=None):
     """OFF, or the Injected instruments that RING_INSTRUMENTS asks for."""
     text = environ.get(VARIABLE)
-    if not text and any(environ.get(k) for k in ("RING_FAULT", "RING_EVENTS")):  # TEMP: until the tests move
-        text = json.dumps(
-            {
-                "faults": environ.get("RING_FAULT"),
-                "once": environ.get("RING_FAULT_ONCE"),
-                "events": environ.get("RING_EVENTS"),
-            }
-        )
     if not text:
         return OFF
     settings = {k: v for k, v in json.loads(text).items() if v}

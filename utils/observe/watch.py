@@ -38,7 +38,7 @@ class Watch:
 
     def step(self, epoch, step, steps, own, size, seconds, stats):
         """After `step` of `steps`: this rank took `own` of the step's `size` images in `seconds`;
-        stats: the epoch's utils.observe.report.EpochStats so far."""
+        stats: the epoch's utils.learn.state.EpochStats so far."""
         self.record.stepped(epoch, step, steps, own, size, seconds, stats.loss_sum / stats.steps)
         if self.reports and (step % every(steps) == 0 or step == steps):
             self.report((epoch - 1) * steps + step, stats)

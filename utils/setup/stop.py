@@ -5,7 +5,7 @@
     stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1"), or None
     stop.leaving()         the stop is done and this rank exits: signals from now on change nothing
     stop.forward_to(procs) in the local launcher: pass every signal on to its ranks
-    stop.send_to_self(sig) a signal to this rank, returning once it has been dealt with (utils/elastic/faults.py)
+    stop.send_to_self(sig) a signal to this rank, returning once it has been dealt with (utils/observe/instruments.py)
 
 SIGUSR1 is what `sbatch --signal=USR1@90` sends before a time limit: it stops as SIGTERM does, and
 under Slurm rank 0 then requeues the job (utils/setup/slurm.py). As a warning, with time left, it does

@@ -62,7 +62,7 @@ def load(path, expected):
     """The checkpoint at `path`, checked against this run's settings `expected` ({flag: value}).
 
     It may have been made on another number of ranks: the steps, the data order and the schedule
-    follow from the global batch, which must match (utils/data.step_batches)."""
+    follow from the global batch, which must match (utils.learn.data.step_batches)."""
     checkpoint = safe_load(path, "checkpoint")
     if not isinstance(checkpoint, dict) or not SCHEMA <= set(checkpoint):
         raise UsageError(f"checkpoint {path} is not a training checkpoint of this program")
