@@ -11,6 +11,8 @@ import procs
 import pytest
 from procs import final_digest
 
+from utils.observe.instruments import environ_for
+
 RUN = ["--epochs", "1", "--train-subset", "60000", "--test-subset", "200", "--timeout", "60", "--heartbeat", "2"]
 STEPS = 938  # 60,000 images, 64 a step
 
@@ -102,7 +104,8 @@ def test_a_server_that_fails_at_every_restart_is_given_up_and_the_job_goes_on(tm
     (1 s, 2 s) and gives up after --max-restarts 2 in one line; the job ends on 2 ranks."""
     run = [*RUN[:3], "19200", *RUN[4:]]
     port = procs.free_port()
-    env = {"RING_FAULT": "2:30:KILL,2:0:KILL:restart"}
+    faults = "2:30:KILL,2:0:KILL:restart"  # (a restart's fault: the Instruments a restarted process is handed)
+    env = {"RING_FAULT": faults, **environ_for(faults=faults)}
     ranks = [procs.start_rank(r, 3, run, port, tmp_path, env) for r in range(2)]
     ranks.append(procs.start_rank(2, 3, [*run, "--restart", "on-failure", "--max-restarts", "2"], port, tmp_path, env))
     try:
