@@ -7,6 +7,7 @@
 
     rank.start(rendezvous_seconds)    what run() asks of train.py: start (or resume) the job with every
     rank.join()                       rank, True when it formed and trained; join the running job
+
     transition(state, succeeded, out_of_time)   the rules between states (pure, unit-tested)
 
     START ─────────────────────────────────────────────────▶ DONE
