@@ -28,6 +28,8 @@ import os
 import signal
 import time
 
+from utils.errors import UsageError
+
 VARIABLE = "RING_INSTRUMENTS"
 SIGNALS_THAT_STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # (utils/setup/stop.py's)
 
@@ -111,13 +113,21 @@ class Injected(Instruments):
         )
 
 
+PHASES = ("step", "sum", "save", "join", "restart")
+
+
 def parse(spec, me):
-    """[(step, signal, phase)] of rank `me` in a faults spec ("1:25:KILL,0:25:STOP:sum")."""
+    """[(step, signal, phase)] of rank `me` (None: every rank's, to check them) in a faults spec
+    ("1:25:KILL,0:25:STOP:sum"); ValueError if a part is not RANK:STEP:SIGNAL[:PHASE]."""
     found = []
     for part in filter(None, spec.split(",")):
         rank, step, name, *phase = part.split(":")
-        if int(rank) == me:
-            found.append((int(step), getattr(signal, "SIG" + name.upper()), (phase or ["step"])[0]))
+        rank, step = int(rank), int(step)
+        signum, phase = getattr(signal, "SIG" + name.upper(), None), (phase or ["step"])[0]
+        if signum is None or phase not in PHASES:
+            raise ValueError(f"{part!r} is not RANK:STEP:SIGNAL[:{'|'.join(PHASES)}]")
+        if me is None or rank == me:
+            found.append((step, signum, phase))
     return found
 
 
@@ -131,12 +141,21 @@ def first_in_job(path):
 
 
 def from_environ(environ=os.environ, send_to_self=None):
-    """OFF, or the Injected instruments that RING_INSTRUMENTS asks for."""
+    """OFF, or the Injected instruments that RING_INSTRUMENTS asks for; a malformed value is one
+    UsageError line."""
     text = environ.get(VARIABLE)
     if not text:
         return OFF
-    settings = {k: v for k, v in json.loads(text).items() if v}
-    return Injected(settings.get("faults", ""), settings.get("once"), settings.get("events"), send_to_self)
+    try:
+        settings = json.loads(text)
+        if not isinstance(settings, dict) or set(settings) - {"faults", "once", "events"}:
+            raise ValueError("expected an object of faults, once and events")
+        if not all(v is None or isinstance(v, str) for v in settings.values()):
+            raise ValueError("each value a string")
+        parse(settings.get("faults") or "", None)
+    except (ValueError, AttributeError) as e:
+        raise UsageError(f"{VARIABLE} is malformed ({e}): {text[:200]!r}") from None
+    return Injected(settings.get("faults") or "", settings.get("once"), settings.get("events"), send_to_self)
 
 
 def environ_for(faults=None, once=None, events=None):
