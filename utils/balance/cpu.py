@@ -21,7 +21,7 @@ import time
 
 # libc's pread through ctypes.PyDLL, whose calls keep the GIL: open() and os.read() let it go, and in
 # a rank's step each time it went the sum's thread took it and the training thread waited to get it
-# back (measured: 70-90 µs a read, six reads a step: about 2% of a 25 ms step; bench/balance/NOTES.md)
+# back (what that cost: bench/balance/NOTES.md, "Reading the CPU group's counters")
 _libc = ctypes.PyDLL(None, use_errno=True)
 _libc.pread.restype = ctypes.c_ssize_t
 _libc.pread.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long)

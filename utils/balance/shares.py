@@ -308,8 +308,8 @@ class Balance:
             return False
         self.weights, self.direction, self.wished, self.looks = tuple(new), moves, None, 0
         self.changes += 1
-        # the first step at a new share is not timed: a batch of a new size pays for warming up (measured: a
-        # third longer, up to half); in 3 timed steps it made a rank look slow, and the next look moved back
+        # the first step at a new share is not timed: a batch of a new size pays for warming up (how much:
+        # bench/balance/NOTES.md, "The first step at a new share"); timed, it made a rank look slow
         self.warm = False
         if len(self.timings) >= FIRST_LOOK:  # a rank's time per image depends on its share: measured afresh
             self.levels.append(tuple(sum(column) / len(self.timings) for column in zip(*self.timings))[:2])

@@ -3,7 +3,7 @@ sum's, gloo's own, a round's): as long as it takes, unless this rank's group has
 
 utils/elastic cuts every connection of a broken group. gloo then fails the receives still waiting
 for data, but not one whose data was arriving at that moment: that one waits out the whole
---timeout (measured: 3 cuts in 46 in tests/cluster/test_recovery_multihost.py). So a sum still running
+--timeout (how often: docs/stopping-and-resuming.md). So a sum still running
 ABANDON_SECONDS after the group broke is given up. Its thread is left to the timeout; the group it
 waits on is not used again.
 
