@@ -19,7 +19,8 @@ steps changed (an outer step); that sum runs behind the next steps and is merged
 So every round's mean change reaches the anchor exactly once, T steps late, and in the meantime
 each rank goes on with its own change (the eager update of overlapped DiLoCo, Kale et al. 2025).
 Why the eager merge, T steps late (the accuracy each choice cost: docs/gradient-sum.md): waiting
-for the next round's end costs accuracy, and going on from the bare anchor more. The inner steps wait for the wire only if T steps are shorter than the sum. The anchor is the same on every
+for the next round's end costs accuracy, and going on from the bare anchor more. The inner steps
+wait for the wire only if T steps are shorter than the sum. The anchor is the same on every
 rank after every outer step; the working parameters differ between syncs by design.
 
 The flags ride in the outer sum as extra values: every rank learns of a signal at the same
