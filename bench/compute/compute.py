@@ -6,7 +6,8 @@
     python bench/compute/compute.py --short --out DIR  # a few steps of each, for the tests
 
 The parts, each variant in a process of its own, the variants in turns within a round:
-  ceiling  a 2048x2048 matrix product on one thread, fp32 and bf16 (torch.mm: MKL), and a 1x1
+  ceiling  a 2048x2048 matrix product on one thread, fp32 and bf16 (torch.mm: MKL; bf16 and every bf16
+           variant below only on a CPU where train.py allows --precision bf16), and a 1x1
            convolution of 1024 channels through oneDNN (fp32): what one core can do
   step     one rank, 32 images, 1 thread: forward, loss.backward(), the optimizer's step, 300 steps
            after 20 of warm-up. old: the baseline's model and optimizer; default: today's; bf16:
@@ -21,6 +22,7 @@ The parts, each variant in a process of its own, the variants in turns within a 
 Results: bench/results/compute/compute.json and .md; method and findings: bench/compute/NOTES.md.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -36,6 +38,20 @@ REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "compute"
 sys.path.insert(0, str(REPO / "bench" / "common"))  # harness, for the driver (run directly)
 PARTS = ("ceiling", "step", "eval", "epoch")
+# bf16 is measured where train.py allows it: a CPU with bf16 units (utils/setup/precision.py); elsewhere
+# oneDNN emulates it, a 2048x2048 product takes seconds, and train.py refuses --precision bf16
+
+
+def bf16_allowed():
+    """Whether train.py allows --precision bf16 on this CPU (this checkout's utils/setup/precision.py,
+    read by path: a worker of the baseline has the baseline's utils/ on its path)."""
+    spec = importlib.util.spec_from_file_location("precision", REPO / "utils" / "setup" / "precision.py")
+    precision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(precision)
+    return precision.refusal("bf16", precision.this_cpu()) is None
+
+
+BF16 = bf16_allowed()
 BATCH, STEPS, WARMUP = 32, 300, 20
 SHORT_STEPS, SHORT_IMAGES = 10, 1280  # --short: steps of the step part, training images of the epoch part
 # multiply-adds of one image's forward through utils/learn/model.Net: conv1, conv2, fc1, fc2
@@ -87,7 +103,8 @@ def ceiling_worker():
         return flop / statistics.median(times) / 1e9
 
     out = {}
-    for name, dtype in (("mm_fp32", torch.float32), ("mm_bf16", torch.bfloat16)):
+    dtypes = (("mm_fp32", torch.float32), ("mm_bf16", torch.bfloat16))[: 2 if BF16 else 1]
+    for name, dtype in dtypes:
         a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
         out[name] = rate(lambda a=a, b=b: a @ b, 2 * 2048**3)
     x = torch.randn(64, 1024, 16, 16).contiguous(memory_format=torch.channels_last)
@@ -289,13 +306,15 @@ def plan(parts, old, steps, images):
         if part in parts:
             jobs[part, "old"] = lambda part=part: worker(part, "old", steps, repo=old)
             jobs[part, "default"] = lambda part=part: worker(part, "default", steps)
-            jobs[part, "bf16"] = lambda part=part: worker(part, "bf16", steps)
+            if BF16:
+                jobs[part, "bf16"] = lambda part=part: worker(part, "bf16", steps)
     if "step" in parts:
         jobs["step", "examples"] = lambda: worker("step", "examples", steps)
     if "epoch" in parts:
         jobs["epoch", "old"] = lambda: train_epoch(old, [], images)
         jobs["epoch", "default"] = lambda: train_epoch(REPO, [], images)
-        jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"], images)
+        if BF16:
+            jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"], images)
         jobs["epoch", "ddp"] = lambda: ddp_epoch(images)
     return jobs
 

@@ -12,6 +12,8 @@ import procs
 import pytest
 from procs import checkpoint_position, final_digest, wait_for
 
+from utils.setup.precision import refusal, this_cpu
+
 # The test set only scores the runs; what these tests compare is the parameters' digest.
 SUBSET = ["--test-subset", "200", "--train-subset", "1200", "--metrics", "", "--epochs", "2"]
 
@@ -258,7 +260,13 @@ def test_ranks_with_different_settings_are_stopped_by_name(setting, values, tmp_
         )
         for r in (0, 1)
     ]
-    for code, _out, err in procs.wait_all(ranks, timeout=60):
+    results = procs.wait_all(ranks, timeout=60)
+    if setting == "precision" and refusal("bf16", this_cpu()) is not None:  # rank 1 refuses bf16 on this CPU
+        (code_0, _, err_0), (code_1, _, err_1) = results
+        assert code_1 == 2 and refusal("bf16", this_cpu()) in err_1 and len(err_1.strip().splitlines()) == 1, err_1
+        assert code_0 == 1 and "not every rank joined" in err_0 and len(err_0.strip().splitlines()) == 1, err_0
+        results = []
+    for code, _out, err in results:
         assert code == 2, err
         assert f"different --{setting}" in err and len(err.strip().splitlines()) == 1, err
     assert (

@@ -17,6 +17,7 @@ from procs import checkpoint_position, final_digest, wait_for
 
 from utils.learn.data import load_mnist
 from utils.learn.model import Net
+from utils.setup.precision import refusal, this_cpu
 
 STEPS = 60  # 3,840 images, 64 a step
 SMALL = [
@@ -37,6 +38,12 @@ SMALL = [
     ids=["two-pass", "ring-lazy", "gloo-plain", "powersgd", "sync-every-4"],
 )
 def test_a_bf16_job_ends_identical_on_every_rank_and_resumes_bit_for_bit(kind, tmp_path):
+    """On a CPU without bf16 units the job is refused in one line (exit 2), before any rank starts."""
+    if refusal("bf16", this_cpu()) is not None:
+        result = procs.train([*SMALL, *kind, "--checkpoint", str(tmp_path / "c.pt")], timeout=60, cwd=str(tmp_path))
+        assert result.returncode == 2 and result.stderr.strip().endswith(refusal("bf16", this_cpu())), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == [], result.stderr
+        return
     checkpoint, kept = tmp_path / "c.pt", tmp_path / "at-40.pt"
     ranks = procs.start_ranks(
         2, [*SMALL, *kind, "--checkpoint", str(checkpoint), "--save-path", str(tmp_path / "a.pth")]
