@@ -81,7 +81,7 @@ class Rank:
 
         job, model = self.config.job, self.model
         config = dataclasses.replace(self.config, job=dataclasses.replace(job, join=job.join or ""))
-        membership, decision = join_running_job(config, model_name(model))
+        membership, decision = join_running_job(config, model_name(model), self.instruments)
         stop.arm()
         train_rank(model, self.data, config, membership, None, None, self.instruments, decision)
         return True
@@ -95,7 +95,6 @@ def train_rank(model, data, config, membership, hosts, resume_from, instruments,
     from utils.learn.training import Trainer
     from utils.run import run
 
-    instruments.bind(membership.me if membership is not None else config.job.rank or 0)
     trainer = Trainer(model, data, config, membership, keeper.trained, instruments)
     elastic = NotElastic() if membership is None else Elastic(membership, trainer, instruments)
     try:
@@ -128,7 +127,7 @@ def start_job(config, data, model, rendezvous_seconds=None, instruments=OFF):
             raise
         release()  # (rank 0's locks: taken again at the next offer)
         return False
-    started = meet(config, model, resume_from, done)
+    started = meet(config, model, resume_from, done, instruments)
     if started is not None:
         stop.arm()  # from here a signal stops the job after a step, with the checkpoint saved
         train_rank(model, data, *started, instruments)
@@ -136,7 +135,7 @@ def start_job(config, data, model, rendezvous_seconds=None, instruments=OFF):
     return True
 
 
-def meet(config, model, resume_from, done):
+def meet(config, model, resume_from, done, instruments):
     """In the new group: the ranks agree on what they train, every rank gets rank 0's checkpoint and
     parameters, and its membership. Returns (config, membership, hosts, checkpoint or None); None
     for a finished run (rank 0 says so; nobody trains or writes)."""
@@ -163,7 +162,7 @@ def meet(config, model, resume_from, done):
             return None
         broadcast_parameters(model)  # (a resume's model: from the checkpoint, which every rank has now)
         hosts = hierarchical.discover(job.host_id)  # which ranks share a server: for the log and the hierarchical sum
-        membership = start_membership(config, model_name(model)) if job.world_size > 1 else None
+        membership = start_membership(config, model_name(model), instruments) if job.world_size > 1 else None
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     say_starting(config, resume_from)
