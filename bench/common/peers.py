@@ -114,6 +114,7 @@ def train_steps(model, sync, images, labels, batches, epoch=1, first_step=0, rec
         batches=lambda _: batches, callbacks=callbacks,
     )  # fmt: skip
     train_steps(trainer)
+    state.settle()  # (what the epoch's end does: a lazy update still due is applied)
     return state.stats
 
 
