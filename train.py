@@ -99,7 +99,7 @@ def train_rank(model, data, config, membership, hosts, resume_from, instruments,
     elastic = NotElastic() if membership is None else Elastic(membership, trainer, instruments)
     try:
         if membership is not None:
-            trainer.add(elastic)
+            trainer.callbacks.add(elastic)  # (its join flag, its first step after a change)
             membership.carry(trainer.watch.record)  # what its heartbeats carry (--status)
         if decision is not None:
             elastic.join(decision, rejoin.absence())

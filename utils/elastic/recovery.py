@@ -47,6 +47,7 @@ from utils.exchange import all_gather_state, broadcast_state
 from utils.learn.callbacks import Callback
 from utils.observe.instruments import OFF
 from utils.observe.report import say_joined
+from utils.run import Ended
 from utils.store import checkpoint, outputs
 from utils.store.files import check_writable
 
@@ -103,8 +104,6 @@ class Elastic(Callback):
     def run(self, train):
         """train() (the epochs, utils.run.train_epochs) until it ends the run; a server waiting or a
         lost peer re-forms the group first, and train() goes on from the state's position."""
-        from utils.run import Ended
-
         while True:
             try:
                 if train() == Ended.EPOCH:

@@ -129,10 +129,6 @@ class Trainer:
             probe=StepProbe(self.timeline, balance, instruments),
         )
 
-    def add(self, callback):
-        """One more concern, called after the others (the elastic wrapper's)."""
-        self.callbacks.callbacks.append(callback)
-
     def members(self):
         """The ids of the ranks in the job now (for metrics.jsonl and the curves)."""
         return list(self.membership.members) if self.membership is not None else list(range(dist.get_world_size()))
