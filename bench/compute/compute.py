@@ -58,17 +58,24 @@ SHORT_STEPS, SHORT_IMAGES = 10, 1280  # --short: steps of the step part, trainin
 MACS = 28 * 28 * 32 * 9 + 14 * 14 * 64 * 32 * 9 + 64 * 7 * 7 * 128 + 128 * 10
 STEP_FLOP = 3 * 2 * MACS * BATCH  # forward, and backward's two products of each layer
 TIMEOUT = 600  # seconds for any one process of the benchmark
+
+
 # Where a worker finds what it measures: today's module first, then the baseline's (edb07fe's utils/
-# was flat, before the modules were filed into utils/learn, utils/setup...). A worker imports from the
-# tree it was started in (PYTHONPATH), so the old path's workers run the baseline's own code.
+# was flat, before the modules were filed into utils/learn, utils/setup...: `flat` names a module of
+# that layout). A worker imports from the tree it was started in (PYTHONPATH), so the old path's
+# workers run the baseline's own code.
+def flat(module):
+    return f"utils.{module}"
+
+
 HOMES = {
-    "load_mnist": ("utils.learn.data", "utils.data"),
-    "step_batches": ("utils.learn.data", "utils.data"),
-    "Net": ("utils.learn.model", "utils.model"),
-    "use_deterministic_algorithms": ("utils.learn.model", "utils.model"),
-    "Adam": ("utils.learn.optim", "utils.optim"),
-    "OneCycleLR": ("utils.learn.optim", "utils.optim"),
-    "keep_freed_memory": ("utils.setup.memory", "utils.memory"),
+    "load_mnist": ("utils.learn.data", flat("data")),
+    "step_batches": ("utils.learn.data", flat("data")),
+    "Net": ("utils.learn.model", flat("model")),
+    "use_deterministic_algorithms": ("utils.learn.model", flat("model")),
+    "Adam": ("utils.learn.optim", flat("optim")),
+    "OneCycleLR": ("utils.learn.optim", flat("optim")),
+    "keep_freed_memory": ("utils.setup.memory", flat("memory")),
     "test_model": ("utils.run",),
 }
 

@@ -142,6 +142,27 @@ def stat(pid):
         return f.read().rsplit(")", 1)[1].split()
 
 
+def stopped_rank(launcher, rank):
+    """The pid of `rank` among `launcher`'s children (its ranks, not every process on the machine)
+    once a signal has stopped it (SIGSTOP: state T), else None."""
+    try:
+        tasks = os.listdir(f"/proc/{launcher.pid}/task")
+        ranks = [pid for t in tasks for pid in open(f"/proc/{launcher.pid}/task/{t}/children").read().split()]
+    except OSError:
+        return None
+    for pid in ranks:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+            name = open(f"/proc/{pid}/comm").read().strip()  # a rank the launcher forked
+            state = stat(pid)[0]
+        except OSError:
+            continue
+        given = "--rank" in cmd and cmd[cmd.index("--rank") + 1] == str(rank)
+        if (name == f"rank {rank}" or given) and state == "T":
+            return int(pid)
+    return None
+
+
 def final_digest(stdout):
     match = re.search(r"sha256 ([0-9a-f]{64})", stdout)
     assert match, stdout

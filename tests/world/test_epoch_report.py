@@ -16,22 +16,6 @@ HEARTBEAT = 5  # seconds a frozen rank is silent before the others go on: the ep
 PARAMETERS = 421_642  # a 2-rank two-pass step sends every gradient once from each rank: 4 bytes each
 
 
-def rank_2_frozen(launcher):
-    """The pid of rank 2 (a child of the launcher) once SIGSTOP has stopped it, else None."""
-    try:
-        tasks = os.listdir(f"/proc/{launcher.pid}/task")
-        ranks = [pid for t in tasks for pid in open(f"/proc/{launcher.pid}/task/{t}/children").read().split()]
-    except OSError:
-        return None
-    for pid in ranks:
-        try:
-            if open(f"/proc/{pid}/comm").read().strip() == "rank 2" and procs.stat(pid)[0] == "T":
-                return int(pid)
-        except OSError:
-            continue
-    return None
-
-
 @pytest.mark.timeout(300)
 def test_a_change_of_members_mid_epoch_keeps_the_epoch_s_clock_and_traffic(tmp_path):
     args = ["--nproc", "3", "--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--timeout", "60"]
@@ -47,10 +31,10 @@ def test_a_change_of_members_mid_epoch_keeps_the_epoch_s_clock_and_traffic(tmp_p
         start_new_session=True,
     )
     try:
-        procs.wait_for(lambda: rank_2_frozen(launcher), 60, "rank 2 to stop itself")
+        procs.wait_for(lambda: procs.stopped_rank(launcher, 2), 60, "rank 2 to stop itself")
         went_on = lambda: any(e.get("after") == "shrank" for e in read_events(str(events)))  # noqa: E731
         procs.wait_for(went_on, 60, "the others to go on without rank 2")
-        os.kill(rank_2_frozen(launcher), signal.SIGCONT)  # it finds itself fenced out, and stops
+        os.kill(procs.stopped_rank(launcher, 2), signal.SIGCONT)  # it finds itself fenced out, and stops
         outcome = procs.supervise([launcher], timeout=180, poll=0.05)
     finally:
         procs.kill_group(launcher)

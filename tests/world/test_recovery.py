@@ -144,29 +144,12 @@ def test_a_frozen_rank_is_left_behind_and_fenced_out_when_it_wakes(tmp_path):
     )
     try:
 
-        def frozen():  # among the launcher's children (its ranks), not every process on the machine
-            try:
-                tasks = os.listdir(f"/proc/{launcher.pid}/task")
-                ranks = [pid for t in tasks for pid in open(f"/proc/{launcher.pid}/task/{t}/children").read().split()]
-            except OSError:
-                return None
-            for pid in ranks:
-                try:
-                    cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
-                    name = open(f"/proc/{pid}/comm").read().strip()  # a rank the launcher forked
-                    state = procs.stat(pid)[0]
-                except OSError:
-                    continue
-                rank_2 = name == "rank 2" or ("--rank" in cmd and cmd[cmd.index("--rank") + 1] == "2")
-                if rank_2 and state == "T":
-                    return int(pid)
-
         def went_on():  # the survivors' first step without it (they have 200 steps to go: still running)
             return events.exists() and '"after": "shrank"' in events.read_text()
 
-        procs.wait_for(frozen, 60, "rank 2 to stop itself")
+        procs.wait_for(lambda: procs.stopped_rank(launcher, 2), 60, "rank 2 to stop itself")
         procs.wait_for(went_on, 60, "the others to go on without rank 2")
-        os.kill(frozen(), signal.SIGCONT)
+        os.kill(procs.stopped_rank(launcher, 2), signal.SIGCONT)
         outcome = procs.supervise([launcher], timeout=180, poll=0.05)
     finally:
         procs.kill_group(launcher)
