@@ -21,7 +21,7 @@ step after the change of members. Reported, as medians with min and max:
                                    once each with --overlap, --no-overlap, --allreduce=gloo
 
 Targets (bench/common/targets.py, recovery_*): kill <= 2 s; SIGSTOP <= heartbeat + 2 s; join <= 5 s; cost <= 3%;
-a cut <= heartbeat + 2 s + the 2 s a sum may go on after it (utils/sync/waits.py).
+a cut <= heartbeat + 2 s + the 2 s a sum may go on after it (utils/sync/interface.py).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from targets import bound
 from utils.errors import EXIT_STOPPED
 from utils.observe.instruments import environ_for, read_events
 from utils.setup.launch import free_port, kill, supervise
-from utils.sync.waits import ABANDON_SECONDS
+from utils.sync.interface import ABANDON_SECONDS
 
 TRAIN = str(REPO / "train.py")
 RUN = ["--epochs", "1", "--train-subset", "6400", "--test-subset", "200", "--metrics", "m.jsonl", "--timeout", "60"]

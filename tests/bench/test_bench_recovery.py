@@ -48,7 +48,7 @@ def test_one_trial_of_each(tmp_path):
 def test_a_cut_link_with_and_without_overlap(needs_root, tmp_path):
     """--only cut: one cut of a server's link on emulated hosts, under --overlap, --no-overlap and gloo's
     own sum; the survivors go on within seconds, not the --timeout (60 s) a stuck receive would wait.
-    (Seed 1's first cut is rank 0's server: without utils/sync/waits.py's bound, --no-overlap waited
+    (Seed 1's first cut is rank 0's server: without utils/sync/interface.py's bound, --no-overlap waited
     out --timeout at 9 of 9 such cuts, and gloo's own sum at 2 of 3 without Recovery.abandoned.)"""
     bench = [
         sys.executable,

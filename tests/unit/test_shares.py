@@ -12,7 +12,7 @@ from utils.balance import shares as balance
 from utils.balance.shares import REVIEW, WINDOW, Balance, code_value, own_clock, shares_of, solve, speed_code
 from utils.learn.data import BalancedBatches, epoch_permutation
 from utils.observe.report import SlowRankHint
-from utils.sync.waits import waited_since
+from utils.sync.interface import waited_since
 
 
 def test_speed_codes_are_exact_small_whole_numbers():
@@ -290,7 +290,7 @@ def test_a_ranks_own_clock_counts_its_work_and_leaves_out_its_waits_for_the_othe
     computed = own_clock()
     waiting = time.perf_counter()
     time.sleep(0.3)  # waiting for a slower rank's part of the sum: not counted
-    waited_since(waiting)  # (how every sum's wait is counted: utils/sync/waits.py)
+    waited_since(waiting)  # (how every sum's wait is counted: utils/sync/interface.py)
     ended = own_clock()
     assert computed - started >= 0.1
     assert abs(ended - computed) < 0.05

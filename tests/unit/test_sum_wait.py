@@ -1,4 +1,4 @@
-"""The training thread's wait for a sum on another thread (utils/sync/waits.py): as long as it
+"""The training thread's wait for a sum on another thread (utils/sync/interface.py): as long as it
 takes in a whole group, at most ABANDON_SECONDS once the group broke. Every kind of sum waits so:
 a bucket's (OverlappedSync), gloo's own asynchronous one, the plain sum (PlainSync) and a round's
 (PeriodicSync). The sums here are stand-ins for a stuck receive; real cables pulled mid-sum are
@@ -13,7 +13,7 @@ import torch
 from utils.comm.allreduce import Work
 from utils.comm.compress import make_compressor
 from utils.errors import PeerError
-from utils.sync import buckets, waits
+from utils.sync import buckets, interface
 from utils.sync.buckets import OverlappedSync, PlainSync
 from utils.sync.flags import Flags
 from utils.sync.periodic import PeriodicSync
@@ -23,7 +23,7 @@ BOUND = 0.3  # ABANDON_SECONDS here
 
 @pytest.fixture(autouse=True)
 def short_bound(monkeypatch):
-    monkeypatch.setattr(waits, "ABANDON_SECONDS", BOUND)
+    monkeypatch.setattr(interface, "ABANDON_SECONDS", BOUND)
 
 
 class HeldSum:
@@ -56,13 +56,13 @@ def given_up_within_the_bound(call):
 def test_a_wait_lasts_as_long_as_the_sum_in_a_whole_group_and_is_given_up_once_it_broke():
     done, broken = threading.Event(), threading.Event()
     threading.Timer(2 * BOUND, done.set).start()
-    waits.wait_for(done, broken)  # a whole group: the sum is waited for however long it takes
+    interface.wait_for(done, broken)  # a whole group: the sum is waited for however long it takes
     done.clear()
     broken.set()
     threading.Timer(0.1, done.set).start()
-    waits.wait_for(done, broken)  # broken, but the sum ended in time (a cut ends it, as a rule, at once)
+    interface.wait_for(done, broken)  # broken, but the sum ended in time (a cut ends it, as a rule, at once)
     done.clear()
-    given_up_within_the_bound(lambda: waits.wait_for(done, broken))
+    given_up_within_the_bound(lambda: interface.wait_for(done, broken))
 
 
 def test_a_buckets_sum_still_running_after_the_group_broke_is_given_up():

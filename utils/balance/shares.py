@@ -44,7 +44,7 @@ from fractions import Fraction
 
 from utils.balance.cpu import CpuGroup, own_seconds, snapshot
 from utils.sync.flags import MAX_SPEED
-from utils.sync.waits import seconds_waited
+from utils.sync.interface import seconds_waited
 
 WINDOW = 20  # steps of this rank's timing in its speed, at most: long enough to span 10 of a CPU quota's 100 ms periods
 REVIEW = 5  # steps between two looks at the speeds
@@ -72,7 +72,7 @@ FRACTIONS += (120194, 125515)
 
 def own_clock():
     """This rank's own clock: the seconds that passed, less those its training thread waited for
-    sums (utils/sync/waits.py counts them). Waiting for a slower rank is nobody's work; a CPU taken
+    sums (utils/sync/interface.py counts them). Waiting for a slower rank is nobody's work; a CPU taken
     by someone else, or a quota's stall, is this rank's."""
     return time.monotonic() - seconds_waited()
 

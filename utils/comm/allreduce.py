@@ -27,7 +27,7 @@ from utils.timeline import OFF
 class Work:
     """What sum_async and beside return: wait() blocks until the work is done and returns what it
     returned, or raises what it raised. `started` and `finished` are perf_counter() times (finished:
-    None until it is done); `done` is set when it is (utils/sync/waits.py waits on it)."""
+    None until it is done); `done` is set when it is (utils/sync/interface.py waits on it)."""
 
     def __init__(self):
         self.started, self.finished = time.perf_counter(), None

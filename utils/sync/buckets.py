@@ -2,8 +2,8 @@
 
 Why this long: PlainSync and OverlappedSync share the bucket machinery; apart they would repeat it.
 
-The parameters are summed in buckets, each with an all-reduce of its own (utils/comm/allreduce.py)
-and compressed by one compressor (utils/comm/compress.py):
+The parameters are summed in buckets, each with an all-reduce of its own (utils/comm/allreduce.py);
+a compressor (utils/comm/compress.py), if one is asked for, decides what travels:
 
     PlainSync       one bucket, in the model's order, summed after backward.
     OverlappedSync  buckets in backward's order; as soon as a bucket's gradients are all there,
@@ -31,8 +31,7 @@ import torch
 
 from utils.comm.allreduce import beside
 from utils.errors import PeerError, first_line
-from utils.sync.interface import GradientSync
-from utils.sync.waits import wait_for, waited_since
+from utils.sync.interface import GradientSync, wait_for, waited_since
 from utils.timeline import OFF, TRAINING_ROW
 
 
@@ -42,7 +41,11 @@ def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None,
     bucket: which of the compressor's buckets `params` are. Returns the flags' sums (or None)."""
     with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
         flat, numel = flat_buffer(params, weight, flag)
-        compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
+        if compressor.compresses:
+            compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
+        else:  # float32 on the wire: the plain average, as gloo's own sum's (wait_bucket)
+            sum_(flat)
+            flat[:numel].div_(sum_.world_size)
         set_gradients(params, flat[:numel])
     return None if flag is None else flat[numel:].tolist()
 
@@ -134,7 +137,7 @@ class PlainSync(BucketSync):
     """backward first, then the whole sum, then the step.
 
     broken: as OverlappedSync's. None: the sum runs on the training thread. Otherwise on a thread of
-    its own, which the training thread waits for (utils/sync/waits.py: given up ABANDON_SECONDS
+    its own, which the training thread waits for (utils/sync/interface.py: given up ABANDON_SECONDS
     after the group broke); its spans are drawn on the training thread's row, whose work it is."""
 
     def __init__(self, *parts, broken=None, **named):
@@ -170,7 +173,7 @@ class OverlappedSync(BucketSync):
 
     broken: an Event set when this rank's group has broken (utils/elastic: a peer was lost and
     every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after the group
-    broke is given up (utils/sync/waits.py)."""
+    broke is given up (utils/sync/interface.py)."""
 
     def __init__(self, model, *parts, broken=None, **named):
         super().__init__(*parts, **named)

@@ -18,7 +18,7 @@ def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, hosts=None, ti
 
     hosts: the servers' ranks, for the hierarchical sum
     (utils.comm.hierarchical.discover; None: it asks); timeline: where the sync draws its spans;
-    broken: the membership's Event of a broken group (utils/sync/waits.py), or None."""
+    broken: the membership's Event of a broken group (utils/sync/interface.py), or None."""
     params = list(model.parameters())
     timeout = datetime.timedelta(seconds=sync.timeout)
 

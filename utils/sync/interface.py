@@ -13,15 +13,57 @@ The training state (utils/learn/state.py) calls, now and then, optimizer.settle(
 evaluating or saving) and optimizer.flush() (the end of training), and stats(), state_dict() /
 load_state_dict() (the checkpoint); the elastic wrapper close() and abandon() (after a lost
 peer). What differs between the kinds is asked of the object: has_rank_state, note(), and its
-compressor (describe(), compresses).
+compressor (describe(), compresses). Every kind waits for a sum on another thread with wait_for.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
+import time
 
 from utils.comm.compress import state_for
+from utils.errors import PeerError
 from utils.sync.flags import NO_FLAGS, Flags
+
+# How the training thread waits for a sum that runs on another thread (a bucket's, the plain sum's,
+# gloo's own, a round's): as long as it takes, unless this rank's group has broken.
+# utils/elastic cuts every connection of a broken group. gloo then fails the receives still waiting
+# for data, but not one whose data was arriving at that moment: that one waits out the whole
+# --timeout (how often: docs/stopping-and-resuming.md). So a sum still running
+# ABANDON_SECONDS after the group broke is given up. Its thread is left to the timeout; the group it
+# waits on is not used again.
+#
+# Every wait for a sum is also counted per thread (waited_since, seconds_waited): waiting for a slower
+# rank is nobody's work, so --balance leaves it out of a rank's own time (utils/balance/shares.py).
+ABANDON_SECONDS = 2.0  # how long a sum may go on after this rank's group broke
+LOOK_SECONDS = 0.1  # how often a wait looks whether the group broke (a sum that ends is seen at once)
+_this_thread = threading.local()  # .seconds: what the thread has waited for sums so far
+
+
+def waited_since(started):
+    """The seconds since `started` (a time.perf_counter()), a wait for a sum: added to the calling
+    thread's total (seconds_waited), and returned."""
+    seconds = time.perf_counter() - started
+    _this_thread.seconds = seconds_waited() + seconds
+    return seconds
+
+
+def seconds_waited():
+    """The seconds the calling thread has waited for sums so far."""
+    return getattr(_this_thread, "seconds", 0.0)
+
+
+def wait_for(done, broken):
+    """Block until the Event `done` is set. broken: the membership's Event of a broken group, or
+    None (a group that cannot break: wait however long). Raises PeerError once the group has been
+    broken for ABANDON_SECONDS and `done` is still not set."""
+    broken_at = None
+    while not done.wait(None if broken is None else LOOK_SECONDS):
+        if broken.is_set():
+            broken_at = broken_at or time.monotonic()
+            if time.monotonic() - broken_at > ABANDON_SECONDS:
+                raise PeerError(f"the sum did not end within {ABANDON_SECONDS:g} s of the cut")
 
 
 class GradientSync(abc.ABC):

@@ -16,7 +16,7 @@ by bucket, with the step's learning rate, gives exactly the parameters of one op
 import time
 
 from utils.sync.buckets import OverlappedSync
-from utils.sync.waits import waited_since
+from utils.sync.interface import waited_since
 
 
 class LazySync(OverlappedSync):

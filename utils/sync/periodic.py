@@ -40,8 +40,7 @@ import torch
 from utils.comm.allreduce import beside
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from utils.errors import PeerError, first_line
-from utils.sync.interface import GradientSync
-from utils.sync.waits import wait_for, waited_since
+from utils.sync.interface import GradientSync, wait_for, waited_since
 from utils.timeline import OFF
 
 
@@ -78,7 +77,7 @@ class PeriodicSync(GradientSync):
         self.weighted, self.weights = weighted, 0.0  # weights: the sum of this round's steps' weights so far
         self.merged = False  # the last step merged a round's sum: the flags that came with it are new (set by step)
         self.pending = None  # the sum in flight: a utils.comm.allreduce.Work
-        self.broken = broken  # the membership's Event of a broken group (utils/sync/waits.py), or None
+        self.broken = broken  # the membership's Event of a broken group (utils/sync/interface.py), or None
         self.arrived = None  # its mean change, once waited for
         self.failed = None  # a lost peer, seen at a merge
 
