@@ -22,7 +22,6 @@ import abc
 import threading
 import time
 
-from utils.comm.compress import state_for
 from utils.errors import PeerError
 from utils.sync.flags import NO_FLAGS, Flags
 
@@ -137,6 +136,8 @@ class GradientSync(abc.ABC):
     def load_states(self, states: list, rank: int, world_size: int) -> None:
         """Continue from every old rank's state_dict() (a checkpoint's, or the members'): on as many
         ranks, this rank's own; on another number, what utils.comm.compress.state_for makes of them."""
+        from utils.comm.compress import state_for  # (here: --status imports this module, never torch)
+
         self.load_state_dict(state_for(states, rank, world_size))
 
     def note(self) -> str | None:
