@@ -132,14 +132,12 @@ def unchecked(line):
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def check_digest(checkpoint, path, quiet=False):
+def check_digest(checkpoint, path):
     """Pop the digest `checkpoint` (read from `path`) carries and compare it with its contents':
-    Damaged (one line) if they differ; a checkpoint without one (older than digests) is said unchecked."""
+    Damaged (one line) if they differ. Returns whether it had one (a checkpoint older than digests not)."""
     stored = checkpoint.pop(DIGEST, None)
     if stored is None:
-        if not quiet:
-            unchecked(f"checkpoint {path} has no digest (it is older than digests): it could not be checked")
-        return
+        return False
     found = digest(checkpoint)
     if stored != found:
         raise Damaged(
@@ -147,6 +145,7 @@ def check_digest(checkpoint, path, quiet=False):
             f"{found[:16]}…; nothing was loaded or overwritten: resume from a good copy, or start afresh "
             f"without --resume"
         )
+    return True
 
 
 def check_model_file(path):
@@ -189,13 +188,15 @@ def load(path, expected, quiet=False):
     checkpoint = safe_load(path, "checkpoint")
     if not isinstance(checkpoint, dict) or not SCHEMA <= set(checkpoint):
         raise UsageError(f"checkpoint {path} is not a training checkpoint of this program")
-    check_digest(checkpoint, path, quiet)
+    checked = check_digest(checkpoint, path)
     for name, value in upgrade(checkpoint)[0].items():
         if expected.get(name) != value:
             raise UsageError(
                 f"checkpoint {path} was made with --{name} {value}, this run has "
                 f"{expected.get(name)}; resume with the same settings, or start afresh without --resume"
             )
+    if not (checked or quiet):
+        unchecked(f"checkpoint {path} has no digest (it is older than digests): it could not be checked")
     return checkpoint
 
 
@@ -233,11 +234,10 @@ def load_model_state(model, path, quiet=False):
     file without a digest (the local launcher's look before its rank 0 loads it)."""
     checked = check_model_file(path)
     state = safe_load(path, "model file")
+    without = f"model file {path} has no digest beside it ({sidecar(path)})"
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        check_digest(state, path, quiet or checked)  # a full training checkpoint also carries the model
-        state = state["model"]
-    elif not (checked or quiet):
-        unchecked(f"model file {path} has no digest beside it ({sidecar(path)}): it could not be checked")
+        checked = check_digest(state, path) or checked  # a full training checkpoint also carries the model
+        state, without = state["model"], f"checkpoint {path} has no digest (it is older than digests)"
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UsageError(f"model file {path} does not hold a state dict (it holds a {type(state).__name__})")
     expected = model.state_dict()
@@ -253,4 +253,6 @@ def load_model_state(model, path, quiet=False):
             else f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, expected {tuple(expected[wrong[0]].shape)}"
         )
         raise UsageError(f"model file {path} is for a different architecture ({detail})")
+    if not (checked or quiet):  # (said once it loads: a file refused is one line)
+        unchecked(f"{without}: it could not be checked")
     model.load_state_dict(state)
