@@ -6,6 +6,7 @@ ones. Real ranks, each its own process; the NaN put in by RING_INSTRUMENTS's NAN
 
 import hashlib
 import re
+import shutil
 
 import procs
 import pytest
@@ -86,3 +87,19 @@ def test_a_save_refuses_non_finite_parameters_on_every_rank(good):
     lines = one_line_each(run_ranks(folder, f"1:{STEPS + 10}:NANGRAD"))
     assert all(re.search(r"the parameters are not finite after epoch 2, step 10 \(model\.\S+ holds", s) for s in lines)
     files_kept(folder, before)
+
+
+@pytest.mark.timeout(150)
+def test_the_epoch_s_end_writes_no_nan_model(good, tmp_path):
+    """A NaN in rank 1's gradient at the last step of the last epoch: the epoch's end (rank 0's model
+    file, the final checkpoint) finds it on both ranks. The model file stays epoch 1's; the checkpoint
+    is the last good one, of --save-every's step 15."""
+    folder, before = good
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)  # (the other tests' files stay as they were)
+    lines = one_line_each(run_ranks(tmp_path, f"1:{2 * STEPS}:NANGRAD"))
+    assert all(f"the parameters are not finite after epoch 2, step {STEPS} (" in said for said in lines), lines
+    after = digests(tmp_path)
+    assert after["m.pth"] == before["m.pth"] and after["m.pth.sha256"] == before["m.pth.sha256"]
+    saved = checkpoint.safe_load(str(tmp_path / "c.pt"))
+    assert checkpoint.check_digest(saved, "c.pt") and checkpoint.not_finite(saved) is None
+    assert (saved["epoch"], saved["step"]) == (2, 15)
