@@ -20,9 +20,9 @@ STEPS = 20  # 1280 images, 64 a step
 ARGS = ["--epochs", "2", "--train-subset", "1280", "--test-subset", "200", "--save-every", "5", "--timeout", "30"]
 
 
-def run_ranks(folder, fault, resume=True):
+def run_ranks(folder, fault, resume=True, extra=()):
     """Both ranks of the job in `folder`, RING_INSTRUMENTS's `fault` in their environment; [(code, out, err)]."""
-    args = [*ARGS, "--checkpoint", "c.pt", "--save-path", "m.pth", "--metrics", "m.jsonl"]
+    args = [*ARGS, *extra, "--checkpoint", "c.pt", "--save-path", "m.pth", "--metrics", "m.jsonl"]
     ranks = procs.start_ranks(2, [*args, *(["--resume"] if resume else [])], cwd=folder, env=environ_for(faults=fault))
     return procs.wait_all(ranks, timeout=90)
 
@@ -103,3 +103,20 @@ def test_the_epoch_s_end_writes_no_nan_model(good, tmp_path):
     saved = checkpoint.safe_load(str(tmp_path / "c.pt"))
     assert checkpoint.check_digest(saved, "c.pt") and checkpoint.not_finite(saved) is None
     assert (saved["epoch"], saved["step"]) == (2, 15)
+
+
+@pytest.mark.timeout(150)
+def test_a_survivor_saves_no_nan_over_the_checkpoint(good, tmp_path):
+    """--no-recover: rank 1 puts a NaN in its gradient at epoch 2, step 9, and is killed as step 10
+    begins; rank 0, the survivor that saves the last step it completed, finds it non-finite and keeps
+    the checkpoint as it was."""
+    folder, before = good
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    results = run_ranks(tmp_path, f"1:{STEPS + 9}:NANGRAD,1:{STEPS + 10}:KILL", extra=["--no-recover"])
+    assert results[1][0] < 0 and results[0][0] == 1, [err for _, _, err in results]
+    said = results[0][2].strip().splitlines()
+    assert (
+        len(said) == 1
+        and "the parameters of epoch 2, step 9 are not finite: nothing saved (c.pt kept as it was)" in said[0]
+    ), said
+    assert digests(tmp_path) == before
