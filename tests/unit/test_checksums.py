@@ -189,3 +189,25 @@ def test_the_nan_faults_poison_one_step_of_one_rank():
     assert loss == loss and nans == 1
     loss, nans = step(3)  # once: the hooks took themselves away
     assert loss == loss and nans == 0
+
+
+def test_a_server_s_command_run_again_refuses_a_damaged_checkpoint_rather_than_start_afresh(tmp_path, capsys):
+    """Without --resume, a server's command run again resumes an unfinished checkpoint of its settings
+    and starts afresh over anything else (utils/setup/preflight.py); a damaged one is refused instead."""
+    import train
+    from utils.setup.config import from_args
+    from utils.setup.preflight import preflight
+
+    paths = ["--checkpoint", str(tmp_path / "c.pt"), "--save-path", str(tmp_path / "m.pth"), "--metrics", ""]
+    config = from_args(train.parse_args([*paths, "--epochs", "2", "--train-subset", "1280"]), {})
+    state = trained_state()
+    state["settings"] = {"model": "Net/421642", **config.must_keep()}
+    checkpoint.save(state, tmp_path / "c.pt")
+    resume_from, done = preflight(config, 2, 1280, unfinished=True)
+    assert resume_from["epoch"] == 1 and not done and capsys.readouterr().err == ""
+    before = flip_inside(tmp_path / "c.pt", state["model"]["fc1.weight"])
+    with pytest.raises(Damaged, match="is damaged"):
+        preflight(config, 2, 1280, unfinished=True)
+    torch.save([1, 2], tmp_path / "c.pt")  # not a checkpoint at all: another run's, started afresh over
+    assert preflight(config, 2, 1280, unfinished=True) == (None, False)
+    (tmp_path / "c.pt").write_bytes(before)
