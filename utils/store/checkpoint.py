@@ -72,8 +72,11 @@ def save_model(model, path):
     written atomically, so a crash between leaves a model without a digest (it loads, unchecked),
     never a model with another's digest. A device or a FIFO (--save-path /dev/null) gets none."""
     beside = sidecar(path)
-    if beside is not None and os.path.lexists(beside):
-        os.remove(beside)
+    try:
+        if beside is not None and os.path.lexists(beside):
+            os.remove(beside)
+    except OSError as e:  # (a folder of that name, a folder not writable)
+        raise UsageError(f"cannot write {beside}: {e.strerror or e}") from None
     data = _write(model.state_dict(), path)
     if beside is not None:
         name = os.path.basename(beside[: -len(SIDECAR)])
