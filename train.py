@@ -12,7 +12,8 @@ Ask a running job how it does:              python train.py --status 192.168.0.1
 
 Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the same step, rank 0
 saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
-servers or another.
+servers or another. A NaN or an inf in the loss or the parameters stops every rank at the same
+step, nothing saved after it (exit 4; docs/stopping-and-resuming.md).
 
 This file sets up: the command line becomes a utils.setup.config.Config; then main() runs one mode:
 --status, the keeper (--restart, utils/setup/keeper.py), every rank here (utils/setup/launch.py),
@@ -26,7 +27,7 @@ import os
 import sys
 
 from utils.elastic import rejoin, status
-from utils.errors import EXIT_BAD_INPUT, PeerError, Stopped, UsageError, first_line
+from utils.errors import EXIT_BAD_INPUT, NotFinite, PeerError, Stopped, UsageError, first_line
 from utils.learn.mnist import ensure_mnist
 from utils.observe.instruments import OFF, from_environ
 
@@ -193,6 +194,8 @@ def main(argv=None):
         return process.lost(e)
     except Stopped as e:
         return process.stopped(e)
+    except NotFinite as e:
+        return process.not_finite(e)
     except KeyboardInterrupt:
         say(f"{PROG}: rank {process.rank}: interrupted")
         return 130
@@ -250,8 +253,8 @@ def launch(config, argv, handoff):
         from utils.learn.model import Net
         from utils.store.checkpoint import load_model_state
 
-        load_model_state(Net(), job.model_path)
-    if preflight(config, job.nproc, config.recipe.train_subset)[1]:
+        load_model_state(Net(), job.model_path, quiet=True)  # (rank 0 says it if it has no digest)
+    if preflight(config, job.nproc, config.recipe.train_subset, quiet=True)[1]:
         say_finished(config)
         return 0
     ensure_mnist(job.data_dir)

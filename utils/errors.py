@@ -1,14 +1,16 @@
 """The ways this program stops early, each reported as one line, and the exit codes that tell them apart.
 
-0  done                       1  lost a peer (PeerError)      2  bad input (UsageError)
+0  done                       1  lost a peer (PeerError)      2  bad input (UsageError; Damaged)
 3  stopped on a signal, checkpoint saved (Stopped): resume with --resume
+4  the loss or the parameters turned non-finite (NotFinite): nothing saved after it; --resume goes on
+   from the last good checkpoint
 128+signal (130, 143)  stopped at once: a second signal, or a signal before training began
 """
 
 import enum
 import re
 
-EXIT_LOST_PEER, EXIT_BAD_INPUT, EXIT_STOPPED = 1, 2, 3
+EXIT_LOST_PEER, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NOT_FINITE = 1, 2, 3, 4
 
 # gloo appends advice to its socket errors ("Connection closed by peer [10.0.0.2]:41553. This is
 # typically caused by a remote worker crashing. Check the logs ... GLHF! 🏖️"); the first clause says it all
@@ -18,6 +20,11 @@ GLOO_ENFORCE = re.compile(r"^[^.]*\. \d+ vs \d+\. ")  # "state_ >= CONNECTED. 1 
 
 class UsageError(Exception):
     """Bad input from the user: an argument, a file, the data. Exit code 2."""
+
+
+class Damaged(UsageError):
+    """A file read back does not match its digest (utils/store/checkpoint.py): nothing is loaded or
+    overwritten, whatever else the run would do with an unreadable file (start afresh). Exit code 2."""
 
 
 class Outcome(enum.Enum):
@@ -64,6 +71,11 @@ class PeerError(Exception):
 class Stopped(Exception):
     """A signal asked the job to stop (utils/setup/stop.py); every rank stopped after the same step and the
     checkpoint is saved. Exit code 3."""
+
+
+class NotFinite(Exception):
+    """The loss or the parameters turned non-finite (NaN or inf); every rank stopped at the same step
+    and nothing was saved after it: the model file and the checkpoint are the last good ones. Exit code 4."""
 
 
 def first_line(error):

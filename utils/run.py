@@ -12,15 +12,19 @@ A signal (utils/setup/stop.py) rides with a step's sum as a flag (utils/sync/fla
 rank learns of it after the same step: rank 0 saves the checkpoint and every rank raises Stopped.
 A server waiting to join rides the same way: train_steps returns GROW and the elastic wrapper takes
 it in. A lost peer raises PeerError: the wrapper agrees with the survivors and goes on.
+A non-finite loss on any rank rides the same way too, in that very step's sum (train_step tells the
+sync after the forward): every rank raises NotFinite after it and nothing is saved; a save finds
+non-finite parameters itself (utils.learn.training.Checkpointer.gather) and every rank stops there.
 """
 
 import enum
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from utils.errors import PeerError, Stopped, first_line
+from utils.errors import NotFinite, PeerError, Stopped, first_line
 from utils.learn.callbacks import UNPROBED
 from utils.learn.model import Net
 from utils.observe.report import epoch_by_rank, stopped_line
@@ -34,21 +38,26 @@ class Ended(enum.Enum):
     EPOCH = "the epoch's last step"
     STOP = "a signal: stop after this step"
     GROW = "a server waits to join"
+    NOT_FINITE = "a rank's loss was NaN or inf"
 
 
 def train_step(model, images, labels, gradient_sum, optimizer, probe=UNPROBED):
     """One training step on `images`, as the original draws it: forward, loss.backward(), the ring
-    sum, optimizer.step(). Returns the loss, before the step. gradient_sum: a utils.sync
-    GradientSync; optimizer: its DistributedOptimizer; probe: what times and draws the step."""
+    sum, optimizer.step(). Returns the loss (a float), before the step; a non-finite one is told to
+    the sum, before any of it starts, so that it rides with it to every rank. gradient_sum: a
+    utils.sync GradientSync; optimizer: its DistributedOptimizer; probe: what times and draws the step."""
     with probe.step(len(images)):
         with probe.span("forward"):
             loss = F.cross_entropy(model(images), labels)
+        value = loss.item()
+        if not math.isfinite(value):
+            gradient_sum.not_finite()
         with probe.span("backward"):
             loss.backward()
         probe.computed()
         gradient_sum.sum()  # every rank's gradients added up over the ring, divided by N (overlap: under way)
         optimizer.step()  # Adam and the learning rate's schedule, when this kind of sum calls for them
-    return loss
+    return value
 
 
 def train_steps(trainer):
@@ -65,11 +74,11 @@ def train_steps(trainer):
             callbacks.step_begins(state, step)
             sync.begin(weight, callbacks.flags())  # this rank's share, times N, and its flags ride along
             loss = train_step(trainer.model, images[batch], labels[batch], sync, trainer.optimizer, callbacks.probe)
-            state.stepped(step, loss.item(), len(batch), size)  # done: where a lost peer goes on from
+            state.stepped(step, loss, len(batch), size)  # done: where a lost peer goes on from
             flags = sync.flags()  # the same on every rank
             callbacks.step_ends(state, step, flags)
-            if flags.stopping or flags.joining:
-                return Ended.STOP if flags.stopping else Ended.GROW
+            if flags.interrupting:
+                return Ended.NOT_FINITE if flags.not_finite else Ended.STOP if flags.stopping else Ended.GROW
         return Ended.EPOCH
     except PeerError as e:
         raise e.where(f"(epoch {state.position.epoch}, step {step})") from None
@@ -86,8 +95,8 @@ def train_epochs(trainer):
         ended = train_steps(trainer)
         if ended == Ended.GROW:
             return ended
-        if ended == Ended.STOP:
-            raise stop(trainer)
+        if ended != Ended.EPOCH:
+            raise stop(trainer) if ended == Ended.STOP else not_finite(trainer.state)
         end_epoch(trainer, final=state.position.epoch == epochs)
     return Ended.EPOCH
 
@@ -101,9 +110,17 @@ def stop(trainer):
     return Stopped(line)
 
 
+def not_finite(state):
+    """After a step whose flags said a loss was not finite: where, and whose (this rank's or another's)."""
+    position, own = state.position, state.stats.loss_sum
+    whose = f"this rank's: {own}" if not math.isfinite(own) else "another rank's"
+    return NotFinite(f"the loss turned non-finite at epoch {position.epoch}, step {position.step} ({whose})")
+
+
 def end_epoch(trainer, final):
-    """After an epoch's last step: rank 0 evaluates, reports and saves the model; the checkpoint of
-    the next epoch's start. final: the last epoch (every rank's last changes in: --sync-every)."""
+    """After an epoch's last step: every rank looks that nothing is non-finite (Checkpointer.gather);
+    rank 0 evaluates, reports and saves the model; the checkpoint of the next epoch's start. final:
+    the last epoch (every rank's last changes in: --sync-every)."""
     state, epoch = trainer.state, trainer.state.position.epoch
     try:
         state.settle(final)
@@ -111,14 +128,15 @@ def end_epoch(trainer, final):
         where = "at the end of training" if final else f"while summing gradients (epoch {epoch}, last step)"
         raise PeerError(f"lost a peer {where}: {e}", e.outcome) from None
     ranks = epoch_by_rank(state.stats)
-    if dist.get_rank() == 0:
-        with trainer.timeline.span("evaluate"):
-            trainer.accuracy = test_model(trainer.model, *trainer.data[2:])
-        trainer.report.epoch(state, trainer.accuracy, ranks)
-        checkpoint.save_model(trainer.model, trainer.config.outputs.save_path)
-    state.next_epoch()
     try:
-        trainer.checkpointer.save(state)
+        everyone = trainer.checkpointer.gather(state)  # NotFinite on every rank, before anything is written
+        if dist.get_rank() == 0:
+            with trainer.timeline.span("evaluate"):
+                trainer.accuracy = test_model(trainer.model, *trainer.data[2:])
+            trainer.report.epoch(state, trainer.accuracy, ranks)
+            checkpoint.save_model(trainer.model, trainer.config.outputs.save_path)
+        state.next_epoch()
+        trainer.checkpointer.write(state, everyone)
     except PeerError as e:
         raise e.where(f"after epoch {epoch}") from None
 

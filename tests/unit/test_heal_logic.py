@@ -125,7 +125,7 @@ def test_the_systemd_unit_runs_a_servers_command_and_restarts_only_its_failures(
     unit.read(os.path.join(REPO, "scripts", "mnist-ring.service"))
     service = unit["Service"]
     assert service["Restart"] == "on-failure" and unit["Install"]["WantedBy"] == "multi-user.target"
-    assert set(service["RestartPreventExitStatus"].split()) == {"2", "3"} and service["SuccessExitStatus"] == "3"
+    assert set(service["RestartPreventExitStatus"].split()) == {"2", "3", "4"} and service["SuccessExitStatus"] == "3"
     words = shlex.split(service["ExecStart"])
     assert words[1:3] == ["-u", "train.py"]
     filled = {"EDIT-rank-0-address:23456": "10.0.0.1:23456", "EDIT-card": "lo"}

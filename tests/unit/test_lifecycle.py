@@ -185,6 +185,7 @@ def test_the_keeper_restarts_failures_only():
     assert after_child(0, b"", False, backoff) == (State.DONE, None)  # finished
     assert after_child(2, b"", False, backoff) == (State.DONE, None)  # bad input: it would fail again
     assert after_child(3, b"", False, backoff) == (State.DONE, None)  # stopped, saved
+    assert after_child(4, b"", False, backoff) == (State.DONE, None)  # NaN: it would meet it again
     assert after_child(-9, b"", True, backoff) == (State.DONE, None)  # a stop signal came meanwhile
     assert after_child(1, b"tf", False, backoff) == (State.DONE, None)  # it waited for its job in vain
     assert after_child(-9, b"", False, backoff) == (State.RESTART, 1.0)

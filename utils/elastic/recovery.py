@@ -283,7 +283,10 @@ class Elastic(Callback):
             return f"; could not write the checkpoint ({first_line(e)})"
         # compressed: only this rank's own compression state; a resume treats it as a resize does
         everyone = [old_sync.state_dict()] if old_sync.compressor.compresses else None
-        checkpoint.save(self.state.state_dict(everyone, len(self.membership.members), position), path)
+        saved = self.state.state_dict(everyone, len(self.membership.members), position)
+        if checkpoint.not_finite(saved) is not None:  # never over the last good checkpoint
+            return f"; the parameters of {where} are not finite: nothing saved ({path} kept as it was)"
+        checkpoint.save(saved, path)
         return f"; saved the checkpoint of {where} to {path}"
 
     def take_outputs(self):

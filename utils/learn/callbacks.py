@@ -4,7 +4,7 @@ by the loop (utils/run.py's train_steps), in the order they are given:
     training_goes_on(state)                 training starts, or goes on after a change of members
     epoch_begins(state, steps)              before an epoch's steps (or what is left of them)
     step_begins(state, step)                before a step
-    flags(flags) -> flags                   this rank's flags for the step's sum (stop, join, speed)
+    flags(flags) -> flags                   this rank's flags for the step's sum (stop, join, speed, NaN)
     step_ends(state, step, flags)           after it (the state holds what it did): the flags every
                                             rank raised with its sum
     steps_end(state)                        the epoch's steps are over (or broke off)
@@ -16,6 +16,7 @@ final (a save, a timeline's window) asks the state to settle them: the loop know
 
 import contextlib
 import dataclasses
+import math
 import time
 
 from utils.balance.shares import REVIEW
@@ -133,6 +134,21 @@ class StopSignals(Callback):
         return dataclasses.replace(flags, signalled=1) if stop.signalled() else flags
 
 
+class FiniteLoss(Callback):
+    """A non-finite loss stops the job (utils/run.py). The step's own rides with its sum (train_step
+    tells the sync); this keeps raising it with every step after, for a sum that carries the flags
+    only now and then (--sync-every: at a round's merge)."""
+
+    def __init__(self):
+        self.seen = False
+
+    def flags(self, flags):
+        return dataclasses.replace(flags, not_finite=True) if self.seen else flags
+
+    def step_ends(self, state, step, flags):
+        self.seen = self.seen or not math.isfinite(state.stats.loss_sum)
+
+
 class Rebalancing(Callback):
     """--balance (utils/balance/shares.py): this rank's speed codes ride with each step's sum; every
     REVIEW steps the shares are looked at, and a change is drawn and shown."""
@@ -192,7 +208,7 @@ class TimelineWindow(Callback):
         self.timeline.at_step((state.position.epoch - 1) * self.steps_per_epoch + step)
 
     def step_ends(self, state, step, flags):
-        if not (flags.stopping or flags.joining) and self.timeline.window_ends():
+        if not flags.interrupting and self.timeline.window_ends():
             state.settle()  # the window's last step's sums in the trace
             self.timeline.write()
 
@@ -204,7 +220,7 @@ class SaveEvery(Callback):
         self.every, self.checkpointer, self.steps_per_epoch = every, checkpointer, steps_per_epoch
 
     def step_ends(self, state, step, flags):
-        if step % self.every == 0 and step < self.steps_per_epoch and not (flags.stopping or flags.joining):
+        if step % self.every == 0 and step < self.steps_per_epoch and not flags.interrupting:
             self.checkpointer.save(state)
 
 
@@ -225,4 +241,4 @@ class Instrumented(Callback):
         self.instruments, self.steps_per_epoch = instruments, steps_per_epoch
 
     def step_begins(self, state, step):
-        self.instruments.at_step((state.position.epoch - 1) * self.steps_per_epoch + step)
+        self.instruments.at_step((state.position.epoch - 1) * self.steps_per_epoch + step, state.model)

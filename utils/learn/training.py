@@ -5,7 +5,8 @@ each step, and who reports.
     trainer = Trainer(model, data, config, membership, on_step, instruments)
     trainer.start(hosts, resume_from)     a new job's first gradient sum (or a resume's state)
     trainer.new_sync(hosts)               a gradient sum over the group as it is now (a collective)
-    trainer.checkpointer.save(state)      rank 0 writes the checkpoint (every rank calls: a collective)
+    trainer.checkpointer.save(state)      rank 0 writes the checkpoint (every rank calls: a collective),
+                                          unless something in it is not finite: NotFinite on every rank
 """
 
 import torch
@@ -14,10 +15,11 @@ import torch.distributed as dist
 from utils.balance.shares import Balance
 from utils.comm import hierarchical
 from utils.elastic.status import Record
-from utils.errors import PeerError, first_line
+from utils.errors import NotFinite, PeerError, first_line
 from utils.exchange import all_gather_state
 from utils.learn.callbacks import (
     Callbacks,
+    FiniteLoss,
     Instrumented,
     OnStep,
     Rebalancing,
@@ -64,12 +66,19 @@ def batches_of_epoch(num_examples, epoch, recipe, balance=None):
 
 class Checkpointer:
     """Rank 0 writes the checkpoint of the training state (every rank calls save: the state may
-    hold every rank's own part of the sum, gathered first)."""
+    hold every rank's own part of the sum, gathered first), and never one with a NaN or an inf."""
 
     def __init__(self, path, timeline=OFF, instruments=INSTRUMENTS_OFF):
         self.path, self.timeline, self.instruments = path, timeline, instruments
 
     def save(self, state):
+        self.write(state, self.gather(state))
+
+    def gather(self, state):
+        """Every update due applied, and every rank's own part of the sum gathered (None: the sum keeps
+        none); NotFinite if the model, Adam's state or any rank's part is not finite. Every rank
+        finds the same: the parameters and Adam's state are the same on every rank, or (--sync-every's
+        working copies) they are in the parts every rank gathered. A scan of every value: at a save only."""
         state.settle()
         everyone = None
         if state.sync.has_rank_state:
@@ -77,6 +86,15 @@ class Checkpointer:
                 everyone = all_gather_state(state.sync.state_dict())
             except RuntimeError as e:
                 raise PeerError(first_line(e), doing="saving a checkpoint") from None
+        parts = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "ranks": everyone}
+        found = checkpoint.not_finite(parts, "")
+        if found is not None:
+            where = f"epoch {state.position.epoch}, step {state.position.step}"
+            raise NotFinite(f"the parameters are not finite after {where} ({found[1:]} holds a NaN or an inf)")
+        return everyone
+
+    def write(self, state, everyone):
+        """Rank 0 writes the checkpoint of `state` with every rank's part (gather's)."""
         self.instruments.point("save")
         if dist.get_rank() == 0:
             with self.timeline.span("checkpoint"):
@@ -122,6 +140,7 @@ class Trainer:
             OnStep(on_step) if on_step else None,
             Instrumented(instruments, steps) if instruments.enabled else None,
             StopSignals(),
+            FiniteLoss(),
             Rebalancing(balance, self.timeline, self.watch, instruments, steps) if balance is not None else None,
             Watching(self.watch, rank_0, steps, self.members),
             SaveEvery(outputs.save_every, self.checkpointer, steps) if outputs.save_every else None,

@@ -3,7 +3,7 @@ test or benchmark turns it on. Whoever needs it is handed it; the training loop 
 
     instruments = from_environ()       train.py, once: OFF unless RING_INSTRUMENTS is set
     instruments.bind(me)               this rank's id in the job, once it is known
-    instruments.at_step(step)          global step `step` begins: a fault of phase "step" fires
+    instruments.at_step(step, model)   global step `step` begins: a fault of phase "step" fires
     instruments.point(phase)           "sum", "save", "join": a fault of that phase fires
     instruments.at_restart(rank)       (a keeper restarted this process) a fault of phase "restart"
     instruments.log(event=..., ...)    one JSON line, with the time and this rank, in the events file
@@ -17,8 +17,11 @@ STEP counts from the run's first step, over epochs; PHASE is step (default: as t
 before its forward), sum (after backward, overlapped sums in flight), save (as the checkpoint after
 that step is written), join (as this member takes a joining server in, at the first growth from step
 STEP on) or restart (as a keeper's restarted process begins, whatever STEP: utils/setup/keeper.py).
-A real signal, sent by the rank to itself. Each fault fires once per process; with "once", once per
-job (the first process to fire creates PATH: a rank that torchrun restarts does not kill itself again).
+A real signal, sent by the rank to itself; or, for SIGNAL, a NaN in this rank's values in step
+STEP (phase step only; `model` is what at_step is handed): NAN, its forward's output (so its loss
+and its gradient); NANGRAD, one value of its gradient, its loss finite. Each fault fires once per
+process; with "once", once per job (the first process to fire creates PATH: a rank that torchrun
+restarts does not kill itself again).
 events: each fault, and what the elastic code notes (a rank's first step after a change of members,
 an agreement, a rejoin's ask) are appended there as JSON lines (bench/ and tests/ read them: read_events).
 """
@@ -32,6 +35,7 @@ from utils.errors import UsageError
 
 VARIABLE = "RING_INSTRUMENTS"
 SIGNALS_THAT_STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # (utils/setup/stop.py's)
+NANS = ("NAN", "NANGRAD")  # the faults that are not signals: a NaN in a step's values
 
 
 class Instruments:
@@ -45,7 +49,7 @@ class Instruments:
     def log(self, **event):
         pass
 
-    def at_step(self, step):
+    def at_step(self, step, model=None):
         pass
 
     def point(self, phase):
@@ -68,7 +72,7 @@ class Injected(Instruments):
     def __init__(self, faults="", once=None, events=None, send_to_self=None):
         self.spec, self.once, self.events = faults or "", once, events
         self.send_to_self = send_to_self or (lambda signum: os.kill(os.getpid(), signum))
-        self.me, self.faults, self.step = None, [], None
+        self.me, self.faults, self.step, self.model = None, [], None, None
 
     def bind(self, me):
         self.me = me
@@ -84,8 +88,8 @@ class Injected(Instruments):
         finally:
             os.close(fd)
 
-    def at_step(self, step):
-        self.step = step
+    def at_step(self, step, model=None):
+        self.step, self.model = step, model
         self.point("step")
 
     def at_restart(self, rank):
@@ -98,8 +102,10 @@ class Injected(Instruments):
             if self.once and not first_in_job(self.once):
                 continue
             step, signum, _ = fault
-            self.log(event="fault", signal=signum.name, step=step, phase=phase)
-            if signum in SIGNALS_THAT_STOP:
+            self.log(event="fault", signal=getattr(signum, "name", signum), step=step, phase=phase)
+            if signum in NANS:
+                nan_in(self.model, gradient_only=signum == "NANGRAD")
+            elif signum in SIGNALS_THAT_STOP:
                 self.send_to_self(signum)
             else:
                 os.kill(os.getpid(), signum)
@@ -116,6 +122,27 @@ class Injected(Instruments):
 PHASES = ("step", "sum", "save", "join", "restart")
 
 
+def nan_in(model, gradient_only):
+    """A NaN in this step of `model`: its output (so the loss and every gradient), or one value of its
+    first parameter's gradient (the loss stays finite); once, by a hook that takes itself away."""
+    nan = float("nan")
+
+    def output(module, inputs, out):
+        hook.remove()
+        return out * nan
+
+    def gradient(grad):
+        hook.remove()
+        grad = grad.clone()
+        grad.view(-1)[0] = nan
+        return grad
+
+    if gradient_only:
+        hook = next(model.parameters()).register_hook(gradient)
+    else:
+        hook = model.register_forward_hook(output)
+
+
 def parse(spec, me):
     """[(step, signal, phase)] of rank `me` (None: every rank's, to check them) in a faults spec
     ("1:25:KILL,0:25:STOP:sum"); ValueError if a part is not RANK:STEP:SIGNAL[:PHASE]."""
@@ -124,6 +151,8 @@ def parse(spec, me):
         rank, step, name, *phase = part.split(":")
         rank, step = int(rank), int(step)
         signum, phase = getattr(signal, "SIG" + name.upper(), None), (phase or ["step"])[0]
+        if name.upper() in NANS and phase == "step":
+            signum = name.upper()
         if signum is None or phase not in PHASES:
             raise ValueError(f"{part!r} is not RANK:STEP:SIGNAL[:{'|'.join(PHASES)}]")
         if me is None or rank == me:

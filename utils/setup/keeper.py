@@ -8,8 +8,10 @@ it was cut off and its side had no majority, or it was frozen and the job went o
 The keeper starts the same command again, and that command joins the running job by itself
 (utils/elastic/rejoin.py), or resumes the job if it stopped as a whole. What is not a failure
 ends the keeper too: a finished run (0), bad input or a refusal (2: it would fail the same way
-every time), a stop on a signal (3), a signal to the keeper itself (passed on to the child), a
-child that waited --rejoin-timeout for its job in vain (the job is over, or the network still out).
+every time), a stop on a signal (3), a loss or parameters turned non-finite (4: a restart would
+resume from the last good checkpoint and most likely meet the same NaN), a signal to the keeper
+itself (passed on to the child), a child that waited --rejoin-timeout for its job in vain (the job
+is over, or the network still out).
 
 Restarts back off (Backoff): 1 s, 2 s, 4 s ... up to a minute, back to 1 s after a child that
 trained (it says so through a pipe after its first step: trained()); after `limit` failures in a
@@ -27,12 +29,12 @@ import subprocess
 import sys
 import time
 
-from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_STOPPED
+from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_NOT_FINITE, EXIT_STOPPED
 from utils.setup.handoff import Handoff
 from utils.setup.lifecycle import State
 
 FIRST_DELAY, MAX_DELAY = 1.0, 60.0
-FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED)  # what ends the keeper: done, refused or bad input, stopped
+FINAL = (0, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NOT_FINITE)  # what ends the keeper: done, bad input, stopped, NaN
 TRAINED_WORD, FINAL_WORD = b"t", b"f"  # what a child tells its keeper: it trains; it waited for its job in vain
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from utils.errors import EXIT_BAD_INPUT, EXIT_STOPPED
+from utils.errors import EXIT_BAD_INPUT, EXIT_NOT_FINITE, EXIT_STOPPED
 from utils.setup import fork, stop
 from utils.setup.handoff import Handoff
 
@@ -245,7 +245,7 @@ def exit_code(outcome, keep_going, prog):
     if said and lost:  # a rank was killed and the others said why they stopped: their code tells what happened
         return said
     if (
-        outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED)
+        outcome.failed and outcome.killed and outcome.failed not in (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NOT_FINITE)
     ):  # those were explained in one line
         print(f"{prog}: a rank failed (exit code {outcome.failed}); stopped the other ranks", file=sys.stderr)
     return outcome.failed

@@ -10,19 +10,21 @@ import datetime
 import os
 
 from utils.elastic import rejoin
-from utils.errors import UsageError
+from utils.errors import Damaged, UsageError
 from utils.setup.config import check_share
 from utils.store.files import check_folder, check_writable
 from utils.store.outputs import lock_outputs
 
 
-def preflight(config, world_size, train_images, unfinished=False):
+def preflight(config, world_size, train_images, unfinished=False, quiet=False):
     """What rank 0, or the local launcher for all its ranks, checks before anyone trains (one
     error line, not one per rank): the outputs can be written and no other job holds them, the
     ranks can share the data, and the checkpoint to resume from matches this run. Returns (that
     checkpoint or None, whether it is a finished run). It only looks; rank 0 takes the lock afterwards.
     unfinished: without --resume, resume a checkpoint of these settings with epochs left (a server's
-    command run again: utils/elastic/rejoin.py); another run's checkpoint is set aside as ever."""
+    command run again: utils/elastic/rejoin.py); another run's checkpoint is set aside as ever, but
+    a damaged one (its digest does not match) stops it here too. quiet: no line for a checkpoint
+    without a digest (the local launcher's look: its rank 0 says it)."""
     for option, path in config.outputs.files():
         check_writable(path, option)
     if config.outputs.tensorboard:
@@ -35,11 +37,12 @@ def preflight(config, world_size, train_images, unfinished=False):
         from utils.store import checkpoint
 
         try:
-            resume_from = checkpoint.load(config.outputs.checkpoint, {"model": model_name(Net()), **config.must_keep()})
+            expected = {"model": model_name(Net()), **config.must_keep()}
+            resume_from = checkpoint.load(config.outputs.checkpoint, expected, quiet)
             done = checkpoint.finished(resume_from, config.recipe.epochs)
             kind = rejoin.Checkpoint.FINISHED if done else rejoin.Checkpoint.UNFINISHED
-        except UsageError:
-            if config.job.resume:
+        except UsageError as e:
+            if config.job.resume or isinstance(e, Damaged):
                 raise
             kind = rejoin.Checkpoint.OTHER  # another run's, or not one: this run starts afresh, as without --resume
         if rejoin.choose(False, kind, config.job.resume) == rejoin.How.RESUME:

@@ -3,6 +3,7 @@
     Ending(argv, prog, script)     what the line needs: the command, the handoff, the rank, the job
     ending.lost(error)             a PeerError: start afresh and wait for the job (no return), or exit 1
     ending.stopped(error)          a signal stopped the job after a step, saved: exit 3
+    ending.not_finite(error)       a NaN or an inf stopped the job, nothing saved after it: exit 4
     resume_command(argv, handoff)  the command that continues the job from its checkpoint
     say(line)                      one line to stderr in one write
 
@@ -13,7 +14,7 @@ import os
 import shlex
 import sys
 
-from utils.errors import EXIT_LOST_PEER, EXIT_STOPPED
+from utils.errors import EXIT_LOST_PEER, EXIT_NOT_FINITE, EXIT_STOPPED
 from utils.setup import keeper, stop
 from utils.setup.handoff import Handoff
 from utils.setup.lifecycle import State
@@ -52,6 +53,18 @@ class Ending:
 
             say(f"{self.prog}: rank 0: {requeue(job.slurm, self.config.outputs.checkpoint)}")
         return EXIT_STOPPED
+
+    def not_finite(self, e):
+        """The loss or the parameters turned non-finite: every rank stopped at the same step, and the
+        files are the last good ones (nothing was saved after it); exit 4, which no keeper restarts."""
+        stop.leaving()
+        outputs = self.config.outputs
+        say(
+            f"{self.prog}: rank {self.rank}: {e}; nothing was saved after it: {outputs.save_path} and "
+            f"{outputs.checkpoint} are kept as they were (the last good ones, if any); to go on from that "
+            f"checkpoint: {resume_command(self.argv, self.handoff, self.prog)}"
+        )
+        return EXIT_NOT_FINITE
 
 
 def resume_command(argv, handoff, prog="train.py"):

@@ -4,6 +4,7 @@ The training loop (utils/run.py) holds a GradientSync and the DistributedOptimiz
 and calls, for every step:
 
     sync.begin(w, flags)     this rank's share of the step's images times N, and its Flags
+    sync.not_finite()        (after the forward, if the loss is NaN or inf: every rank learns of it)
     loss.backward()
     sync.sum()               the ring sum over all ranks (overlapped kinds: already running)
     optimizer.step()         the optimizer's step, as this kind of sum calls for it (DistributedOptimizer)
@@ -19,6 +20,7 @@ compressor (describe(), compresses). Every kind waits for a sum on another threa
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 import time
 
@@ -76,7 +78,8 @@ class GradientSync(abc.ABC):
         self.base_optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
         self.timeline = timeline
         self.weight = 1.0  # this step's gradient weight (utils/sync/buckets.py's flat_buffer)
-        self.own_flags = NO_FLAGS.values()  # this rank's flags for this step's sum (their values), from begin()
+        self.own = NO_FLAGS  # this rank's flags for this step's sum, from begin()
+        self.own_flags = NO_FLAGS.values()  # their values
         self.flag_sums = []  # the flags' values summed over ranks, as of the last sum that carried them
         self.busy_seconds = 0.0  # communication ran this long
         self.waited_seconds = 0.0  # the training thread waited this long for it
@@ -95,7 +98,14 @@ class GradientSync(abc.ABC):
         """A step begins: this rank's gradient weighs `weight` (its share of the step's images times
         N), and `flags` (this rank's Flags) ride with the step's sum. The sum's threads read only
         what is handed here."""
-        self.weight, self.own_flags = weight, (flags or NO_FLAGS).values()
+        self.weight, self.own = weight, flags or NO_FLAGS
+        self.own_flags = self.own.values()
+
+    def not_finite(self) -> None:
+        """This step's loss was NaN or inf (said after the forward, before backward starts any sum):
+        the flag that stops every rank after this step rides with its sum (utils/sync/flags.py)."""
+        self.own = dataclasses.replace(self.own, not_finite=True)
+        self.own_flags = self.own.values()
 
     @abc.abstractmethod
     def sum(self) -> None:
