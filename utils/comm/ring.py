@@ -89,14 +89,20 @@ def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
     total = chain.head() if chain.rank == 0 else chain.link()
     for work in chain.pending:
         work.wait()
-    flat.copy_(total)
+    if total is not flat:
+        flat.copy_(total)
     return flat
 
 
 class Chain:
     """One two-pass sum in flight on this rank: its pieces (`own`, the buffer's K views), where the
-    pass-1 sums and the total land, and the sends not yet finished. Pass 1's messages are tagged c,
-    pass 2's K + c, for piece c."""
+    pass-1 sums arrive (`partials`), what it sends on (`outgoing`) and where the total lands
+    (`totals`), and the sends not yet finished. Pass 1's messages are tagged c, pass 2's K + c.
+
+    On a float32 wire the sums are made, sent on and received in the buffer itself: own + partial
+    is partial + own to the bit (IEEE addition commutes), and a piece's total can only arrive after
+    this rank's send of that piece has been received down the chain, so it never lands in bytes
+    still being sent. A 16-bit wire needs buffers of its own (the sums are rounded to it)."""
 
     def __init__(self, flat, chunks, group, wire_dtype):
         self.group, self.n, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
@@ -104,11 +110,14 @@ class Chain:
         self.exact = wire == flat.dtype
         self.k = k = max(1, min(chunks, flat.numel()))
         self.own = torch.tensor_split(flat, k)
-        partial = torch.empty_like(flat, dtype=wire)  # pass-1 sums arriving from rank-1
-        self.total = torch.empty_like(flat, dtype=wire)  # the finished total
-        self.rounded = partial if self.exact else torch.empty_like(partial)  # pass-1 sums as sent on: rounded once
-        self.outgoing = torch.tensor_split(self.rounded, k)
-        self.partials, self.totals = torch.tensor_split(partial, k), torch.tensor_split(self.total, k)
+        if self.exact:
+            self.total, self.outgoing, self.totals = flat, self.own, self.own
+        else:
+            self.total = torch.empty_like(flat, dtype=wire)  # the finished total
+            self.rounded = torch.empty_like(self.total)  # pass-1 sums as sent on: rounded once
+            self.outgoing, self.totals = torch.tensor_split(self.rounded, k), torch.tensor_split(self.total, k)
+        # pass-1 sums arriving from rank-1 (rank 0 receives none)
+        self.partials = torch.tensor_split(torch.empty_like(flat, dtype=wire), k) if self.rank else ()
         self.pending = []  # sends still in flight
 
     def send(self, piece, to, tag):
@@ -137,13 +146,12 @@ class Chain:
         receives = self.receive(self.partials, rank - 1, 0)
         for c in range(k):
             receives[c].wait()
-            if self.exact:
-                self.partials[c].add_(self.own[c])
-            else:  # add in float32, round once
-                self.outgoing[c].copy_(self.own[c].add_(self.partials[c]))
-            self.send(self.outgoing[c], (rank + 1) % n, c if rank < last else k + c)
+            summed = self.own[c].add_(self.partials[c])  # (a 16-bit wire: added in float32, rounded once)
+            self.send(
+                summed if self.exact else self.outgoing[c].copy_(summed), (rank + 1) % n, c if rank < last else k + c
+            )
         if rank == last:
-            return self.rounded  # pass 1 ended here with the total
+            return self.total if self.exact else self.rounded  # pass 1 ended here with the total
         receives = self.receive(self.totals, rank - 1, k)
         for c in range(k):
             receives[c].wait()
