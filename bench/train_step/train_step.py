@@ -58,12 +58,8 @@ def batch_for(args, n: int) -> int:
 
 def make_configs(args) -> list[dict]:
     """The configurations, in the order they are listed (the run rotates the order per round)."""
-    if args.chunks == "auto":
-        from utils.comm.ring import auto_chunks
-
-        plain_chunks, bucket_chunks = auto_chunks(MODEL_NUMEL[args.model]), "auto"  # what "auto" comes to, plain
-    else:
-        plain_chunks = bucket_chunks = int(args.chunks)
+    # "auto": as train.py resolves it, by the bytes and the hosts (utils.comm.ring.auto_chunks)
+    plain_chunks = bucket_chunks = "auto" if args.chunks == "auto" else int(args.chunks)
     kinds = ("compute", "compute", "sync", "wire")
     configs = [{"name": name, "kind": kind, "alone": name == "compute-alone"} for name, kind in zip(FLOORS, kinds)]
     for alg in args.algorithms:

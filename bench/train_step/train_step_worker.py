@@ -83,7 +83,7 @@ class PhaseClock:
 class Runner:
     """One configuration: its own model (same seed), optimizer, schedule and gradient sync."""
 
-    def __init__(self, spec: dict, cfg: dict, rank: int, wire):
+    def __init__(self, spec: dict, cfg: dict, rank: int, wire, hosts):
         import torch
 
         from utils import timeline
@@ -104,7 +104,9 @@ class Runner:
             flags = (spec["allreduce"], spec["overlap"], spec.get("lazy", False), spec.get("compress", "none"))
             layout = dict(timeout=cfg["op_timeout"], chunks=spec["chunks"] or "auto")
             ours, seed = our_sync(*flags, **psgd, **layout, bucket_mb=spec["bucket_mb"] or 1.0), cfg["seed"]
-            self.sync = make_gradient_sync(self.model, ours, optimizer, scheduler, seed, timeline=self.recorder or OFF)
+            self.sync = make_gradient_sync(
+                self.model, ours, optimizer, scheduler, seed, hosts, timeline=self.recorder or OFF
+            )  # (hosts: as train.py hands them over)
         elif spec["kind"] in ("sync", "wire"):
             self.sync = Lockstep(optimizer, scheduler, wire if spec["kind"] == "wire" else None)
             if spec["kind"] == "wire":  # the bytes start with backward, where a sum's would
@@ -137,6 +139,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
+    from utils.comm import hierarchical
     from utils.exchange import all_gather_json
     from utils.learn.data import load_mnist
     from utils.learn.training import batches_of_epoch
@@ -152,7 +155,8 @@ def worker(args) -> int:
     if n > 1 and any(spec["kind"] == "wire" for spec in cfg["configs"]):
         nbytes = 2 * (n - 1) * numel(make_model(cfg["model"])) * 4 // n
         wire = RawWire(rank, n, cfg["addrs"], nbytes, cfg["op_timeout"], all_gather_json)
-    runners = [Runner(spec, cfg, rank, wire) for spec in cfg["configs"]]
+    hosts = hierarchical.discover()  # which ranks share a host, as train.py finds them at start-up
+    runners = [Runner(spec, cfg, rank, wire, hosts) for spec in cfg["configs"]]
     times = [[] for _ in runners]  # this rank: per timed round, (total, fb, sum, opt, usr, sys, tx, sent)
     t_start, k = time.time(), cfg["steps_per_sample"]
     for rnd in range(cfg["warmup"] + cfg["iters"]):

@@ -116,15 +116,15 @@ class TwoPass(AllReduce):
 
     name = "two-pass"
 
-    def __init__(self, group=None, chunks="auto"):
+    def __init__(self, group=None, chunks="auto", one_host=False):
         super().__init__(group)
-        self.chunks = chunks
+        self.chunks, self.one_host = chunks, one_host  # one_host: every rank on one host (ring.auto_chunks)
 
     def _sum(self, flat, wire_dtype):
         ring.two_pass_ring_sum(flat, self.trace_chunks(flat.numel(), wire_dtype), self.group, wire_dtype)
 
     def trace_chunks(self, numel, wire_dtype):
-        return ring.resolve_chunks(self.chunks, numel, wire_dtype)
+        return ring.resolve_chunks(self.chunks, numel, wire_dtype, self.one_host)
 
     def bytes_for(self, numel, element_size, wire_size):
         return ring.two_pass_bytes_sent(numel, wire_size, self.rank, self.world_size)
@@ -197,7 +197,8 @@ def make_allreduce(name, chunks="auto", timeout=None, own_group=False, hosts=Non
 
     own_group: sum over a new process group of all ranks with connections of its own (a bucket
     of utils/sync/buckets.py must not queue behind another on one socket); else the default group.
-    The hierarchical sum always makes its subgroups (over `hosts`, default: discover()).
+    The hierarchical sum always makes its subgroups (over `hosts`, default: discover()); the
+    two-pass ring streams its buffer in one piece when `hosts` is one host (ring.auto_chunks).
     Both are collectives: every rank makes the same all-reduces in the same order.
     timeout: the new groups' (None: the default group's). timeline: where each sum draws its span.
     """
@@ -214,7 +215,7 @@ def _make(name, chunks, timeout, own_group, hosts):
         return Hierarchical(hierarchical.Hierarchy(hosts, timeout))
     group = dist.new_group(backend="gloo", timeout=timeout) if own_group and dist.get_world_size() > 1 else None
     if name == "two-pass":
-        return TwoPass(group, chunks)
+        return TwoPass(group, chunks, one_host=hosts is not None and len(hosts) == 1)
     return Ring(group) if name == "ring" else Gloo(group)
 
 

@@ -35,16 +35,20 @@ CHUNK_BYTES = 256 * 1024  # auto-pipelining: about this much per message
 MAX_CHUNKS = 64
 
 
-def auto_chunks(numel, element_size=4):
-    """How many pieces the two-pass ring streams a buffer of `numel` elements in."""
+def auto_chunks(numel, element_size=4, one_host=False):
+    """How many pieces the two-pass ring streams a buffer of `numel` elements in: pieces of about
+    CHUNK_BYTES, so that a rank adds and sends on one while the next is on the wire; one piece when
+    every rank is on one host, where a hop is a copy in memory and more pieces only add messages."""
+    if one_host:
+        return 1
     return max(1, min(MAX_CHUNKS, math.ceil(numel * element_size / CHUNK_BYTES)))
 
 
-def resolve_chunks(chunks, numel, wire_dtype=None):
-    """`chunks` as a number: "auto" counts the bytes on the wire."""
+def resolve_chunks(chunks, numel, wire_dtype=None, one_host=False):
+    """`chunks` as a number: "auto" counts the bytes on the wire (auto_chunks)."""
     if chunks != "auto":
         return chunks
-    return auto_chunks(numel, torch.empty(0, dtype=wire_dtype or torch.float32).element_size())
+    return auto_chunks(numel, torch.empty(0, dtype=wire_dtype or torch.float32).element_size(), one_host)
 
 
 def two_pass_bytes_sent(numel, element_size, rank, n):
