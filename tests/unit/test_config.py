@@ -18,7 +18,7 @@ def test_defaults_are_resolved_once():
     c = config()
     assert (c.job.rank, c.job.world_size, c.job.nproc) == (None, 2, 2)  # the local launcher
     assert (c.recipe.global_batch, c.recipe.lr, c.recipe.epochs, c.recipe.seed) == (64, 4e-3, 2, 1)
-    assert (c.sync.allreduce, c.sync.chunks, c.sync.overlap, c.sync.compress) == ("two-pass", "auto", True, "none")
+    assert (c.sync.allreduce, c.sync.chunks, c.sync.overlap, c.sync.compress) == ("two-pass", "auto", None, "none")
     assert c.sync.powersgd_rank is None and c.outputs.timeline_steps is None
     p = config("--compress", "powersgd", "--timeline", "t.json")
     assert (p.sync.powersgd_rank, p.sync.powersgd_warmup, p.outputs.timeline_steps) == (4, 10, (21, 60))
@@ -139,3 +139,15 @@ def test_the_defaults_that_are_paths_name_the_repository():
 
     assert config().job.data_dir == os.path.join(REPO, "data") and os.path.isdir(config().job.data_dir)
     assert (program.ROOT / "train.py").is_file() and str(program.ROOT) == REPO
+
+
+def test_overlap_by_default_is_on_across_hosts_and_off_on_one_unless_compressed_or_lazy():
+    from utils.sync.factory import overlap_by_default
+
+    one, two = [[0, 1]], [[0], [1]]
+    assert not overlap_by_default(config().sync, one)  # python train.py: nothing on a wire to hide
+    assert overlap_by_default(config().sync, two)
+    assert overlap_by_default(config().sync, None)  # hosts not known: as before
+    assert overlap_by_default(config("--compress", "powersgd").sync, one)  # its buckets are in its bits
+    assert overlap_by_default(config("--lazy-update").sync, one)
+    assert config("--no-overlap").sync.overlap is False and config("--overlap").sync.overlap is True

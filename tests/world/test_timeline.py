@@ -50,6 +50,7 @@ def test_torchrun_gloo_overlap_only_rank_0_names_the_file(tmp_path):
         *COMMON,
         "--allreduce",
         "gloo",
+        "--overlap",  # (on one host it is off by default)
         "--timeline",
         str(trace),
         "--save-path",

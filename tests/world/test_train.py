@@ -42,7 +42,7 @@ def small_run(tmp_path_factory):
 def test_two_ranks_learn_and_end_identical(small_run):
     result, save = small_run
     assert accuracy_of(result.stdout) > 80.0  # chance is 10%
-    assert "all-reduce two-pass (chunks auto, overlap on), 1 host × 2 ranks" in result.stdout  # the topology
+    assert "all-reduce two-pass (chunks auto, overlap off), 1 host × 2 ranks" in result.stdout  # the topology
     digest = re.search(r"identical on all 2 ranks \(sha256 ([0-9a-f]{64})\)", result.stdout).group(1)
     assert digest == digest_of(save)  # the file rank 0 saved is what every rank ended with
 

@@ -34,7 +34,7 @@ def start_line(config, model, data, hosts, gradient_sync):
     return (
         f"rank 0 of {n}: {parameters:,} parameters, "
         f"{len(data[1]):,} training images{test_note}, batch {batch} ({per_rank}), "
-        f"all-reduce {sync.allreduce} (chunks {sync.chunks}, overlap {'on' if sync.overlap else 'off'}"
+        f"all-reduce {sync.allreduce} (chunks {sync.chunks}, overlap {'on' if gradient_sync.overlaps else 'off'}"
         f"{', lazy update' if sync.lazy_update else ''}){', ' + compress if compress else ''}, {hosts}"
     )
 
@@ -84,6 +84,7 @@ class EpochReport:
         extra = {
             "losses": self.watch.epoch(epoch * self.steps_per_epoch, accuracy, sent),
             "test_images": self.test_images,
+            "overlap": state.sync.overlaps,
         }
         rebalances = self.balance.changes if self.balance is not None else None
         seconds, members = state.epoch_seconds(), self.members()
@@ -129,7 +130,6 @@ def report_epoch(epoch, seconds, stats, accuracy, ranks, config, members, rebala
                 busbw_gbps=busbw,
                 world_size=world_size,
                 allreduce=config.sync.allreduce,
-                overlap=config.sync.overlap,
                 compress=config.sync.compress,
                 bytes_sent_per_step=max(sent),
                 bytes_sent_per_step_by_rank=sent,

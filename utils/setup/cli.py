@@ -128,8 +128,10 @@ def make_parser(prog="train.py"):
     sums.add_argument(
         "--overlap",
         action=ON,
-        default=True,
-        help="sum gradient buckets during backward (default on; --no-overlap: backward, then the sum)",
+        default=None,
+        help="sum gradient buckets during backward (default: on when the ranks span several hosts, or with "
+        "--compress or --lazy-update; off on one host, where there is no wire time to hide; --no-overlap: "
+        "backward, then the sum)",
     )
     sums.add_argument(
         "--lazy-update",

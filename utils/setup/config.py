@@ -70,7 +70,7 @@ class Recipe:
 class Sync:
     allreduce: str = setting("two-pass", "allreduce", agree=True)
     chunks: int | str = setting("auto", "chunks", agree=True)
-    overlap: bool = setting(True, "overlap", agree=True)
+    overlap: bool | None = setting(None, "overlap", agree=True)  # None: by the hosts (overlap_by_default)
     lazy_update: bool = setting(False, "lazy-update", agree=True)
     bucket_mb: float = setting(1.0, "bucket-mb", agree=True)
     compress: str = setting("none", "compress", agree=True, resume=True)
@@ -225,7 +225,7 @@ def check_options(args):
     """Options that need or exclude another: the batch's, --lazy-update's, the timeline's, --join's."""
     if args.batch_size and args.global_batch:
         raise UsageError("give --global-batch or --batch-size (per rank), not both")
-    if args.lazy_update and not args.overlap:
+    if args.lazy_update and args.overlap is False:
         raise UsageError("--lazy-update needs --overlap: it applies the update of each bucket summed during backward")
     if args.timeline_steps and not args.timeline:
         raise UsageError("--timeline-steps needs --timeline PATH")

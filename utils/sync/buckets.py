@@ -175,6 +175,8 @@ class OverlappedSync(BucketSync):
     every connection cut), or None. A bucket's sum still running ABANDON_SECONDS after the group
     broke is given up (utils/sync/interface.py)."""
 
+    overlaps = True
+
     def __init__(self, model, *parts, broken=None, **named):
         super().__init__(*parts, **named)
         self.broken = broken

@@ -34,15 +34,26 @@ def make_gradient_sync(model, sync, optimizer, scheduler, seed=0, hosts=None, ti
         compressor = make_compressor(sync.compress, [params])
         weighted = sync.balance is not None  # (without --balance the plain mean: its bits stay)
         return PeriodicSync(model, outer_sum, compressor, optimizer, scheduler, *outer, timeline, weighted, broken)
-    buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if sync.overlap else [params]
+    overlap = sync.overlap if sync.overlap is not None else overlap_by_default(sync, hosts)
+    buckets = make_buckets(list(reversed(params)), int(sync.bucket_mb * 2**20)) if overlap else [params]
     compressor = make_compressor(sync.compress, buckets, sync.powersgd_rank, sync.powersgd_warmup, seed)
     try:
-        first = allreduce(own_group=sync.overlap)
+        first = allreduce(own_group=overlap)
         shared = first.native_async and not compressor.compresses  # see OverlappedSync
         allreduces = [first] + [first if shared else allreduce(own_group=True) for _ in buckets[1:]]
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     parts = (buckets, allreduces, compressor, optimizer, scheduler, timeline)
-    if not sync.overlap:
+    if not overlap:
         return PlainSync(*parts, broken=broken)
     return (LazySync if sync.lazy_update else OverlappedSync)(model, *parts, broken=broken)
+
+
+def overlap_by_default(sync, hosts):
+    """--overlap's default: on when the ranks span several hosts (hosts None: not known), where a sum
+    spends time on the wire that backward can hide; off on one host, where a sum is CPU work that
+    would only take turns with backward's on the same cores. A compressed or lazy sum overlaps
+    wherever it runs: its buckets are part of its bits, and the lazy update is made of them. The
+    default is the same on every rank (the hosts are every rank's same answer), and on one host,
+    where it is off, the bits are those of --overlap (the same sums of the same values)."""
+    return hosts is None or len(hosts) > 1 or sync.compress != "none" or sync.lazy_update

@@ -74,6 +74,8 @@ class GradientSync(abc.ABC):
     DistributedOptimizer); compressor: what the sums carry (utils/comm/compress.py); timeline:
     where the sync draws its spans (utils/timeline.py)."""
 
+    overlaps = False  # whether its sums run during backward (--overlap)
+
     def __init__(self, optimizer, scheduler, compressor, timeline):
         self.base_optimizer, self.scheduler, self.compressor = optimizer, scheduler, compressor
         self.timeline = timeline
