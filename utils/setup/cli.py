@@ -129,16 +129,14 @@ def make_parser(prog="train.py"):
         "--overlap",
         action=ON,
         default=None,
-        help="sum gradient buckets during backward (default: on when the ranks span several hosts, or with "
-        "--compress or --lazy-update; off on one host, where there is no wire time to hide; --no-overlap: "
-        "backward, then the sum)",
+        help="sum gradient buckets during backward (default: on across hosts and with --compress or "
+        "--lazy-update, off on one host; --no-overlap: backward, then the sum)",
     )
     sums.add_argument(
         "--lazy-update",
         action=ON,
         default=False,
-        help="with --overlap: apply each bucket's update as the next "
-        "forward needs it, so communication overlaps that too",
+        help="with --overlap: apply each bucket's update as the next forward needs it (hiding the sums behind it)",
     )
     sums.add_argument(
         "--bucket-mb", type=positive(float), default=1.0, help="overlap bucket size (default %(default)s MB)"
