@@ -81,7 +81,6 @@ class GradientSync(abc.ABC):
         self.timeline = timeline
         self.weight = 1.0  # this step's gradient weight (utils/sync/buckets.py's flat_buffer)
         self.own = NO_FLAGS  # this rank's flags for this step's sum, from begin()
-        self.own_flags = NO_FLAGS.values()  # their values
         self.flag_sums = []  # the flags' values summed over ranks, as of the last sum that carried them
         self.busy_seconds = 0.0  # communication ran this long
         self.waited_seconds = 0.0  # the training thread waited this long for it
@@ -101,13 +100,16 @@ class GradientSync(abc.ABC):
         N), and `flags` (this rank's Flags) ride with the step's sum. The sum's threads read only
         what is handed here."""
         self.weight, self.own = weight, flags or NO_FLAGS
-        self.own_flags = self.own.values()
 
     def not_finite(self) -> None:
         """This step's loss was NaN or inf (said after the forward, before backward starts any sum):
         the flag that stops every rank after this step rides with its sum (utils/sync/flags.py)."""
         self.own = dataclasses.replace(self.own, not_finite=True)
-        self.own_flags = self.own.values()
+
+    @property
+    def own_flags(self) -> list[float]:
+        """The values this rank's flags add to the step's sum (Flags.values)."""
+        return self.own.values()
 
     @abc.abstractmethod
     def sum(self) -> None:
