@@ -53,8 +53,8 @@ class Job:
     """One job on the cluster's 3 emulated servers, each started with `extra` (and its own faults:
     rank -> a RING_INSTRUMENTS faults spec, utils/observe/instruments.py)."""
 
-    def __init__(self, cl, home, extra, faults=None, port=29500):
-        self.cl, self.home, self.extra, self.port = cl, home, extra, port
+    def __init__(self, cl, home, extra, faults=None, port=29500, pace=None):
+        self.cl, self.home, self.extra, self.port, self.pace = cl, home, extra, port, pace
         self.events = home / "events.jsonl"
         self.faults = faults or {}
         self.procs = {}
@@ -64,7 +64,8 @@ class Job:
 
     def start(self, rank):
         """The server's command (again, after a reboot): output appended to its logs."""
-        env = {"OMP_NUM_THREADS": "1", **environ_for(faults=self.faults.get(rank), events=str(self.events))}
+        instruments = environ_for(faults=self.faults.get(rank), events=str(self.events), pace=self.pace)
+        env = {"OMP_NUM_THREADS": "1", **instruments}
         with open(self.home / f"rank{rank}.out", "ab") as out, open(self.home / f"rank{rank}.err", "ab") as err:
             argv = self.cl.train_argv(rank, self.port, self.extra)
             self.procs[rank] = self.cl.popen(rank, argv, env=env, cwd=self.home / f"host{rank}", stdout=out, stderr=err)
@@ -170,9 +171,9 @@ def oracle(changes, run, home):
     return FOUND.search(result.stdout).group(2)
 
 
-def kill_trial(cl, tmp, kills, rng, train_subset, epochs):
+def kill_trial(cl, tmp, kills, rng, train_subset, epochs, pace=None):
     run = [*RUN, "--train-subset", str(train_subset), "--epochs", str(epochs)]
-    job = Job(cl, tmp / "kill", [*run, "--restart", "on-failure"])
+    job = Job(cl, tmp / "kill", [*run, "--restart", "on-failure"], pace=pace)
     steps = -(-train_subset // 64)  # (the last step of an epoch may be short)
     back, done = [], []
     try:
@@ -333,6 +334,11 @@ def main(argv=None):
     ap.add_argument("--faults", type=positive(int), default=30, help="soak trial: faults in all")
     ap.add_argument("--epochs", type=positive(int), default=300, help="soak trial: epochs of --soak-subset images")
     ap.add_argument("--train-subset", type=positive(int), default=60000, help="images an epoch (kill, cut, storm)")
+    ap.add_argument(
+        "--pace",
+        type=positive(float),
+        help="kill trial: seconds every rank sleeps as a step begins (its test: a short job outlasts a kill on any machine)",
+    )
     ap.add_argument("--soak-subset", type=positive(int), default=12800, help="images an epoch (soak)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--results-dir", default=str(RESULTS / "heal"))
@@ -345,7 +351,7 @@ def main(argv=None):
     result, lines = {"command": command_line("heal/heal.py"), "host": host_info()}, []
     with netns.Cluster(hosts=3) as cl:
         if "kill" in trials:
-            k = result["kill"] = kill_trial(cl, tmp, args.kills, rng, args.train_subset, args.kill_epochs)
+            k = result["kill"] = kill_trial(cl, tmp, args.kills, rng, args.train_subset, args.kill_epochs, args.pace)
             ok = len(k["back_seconds"]) == args.kills and all(
                 s is not None and s <= HEARTBEAT + 10 for s in k["back_seconds"]
             )

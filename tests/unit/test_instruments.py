@@ -17,11 +17,30 @@ def test_off_unless_turned_on():
 
 
 @pytest.mark.parametrize(
-    "value", ["{", "[1]", '{"faults": 3}', '{"fault": "0:1:KILL"}', '{"faults": "x:1:KILL"}', '{"faults": "0:1:NOPE"}']
+    "value",
+    ["{", "[1]", '{"faults": 3}', '{"fault": "0:1:KILL"}', '{"faults": "x:1:KILL"}', '{"faults": "0:1:NOPE"}']
+    + ['{"pace": "x"}', '{"pace": "-1"}', '{"pace": "nan"}', '{"pace": "11"}', '{"pace": 0.1}'],
 )
 def test_a_malformed_value_is_one_line(value):
     with pytest.raises(UsageError, match="RING_INSTRUMENTS is malformed"):
         from_environ({"RING_INSTRUMENTS": value})
+
+
+def test_pace_sleeps_as_each_step_begins_and_only_then(monkeypatch):
+    import utils.observe.instruments as instruments
+
+    slept = []
+    monkeypatch.setattr(instruments.time, "sleep", slept.append)
+    paced = from_environ(environ_for(pace=0.25))
+    paced.bind(0)
+    paced.at_step(1)
+    paced.point("sum")
+    paced.at_step(2)
+    assert slept == [0.25, 0.25]
+    unpaced = from_environ(environ_for(faults="0:9:TERM"))
+    unpaced.bind(0)
+    unpaced.at_step(1)
+    assert slept == [0.25, 0.25]
 
 
 def test_a_rank_s_faults_and_their_phases():

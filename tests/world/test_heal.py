@@ -13,8 +13,12 @@ from procs import final_digest
 
 from utils.observe.instruments import environ_for
 
-RUN = ["--epochs", "1", "--train-subset", "60000", "--test-subset", "200", "--timeout", "60", "--heartbeat", "2"]
-STEPS = 938  # 60,000 images, 64 a step
+RUN = ["--epochs", "1", "--train-subset", "19200", "--test-subset", "200", "--timeout", "60", "--heartbeat", "2"]
+STEPS = 300  # 19,200 images, 64 a step
+# seconds every rank sleeps as a step begins (RING_INSTRUMENTS's pace), where a job must outlast a server's return:
+# 300 steps last at least 9 s on the fastest machine, and cost a third of the CPU of the 938 steps it took before
+PACE = 0.03
+SHORT = [*RUN[:3], "6400", *RUN[4:]]  # 100 steps: where nothing must outlast a return
 
 
 def joined_after(out, member):
@@ -39,7 +43,7 @@ def test_a_killed_server_comes_back_by_itself_and_the_job_ends_as_a_stop_and_res
     """--restart on-failure on every server; rank 1's training is killed (-9) at step 40. Its keeper
     starts it again, it finds the job and joins it; the job ends on 3 ranks with the bits of the same
     job stopped where it lost rank 1, resumed on 2, stopped where rank 1 came back, resumed on 3."""
-    env = environ_for(faults="1:40:KILL", once=str(tmp_path / "fired"))
+    env = environ_for(faults="1:40:KILL", once=str(tmp_path / "fired"), pace=PACE)
     ranks = procs.start_ranks(3, [*RUN, "--restart", "on-failure"], cwd=tmp_path, env=env)
     try:
         results = procs.wait_all(ranks, timeout=400)
@@ -68,13 +72,12 @@ def test_the_same_command_run_again_joins_a_running_job_and_resumes_a_stopped_on
     """No --restart: a killed server's command, typed again, joins the job that went on; the job
     stopped as a whole (SIGTERM), the same commands again (no --resume) resume it, bit for bit as a
     job never stopped."""
-    run = [*RUN[:3], "19200", *RUN[4:]]  # 300 steps
-    ranks = procs.start_ranks(3, run, cwd=tmp_path, env=environ_for(faults="2:30:KILL"))
+    ranks = procs.start_ranks(3, RUN, cwd=tmp_path, env=environ_for(faults="2:30:KILL", pace=PACE))
     port = int(re.search(r"tcp://127.0.0.1:(\d+)", " ".join(ranks[0].args)).group(1))
     again = None
     try:
         procs.wait_for(lambda: ranks[2].poll() is not None, 120, "rank 2 to be killed")
-        again = procs.start_rank(2, 3, run, port, tmp_path)  # the same command, by hand
+        again = procs.start_rank(2, 3, RUN, port, tmp_path, environ_for(pace=PACE))  # the same command, by hand
         results = procs.wait_all([ranks[0], ranks[1], again], timeout=300)
     finally:
         for p in [*ranks, *([again] if again else [])]:
@@ -85,16 +88,16 @@ def test_the_same_command_run_again_joins_a_running_job_and_resumes_a_stopped_on
 
     whole = tmp_path / "whole"
     whole.mkdir()
-    ranks = procs.start_ranks(3, run, cwd=whole, env=environ_for(faults="0:100:TERM"))
+    ranks = procs.start_ranks(3, SHORT, cwd=whole, env=environ_for(faults="0:40:TERM"))
     first = procs.wait_all(ranks, timeout=200)
     assert [code for code, _, _ in first] == [3, 3, 3], [err for _, _, err in first]
-    ranks = procs.start_ranks(3, run, cwd=whole)  # the same commands again
+    ranks = procs.start_ranks(3, SHORT, cwd=whole)  # the same commands again
     second = procs.wait_all(ranks, timeout=200)
     assert [code for code, _, _ in second] == [0, 0, 0], [err for _, _, err in second]
-    assert "resuming from runs/checkpoint.pt: epoch 1, after step 100" in second[0][1], second[0][1]
+    assert "resuming from runs/checkpoint.pt: epoch 1, after step 40" in second[0][1], second[0][1]
     straight = tmp_path / "straight"
     straight.mkdir()
-    never_stopped = procs.wait_all(procs.start_ranks(3, run, cwd=straight), timeout=200)
+    never_stopped = procs.wait_all(procs.start_ranks(3, SHORT, cwd=straight), timeout=200)
     assert final_digest(second[0][1]) == final_digest(never_stopped[0][1])
 
 
@@ -102,7 +105,7 @@ def test_the_same_command_run_again_joins_a_running_job_and_resumes_a_stopped_on
 def test_a_server_that_fails_at_every_restart_is_given_up_and_the_job_goes_on(tmp_path):
     """Rank 2 is killed at step 30, and its training then dies at every restart: its keeper backs off
     (1 s, 2 s) and gives up after --max-restarts 2 in one line; the job ends on 2 ranks."""
-    run = [*RUN[:3], "19200", *RUN[4:]]
+    run = SHORT
     port = procs.free_port()
     env = environ_for(faults="2:30:KILL,2:0:KILL:restart")
     ranks = [procs.start_rank(r, 3, run, port, tmp_path, env) for r in range(2)]
@@ -128,7 +131,8 @@ def test_a_frozen_server_that_wakes_finds_the_job_gone_on_and_joins_it_again(tmp
     """SIGSTOP at step 30: the others go on without rank 2 after --heartbeat. SIGCONT: it learns it was
     fenced out, waits for the job (--rejoin-timeout) and joins it at its next step, by itself."""
     events = tmp_path / "events.jsonl"
-    ranks = procs.start_ranks(3, RUN, cwd=tmp_path, env=environ_for(faults="2:30:STOP", events=str(events)))
+    env = environ_for(faults="2:30:STOP", events=str(events), pace=PACE)
+    ranks = procs.start_ranks(3, RUN, cwd=tmp_path, env=env)
     try:
         procs.wait_for(lambda: procs.stat(ranks[2].pid)[0] == "T", 120, "rank 2 to stop itself")
         procs.wait_for(lambda: '"after": "shrank"' in events.read_text(), 60, "the others to go on without rank 2")

@@ -10,7 +10,7 @@ test or benchmark turns it on. Whoever needs it is handed it; the training loop 
 
 RING_INSTRUMENTS is a JSON object, each key optional:
 
-    {"faults": "1:25:KILL,0:25:STOP:sum", "once": PATH, "events": PATH}
+    {"faults": "1:25:KILL,0:25:STOP:sum", "once": PATH, "events": PATH, "pace": SECONDS}
 
 faults: RANK:STEP:SIGNAL[:PHASE], comma-separated. RANK is the rank in the job's first generation;
 STEP counts from the run's first step, over epochs; PHASE is step (default: as the step begins,
@@ -24,6 +24,9 @@ process; with "once", once per job (the first process to fire creates PATH: a ra
 restarts does not kill itself again).
 events: each fault, and what the elastic code notes (a rank's first step after a change of members,
 an agreement, a rejoin's ask) are appended there as JSON lines (bench/ and tests/ read them: read_events).
+pace: seconds every rank sleeps as each step begins (a decimal number, as a string). A job that must
+outlast a rejoin on the fastest machine lasts by the clock rather than by its images: the tests train
+a third of the images they would need otherwise, and leave the CPU they do not use to the others.
 """
 
 import json
@@ -69,8 +72,8 @@ class Injected(Instruments):
 
     enabled = True
 
-    def __init__(self, faults="", once=None, events=None, send_to_self=None):
-        self.spec, self.once, self.events = faults or "", once, events
+    def __init__(self, faults="", once=None, events=None, send_to_self=None, pace=0.0):
+        self.spec, self.once, self.events, self.pace = faults or "", once, events, pace
         self.send_to_self = send_to_self or (lambda signum: os.kill(os.getpid(), signum))
         self.me, self.faults, self.step, self.model = None, [], None, None
 
@@ -90,6 +93,8 @@ class Injected(Instruments):
 
     def at_step(self, step, model=None):
         self.step, self.model = step, model
+        if self.pace:
+            time.sleep(self.pace)
         self.point("step")
 
     def at_restart(self, rank):
@@ -177,19 +182,24 @@ def from_environ(environ=os.environ, send_to_self=None):
         return OFF
     try:
         settings = json.loads(text)
-        if not isinstance(settings, dict) or set(settings) - {"faults", "once", "events"}:
-            raise ValueError("expected an object of faults, once and events")
+        if not isinstance(settings, dict) or set(settings) - {"faults", "once", "events", "pace"}:
+            raise ValueError("expected an object of faults, once, events and pace")
         if not all(v is None or isinstance(v, str) for v in settings.values()):
             raise ValueError("each value a string")
         parse(settings.get("faults") or "", None)
+        pace = float(settings.get("pace") or 0)
+        if not 0 <= pace <= 10:
+            raise ValueError("pace: seconds from 0 to 10")
     except (ValueError, AttributeError) as e:
         raise UsageError(f"{VARIABLE} is malformed ({e}): {text[:200]!r}") from None
-    return Injected(settings.get("faults") or "", settings.get("once"), settings.get("events"), send_to_self)
+    faults, once, events = settings.get("faults") or "", settings.get("once"), settings.get("events")
+    return Injected(faults, once, events, send_to_self, pace)
 
 
-def environ_for(faults=None, once=None, events=None):
-    """{RING_INSTRUMENTS: ...} for a test's or a benchmark's environment."""
-    settings = {k: v for k, v in (("faults", faults), ("once", once), ("events", events)) if v}
+def environ_for(faults=None, once=None, events=None, pace=None):
+    """{RING_INSTRUMENTS: ...} for a test's or a benchmark's environment (pace: seconds, a number)."""
+    pace = None if pace is None else str(pace)
+    settings = {k: v for k, v in (("faults", faults), ("once", once), ("events", events), ("pace", pace)) if v}
     return {VARIABLE: json.dumps(settings)}
 
 
