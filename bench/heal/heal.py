@@ -337,7 +337,7 @@ def main(argv=None):
     ap.add_argument(
         "--pace",
         type=positive(float),
-        help="kill trial: seconds every rank sleeps as a step begins (its test: a short job outlasts a kill on any machine)",
+        help="kill trial: seconds every rank sleeps as a step begins (its test: a short job outlasts a kill anywhere)",
     )
     ap.add_argument("--soak-subset", type=positive(int), default=12800, help="images an epoch (soak)")
     ap.add_argument("--seed", type=int, default=1)
