@@ -54,6 +54,7 @@ def bf16_allowed():
 BF16 = bf16_allowed()
 BATCH, STEPS, WARMUP = 32, 300, 20
 SHORT_STEPS, SHORT_IMAGES = 10, 1280  # --short: steps of the step part, training images of the epoch part
+TESTS, SHORT_TESTS = 10_000, 2_000  # test images evaluated (the eval part, and each epoch), and with --short
 # multiply-adds of one image's forward through utils/learn/model.Net: conv1, conv2, fc1, fc2
 MACS = 28 * 28 * 32 * 9 + 14 * 14 * 64 * 32 * 9 + 64 * 7 * 7 * 128 + 128 * 10
 STEP_FLOP = 3 * 2 * MACS * BATCH  # forward, and backward's two products of each layer
@@ -178,8 +179,9 @@ def step_worker(repo, variant, steps):
     return {"ms": statistics.median(times[WARMUP:]) * 1e3}
 
 
-def eval_worker(repo, variant):
+def eval_worker(repo, variant, count):
     _, _, images, labels = rank_setup(repo)
+    images, labels = images[:count], labels[:count]
     Net, test_model = named("Net"), named("test_model")
 
     model = Net("bf16") if variant == "bf16" else Net()
@@ -192,7 +194,7 @@ def eval_worker(repo, variant):
     return {"s": statistics.median(times)}
 
 
-def ddp_worker(rank, port, images):
+def ddp_worker(rank, port, images, tests):
     """One rank of DDP's epoch: today's model, data order, schedule and evaluation, DDP's sum."""
     import torch
     import torch.distributed as dist
@@ -200,6 +202,7 @@ def ddp_worker(rank, port, images):
 
     train_images, train_labels, test_images, test_labels = rank_setup(REPO)
     train_images, train_labels = train_images[:images], train_labels[:images]
+    test_images, test_labels = test_images[:tests], test_labels[:tests]
     Net, OneCycleLR, test_model = named("Net"), named("OneCycleLR"), named("test_model")
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -272,23 +275,23 @@ def worker(*args, repo=REPO):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def ddp_epoch(images):
+def ddp_epoch(images, tests):
     from harness import free_port
 
     port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     argv = [sys.executable, __file__, "--worker", "ddp"]
-    results = run_all([[*argv, str(rank), str(port), str(images)] for rank in range(2)], env)
+    results = run_all([[*argv, str(rank), str(port), str(images), str(tests)] for rank in range(2)], env)
     if any(code for code, _, _ in results):
         raise RuntimeError(f"DDP's epoch failed: {results[0][2].strip().splitlines()[-1:]}")
     return json.loads(results[0][1].strip().splitlines()[-1])
 
 
-def train_epoch(repo, flags, images):
+def train_epoch(repo, flags, images, tests):
     """`python train.py --epochs 1` in `repo` on the first `images` training images: the epoch's
     seconds, communication's share of the step time, the test accuracy."""
     with tempfile.TemporaryDirectory(prefix="compute-") as folder:
         files = ["--save-path", f"{folder}/m.pth", "--checkpoint", f"{folder}/c.pt", "--metrics", ""]
-        subset = ["--train-subset", str(images)]
+        subset = ["--train-subset", str(images), "--test-subset", str(tests)]
         out = bounded([sys.executable, str(repo / "train.py"), "--epochs", "1", *subset, *flags, *files], folder)
     line = re.search(r"epoch 1/1 .*test accuracy ([\d.]+)%\s+time ([\d.]+) s\s+comm (\d+)%", out)
     if not line:
@@ -304,25 +307,25 @@ def baseline_tree(ref, folder):
     return Path(folder)
 
 
-def plan(parts, old, steps, images):
+def plan(parts, old, steps, images, tests):
     """{(part, variant): a function that measures it once}."""
     jobs = {}
     if "ceiling" in parts:
         jobs["ceiling", "machine"] = lambda: worker("ceiling")
-    for part in ("step", "eval"):
+    for part, count in (("step", steps), ("eval", tests)):  # steps timed, or test images evaluated
         if part in parts:
-            jobs[part, "old"] = lambda part=part: worker(part, "old", steps, repo=old)
-            jobs[part, "default"] = lambda part=part: worker(part, "default", steps)
+            jobs[part, "old"] = lambda part=part, count=count: worker(part, "old", count, repo=old)
+            jobs[part, "default"] = lambda part=part, count=count: worker(part, "default", count)
             if BF16:
-                jobs[part, "bf16"] = lambda part=part: worker(part, "bf16", steps)
+                jobs[part, "bf16"] = lambda part=part, count=count: worker(part, "bf16", count)
     if "step" in parts:
         jobs["step", "examples"] = lambda: worker("step", "examples", steps)
     if "epoch" in parts:
-        jobs["epoch", "old"] = lambda: train_epoch(old, [], images)
-        jobs["epoch", "default"] = lambda: train_epoch(REPO, [], images)
+        jobs["epoch", "old"] = lambda: train_epoch(old, [], images, tests)
+        jobs["epoch", "default"] = lambda: train_epoch(REPO, [], images, tests)
         if BF16:
-            jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"], images)
-        jobs["epoch", "ddp"] = lambda: ddp_epoch(images)
+            jobs["epoch", "bf16"] = lambda: train_epoch(REPO, ["--precision", "bf16"], images, tests)
+        jobs["epoch", "ddp"] = lambda: ddp_epoch(images, tests)
     return jobs
 
 
@@ -334,7 +337,7 @@ def medians(runs):
     }
 
 
-def table(found, rounds, baseline):
+def table(found, rounds, baseline, tests=TESTS):
     ceiling = found.get(("ceiling", "machine"), {})
     lines = [f"Medians of {rounds} rounds; the old path is commit {baseline}.", ""]
     if ceiling:
@@ -357,7 +360,7 @@ def table(found, rounds, baseline):
         lines.append("")
     evals = {v: r for (p, v), r in found.items() if p == "eval"}
     if evals:
-        lines += ["| evaluation, 10,000 images | s | time / old |", "|---|---|---|"]
+        lines += [f"| evaluation, {tests:,} images | s | time / old |", "|---|---|---|"]
         lines += [f"| {v} | {r['s']:.3f} | {r['s'] / evals['old']['s']:.2f} |" for v, r in evals.items()]
         lines.append("")
     epochs = {v: r for (p, v), r in found.items() if p == "epoch"}
@@ -382,10 +385,11 @@ def main(argv):
     p.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)} (default all)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each variant once a round (default 5)")
     p.add_argument("--baseline", default="edb07fe", help="the old path's commit (default edb07fe, before issue 60)")
-    p.add_argument("--short", action="store_true", help=f"{SHORT_STEPS} steps, epochs of {SHORT_IMAGES} images")
+    short = f"{SHORT_STEPS} steps, epochs of {SHORT_IMAGES} images, {SHORT_TESTS} test images"
+    p.add_argument("--short", action="store_true", help=short)
     p.add_argument("--out", type=Path, default=OUT, help="the results' folder (default bench/results/compute)")
     args = p.parse_args(argv)
-    steps, images = (SHORT_STEPS, SHORT_IMAGES) if args.short else (STEPS, 60_000)
+    steps, images, tests = (SHORT_STEPS, SHORT_IMAGES, SHORT_TESTS) if args.short else (STEPS, 60_000, TESTS)
     parts = args.parts.split(",")
     if not set(parts) <= set(PARTS) or args.rounds < 1:
         print(f"bench/compute/compute.py: error: --parts takes {','.join(PARTS)}; --rounds at least 1", file=sys.stderr)
@@ -394,7 +398,7 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="compute-baseline-") as folder:
         old = baseline_tree(args.baseline, f"{folder}/tree")
         try:
-            jobs, runs = plan(parts, old, steps, images), {}
+            jobs, runs = plan(parts, old, steps, images, tests), {}
             for rnd in range(args.rounds):
                 names = list(jobs)
                 for job in names[rnd % len(names) :] + names[: rnd % len(names)]:  # each first in turn
@@ -404,7 +408,7 @@ def main(argv):
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=False)
     found = medians(runs)
     md = f"# bench/compute/compute.py\n\n`python bench/compute/compute.py {' '.join(argv)}`\n\n" + table(
-        found, args.rounds, args.baseline
+        found, args.rounds, args.baseline, tests
     )
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -426,11 +430,11 @@ if __name__ == "__main__":
         if kind == "ceiling":
             result = ceiling_worker()
         elif kind == "ddp":
-            result = ddp_worker(int(rest[0]), int(rest[1]), int(rest[2]))
+            result = ddp_worker(*map(int, rest[:4]))
         elif kind == "step":
             result = step_worker(Path(rest[-1]), rest[0], int(rest[1]))
         else:
-            result = eval_worker(Path(rest[-1]), rest[0])
+            result = eval_worker(Path(rest[-1]), rest[0], int(rest[1]))
         print(json.dumps(result), flush=True)
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))

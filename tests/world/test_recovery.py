@@ -170,7 +170,10 @@ def test_bad_heartbeat_is_one_line():
 
 # 400 steps: the job must outlive both joiners' start-up (torch and the data: 2-3 s, 6 s on a busy
 # machine); at 100 and 200, beside two CPU-bound processes, it ended before the refused one asked
-JOIN_RUN = ["--epochs", "1", "--train-subset", "25600", "--test-subset", "200", "--timeout", "60", "--save-every", "5"]
+JOIN_RUN = ["--epochs", "1", "--train-subset", "12800", "--test-subset", "200", "--timeout", "60", "--save-every", "5"]
+# seconds every rank sleeps as a step begins (RING_INSTRUMENTS's pace): the 200 steps outlast a joiner's start
+# (195 steps after step 5 take at least 9 s on the fastest machine), at half the CPU of 400 unpaced ones
+PACE = 0.04
 
 
 def join_argv(port, *extra):
@@ -188,15 +191,15 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
     """A job of 2; a server with other settings asks to join and is refused, in one line, without
     disturbing it; a third server starts with --join and is taken in after some step k. The job must
     end as the same job stopped after k on 2 ranks and resumed on 3 would."""
-    port = procs.free_port()
-    ranks = procs.start_ranks(2, JOIN_RUN, port, str(tmp_path))
+    port, paced = procs.free_port(), environ_for(pace=PACE)
+    ranks = procs.start_ranks(2, JOIN_RUN, port, str(tmp_path), env=paced)
     joiner = None
     try:
         procs.wait_for(
             lambda: checkpoint_position(tmp_path / "runs" / "checkpoint.pt") is not None, 120, "training to begin"
         )
         started = time.monotonic()
-        joiner = procs.start_rank(2, 3, [*JOIN_RUN, "--join"], port, tmp_path)
+        joiner = procs.start_rank(2, 3, [*JOIN_RUN, "--join"], port, tmp_path, paced)
         one_thread = dict(os.environ, OMP_NUM_THREADS="1")  # (as every rank has)
         other = procs.run(join_argv(port, "--lr", "0.01"), timeout=60, cwd=str(tmp_path), env=one_thread)
         results = procs.wait_all([*ranks, joiner], timeout=300)
@@ -216,12 +219,12 @@ def test_a_server_that_joins_grows_the_job_and_ends_with_the_bits_of_a_stop_and_
     assert time.monotonic() - started < 60
     assert "parameters identical on all 3 ranks" in out
     rows = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["images"] == 25600 and rows[-1]["members"] == [0, 1, 2]
+    assert rows[-1]["images"] == 12800 and rows[-1]["members"] == [0, 1, 2]
 
     reference = tmp_path / "reference"
     reference.mkdir()
     stopped = faulted(f"0:{k}:TERM", [*JOIN_RUN[:-2], "--nproc", "2"], str(reference))
-    assert stopped.returncode == 3 and f"stopped after epoch 1, step {k}/400" in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 3 and f"stopped after epoch 1, step {k}/200" in stopped.stderr, stopped.stderr
     resumed = procs.train([*JOIN_RUN[:-2], "--nproc", "3", "--resume"], timeout=200, cwd=str(reference))
     assert resumed.returncode == 0, resumed.stderr
     assert final_digest(out) == final_digest(resumed.stdout)
