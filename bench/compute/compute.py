@@ -337,7 +337,7 @@ def medians(runs):
     }
 
 
-def table(found, rounds, baseline, tests=TESTS):
+def table(found, rounds, baseline, tests):
     ceiling = found.get(("ceiling", "machine"), {})
     lines = [f"Medians of {rounds} rounds; the old path is commit {baseline}.", ""]
     if ceiling:

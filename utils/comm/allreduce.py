@@ -215,7 +215,7 @@ def _make(name, chunks, timeout, own_group, hosts):
         return Hierarchical(hierarchical.Hierarchy(hosts, timeout))
     group = dist.new_group(backend="gloo", timeout=timeout) if own_group and dist.get_world_size() > 1 else None
     if name == "two-pass":
-        return TwoPass(group, chunks, one_host=hosts is not None and len(hosts) == 1)
+        return TwoPass(group, chunks, one_host=hierarchical.one_host(hosts))
     return Ring(group) if name == "ring" else Gloo(group)
 
 

@@ -106,6 +106,11 @@ def hosts_of(keys):
     return list(hosts.values())
 
 
+def one_host(hosts):
+    """Whether every rank is on one host, as `hosts` (discover's) says (None: not known, so not)."""
+    return hosts is not None and len(hosts) == 1
+
+
 def describe(hosts):
     """'2 hosts × 2 ranks', '1 host × 3 ranks', or for uneven hosts '3 hosts × 1-2 ranks (2+2+1)'."""
     sizes = [len(h) for h in hosts]

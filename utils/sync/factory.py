@@ -5,6 +5,7 @@ import datetime
 
 from utils.comm.allreduce import make_allreduce
 from utils.comm.compress import make_compressor
+from utils.comm.hierarchical import one_host
 from utils.errors import PeerError, first_line
 from utils.sync.buckets import OverlappedSync, PlainSync, make_buckets
 from utils.sync.lazy import LazySync
@@ -56,4 +57,4 @@ def overlap_by_default(sync, hosts):
     wherever it runs: its buckets are part of its bits, and the lazy update is made of them. The
     default is the same on every rank (the hosts are every rank's same answer), and on one host,
     where it is off, the bits are those of --overlap (the same sums of the same values)."""
-    return hosts is None or len(hosts) > 1 or sync.compress != "none" or sync.lazy_update
+    return not one_host(hosts) or sync.compress != "none" or sync.lazy_update
