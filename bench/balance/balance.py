@@ -10,7 +10,7 @@ turns round by round (a slow minute hits them all alike); each figure is a media
             --balance, a sweep of fixed splits (--balance A:B), and the fast rank alone (64 a step)
     four    4 ranks held to 60/40/30/20% of a core (150% in all): equal, --balance, fixed splits
             in proportion to the quotas and around where --balance settles
-    change  2 ranks at full speed; rank 1 held to 40% of a core from step 100 to step 300 of 500:
+    change  2 ranks at full speed; rank 1 held to a third of a core from step 100 to step 300 of 500:
             the steps --balance takes to balance each change (shares and step times, plotted),
             and the same with fixed shares right from the change: the measure's floor
             (bench/balance/balance_change.py)
