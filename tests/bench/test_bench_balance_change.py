@@ -45,12 +45,12 @@ def test_the_report_shows_the_floor_and_another_revision_beside_balance_and_the_
                                 dict(step=300.5, settled_ms=22, steps=end, settled=32, band=[29, 35],
                                      steps_to_band=9.5, steps_to_near=9.5)])  # fmt: skip
 
-    result = dict(runs=[run(24, 15), run(30, 14)], floor={"58:6": [run(10, 80)], "32:32": [run(90, 9)]})
+    result = dict(runs=[run(24, 15), run(30, 14)], floor={"56:8": [run(10, 80)], "32:32": [run(90, 9)]})
     result["against"] = {"--balance at abc123": [run(40, None)]}
     text = "\n".join(balance_change.report(result))
     assert "| --balance at abc123 | 40 (40-40), 0 of 1 within 20 | never (never-never), 0 of 1 within 20 |" in text
     assert "| --balance | 27 (26-28), 0 of 2 within 20 | 14 (14-15), 2 of 2 within 20 |" in text
-    assert "| the floor: fixed 58:6 | 10 (10-10), 1 of 1 within 20 |  |" in text  # the start only
+    assert "| the floor: fixed 56:8 | 10 (10-10), 1 of 1 within 20 |  |" in text  # the start only
     assert "| the floor: fixed 32:32 |  | 9 (9-9), 1 of 1 within 20 |" in text  # the end only
     name, measured, ok = balance_change.target(result)
     assert measured == "24, 15, 30, 14" and not ok
