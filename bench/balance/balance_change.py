@@ -20,6 +20,7 @@ from stats import md_row
 
 FLOOR = {"56:8": 0, "32:32": 1}  # a fixed split, and the change (0: the start, 1: the end) it is right after
 AT, FRACTION, SUBSET = (100, 300), 1 / 3, 32000  # the issue's slowdown: to a third of a core
+HELD = f"rank 1 held to a third of a core from step {AT[0]} to step {AT[1]}"  # FRACTION and AT, in words
 
 
 def change(reps, folder, against=()):
@@ -120,7 +121,7 @@ def target(result):
 def report(result):
     """Part change's section of the report (markdown lines)."""
     lines = [
-        "\n## change: rank 1 held to a third of a core from step 100 to step 300\n",
+        f"\n## change: {HELD}\n",
         "A change is balanced when two reviews in a row (5 steps apart) end steps that took at most"
         " 10% longer than the median step of the 100 steps before the next change, where the shares"
         " have settled (all of those steps after the change). Rank 1's share enters the band its"
@@ -170,7 +171,7 @@ def plot(result):
     for ax in (shares, pace):
         for step in result["at"]:
             ax.axvline(step, color="grey", linestyle="--")
-    shares.set(ylabel="rank 1's images of 64", title="--balance: rank 1 held to a third of a core, steps 100-300")
+    shares.set(ylabel="rank 1's images of 64", title=f"--balance: {HELD}")
     pace.set(xlabel="step", ylabel="ms a step (the last 5 steps)")
     shares.legend()
     return png_of(fig)
