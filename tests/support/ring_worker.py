@@ -11,7 +11,7 @@ import torch.distributed as dist
 from compress_worker import half_precision, powersgd_books, powersgd_low_rank
 from periodic_world import periodic
 
-from utils.comm import hierarchical
+from utils.comm import hierarchical, ring
 from utils.comm.allreduce import make_allreduce
 
 
@@ -26,15 +26,25 @@ def cases(world_size):
     yield from ((size, "two-pass", "auto") for size in sizes)
     yield from ((size, "ring", 1) for size in sizes)
     yield from ((size, "gloo", 1) for size in sizes)
+    yield from ((size, "two-pass-from-last", chunks) for size in sizes for chunks in (1, 4))
+    yield from ((size, "two-pass-weighed", 1) for size in sizes)
 
 
 def sums(rank, world_size):
-    results = {}
+    results, starts = {}, []
     for size, algorithm, chunks in cases(world_size):
         flat = inputs(rank, size)
-        make_allreduce(algorithm, chunks).sum_(flat)
+        if algorithm == "two-pass-from-last":  # the chain started at rank N-1
+            ring.two_pass_ring_sum(flat, chunks, first=world_size - 1)
+        elif algorithm == "two-pass-weighed":  # rank N-1 has the fewest images, rank 0 the most
+            allreduce = make_allreduce("two-pass", chunks)
+            allreduce.weigh(0.5 if rank == world_size - 1 else 1.5 if rank == 0 else 1.0)
+            starts.append(allreduce.first)
+            allreduce.sum_(flat)
+        else:
+            make_allreduce(algorithm, chunks).sum_(flat)
         results[f"{size}/{algorithm}/{chunks}"] = flat
-    return results
+    return results | {"starts": starts}
 
 
 if __name__ == "__main__":

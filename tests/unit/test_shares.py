@@ -329,10 +329,10 @@ def test_a_rank_under_a_quota_is_measured_at_no_more_than_a_part_of_what_the_quo
     rate, overhead = one_share(1000.0, 0.008, stretch=least)
     assert b.slots()[:4] == (rate, 0, overhead, 0)
     b.group = QuotaGroup(4.0)  # a quota that does not hold it back
-    timed(b, 1000.0, overhead=0.008, steps=1)
+    timed(b, 1000.0, overhead=0.008, steps=2)  # (the step it is seen in is forgotten with the older ones)
     assert b.stretch() == pytest.approx((1.0, 1.0))
     b.group = QuotaGroup(None)  # the quota is lifted
-    timed(b, 1000.0, overhead=0.008, steps=1)
+    timed(b, 1000.0, overhead=0.008, steps=2)
     rate, overhead = one_share(1000.0, 0.008)
     assert b.stretch() == pytest.approx((1.0, 1.0)) and b.slots()[:4] == (rate, 0, overhead, 0)
 
@@ -410,12 +410,14 @@ def test_after_a_change_of_speed_a_move_on_in_its_direction_takes_one_look():
 
 def test_a_change_of_quota_is_a_change_of_speed():
     """A rank given an image or two under a quota is seldom stalled, so its stretch may not show the
-    quota's end; the quota itself is read at every step."""
+    quota's end; the quota itself is read at every step, at its end."""
     b = Balance("measured", rank=0, world_size=2, global_batch=64)
     b.group = QuotaGroup(0.4)
     timed(b, 1000.0, steps=balance.HISTORY + 1)  # (the first is not timed)
     assert b.slots()[-1] == 0 and len(b.history) == balance.HISTORY
     b.group = QuotaGroup(None)  # lifted
+    timed(b, 1000.0, steps=1)  # (the step it was seen in ran in part at the old quota)
+    assert len(b.history) == 0 and b.slots()[:2] == (0, 0)  # nothing measured at the new speed yet
     timed(b, 1000.0, steps=1)
     assert b.slots()[-1] == 1 and len(b.history) == 1  # only the step since: the old quota's are forgotten
     stretch, _ = b.stretch()

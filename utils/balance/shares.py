@@ -240,10 +240,12 @@ class Balance:
         another job on its server started or ended): the history keeps only the steps since, so
         that the next review sees the new speed whole, not diluted by the old. (A rank given an
         image or two a step under a quota is seldom stalled, so the stretch misses the quota's
-        end; the quota itself is certain.)"""
+        end; the quota itself is certain. It is read at a step's end, so that step ran in part at
+        the old quota: kept, one stalled step of a third of a core made the first look after the
+        quota's end see a rank half again as slow as it was, bench/balance/NOTES.md.)"""
         cores, self.cores = self.cores, self.group.cores()
         if cores != self.cores and len(self.history) > 1:
-            self.history, self.changed = deque([self.history[-1]], maxlen=HISTORY), True
+            self.history, self.changed = deque(maxlen=HISTORY), True
         elif len(self.history) >= 2 * RECENT:
             older, recent = list(self.history)[:-RECENT], list(self.history)[-RECENT:]
             ratio = stretched(recent, self.cores) / stretched(older, self.cores)
@@ -257,7 +259,7 @@ class Balance:
             return ()
         rate = overhead = 0
         steps, needed = len(self.timings), FIRST_LOOK if self.fresh else MEASURED
-        if steps >= needed:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
+        if steps >= needed and self.history:  # (a step's sum carries the steps before it: REVIEW - 1 of them)
             images, compute, rest = (sum(column) / steps for column in zip(*self.timings))
             self.cost = fit([*self.levels, (images, compute)]) or self.cost
             per_step = min(self.cost[0], compute / 2) if self.cost else OWN_COST * compute

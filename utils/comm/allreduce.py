@@ -4,6 +4,7 @@
     allreduce.sum_(flat)                      # in place: the element-wise sum over all ranks
     allreduce.sum_(flat, torch.bfloat16)      # 16-bit messages, float32 adds (utils/comm/ring.py)
     work = allreduce.sum_async(flat); work.wait()
+    allreduce.weigh(weight)                   # this rank's share of a step, times N (may reorder the ranks)
     allreduce.bytes_sent, allreduce.bytes_summed, allreduce.world_size, allreduce.rank
 
 An object owns the process group(s) it sums over, so a caller never needs to know which kind
@@ -103,6 +104,11 @@ class AllReduce:
     def trace_chunks(self, numel, wire_dtype):
         return None
 
+    def weigh(self, weight):
+        """This rank's gradient weighs `weight` in the sums that follow (its share of the step's
+        images times N: utils/sync/buckets.py). An algorithm whose bits do not depend on the order of
+        its ranks may reorder them by it; these do not."""
+
     def note(self):
         """What rank 0 says about this sum at start-up, if anything (None)."""
         return None
@@ -119,15 +125,30 @@ class TwoPass(AllReduce):
     def __init__(self, group=None, chunks="auto", one_host=False):
         super().__init__(group)
         self.chunks, self.one_host = chunks, one_host  # one_host: every rank on one host (ring.auto_chunks)
+        self.first = 0  # the rank the chain starts at (weigh)
+
+    def weigh(self, weight):
+        """Two ranks: the chain starts at the one with fewer images (weight below 1), under --balance
+        the slower server, so that the faster adds last and has the total at once (measured:
+        bench/balance/NOTES.md). g0 + g1 is g1 + g0 to the bit; with more ranks the chain's order is
+        the sum's, so it stays. Both ranks choose alike: their weights add up to 2."""
+        if self.world_size == 2:
+            self.first = 0 if weight == 1.0 else self.rank if weight < 1.0 else 1 - self.rank
 
     def _sum(self, flat, wire_dtype):
-        ring.two_pass_ring_sum(flat, self.trace_chunks(flat.numel(), wire_dtype), self.group, wire_dtype)
+        chunks = self.trace_chunks(flat.numel(), wire_dtype)
+        ring.two_pass_ring_sum(flat, chunks, self.group, wire_dtype, self._first(flat, wire_dtype))
+
+    def _first(self, flat, wire_dtype):
+        """Where the chain starts: a 16-bit wire rounds the head's gradient, not the adder's, so the
+        order counts there (rank 0 first)."""
+        return self.first if wire_dtype in (None, flat.dtype) else 0
 
     def trace_chunks(self, numel, wire_dtype):
         return ring.resolve_chunks(self.chunks, numel, wire_dtype, self.one_host)
 
     def bytes_for(self, numel, element_size, wire_size):
-        return ring.two_pass_bytes_sent(numel, wire_size, self.rank, self.world_size)
+        return ring.two_pass_bytes_sent(numel, wire_size, (self.rank - self.first) % self.world_size, self.world_size)
 
 
 class Ring(AllReduce):

@@ -51,12 +51,12 @@ def resolve_chunks(chunks, numel, wire_dtype=None, one_host=False):
     return auto_chunks(numel, torch.empty(0, dtype=wire_dtype or torch.float32).element_size(), one_host)
 
 
-def two_pass_bytes_sent(numel, element_size, rank, n):
-    """How many bytes `rank` sends in one two-pass sum of `numel` elements: the buffer once in
-    pass 1, and once more in pass 2 on ranks 0..N-3."""
+def two_pass_bytes_sent(numel, element_size, place, n):
+    """How many bytes the rank at `place` in the chain sends in one two-pass sum of `numel`
+    elements: the buffer once in pass 1, and once more in pass 2 at places 0..N-3."""
     if n == 1:
         return 0
-    return numel * element_size * (2 if rank < n - 2 else 1)
+    return numel * element_size * (2 if place < n - 2 else 1)
 
 
 def ring_bytes_sent(numel, element_size, rank, n):
@@ -69,7 +69,7 @@ def ring_bytes_sent(numel, element_size, rank, n):
     return sent * element_size
 
 
-def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
+def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None, first=0):
     """Sum `flat` over all ranks with the two-pass chain, in place.
 
     Pass 1 (reduce along the chain; the last rank closes the loop to rank 0):
@@ -86,11 +86,15 @@ def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None):
     after another: piece c takes exactly the route above, so rank r can add and forward
     piece c while piece c+1 is still arriving. Each message has its own tag
     (pass 1: c, pass 2: K + c). The sum order is the same for any K: g0 + g1 + ... + gN-1.
+
+    first: the rank the chain starts at (every rank passes the same). The drawings then hold for
+    the ranks' places in the chain, first, first+1, ... (mod N), and the sum order is theirs. The
+    last place is the one that has the total first and waits for nobody's pass-2 message.
     """
     if dist.get_world_size(group) == 1:
         return flat
-    chain = Chain(flat, chunks, group, wire_dtype)
-    total = chain.head() if chain.rank == 0 else chain.link()
+    chain = Chain(flat, chunks, group, wire_dtype, first)
+    total = chain.head() if chain.place == 0 else chain.link()
     for work in chain.pending:
         work.wait()
     if total is not flat:
@@ -102,14 +106,16 @@ class Chain:
     """One two-pass sum in flight on this rank: its pieces (`own`, the buffer's K views), where the
     pass-1 sums arrive (`partials`), what it sends on (`outgoing`) and where the total lands
     (`totals`), and the sends not yet finished. Pass 1's messages are tagged c, pass 2's K + c.
+    `place`: this rank's place in the chain (0: the head, at rank `first`); peers are named by place.
 
     On a float32 wire the sums are made, sent on and received in the buffer itself: own + partial
     is partial + own to the bit (IEEE addition commutes), and a piece's total can only arrive after
     this rank's send of that piece has been received down the chain, so it never lands in bytes
     still being sent. A 16-bit wire needs buffers of its own (the sums are rounded to it)."""
 
-    def __init__(self, flat, chunks, group, wire_dtype):
-        self.group, self.n, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+    def __init__(self, flat, chunks, group, wire_dtype, first=0):
+        self.group, self.n, self.first = group, dist.get_world_size(group), first
+        self.place = (dist.get_rank(group) - first) % self.n
         wire = wire_dtype or flat.dtype
         self.exact = wire == flat.dtype
         self.k = k = max(1, min(chunks, flat.numel()))
@@ -120,19 +126,24 @@ class Chain:
             self.total = torch.empty_like(flat, dtype=wire)  # the finished total
             self.rounded = torch.empty_like(self.total)  # pass-1 sums as sent on: rounded once
             self.outgoing, self.totals = torch.tensor_split(self.rounded, k), torch.tensor_split(self.total, k)
-        # pass-1 sums arriving from rank-1 (rank 0 receives none)
-        self.partials = torch.tensor_split(torch.empty_like(flat, dtype=wire), k) if self.rank else ()
+        # pass-1 sums arriving from the place before (the head receives none)
+        self.partials = torch.tensor_split(torch.empty_like(flat, dtype=wire), k) if self.place else ()
         self.pending = []  # sends still in flight
 
+    def rank_at(self, place):
+        return (self.first + place) % self.n
+
     def send(self, piece, to, tag):
-        self.pending.append(dist.isend(piece, to, group=self.group, tag=tag))
+        """Send `piece` to the rank at place `to`."""
+        self.pending.append(dist.isend(piece, self.rank_at(to), group=self.group, tag=tag))
 
     def receive(self, pieces, sender, first_tag):
-        """Post the receives of all K `pieces` from `sender` at once."""
+        """Post the receives of all K `pieces` from the rank at place `sender` at once."""
+        sender = self.rank_at(sender)
         return [dist.irecv(pieces[c], sender, group=self.group, tag=first_tag + c) for c in range(self.k)]
 
     def head(self):
-        """Rank 0: send its pieces down the chain, receive the total from rank N-1 and start pass 2."""
+        """Place 0: send its pieces down the chain, receive the total from place N-1 and start pass 2."""
         k, last = self.k, self.n - 1
         receives = self.receive(self.totals, last, k)
         for c in range(k):
@@ -144,23 +155,23 @@ class Chain:
         return self.total
 
     def link(self):
-        """Rank 1..N-1: add its pieces to what arrives and send the sums on (rank N-1: the total, back
-        to rank 0); then, but on rank N-1, receive the total and forward it as far as rank N-2."""
-        k, n, rank, last = self.k, self.n, self.rank, self.n - 1
-        receives = self.receive(self.partials, rank - 1, 0)
+        """Places 1..N-1: add its pieces to what arrives and send the sums on (place N-1: the total,
+        back to place 0); then, but at place N-1, receive the total and forward it as far as place N-2."""
+        k, n, place, last = self.k, self.n, self.place, self.n - 1
+        receives = self.receive(self.partials, place - 1, 0)
         for c in range(k):
             receives[c].wait()
             summed = self.own[c].add_(self.partials[c])  # (a 16-bit wire: added in float32, rounded once)
             self.send(
-                summed if self.exact else self.outgoing[c].copy_(summed), (rank + 1) % n, c if rank < last else k + c
+                summed if self.exact else self.outgoing[c].copy_(summed), (place + 1) % n, c if place < last else k + c
             )
-        if rank == last:
+        if place == last:
             return self.total if self.exact else self.rounded  # pass 1 ended here with the total
-        receives = self.receive(self.totals, rank - 1, k)
+        receives = self.receive(self.totals, place - 1, k)
         for c in range(k):
             receives[c].wait()
-            if rank < n - 2:  # pass 2 stops at rank N-2
-                self.send(self.totals[c], rank + 1, k + c)
+            if place < n - 2:  # pass 2 stops at place N-2
+                self.send(self.totals[c], place + 1, k + c)
         return self.total
 
 

@@ -41,6 +41,7 @@ def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None,
     bucket: which of the compressor's buckets `params` are. Returns the flags' sums (or None)."""
     with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
         flat, numel = flat_buffer(params, weight, flag)
+        sum_.weigh(weight)
         if compressor.compresses:
             compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
         else:  # float32 on the wire: the plain average, as gloo's own sum's (wait_bucket)
