@@ -45,6 +45,9 @@ class HeldSum:
             raise self.error
         return flat.mul_(2)
 
+    def weigh(self, weight):  # (the order of two alike ranks changes nothing)
+        pass
+
 
 def given_up_within_the_bound(call):
     started = time.monotonic()

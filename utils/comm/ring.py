@@ -87,9 +87,8 @@ def two_pass_ring_sum(flat, chunks=1, group=None, wire_dtype=None, first=0):
     piece c while piece c+1 is still arriving. Each message has its own tag
     (pass 1: c, pass 2: K + c). The sum order is the same for any K: g0 + g1 + ... + gN-1.
 
-    first: the rank the chain starts at (every rank passes the same). The drawings then hold for
-    the ranks' places in the chain, first, first+1, ... (mod N), and the sum order is theirs. The
-    last place is the one that has the total first and waits for nobody's pass-2 message.
+    first: the rank the chain starts at, the same on every rank: the drawings and the sum order then
+    hold for places first, first+1, ... (mod N). The last place has the total first.
     """
     if dist.get_world_size(group) == 1:
         return flat
@@ -130,16 +129,13 @@ class Chain:
         self.partials = torch.tensor_split(torch.empty_like(flat, dtype=wire), k) if self.place else ()
         self.pending = []  # sends still in flight
 
-    def rank_at(self, place):
-        return (self.first + place) % self.n
-
     def send(self, piece, to, tag):
         """Send `piece` to the rank at place `to`."""
-        self.pending.append(dist.isend(piece, self.rank_at(to), group=self.group, tag=tag))
+        self.pending.append(dist.isend(piece, (self.first + to) % self.n, group=self.group, tag=tag))
 
     def receive(self, pieces, sender, first_tag):
         """Post the receives of all K `pieces` from the rank at place `sender` at once."""
-        sender = self.rank_at(sender)
+        sender = (self.first + sender) % self.n
         return [dist.irecv(pieces[c], sender, group=self.group, tag=first_tag + c) for c in range(self.k)]
 
     def head(self):
