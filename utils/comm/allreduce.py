@@ -137,18 +137,19 @@ class TwoPass(AllReduce):
 
     def _sum(self, flat, wire_dtype):
         chunks = self.trace_chunks(flat.numel(), wire_dtype)
-        ring.two_pass_ring_sum(flat, chunks, self.group, wire_dtype, self._first(flat, wire_dtype))
+        ring.two_pass_ring_sum(flat, chunks, self.group, wire_dtype, self._first(wire_dtype in (None, flat.dtype)))
 
-    def _first(self, flat, wire_dtype):
-        """Where the chain starts: a 16-bit wire rounds the head's gradient, not the adder's, so the
-        order counts there (rank 0 first)."""
-        return self.first if wire_dtype in (None, flat.dtype) else 0
+    def _first(self, exact):
+        """Where the chain starts: weigh's choice on a wire of the buffer's own type (exact); a 16-bit
+        wire rounds the head's gradient, not the adder's, so the order counts there (rank 0 first)."""
+        return self.first if exact else 0
 
     def trace_chunks(self, numel, wire_dtype):
         return ring.resolve_chunks(self.chunks, numel, wire_dtype, self.one_host)
 
     def bytes_for(self, numel, element_size, wire_size):
-        return ring.two_pass_bytes_sent(numel, wire_size, (self.rank - self.first) % self.world_size, self.world_size)
+        place = (self.rank - self._first(wire_size == element_size)) % self.world_size
+        return ring.two_pass_bytes_sent(numel, wire_size, place, self.world_size)
 
 
 class Ring(AllReduce):
