@@ -180,6 +180,7 @@ class Balance:
         self.wished = None  # the moves the last review wanted (their signs), if it did not make them
         self.wanted, self.looks = None, 0  # the move the last look wanted whatever its gain; looks in a row wanting it
         self.following = False  # the last move followed a change of speed: a move on needs one look
+        self.guessed = False  # the last move was a new group's first, solved on OWN_COST's guess
         self.warm = False  # a step at these shares has run (the first is not timed: see review)
         self.due = False  # a REVIEW-th step has passed since the last look (--sync-every: codes come once a round)
         # a new group at equal shares knows nothing of its ranks' speeds: its first look comes as soon
@@ -294,18 +295,20 @@ class Balance:
         # change of speed is followed in a few moves: the first solves are off by the old speeds
         # still in the timings); a move on in the direction of the last one needs 2 images, a move
         # back more than THRESHOLD: noise turns shares back and forth. And a move must make a step
-        # GAIN shorter, as the codes see it, unless it goes on after a change of speed or a first move;
-        # a first move too (on equal servers it would follow two steps' noise); or PERSIST looks want it
+        # GAIN shorter, as the codes see it, unless it goes on after a change of speed or a first move,
+        # or it is the look after a first move (solved on OWN_COST's guess; this one on a fitted cost:
+        # it may turn back); a first move too (on equal servers it would follow two steps' noise); or
+        # PERSIST looks want it
         onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
         enough = any(abs(m) > (1 if onward else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
-        following = changed or (self.following and onward)
+        following = changed or self.guessed or (self.following and onward)
         worth = following or step_time(new, rates, overheads) <= (1 - GAIN) * step_time(old, rates, overheads)
         want = tuple((m > 1) - (m < -1) for m in moves) if enough else (0,) * n
         wish = want if worth else (0,) * n
         self.looks = ((self.looks if want == self.wanted else 0) + 1) if any(want) else 0
         self.wanted = want
         moved = (any(wish) and (wish == self.wished or following or fresh)) or self.looks >= PERSIST  # (wish: enough)
-        self.wished, self.following = wish, moved and (following or fresh)
+        self.wished, self.following, self.guessed = wish, moved and (following or fresh), moved and fresh
         if not moved:
             return False
         self.weights, self.direction, self.wished, self.looks = tuple(new), moves, None, 0
@@ -323,9 +326,13 @@ def fit(levels):
     """(seconds a step takes whatever its images, seconds an image), fitted by least squares to
     `levels`, (images, seconds of compute) a step at different shares; None if their shares are
     too close (within SPAN of their mean, or 4 images) to tell the two apart, or the line is not a
-    cost: more images in less time, or a step's own cost more than half its compute (timings are
-    noisy, and a rank's speed also moves with what else its server runs). Half of the largest
-    level's compute, not the last's: at a share of a few images a step's own cost is most of it.
+    cost: more images in less time. A step's own cost is held between none and half the largest
+    level's compute (the least-squares line with its own cost at that bound): timings are noisy,
+    and a rank's speed also moves with what else its server runs. Half of the largest level's
+    compute, not the last's: at a share of a few images a step's own cost is most of it. (Below
+    none, the fit once gave up and the rank's codes kept the guess OWN_COST: a rank held by a
+    quota is slower an image at equal shares, its own cost fitted below none, and the guess held
+    the shares 3-4 images from the best split for a whole epoch, bench/balance/NOTES.md.)
 
     Why: a step has a cost of its own besides its images (measured: a rank's images per second
     fall as its share shrinks, bench/balance/NOTES.md). Speeds taken as images over seconds make a rank
@@ -336,8 +343,12 @@ def fit(levels):
     if max(x for x, _ in levels) - min(x for x, _ in levels) < max(4, SPAN * mx):
         return None
     per_image = sum((x - mx) * (y - my) for x, y in levels) / sum((x - mx) ** 2 for x, _ in levels)
-    per_step = my - per_image * mx
-    return (per_step, per_image) if 0 <= per_step <= max(y for _, y in levels) / 2 else None
+    if per_image <= 0:
+        return None
+    per_step = min(max(0.0, my - per_image * mx), max(y for _, y in levels) / 2)
+    if per_step != my - per_image * mx:
+        per_image = sum(x * (y - per_step) for x, y in levels) / sum(x * x for x, _ in levels)
+    return per_step, per_image
 
 
 def stretched(history, cores):
