@@ -27,7 +27,8 @@ How the ranks agree, with no message of their own:
   3. Every REVIEW steps each rank solves, in exact fractions (the same on every machine), for the
      shares that give every rank the same step time. The shares move only when two looks in a row
      want the move (one after a change of speed or in a new group), it is large enough (THRESHOLD),
-     and it gains GAIN, or PERSIST looks want it: noise must not make the shares flap.
+     and it gains GAIN (not after a change, nor at the look after a new group's first move, which
+     was solved on a guess), or PERSIST looks want it: noise must not make the shares flap.
 The measurements behind each rule and constant, and what was tried and dropped:
 bench/balance/NOTES.md.
 
