@@ -349,7 +349,7 @@ def fit(levels):
     per_step = min(max(0.0, my - per_image * mx), max(y for _, y in levels) / 2)
     if per_step != my - per_image * mx:
         per_image = sum(x * (y - per_step) for x, y in levels) / sum(x * x for x, _ in levels)
-    return per_step, per_image
+    return (per_step, per_image) if per_image > 0 else None
 
 
 def stretched(history, cores):
