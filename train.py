@@ -184,6 +184,7 @@ def say_starting(config, resume_from):
 
 def main(argv=None):
     """Parse, run one mode, and turn how it ended into one line and an exit code."""
+    stop.note_early()
     process = Process(sys.argv[1:] if argv is None else argv, PROG, __file__)
     try:
         return process.run()

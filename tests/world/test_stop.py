@@ -233,3 +233,26 @@ def test_torchrun_stopped_by_sigterm_saves_and_torchrun_again_resumes(straight, 
     assert again.returncode == 0, again.stderr[-5000:]
     assert f"resuming from {checkpoint}: epoch 1, after step {step}" in again.stdout
     assert final_digest(again.stdout) == straight
+
+
+EARLY = """
+import os, signal, time
+from utils.setup import stop
+stop.note_early()
+os.kill(os.getpid(), signal.SIGUSR1)  # sbatch --signal=USR1@N with a short --time: before the rank is set up
+time.sleep(0.1)
+print(stop.signalled())
+stop.install("early")
+deadline = time.monotonic() + 10
+while stop.signalled() is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(stop.signalled())
+"""
+
+
+def test_a_sigusr1_before_the_handlers_are_installed_is_kept_for_them():
+    """Slurm sends --signal=USR1@N as soon as N seconds are left: with a short --time, while a rank
+    still imports. Its default action would end the rank (exit 138); it is noted, then asks for a stop."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", EARLY], cwd=root, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.split()) == (0, ["None", "SIGUSR1"]), done.stderr

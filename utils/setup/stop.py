@@ -1,5 +1,6 @@
 """Stopping like a production job: SIGTERM, SIGINT or SIGUSR1 stops the job after a step, a second signal at once.
 
+    stop.note_early()      first thing: a SIGUSR1 before install() is kept for it
     stop.install(label)    in a rank, before anything slow: from now on signals are handled here
     stop.arm()             training has begun: a first signal now only asks for a stop
     stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1"), or None
@@ -40,6 +41,13 @@ _first = None  # (signal name, monotonic time) of the first signal
 _forward = None  # the launcher's ranks
 _leaving = False
 _dealt_with = threading.Event()  # the watch thread has dealt with a signal (send_to_self waits for it)
+_early = []  # SIGUSR1s that came before install(): dealt with as it begins
+
+
+def note_early():
+    """Until install(), a SIGUSR1 is noted, not fatal: `sbatch --signal=USR1@N` sends it as soon as
+    N seconds are left, which with a short --time is while the ranks are still starting."""
+    signal.signal(signal.SIGUSR1, lambda signum, _: _early.append(signum))
 
 
 def install(label):
@@ -52,6 +60,8 @@ def install(label):
     for signum in SIGNALS:
         signal.signal(signum, lambda *_: None)  # the watch thread does the work
     threading.Thread(target=_watch, args=(read,), name="signal-watch", daemon=True).start()
+    os.write(write, bytes(_early))  # (the watch thread deals with them as with any signal)
+    _early.clear()
 
 
 def arm():
