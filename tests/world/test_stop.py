@@ -253,6 +253,5 @@ print(stop.signalled())
 def test_a_sigusr1_before_the_handlers_are_installed_is_kept_for_them():
     """Slurm sends --signal=USR1@N as soon as N seconds are left: with a short --time, while a rank
     still imports. Its default action would end the rank (exit 138); it is noted, then asks for a stop."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", EARLY], cwd=root, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", EARLY], cwd=procs.REPO, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.split()) == (0, ["None", "SIGUSR1"]), done.stderr

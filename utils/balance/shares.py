@@ -346,8 +346,9 @@ def fit(levels):
     per_image = sum((x - mx) * (y - my) for x, y in levels) / sum((x - mx) ** 2 for x, _ in levels)
     if per_image <= 0:
         return None
-    per_step = min(max(0.0, my - per_image * mx), max(y for _, y in levels) / 2)
-    if per_step != my - per_image * mx:
+    fitted = my - per_image * mx
+    per_step = min(max(0.0, fitted), max(y for _, y in levels) / 2)
+    if per_step != fitted:
         per_image = sum(x * (y - per_step) for x, y in levels) / sum(x * x for x, _ in levels)
     return (per_step, per_image) if per_image > 0 else None
 
