@@ -42,11 +42,7 @@ def average_gradients(params, sum_, compressor, bucket=0, weight=1.0, flag=None,
     with timeline.span("sum", bucket=bucket, compress=type(compressor).__name__):
         flat, numel = flat_buffer(params, weight, flag)
         sum_.weigh(weight)
-        if compressor.compresses:
-            compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)
-        else:  # float32 on the wire: the plain average, as gloo's own sum's (wait_bucket)
-            sum_(flat)
-            flat[:numel].div_(sum_.world_size)
+        compressor.average_(flat, bucket, sum_, extras=flat.numel() - numel)  # (NoCompression: the plain average)
         set_gradients(params, flat[:numel])
     return None if flag is None else flat[numel:].tolist()
 
