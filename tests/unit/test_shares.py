@@ -204,7 +204,7 @@ def test_a_new_groups_first_look_comes_once_every_rank_has_timed_its_first_steps
     assert b.review(3, codes(500)) and b.shares() == [43, 21] and not b.fresh  # step 3: one look
     assert not b.review(4, codes(620)) and b.shares() == [43, 21]  # then reviews every REVIEW steps
     assert not b.review(REVIEW, (code(1000), 0, over, over, 0))  # (rank 1 not yet timed at 21 images)
-    assert b.review(2 * REVIEW, codes(561)) and b.shares() == [41, 23]  # 2 back, 2% shorter: one look
+    assert b.review(2 * REVIEW, codes(561)) and b.shares() == [41, 23]  # 2 back, 5% shorter: one look
     assert b.review(3 * REVIEW, codes(700)) and b.shares() == [37, 27]  # on in its direction: one look
     assert not b.review(4 * REVIEW, codes(500))  # back: two looks and a gain
     b.restart(0, 2)  # a lost rank or a join: a new group, whose speeds are to be learnt
