@@ -295,12 +295,11 @@ class Balance:
         # a rank saw its speed change, and for each move on after that one while they go on (a
         # change of speed is followed in a few moves: the first solves are off by the old speeds
         # still in the timings); a move on in the direction of the last one needs 2 images, a move
-        # back more than THRESHOLD: noise turns shares back and forth. A guess does not: the look after
-        # a first move needs 2 images either way (with more, part two stayed 3 images off its best
-        # split for a whole epoch in 2 of 8 traced runs). And a move must make a step GAIN shorter, as
-        # the codes see it, unless it goes on after a change of speed or a first move, or it is the
-        # look after a first move (solved on OWN_COST's guess; this one on a fitted cost: it may turn
-        # back); a first move too (on equal servers it would follow two steps' noise); or PERSIST
+        # back more than THRESHOLD (noise turns shares back and forth), but 2 at the look after a first
+        # move (solved on OWN_COST's guess; this one on a fitted cost: part two stayed 3 images off for
+        # an epoch in 2 of 8 traced runs). And a move must make a step GAIN shorter, as the codes see
+        # it, unless it goes on after a change of speed or a first move, or it is that look after a
+        # first move; a first move too (on equal servers it would follow two steps' noise); or PERSIST
         # looks want it
         onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
         enough = any(abs(m) > (1 if onward or self.guessed else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
