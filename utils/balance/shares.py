@@ -296,11 +296,11 @@ class Balance:
         # change of speed is followed in a few moves: the first solves are off by the old speeds
         # still in the timings); a move on in the direction of the last one needs 2 images, a move
         # back more than THRESHOLD (noise turns shares back and forth), but 2 at the look after a first
-        # move (solved on OWN_COST's guess; this one on a fitted cost: part two stayed 3 images off for
-        # an epoch in 2 of 8 traced runs). And a move must make a step GAIN shorter, as the codes see
-        # it, unless it goes on after a change of speed or a first move, or it is that look after a
-        # first move; a first move too (on equal servers it would follow two steps' noise); or PERSIST
-        # looks want it
+        # move (that move was solved on OWN_COST's guess, this look on a fitted cost: a guess is no
+        # noise to hold against; bench/balance/NOTES.md). And a move must make a step GAIN shorter, as
+        # the codes see it, unless it goes on after a change of speed or a first move, or it is that
+        # look after a first move; a first move too (on equal servers it would follow two steps'
+        # noise); or PERSIST looks want it
         onward = any(moves) and all(m == 0 or m * d > 0 for m, d in zip(moves, self.direction))
         enough = any(abs(m) > (1 if onward or self.guessed else max(2, THRESHOLD * a)) for m, a in zip(moves, old))
         following = changed or self.guessed or (self.following and onward)
@@ -331,10 +331,9 @@ def fit(levels):
     cost: more images in less time. A step's own cost is held between none and half the largest
     level's compute (the least-squares line with its own cost at that bound): timings are noisy,
     and a rank's speed also moves with what else its server runs. Half of the largest level's
-    compute, not the last's: at a share of a few images a step's own cost is most of it. (Below
-    none, the fit once gave up and the rank's codes kept the guess OWN_COST: a rank held by a
-    quota is slower an image at equal shares, its own cost fitted below none, and the guess held
-    the shares 3-4 images from the best split for a whole epoch, bench/balance/NOTES.md.)
+    compute, not the last's: at a share of a few images a step's own cost is most of it. Held, not
+    given up: a fit that gave up left the rank's codes on the guess OWN_COST (under a quota a
+    rank's own cost can fit below none; what that cost: bench/balance/NOTES.md).
 
     Why: a step has a cost of its own besides its images (measured: a rank's images per second
     fall as its share shrinks, bench/balance/NOTES.md). Speeds taken as images over seconds make a rank
