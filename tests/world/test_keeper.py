@@ -1,5 +1,6 @@
 """The keeper of --restart on-failure (utils/setup/keeper.py) over small stand-in programs: what it
-starts again, what ends it, and that a signal to it goes on to its child and ends it too."""
+starts again, what ends it, and that a signal to it goes on to its child and ends it too, also one that
+came before the child could take it."""
 
 import signal
 import subprocess
@@ -86,3 +87,42 @@ def test_a_child_that_waited_for_its_job_in_vain_is_not_started_again(tmp_path):
     """
     result = keep(tmp_path, program)
     assert result.returncode == 1 and result.stderr == "", result.stderr
+
+
+# as train.py: nothing handles SIGUSR1 until stop.note_early(); one noted stops it after a step (exit 3)
+STARTS_SLOWLY = """
+    import sys, time
+    open("started", "w").close()
+    time.sleep(1.0)  # (train.py's imports)
+    from utils.setup import stop
+    stop.note_early()
+    time.sleep(0.2)
+    sys.exit(3 if stop.take_early() else 0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigusr1_passed_on_while_the_child_starts_asks_it_to_stop_rather_than_ending_it(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(STARTS_SLOWLY))
+    keeper = subprocess.Popen([sys.executable, "-c", KEEP, str(prog)], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        keeper.send_signal(signal.SIGUSR1)
+        _, err = keeper.communicate(timeout=30)
+    finally:
+        keeper.kill()
+    assert keeper.returncode == 3 and err == "", (keeper.returncode, err)  # (ended by it: 128 + 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_sigusr1_to_the_keeper_before_its_handlers_reaches_its_child(tmp_path):
+    early = "import os, signal\nfrom utils.setup import stop\nstop.note_early()\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(STARTS_SLOWLY))
+    result = subprocess.run(
+        [sys.executable, "-c", early + KEEP, str(prog)], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
+    assert result.returncode == 3 and result.stderr == "", (result.returncode, result.stderr)  # (dropped: 0)

@@ -30,6 +30,7 @@ import sys
 import time
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_NOT_FINITE, EXIT_STOPPED
+from utils.setup import stop
 from utils.setup.handoff import Handoff
 from utils.setup.lifecycle import State
 
@@ -65,17 +66,21 @@ def keep(argv, prog, label, limit, say, handoff):
     """Run `prog argv` as a child until it ends in a way that is not a failure; returns the exit code
     to leave with. label: "train.py: rank 1"; say(line): one line to stderr; handoff: this process's
     (utils/setup/handoff.py), which each child gets with its keeper's pipe, restarts and time out."""
-    backoff, passed, child = Backoff(limit), [], []
+    backoff, passed, unsent, child = Backoff(limit), [], [], []
 
     def pass_on(signum, _frame):  # a stop for the job: the child stops after its step; no restart after it
         passed.append(signum)
         if child and child[0].poll() is None:
             child[0].send_signal(signum)
+        else:  # (no child yet: the first one gets it as it starts)
+            unsent.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, pass_on)
+    for signum in stop.take_early():  # a SIGUSR1 that came before these handlers
+        pass_on(signum, None)
     while True:
-        code, said = run_child(prog, argv, handoff, child)
+        code, said = run_child(prog, argv, handoff, child, unsent)
         state, delay = after_child(code, said, bool(passed), backoff)
         if state == State.DONE:
             return code if code >= 0 else 128 - code
@@ -102,13 +107,25 @@ def after_child(code, said, stopped, backoff):
     return (State.GIVE_UP, None) if delay is None else (State.RESTART, delay)
 
 
-def run_child(prog, argv, handoff, child):
+def run_child(prog, argv, handoff, child, unsent):
     """Start `prog argv` with the pipe to this keeper in its handoff (child: [the process], for the
-    signal handler) and wait for it: (its exit code, what it wrote into the pipe)."""
+    signal handler; unsent: signals that came before it, passed on to it and cleared) and wait for
+    it: (its exit code, what it wrote into the pipe).
+
+    The child starts with SIGUSR1 blocked, as this process has it around the start: passed on while
+    the child still imports, before it can note one (stop.note_early unblocks it), it would end the
+    child, where the stop it asks for comes after a step."""
     heard, told = os.pipe()
     env = handoff.replace(keeper_pipe=told).environ(os.environ)
-    child[:] = [subprocess.Popen([sys.executable, "-u", prog, *argv], env=env, pass_fds=(told,))]
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    try:
+        child[:] = [subprocess.Popen([sys.executable, "-u", prog, *argv], env=env, pass_fds=(told,))]
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.close(told)
+    for signum in unsent[:1]:
+        child[0].send_signal(signum)
+    unsent.clear()
     code = child[0].wait()  # (a signal meanwhile is passed on, and the wait goes on)
     os.set_blocking(heard, False)
     try:

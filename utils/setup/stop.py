@@ -1,6 +1,7 @@
 """Stopping like a production job: SIGTERM, SIGINT or SIGUSR1 stops the job after a step, a second signal at once.
 
     stop.note_early()      first thing: a SIGUSR1 before install() is kept for it
+    stop.take_early()      those kept, for the keeper (--restart), which passes them on to its child
     stop.install(label)    in a rank, before anything slow: from now on signals are handled here
     stop.arm()             training has begun: a first signal now only asks for a stop
     stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1"), or None
@@ -46,8 +47,17 @@ _early = []  # SIGUSR1s that came before install(): dealt with as it begins
 
 def note_early():
     """Until install(), a SIGUSR1 is noted, not fatal: `sbatch --signal=USR1@N` sends it as soon as
-    N seconds are left, which with a short --time is while the ranks are still starting."""
+    N seconds are left, which with a short --time is while the ranks are still starting. A keeper
+    starts its child with SIGUSR1 blocked (utils/setup/keeper.py): one it passed on meanwhile comes now."""
     signal.signal(signal.SIGUSR1, lambda signum, _: _early.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
+
+
+def take_early():
+    """The SIGUSR1s noted so far, for a process that handles them itself (the keeper); none from now on."""
+    taken = list(_early)
+    _early.clear()
+    return taken
 
 
 def install(label):
