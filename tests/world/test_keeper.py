@@ -21,12 +21,29 @@ KEEP = textwrap.dedent(
 )
 
 
-def keep(tmp_path, program, *argv, timeout=60):
+def keep(tmp_path, program, *argv, timeout=60, keeper=KEEP):
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent(program))
     return subprocess.run(
-        [sys.executable, "-c", KEEP, str(prog), *argv], capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+        [sys.executable, "-c", keeper, str(prog), *argv], capture_output=True, text=True, timeout=timeout, cwd=tmp_path
     )
+
+
+def signal_once_started(tmp_path, program, sig):
+    """Run the keeper of `program`, send it `sig` once the program has written "started": (its
+    exit code, its stderr)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(program))
+    keeper = subprocess.Popen([sys.executable, "-c", KEEP, str(prog)], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        keeper.send_signal(sig)
+        _, err = keeper.communicate(timeout=30)
+    finally:
+        keeper.kill()
+    return keeper.returncode, err
 
 
 @pytest.mark.timeout(60)
@@ -63,18 +80,8 @@ def test_a_signal_to_the_keeper_stops_its_child_and_nothing_starts_again(tmp_pat
         open("started", "w").close()
         time.sleep(60)
     """
-    prog = tmp_path / "prog.py"
-    prog.write_text(textwrap.dedent(program))
-    keeper = subprocess.Popen([sys.executable, "-c", KEEP, str(prog)], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        keeper.send_signal(signal.SIGTERM)
-        _, err = keeper.communicate(timeout=30)
-    finally:
-        keeper.kill()
-    assert keeper.returncode == 3 and err == "", err
+    code, err = signal_once_started(tmp_path, program, signal.SIGTERM)
+    assert code == 3 and err == "", err
 
 
 @pytest.mark.timeout(60)
@@ -103,26 +110,12 @@ STARTS_SLOWLY = """
 
 @pytest.mark.timeout(60)
 def test_a_sigusr1_passed_on_while_the_child_starts_asks_it_to_stop_rather_than_ending_it(tmp_path):
-    prog = tmp_path / "prog.py"
-    prog.write_text(textwrap.dedent(STARTS_SLOWLY))
-    keeper = subprocess.Popen([sys.executable, "-c", KEEP, str(prog)], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        keeper.send_signal(signal.SIGUSR1)
-        _, err = keeper.communicate(timeout=30)
-    finally:
-        keeper.kill()
-    assert keeper.returncode == 3 and err == "", (keeper.returncode, err)  # (ended by it: 128 + 10)
+    code, err = signal_once_started(tmp_path, STARTS_SLOWLY, signal.SIGUSR1)
+    assert code == 3 and err == "", (code, err)  # (ended by it: 128 + 10)
 
 
 @pytest.mark.timeout(60)
 def test_a_sigusr1_to_the_keeper_before_its_handlers_reaches_its_child(tmp_path):
     early = "import os, signal\nfrom utils.setup import stop\nstop.note_early()\nos.kill(os.getpid(), signal.SIGUSR1)\n"
-    prog = tmp_path / "prog.py"
-    prog.write_text(textwrap.dedent(STARTS_SLOWLY))
-    result = subprocess.run(
-        [sys.executable, "-c", early + KEEP, str(prog)], capture_output=True, text=True, timeout=30, cwd=tmp_path
-    )
+    result = keep(tmp_path, STARTS_SLOWLY, timeout=30, keeper=early + KEEP)
     assert result.returncode == 3 and result.stderr == "", (result.returncode, result.stderr)  # (dropped: 0)
