@@ -72,7 +72,7 @@ def keep(argv, prog, label, limit, say, handoff):
         passed.append(signum)
         if child and child[0].poll() is None:
             child[0].send_signal(signum)
-        else:  # (no child yet: the first one gets it as it starts)
+        else:  # (none running: the first child gets it as it starts; after a child, none starts again)
             unsent.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
