@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 
@@ -155,13 +156,33 @@ def test_without_requeue_the_warning_stops_and_scancel_stops_with_a_whole_checkp
     assert "requeued" not in log and "Traceback" not in log, log
 
 
+# A task that starts slowly (a loaded node): it notes that it began, and what was pending when Python starts.
+SLOW_START = f"""#!/bin/bash
+echo > "began.$SLURM_PROCID"
+sleep 3
+grep ShdPnd /proc/$$/status > "pending.$SLURM_PROCID"
+exec {shlex.quote(sys.executable)} "$@"
+"""
+
+
 @pytest.mark.timeout(300)
-def test_a_finished_run_submitted_again_does_nothing_and_is_not_requeued(cluster, straight):
+def test_a_finished_run_warned_as_it_starts_does_nothing_and_is_not_requeued(cluster, straight, tmp_path):
+    """Slurm's warning before Python handles it (a --time shorter than the warning, a slow start) does
+    not end a task: the script starts them with SIGUSR1 blocked, and train.py takes it once it can."""
     _, _, _, folder = straight
     checkpoint = (folder / "runs" / "checkpoint.pt").read_bytes()
-    job = submit(cluster, folder, "--time=1", "--signal=USR1@60")
-    info, log = finished(cluster, folder, job, timeout=120)
+    (tmp_path / "slow-python").write_text(SLOW_START)
+    (tmp_path / "slow-python").chmod(0o755)
+    job = cluster.sbatch(
+        SCRIPT, *SBATCH, script_args=TRAINING, cwd=folder, env={**JOB_ENV, "PYTHON": str(tmp_path / "slow-python")}
+    )
+    wait_for(lambda: all((folder / f"began.{rank}").exists() for rank in (0, 1)), 60, "both tasks to begin")
+    assert cluster.run(["scancel", "--signal=USR1", str(job)]).returncode == 0
+    info, log = finished(cluster, folder, job, timeout=60)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (info, log)
+    for rank in (0, 1):  # the warning came before Python started
+        pending = int((folder / f"pending.{rank}").read_text().split()[1], 16)
+        assert pending & 1 << (signal.SIGUSR1 - 1), (rank, hex(pending))
     assert "runs/checkpoint.pt is a finished run (2 of 2 epochs); nothing to do" in log, log
     assert (folder / "runs" / "checkpoint.pt").read_bytes() == checkpoint
 

@@ -48,7 +48,8 @@ _early = []  # SIGUSR1s that came before install(): dealt with as it begins
 def note_early():
     """Until install(), a SIGUSR1 is noted, not fatal: `sbatch --signal=USR1@N` sends it as soon as
     N seconds are left, which with a short --time is while the ranks are still starting. A keeper
-    starts its child with SIGUSR1 blocked (utils/setup/keeper.py): one it passed on meanwhile comes now."""
+    starts its child with SIGUSR1 blocked (utils/setup/keeper.py), and scripts/slurm.sbatch its
+    tasks: one that came meanwhile comes now."""
     signal.signal(signal.SIGUSR1, lambda signum, _: _early.append(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
 
