@@ -188,20 +188,22 @@ def tcp_junk(ports, rng):
                 pass
 
 
-def start(folder, port, ranks, args):
-    """The job's ranks, each with the original per-server command (--rank, --world-size, --init-method)."""
-    env, pipe = dict(os.environ, OMP_NUM_THREADS="1"), subprocess.PIPE
+def start(folder, port, ranks, args, env=None, popen=subprocess.Popen):
+    """The job's ranks, each with the original per-server command (--rank, --world-size, --init-method);
+    env: more variables for them; popen: how a process starts (the tests fork theirs)."""
+    env, pipe = dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), subprocess.PIPE
     common = ["--world-size", str(ranks), "--init-method", f"tcp://127.0.0.1:{port}", "--data-dir", f"{REPO}/data"]
     argv = [sys.executable, os.path.join(REPO, "train.py")]
     kw = dict(cwd=folder, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
-    return [subprocess.Popen([*argv, "--rank", str(r), *common, *args], **kw) for r in range(ranks)]
+    return [popen([*argv, "--rank", str(r), *common, *args], **kw) for r in range(ranks)]
 
 
-def run_job(ranks, args, timeout, attack=None):
-    """One run; attack(procs, folder, port) runs beside it. Returns (codes, outputs, attack's result)."""
+def run_job(ranks, args, timeout, attack=None, env=None, popen=subprocess.Popen):
+    """One run; attack(procs, folder, port) runs beside it; env and popen: as start's. Returns
+    (codes, outputs, attack's result)."""
     folder, port = tempfile.mkdtemp(prefix="fuzz-"), free_port()
     try:
-        procs, result = start(folder, port, ranks, args), {}
+        procs, result = start(folder, port, ranks, args, env, popen), {}
         thread = None
         if attack is not None:
             thread = threading.Thread(target=lambda: result.update(attack(procs, folder, port)), daemon=True)
