@@ -14,7 +14,8 @@ TOOL = os.path.join(REPO, "bench", "balance", "page_faults.py")
 
 @pytest.mark.timeout(180)
 def test_a_row_for_each_malloc_and_plan_with_its_time_and_faults_a_step():
-    result = subprocess.run([sys.executable, TOOL, "--rounds", "1"], capture_output=True, text=True, timeout=170)
+    argv = [sys.executable, TOOL, "--rounds", "1", "--steps", "10"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr
     rows = re.findall(
         r"^\| (as it comes|limits set) \| ([^|]+) \| ([\d.]+) \| (\d+) \| [\d.]+ ms \d+ \|$", result.stdout, re.M
@@ -28,7 +29,9 @@ def test_a_row_for_each_malloc_and_plan_with_its_time_and_faults_a_step():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [["--rounds", "0"], ["--run", "56:1"], ["--run", "56 from the start:2"]])
+@pytest.mark.parametrize(
+    "args", [["--rounds", "0"], ["--steps", "0"], ["--run", "56:1"], ["--run", "56 from the start:2"]]
+)
 def test_bad_arguments_get_one_line_and_exit_code_2(args):
     result = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=50)
     assert result.returncode == 2 and result.stdout == ""
