@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # bench/common: harness, stats (run directly)
 from harness import bench_parser
 
-WARM = 50  # steps at 56 before the measured ones
+FULL, WARM = 56, 50  # images a step once grown; steps at FULL before the measured ones
 PLANS = {"56 from the start": [], "32 for 10 steps, then 56": [32] * 10}  # the steps before the 56s
 
 
@@ -44,9 +44,8 @@ def run(plan, keep, steps):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    sizes = [*PLANS[plan], *[56] * (WARM + steps)]
-    biggest = max(sizes)
-    images, labels = torch.randn(biggest, 1, 28, 28), torch.randint(0, 10, (biggest,))
+    sizes = PLANS[plan] + [FULL] * (WARM + steps)
+    images, labels = torch.randn(FULL, 1, 28, 28), torch.randint(0, 10, (FULL,))
     ms, faults = [], []
     for size in sizes:
         before, started = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()

@@ -35,8 +35,8 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def submit(cluster, folder, *options, args=()):
-    return cluster.sbatch(SCRIPT, *SBATCH, *options, script_args=[*TRAINING, *args], cwd=folder, env=JOB_ENV)
+def submit(cluster, folder, *options, args=(), env=JOB_ENV):
+    return cluster.sbatch(SCRIPT, *SBATCH, *options, script_args=[*TRAINING, *args], cwd=folder, env=env)
 
 
 def log_of(folder, job):
@@ -173,9 +173,7 @@ def test_a_finished_run_warned_as_it_starts_does_nothing_and_is_not_requeued(clu
     checkpoint = (folder / "runs" / "checkpoint.pt").read_bytes()
     (tmp_path / "slow-python").write_text(SLOW_START)
     (tmp_path / "slow-python").chmod(0o755)
-    job = cluster.sbatch(
-        SCRIPT, *SBATCH, script_args=TRAINING, cwd=folder, env={**JOB_ENV, "PYTHON": str(tmp_path / "slow-python")}
-    )
+    job = submit(cluster, folder, env={**JOB_ENV, "PYTHON": str(tmp_path / "slow-python")})
     wait_for(lambda: all((folder / f"began.{rank}").exists() for rank in (0, 1)), 60, "both tasks to begin")
     assert cluster.run(["scancel", "--signal=USR1", str(job)]).returncode == 0
     info, log = finished(cluster, folder, job, timeout=60)
