@@ -35,7 +35,7 @@ from utils.observe.instruments import OFF, from_environ
 from utils.setup import cli, keeper, stop
 from utils.setup.config import check_share, from_args
 from utils.setup.handoff import Handoff
-from utils.setup.launch import launch_local, threads_per_rank
+from utils.setup.launch import launch_local, rank_threads
 from utils.setup.lifecycle import Supervisor
 from utils.setup.memory import keep_freed_memory
 from utils.setup.precision import refusal, this_cpu
@@ -249,7 +249,7 @@ def launch(config, argv, handoff):
     """The local launcher: check here what every rank would trip over, then start them all."""
     job = config.job
     # torch loads here with its ranks' threads, so that the ranks it forks are as if started afresh
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(job.nproc))
+    os.environ["OMP_NUM_THREADS"], handoff = rank_threads(job.nproc, handoff)
     if job.model_path:  # the only check that needs torch
         from utils.learn.model import Net
         from utils.store.checkpoint import load_model_state

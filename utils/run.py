@@ -118,7 +118,7 @@ def not_finite(state):
 
 
 def end_epoch(trainer, final):
-    """After an epoch's last step: every rank looks that nothing is non-finite (Checkpointer.gather);
+    """After an epoch's last step: every rank looks that nothing is non-finite (Checkpointer.check_finite);
     rank 0 evaluates, reports and saves the model; the checkpoint of the next epoch's start. final:
     the last epoch (every rank's last changes in: --sync-every)."""
     state, epoch = trainer.state, trainer.state.position.epoch
@@ -129,14 +129,14 @@ def end_epoch(trainer, final):
         raise PeerError(f"lost a peer {where}: {e}", e.outcome) from None
     ranks = epoch_by_rank(state.stats)
     try:
-        everyone = trainer.checkpointer.gather(state)  # NotFinite on every rank, before anything is written
+        trainer.checkpointer.check_finite(state)  # NotFinite on every rank, before anything is written
         if dist.get_rank() == 0:
             with trainer.timeline.span("evaluate"):
                 trainer.accuracy = test_model(trainer.model, *trainer.data[2:])
             trainer.report.epoch(state, trainer.accuracy, ranks)
             checkpoint.save_model(trainer.model, trainer.config.outputs.save_path)
         state.next_epoch()
-        trainer.checkpointer.write(state, everyone)
+        trainer.checkpointer.write(state, trainer.checkpointer.gather(state))
     except PeerError as e:
         raise e.where(f"after epoch {epoch}") from None
 

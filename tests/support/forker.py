@@ -20,7 +20,7 @@ import threading
 from forkserver import ForkServer
 
 from utils.setup import fork
-from utils.setup.launch import threads_per_rank
+from utils.setup.threads import cpus_here, share
 
 KNOWN = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session", "netns"}
 _servers = {}  # the variables read at load -> its ForkServer
@@ -55,7 +55,7 @@ def popen(argv, netns=None, **kwargs):
 
 
 def launcher_threads(args):
-    """train.py's local launcher loads torch with its ranks' threads (utils.setup.launch.threads_per_rank);
+    """train.py's local launcher loads torch with its ranks' threads (utils.setup.launch.rank_threads);
     the threads as text for a launcher's command line `args`, else None."""
     if {"--rank", "--eval", "--status", "-h", "--help"} & {a.split("=")[0] for a in args}:
         return None
@@ -65,7 +65,7 @@ def launcher_threads(args):
             nproc = args[i + 1]
         elif arg.startswith("--nproc="):
             nproc = arg.split("=", 1)[1]
-    return str(threads_per_rank(int(nproc))) if nproc.isdigit() and int(nproc) > 0 else None
+    return str(share(len(cpus_here()), int(nproc))) if nproc.isdigit() and int(nproc) > 0 else None
 
 
 def server_for(env):

@@ -22,7 +22,7 @@ from utils.setup import stop
 
 
 def start_line(config, model, data, hosts, gradient_sync):
-    """Rank 0's line before the first step. hosts: utils.comm.hierarchical.describe's words."""
+    """Rank 0's line before the first step. hosts: utils.comm.hierarchical.describe's words (and the threads')."""
     n, batch, sync = config.job.world_size, config.recipe.global_batch, config.sync
     share = batch // n
     per_rank = f"{share} per rank" if batch % n == 0 else f"{share}-{share + 1} per rank"

@@ -35,6 +35,7 @@ class Handoff:
     resume_command: str | None = None  # the command that resumes the job (the local launcher's, not a rank's)
     job_pid: int | None = None  # the pid that stands for the job in its lock file (the local launcher's)
     torch_loaded_with: dict | None = None  # a forked process's torch loaded with these variables (fork.AT_LOAD)
+    threads_from_launcher: bool = False  # OMP_NUM_THREADS is a launcher's share, not the user's (utils/setup/threads.py)
 
     @classmethod
     def from_environ(cls, environ=os.environ):
@@ -68,6 +69,7 @@ class Handoff:
             ("resume_command", self.resume_command is None or isinstance(self.resume_command, str)),
             ("job_pid", self.job_pid is None or _whole(self.job_pid, 1, 2**31)),
             ("torch_loaded_with", self.torch_loaded_with is None or _names_to_texts(self.torch_loaded_with)),
+            ("threads_from_launcher", isinstance(self.threads_from_launcher, bool)),
         ):
             if not good:
                 said = repr(getattr(self, name))[:100]

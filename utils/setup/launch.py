@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from utils.errors import EXIT_BAD_INPUT, EXIT_NOT_FINITE, EXIT_STOPPED
 from utils.setup import fork, stop
 from utils.setup.handoff import Handoff
+from utils.setup.threads import cpus_here, share, users_choice
 
 GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.2
@@ -173,9 +174,13 @@ def stragglers_stopped(grace):
     return check
 
 
-def threads_per_rank(nproc):
-    """The local launcher's torch threads per rank: this machine's cores, shared."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+def rank_threads(nproc, handoff):
+    """The OMP_NUM_THREADS of the local launcher's `nproc` ranks: the user's, or their share of this
+    machine's CPUs (utils/setup/threads.py's rule); and `handoff`, saying the launcher chose it if it did."""
+    users = users_choice(os.environ, handoff)
+    if users is not None:
+        return users, handoff
+    return str(share(len(cpus_here()), nproc)), handoff.replace(threads_from_launcher=True)
 
 
 def rank_flags(rank, world_size, port, interface):
@@ -199,10 +204,10 @@ def launch_local(script, argv, nproc, prog="train.py", handoff=None, keep_going=
     the job then succeeds if every rank that ended by itself succeeded. fork_ranks=False: this
     process has run torch (a fork after OpenMP has run threads is not safe): start them afresh."""
     port, lo = free_port(), loopback_interface()
-    threads = threads_per_rank(nproc)
-    print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {threads} thread(s) each", flush=True)
-    handoff = (handoff or Handoff()).replace(job_pid=os.getpid(), launched_locally=True)
-    env = dict(handoff.environ(os.environ), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    count, handoff = rank_threads(nproc, handoff or Handoff())
+    print(f"running {nproc} ranks on this machine over {lo} (127.0.0.1:{port}), {count} thread(s) each", flush=True)
+    handoff = handoff.replace(job_pid=os.getpid(), launched_locally=True)
+    env = dict(handoff.environ(os.environ), OMP_NUM_THREADS=count, PYTHONUNBUFFERED="1")
     loaded = fork.preload() if fork_ranks else None  # (before any thread)
     procs = []
     try:
