@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -36,7 +37,9 @@ from throttle import MIN_FRACTION, CpuQuota, ThrottleError, controller, remove_s
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from utils.setup.handoff import VARIABLE as HANDOFF  # noqa: E402
 from utils.setup.launch import supervise  # noqa: E402
+from utils.setup.threads import cpus_here, share  # noqa: E402
 
 
 def _run_all(
@@ -59,8 +62,12 @@ def _run_all(
                     sys.stdout.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
                     sys.stdout.flush()
 
-    # the emulated hosts share this machine's cores: split them, as train.py's local launcher does
-    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(argvs))))}
+    # the emulated hosts share this machine's cores: torch loads with the ranks' share, the rule each rank
+    # would reach by itself (utils/setup/threads.py), and the handoff says it is ours, not the user's
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
+    if not threads["OMP_NUM_THREADS"]:
+        threads["OMP_NUM_THREADS"] = str(share(len(cpus_here()), len(argvs)))
+        threads[HANDOFF] = json.dumps({"threads_from_launcher": True})
     procs, pumps = [], []
     for r, argv in enumerate(argvs):
         if not prefix_output:

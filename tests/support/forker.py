@@ -20,6 +20,7 @@ import threading
 from forkserver import ForkServer
 
 from utils.setup import fork
+from utils.setup.handoff import Handoff
 from utils.setup.threads import cpus_here, share
 
 KNOWN = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session", "netns"}
@@ -39,8 +40,9 @@ def popen(argv, netns=None, **kwargs):
     script = argv[script_at] if len(argv) > script_at else ""
     if os.path.basename(script) == "train.py":  # what it sets for itself before torch loads
         env.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-        if launcher_threads(argv[script_at + 1 :]):
+        if launcher_threads(argv[script_at + 1 :]) and "OMP_NUM_THREADS" not in env:  # (not the user's: its own)
             env["OMP_NUM_THREADS"] = launcher_threads(argv[script_at + 1 :])
+            env.update(Handoff.from_environ(env).replace(threads_from_launcher=True).environ({}))
     if (
         os.environ.get("RING_TEST_FORK") == "0"
         or set(kwargs) - KNOWN

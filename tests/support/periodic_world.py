@@ -49,6 +49,8 @@ def periodic(rank, rounds=4, every=3, hosts=None):
         key = f"periodic/{name}/{outer}/{wire}/{merge_after}{weighted}"
         results[f"{key}/initial"] = sync.anchor.clone()
         record = {"start": [], "after": [], "params": [], "anchor": [], "weight": [], "speeds": []}
+        record |= {"started": [], "waited": []}  # a sum started at the step; the training thread's waits so far
+        in_flight = None
         for step in range(1, rounds * every + 3):
             # --balance's weights (N times this rank's share of the step): unequal on odd steps
             weight = 2 * (rank + 1) / (world_size + 1) if weighted and step % 2 else 1.0
@@ -63,6 +65,9 @@ def periodic(rank, rounds=4, every=3, hosts=None):
             record["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
             record["anchor"].append(sync.anchor.clone())
             record["speeds"].append(torch.tensor(sum(sync.flags().speeds, start=-1)))  # -1: none this step
+            record["started"].append(torch.tensor(sync.pending is not None and sync.pending is not in_flight))
+            record["waited"].append(torch.tensor(sync.waited_seconds, dtype=torch.float64))
+            in_flight = sync.pending
         results[f"{key}/cut-short"] = sync.start - record["params"][-1]  # the last round's steps so far
         sync.flush()
         results.update({f"{key}/{what}": torch.stack(values) for what, values in record.items()})
@@ -118,6 +123,12 @@ def check_periodic(results, every=3):
             # the speeds of a round's sum (every rank's, summed) only at its merge: one look a round
             speeds = sum(range(1, len(results) + 1)) - 1 if inner == merge_after and round_ > 0 else -1
             assert all(r[f"{key}/speeds"][t] == speeds for r in results), (key, t)
+            # the inner steps carry nothing: a sum starts only at a round's end, the training thread
+            # waits only at a merge (what 11bd114's slowdown was first taken for; guarded all the same)
+            assert all(bool(r[f"{key}/started"][t]) == (inner == every) for r in results), (key, t)
+            if not (inner == merge_after and round_ > 0):
+                before = [r[f"{key}/waited"][t - 1] if t else 0.0 for r in results]
+                assert all(r[f"{key}/waited"][t] == b for r, b in zip(results, before)), (key, t)
             for r in results:
                 after, start = r[f"{key}/after"][t], r[f"{key}/start"][t]
                 expected = r[f"{key}/anchor"][t] - (start - after) if inner == merge_after and round_ > 0 else after

@@ -50,3 +50,22 @@ def test_a_change_of_members_mid_epoch_keeps_the_epoch_s_clock_and_traffic(tmp_p
     assert (
         re.search(r"sent (\d\.\d+) MB/step", out) and float(re.search(r"sent ([\d.]+) MB/step", out).group(1)) >= 1.68
     )
+
+
+@pytest.mark.timeout(120)
+def test_the_epoch_s_report_does_not_wait_for_the_gather_of_every_rank_s_state(tmp_path):
+    """The epoch's line (and its time) comes after the few bytes that say nothing is non-finite, and
+    before the checkpoint's copies of every rank's state cross the wire: --sync-every's are some
+    10 MB a rank, seconds at 20 Mbit/s, which 11bd114 put inside the epoch's time."""
+    worker = os.path.join(os.path.dirname(procs.TRAIN), "tests", "support", "epoch_end_worker.py")
+    result = procs.subprocess.run(
+        [procs.sys.executable, worker, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert said["sync"] == "PeriodicSync"  # (a sum whose ranks keep state of their own: there is a gather)
+    assert said["order"] == ["check_finite", "report", "gather"], said

@@ -12,6 +12,7 @@ import torch
 from procs import REPO
 
 from utils.learn.model import Net, parameter_vector
+from utils.setup.threads import cpus_here, share
 
 SMALL = ["--epochs", "1", "--test-subset", "1000", "--train-subset", "2000", "--metrics", ""]
 
@@ -43,6 +44,11 @@ def test_two_ranks_learn_and_end_identical(small_run):
     result, save = small_run
     assert accuracy_of(result.stdout) > 80.0  # chance is 10%
     assert "all-reduce two-pass (chunks auto, overlap off), 1 host × 2 ranks" in result.stdout  # the topology
+    if "OMP_NUM_THREADS" not in os.environ:  # the launcher's threads are its rule's, not the user's
+        threads = share(len(cpus_here()), 2)
+        assert (
+            f"1 host × 2 ranks, {threads} torch thread{'s' if threads > 1 else ''} per rank (a share" in result.stdout
+        )
     digest = re.search(r"identical on all 2 ranks \(sha256 ([0-9a-f]{64})\)", result.stdout).group(1)
     assert digest == digest_of(save)  # the file rank 0 saved is what every rank ended with
 

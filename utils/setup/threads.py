@@ -147,7 +147,11 @@ class ServerShare:
 
 
 def describe(counts, fixed=False):
-    """'1 torch thread per rank', 'torch threads 1-4 per rank'; ', as OMP_NUM_THREADS says' if a user chose."""
+    """'1 torch thread per rank' or 'torch threads 1-4 per rank', then whose: '(OMP_NUM_THREADS)' if a user chose."""
     low, high = min(counts), max(counts)
-    words = f"{low} torch thread{'s' if low > 1 else ''} per rank" if low == high else f"torch threads {low}-{high} per rank"
+    words = (
+        f"{low} torch thread{'s' if low > 1 else ''} per rank"
+        if low == high
+        else f"torch threads {low}-{high} per rank"
+    )
     return words + (f" ({VARIABLE})" if fixed else " (a share of each server's cores)")
