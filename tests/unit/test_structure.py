@@ -153,6 +153,7 @@ DRIVERS = (
     "heal/heal",
     "recovery/recovery",
     "recovery/recovery_soak",
+    "regression/regression",
     "time_to_accuracy/time_to_accuracy",
     "train_step/train_step",
 )
