@@ -24,7 +24,8 @@ alike. Per ratio and tree: both medians, the medians' ratio and the median of th
 Without root the emulated-cluster ratios are skipped (with a line saying so), except under CI=true,
 where that is an error. --short: ratios sync_every_hidden, default_vs_gloo_allreduce and
 shared_server on fewer images, 1 round, this tree only; it writes no files unless --results-dir.
-Results: bench/results/regression/regression[-...].json and .md; method: bench/regression/NOTES.md.
+Results: bench/results/regression/ (a .json and a .md a run, named after how it differs from the
+default: regression-against-COMMIT); method: bench/regression/NOTES.md.
 """
 
 from __future__ import annotations
