@@ -109,10 +109,10 @@ NAMES = tuple(r.name for r in RATIOS)
 
 
 def configs(short: bool) -> dict[str, Config]:
-    """Every configuration the ratios name; --short's on fewer images (and --sync-every 16, so its
-    100 steps still sum 6 times)."""
-    sync = "--train-subset 6400 --sync-every 16" if short else "--train-subset 19200 --sync-every 64"
-    local, shared = ("3200", "3200") if short else ("12800", "6400")
+    """Every configuration the ratios name; --short's on fewer images (and --sync-every 8, so its
+    50 steps still sum 6 times)."""
+    sync = "--train-subset 3200 --sync-every 8" if short else "--train-subset 19200 --sync-every 64"
+    local, shared = ("1600", "1600") if short else ("12800", "6400")
     four = "--hosts 2 --ranks-per-host 2"  # (2 servers x 2 ranks)
 
     def make(kind, launch, train):
@@ -371,7 +371,7 @@ def measure_all(args, trees: list[Tree]) -> int:
             figures.pop("status", None)
     md = header(command_line("regression/regression.py"), trees, args.rounds, time.time() - started)
     if args.short:  # (the promises are of the full runs' sizes)
-        md += "--short: fewer images (sync_every_hidden 6,400 at --sync-every 16; the others 3,200).\n\n"
+        md += "--short: fewer images (sync_every_hidden 3,200 at --sync-every 8; the others 1,600).\n\n"
     md += table(ratios, trees, found, unable, failed)
     md += "".join(f"\n- {line}" for line in skips + [f"{t}: {c} failed: {e}" for (t, c), e in failed.items()])
     print("\n" + md, flush=True)

@@ -69,7 +69,10 @@ def test_a_throttled_rank_gets_a_smaller_share_and_every_image_is_trained_once(k
 
 @pytest.mark.timeout(300)
 def test_without_balance_rank_0_names_the_rank_that_keeps_the_others_waiting(needs_root, tmp_path):
-    out, row, _ = throttled_run(tmp_path, [])
+    # rank 1 at a fifth of a core: at 0.3 a fast CPU's fixed costs per step (the sum, the waits) left
+    # the hint's margin thin (rank 1 kept rank 0 waiting 34% of a step, against the hint's 25%), and
+    # under the suite's load it fell below in 2 of 3 full runs on an Intel Xeon
+    out, row, _ = throttled_run(tmp_path, [], fractions=(0.8, 0.2))
     assert row["shares"] == [32.0, 32.0] and row["rebalances"] is None, row
     hints = [line for line in out.splitlines() if "kept the others waiting" in line]
     assert len(hints) == 1 and hints[0].startswith("rank 1 kept the others waiting"), out
