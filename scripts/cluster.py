@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -37,9 +36,8 @@ from throttle import MIN_FRACTION, CpuQuota, ThrottleError, controller, remove_s
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from utils.setup.handoff import VARIABLE as HANDOFF  # noqa: E402
-from utils.setup.launch import supervise  # noqa: E402
-from utils.setup.threads import cpus_here, share  # noqa: E402
+from utils.setup.handoff import Handoff  # noqa: E402
+from utils.setup.launch import rank_threads, supervise  # noqa: E402
 
 
 def _run_all(
@@ -62,12 +60,10 @@ def _run_all(
                     sys.stdout.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
                     sys.stdout.flush()
 
-    # the emulated hosts share this machine's cores: torch loads with the ranks' share, the rule each rank
-    # would reach by itself (utils/setup/threads.py), and the handoff says it is ours, not the user's
-    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
-    if not threads["OMP_NUM_THREADS"]:
-        threads["OMP_NUM_THREADS"] = str(share(len(cpus_here()), len(argvs)))
-        threads[HANDOFF] = json.dumps({"threads_from_launcher": True})
+    # the emulated hosts share this machine's cores: torch loads with the ranks' share, as the local
+    # launcher's do (the rule each rank would reach by itself), unless the user chose
+    count, handoff = rank_threads(len(argvs), Handoff.from_environ())
+    threads = dict(handoff.environ({}), OMP_NUM_THREADS=count)
     procs, pumps = [], []
     for r, argv in enumerate(argvs):
         if not prefix_output:

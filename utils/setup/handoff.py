@@ -35,9 +35,7 @@ class Handoff:
     resume_command: str | None = None  # the command that resumes the job (the local launcher's, not a rank's)
     job_pid: int | None = None  # the pid that stands for the job in its lock file (the local launcher's)
     torch_loaded_with: dict | None = None  # a forked process's torch loaded with these variables (fork.AT_LOAD)
-    threads_from_launcher: bool = (
-        False  # OMP_NUM_THREADS is a launcher's share, not the user's (utils/setup/threads.py)
-    )
+    threads_from_launcher: bool = False  # OMP_NUM_THREADS is a launcher's, not the user's (setup/threads.py)
 
     @classmethod
     def from_environ(cls, environ=os.environ):
