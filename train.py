@@ -9,6 +9,7 @@ Under torchrun:                             torchrun --nproc-per-node 2 train.py
 Under Slurm:                                sbatch scripts/slurm.sbatch   (its srun needs no rank flags)
 Evaluate a saved model:                     python train.py --eval --model_path model_state_dict.pth
 Ask a running job how it does:              python train.py --status 192.168.0.1:23456
+Every server from one terminal, over ssh:   python train.py --hosts node0,node1,node2 --epoch 1200
 
 Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the same step, rank 0
 saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
@@ -217,6 +218,10 @@ class Process(Ending):
             return 0
         self.config = config = from_args(args)
         job = config.job
+        if job.launch is not None:  # every server's ranks, started from here over ssh
+            from utils.setup.remote import launch_remote
+
+            return launch_remote(config, self.argv, self.handoff, PROG)
         if job.restart == "on-failure" and self.handoff.keeper_pipe is None:  # this process keeps the training going
             label = f"{PROG}: rank {job.rank}"
             return keeper.keep(self.argv, __file__, label, job.max_restarts, say, self.handoff)

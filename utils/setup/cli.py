@@ -33,6 +33,7 @@ from utils.setup.config import (
     momentum_value,
     non_negative_float,
     non_negative_int,
+    port_number,
     positive,
     seed_value,
     timeline_steps,
@@ -78,6 +79,28 @@ def make_parser(prog="train.py"):
         metavar="PATH",
         help="the job's key for its control messages, the same file on every server (default: $RING_KEY_FILE, "
         "$RING_JOB_KEY, or a new key per job from rank 0, kept beside --checkpoint as CHECKPOINT.key)",
+    )
+
+    servers = p.add_argument_group("every server from one terminal, over ssh (docs/several-servers.md)")
+    servers.add_argument(
+        "--hosts",
+        metavar="H0,H1[:N],...",
+        help="start the job on these servers over your ssh, rank 0 on the first (HOST:N: N ranks there)",
+    )
+    servers.add_argument(
+        "--hostfile", metavar="FILE", help="the servers, one a line: HOST [slots=N] [dir=PATH] (# comments)"
+    )
+    servers.add_argument(
+        "--remote-dir", metavar="PATH", help="with --hosts: the job's folder on every server (default: this one's path)"
+    )
+    servers.add_argument(
+        "--python", metavar="PATH", help="with --hosts: the Python there (default: this one's path, then python3)"
+    )
+    servers.add_argument(
+        "--port", type=port_number, help="with --hosts: rank 0's port (default 23456, or a free one if it is taken)"
+    )
+    servers.add_argument(
+        "--detach", action="store_true", help="with --hosts: return once every rank has started (default: watch them)"
     )
 
     training = p.add_argument_group("training")

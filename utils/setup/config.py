@@ -6,7 +6,7 @@ together; the argparse value types at the end could go to a module of their own.
     Recipe   what is trained: epochs, learning rate, batch, seed, data subsets
     Sync     how the gradients are summed: --allreduce, --chunks, --overlap, --compress, ...
     Outputs  what rank 0 writes: model, checkpoint, metrics, timeline, TensorBoard files
-    Job      where this process runs: its rank, the world, the rendezvous, the card
+    Job      where this process runs: its rank, the world, the rendezvous, the card; --hosts' Launch
     Config   all four; the checkpoint stores it whole (Config.to_dict)
 
 Each field says, in its metadata, the flag it comes from and whether every rank must have the
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from utils.balance.shares import parse_fixed
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.errors import UsageError
+from utils.setup.servers import servers_of
 from utils.setup.slurm import SlurmStep
 from utils.setup.slurm import step_from as slurm_step
 from utils.sync.flags import MAX_RANKS
@@ -111,6 +112,18 @@ class Outputs:
 
 
 @dataclass(frozen=True)
+class Launch:
+    """train.py --hosts/--hostfile: this process starts the job on those servers (utils/setup/remote.py)."""
+
+    servers: tuple  # utils.setup.servers.Server, rank 0's first
+    remote_dir: str | None = None
+    python: str | None = None
+    port: int | None = None  # rank 0's port (None: 23456, or a free one)
+    init_address: str | None = None  # rank 0's address from --init-method (None: as ssh reached it)
+    detach: bool = False
+
+
+@dataclass(frozen=True)
 class Job:
     rank: int | None = None  # None: the local launcher, which starts every rank here
     world_size: int = 2
@@ -131,6 +144,7 @@ class Job:
     rejoin_timeout: float = 300.0  # seconds a server that lost the job waits to join it again (0: exit 1)
     slurm: SlurmStep | None = None  # srun started this rank: rank, world and rendezvous came from it
     given_host_id: str | None = None  # --host-id: ranks with the same one share a server
+    launch: Launch | None = None  # --hosts: start the job on those servers from here
 
     @property
     def host_id(self):
@@ -178,17 +192,18 @@ class Config:
 def from_args(args, environ=os.environ):
     """The Config of a parsed command line (train.parse_args), validated, defaults resolved.
     UsageError (one line, exit code 2) for what does not go together."""
-    check_placement(args)
-    check_options(args)
+    launch = launch_of(args)
+    check_placement(args, launch)
+    check_options(args, launch)
     check_sync_options(args)
-    rank, world_size, init_method, torchrun, slurm = ranks_from(args, environ)
-    check_world(args, world_size, torchrun, slurm)
+    rank, world_size, init_method, torchrun, slurm = ranks_from(args, environ, launch)
+    check_world(args, world_size, torchrun, slurm, launch)
     recover = (not torchrun) if args.recover is None else args.recover
     where = dict(rank=rank, world_size=world_size, init_method=init_method, torchrun=torchrun, slurm=slurm)
     global_batch = args.global_batch or (args.batch_size * world_size if args.batch_size else GLOBAL_BATCH)
     timeline_steps = (args.timeline_steps or DEFAULT_TIMELINE_STEPS) if args.timeline else None
     return Config(
-        job=as_given(args, Job, recover=recover, given_host_id=args.host_id, **where),
+        job=as_given(args, Job, recover=recover, given_host_id=args.host_id, launch=launch, **where),
         recipe=as_given(args, Recipe, global_batch=global_batch),
         sync=sync_of(args),
         outputs=as_given(args, Outputs, timeline_steps=timeline_steps, tensorboard=args.tensorboard or None),
@@ -202,7 +217,33 @@ def as_given(args, kind, **resolved):
     return kind(**given, **resolved)
 
 
-def check_placement(args):
+def launch_of(args):
+    """--hosts/--hostfile and their options as a Launch; None without them (their options are refused)."""
+    if not (args.hosts or args.hostfile):
+        for given, flag in ((args.remote_dir, "--remote-dir"), (args.python, "--python"), (args.port, "--port")):
+            if given is not None:
+                raise UsageError(f"{flag} goes with --hosts or --hostfile")
+        if args.detach:
+            raise UsageError("--detach goes with --hosts or --hostfile")
+        return None
+    if args.rank is not None or args.world_size is not None:
+        raise UsageError("--hosts places every rank itself: leave out --rank and --world-size")
+    if args.eval or args.status is not None:
+        raise UsageError("--hosts starts a job; --eval and --status run here")
+    if args.remote_dir is not None and not args.remote_dir.startswith("/"):
+        raise UsageError(f"--remote-dir must be an absolute path, got {args.remote_dir!r}")
+    address, port = None, args.port
+    if args.init_method is not None:
+        check_init_method(args.init_method)
+        match = re.fullmatch(r"tcp://(.+):(\d+)", args.init_method)
+        if match is None:
+            raise UsageError("with --hosts, --init-method is tcp://HOST:PORT of rank 0's server, or leave it out")
+        address, port = match.group(1).strip("[]"), port or int(match.group(2))
+    servers = tuple(servers_of(args.hosts, args.hostfile))
+    return Launch(servers, args.remote_dir, args.python, port, address, args.detach)
+
+
+def check_placement(args, launch=None):
     """--rank, --world-size, --init-method and --ifname, each well formed and given together."""
     if args.rank is not None or args.world_size is not None:
         if args.rank is None or args.world_size is None:
@@ -217,11 +258,11 @@ def check_placement(args):
             raise UsageError("--init-method is required with --rank, e.g. --init-method tcp://192.168.0.1:23456")
     if args.init_method is not None:
         check_init_method(args.init_method)
-    if args.ifname is not None:
+    if args.ifname is not None and launch is None:  # (--hosts: the servers' cards, not this machine's)
         check_interface(args.ifname)
 
 
-def check_options(args):
+def check_options(args, launch=None):
     """Options that need or exclude another: the batch's, --lazy-update's, the timeline's, --join's."""
     if args.batch_size and args.global_batch:
         raise UsageError("give --global-batch or --batch-size (per rank), not both")
@@ -232,7 +273,7 @@ def check_options(args):
     if args.json:
         raise UsageError("--json goes with --status")
     if args.join is not None:
-        if args.rank is None:
+        if args.rank is None and launch is None:
             raise UsageError("--join needs this server's --rank, --world-size and --init-method (its original command)")
         if args.join and not re.fullmatch(r"[A-Za-z0-9.-]+:\d{1,5}", args.join):
             raise UsageError(f"malformed --join {args.join!r}; expected HOST:PORT of a member, e.g. 192.168.0.2:23456")
@@ -264,9 +305,12 @@ def check_sync_options(args):
             raise UsageError(f"{option} needs --compress powersgd (this run has --compress {args.compress})")
 
 
-def ranks_from(args, environ):
+def ranks_from(args, environ, launch=None):
     """(rank, world size, init method, torchrun, slurm) from the command line, torchrun's environment
-    or a Slurm step's; without them, the local launcher's (rank None, --nproc ranks)."""
+    or a Slurm step's; --hosts' (rank None, a rank per slot); else the local launcher's (rank None,
+    --nproc ranks)."""
+    if launch is not None:
+        return None, sum(s.slots for s in launch.servers), args.init_method, False, None
     torchrun = args.rank is None and "RANK" in environ and not args.eval
     slurm = slurm_step(environ) if args.rank is None and not torchrun and not args.eval else None
     if args.rank is not None:
@@ -281,7 +325,7 @@ def ranks_from(args, environ):
     return rank, world_size, init_method, torchrun, slurm
 
 
-def check_world(args, world_size, torchrun, slurm):
+def check_world(args, world_size, torchrun, slurm, launch=None):
     """--restart only for a server started by hand, a world that the flags can count, --balance's
     proportions one per rank."""
     if args.restart != "never" and (torchrun or slurm):
@@ -289,7 +333,7 @@ def check_world(args, world_size, torchrun, slurm):
             f"--restart is for a server started by hand; {'torchrun' if torchrun else 'Slurm'} restarts its ranks "
             f"itself ({'--max-restarts' if torchrun else 'sbatch --requeue'}: docs/healing.md)"
         )
-    if args.restart != "never" and args.rank is None and not (torchrun or slurm):
+    if args.restart != "never" and args.rank is None and not (torchrun or slurm or launch):
         raise UsageError(
             "--restart keeps one server's rank going: give --rank, --world-size and --init-method "
             "(the local launcher's ranks go on without a lost one: --recover)"
@@ -344,6 +388,12 @@ def check_init_method(url):
         raise UsageError(f"malformed --init-method {url!r}; expected tcp://HOST:PORT, e.g. tcp://192.168.0.1:23456")
     if not 1 <= int(match.group(2)) <= 65535:
         raise UsageError(f"port {match.group(2)} in --init-method is out of range (1-65535)")
+
+
+def port_number(text):
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port, 1-65535, got {text!r}")
+    return int(text)
 
 
 def check_interface(name):

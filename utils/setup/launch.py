@@ -98,6 +98,8 @@ def collect(proc):
 
 
 def leads_group(proc):
+    if proc.pid is None:  # (a rank on another server: utils/setup/remote.py)
+        return False
     try:
         return os.getpgid(proc.pid) == proc.pid
     except ProcessLookupError:

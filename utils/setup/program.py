@@ -7,8 +7,6 @@ server's (utils/elastic/): mixed versions across servers hang, crash or drift ap
 import hashlib
 import pathlib
 
-import torch
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the folder of train.py (this is utils/setup/program.py)
 
 
@@ -23,6 +21,8 @@ def program_digest(root=ROOT):
 
 def identity():
     """{"torch": version, "program": digest}: what must be alike on every server of a job."""
+    import torch  # (here: train.py --hosts compares digests without it)
+
     return {"torch": torch.__version__, "program": program_digest()}
 
 

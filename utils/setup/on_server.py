@@ -1,0 +1,212 @@
+"""The server's side of `train.py --hosts`: what the launcher runs on each server over SSH.
+
+    python -m utils.setup.on_server check  '{"port": 23456, "choose": false}'   can this folder run a rank here?
+    python -m utils.setup.on_server key    '{"path": "runs/checkpoint.pt.key"}' the job's key, from stdin, mode 600
+    python -m utils.setup.on_server start  '{"ranks": [...], "env": {...}}'    start ranks detached; their pids
+    python -m utils.setup.on_server follow '{"ranks": {"0": 1234}}'            their logs and exit codes, as lines
+    python -m utils.setup.on_server signal '{"ranks": [0, 1], "signal": 15}'   signal this server's ranks
+
+The launcher's ssh runs it in the job's folder (cd there first), with the Python the ranks use. Each
+answers on stdout: one JSON object (check, key, start, signal) or lines `L RANK OFFSET TEXT` (a
+line of a rank's log, and where the next one starts), `E RANK CODE` (the rank ended) for follow.
+
+A rank starts as `nohup` would start it: in a session of its own, stdin from /dev/null, SIGHUP
+ignored, its output to runs/rank-N.log in the folder; a small watcher (`run`, this module too)
+waits for it and writes its exit code to runs/rank-N.exit. Nothing here depends on the ssh
+connection: the job goes on when the terminal, the connection or the launcher goes away.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+LOGS = "runs"  # each rank's files, in the job's folder: rank-N.log, rank-N.pid, rank-N.exit
+FOLLOW_POLL = 0.2
+FIRST_PORT = 23456  # the port the original command names; another free one when it is taken
+
+
+def paths(rank):
+    return {kind: os.path.join(LOGS, f"rank-{rank}.{kind}") for kind in ("log", "pid", "exit")}
+
+
+def check(request):
+    """What the launcher checks before anything starts: torch and the program here, and rank 0's port."""
+    answer = {"host": socket.gethostname(), "address": server_address()}
+    try:
+        from utils.setup.program import identity
+
+        answer["identity"] = identity()
+    except ImportError as e:
+        answer["missing"] = e.name or str(e)
+        return answer
+    if request.get("port") is not None:
+        port = request["port"]
+        answer["port"] = port if port_free(port) else None
+    elif request.get("choose"):
+        answer["port"] = free_port()
+    return answer
+
+
+def server_address():
+    """This server's address as the launcher reached it (its ssh connection's), else None."""
+    parts = os.environ.get("SSH_CONNECTION", "").split()
+    return parts[2] if len(parts) == 4 else None
+
+
+def port_free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port():
+    """FIRST_PORT if free, else one the kernel gives (the ranks bind it within seconds)."""
+    if port_free(FIRST_PORT):
+        return FIRST_PORT
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def key(request):
+    """The job's key (stdin), kept at `path` (see keep_key)."""
+    return {"written": keep_key(request["path"], sys.stdin.buffer.read().strip())}
+
+
+def keep_key(path, secret):
+    """Write `secret` at `path`, readable by its user only, unless it is there already (a folder that
+    servers share: written once); whether it wrote it."""
+    from utils.store.files import write_file
+
+    try:
+        with open(path, "rb") as f:
+            if f.read().strip() == secret:
+                return False
+    except OSError:
+        pass
+    write_file(path, secret + b"\n", private=True)
+    return True
+
+
+def start(request):
+    """Start each rank of `ranks` ({rank, argv}) detached, with `env` added to this environment;
+    {rank: {pid, offset}}: its watcher's pid and where its log's new lines begin."""
+    os.makedirs(LOGS, exist_ok=True)
+    started = {}
+    for entry in request["ranks"]:
+        rank, files = entry["rank"], paths(entry["rank"])
+        for stale in (files["exit"], files["pid"]):
+            if os.path.exists(stale):
+                os.remove(stale)
+        with open(files["log"], "ab") as log:
+            offset = log.tell()
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "utils.setup.on_server", "run", json.dumps(entry)],
+                env=dict(os.environ, **request["env"]),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        started[str(rank)] = {"pid": watcher.pid, "offset": offset}
+    return started
+
+
+def run(entry):
+    """The watcher of one rank: runs it, keeps its pid and, when it ends, its exit code."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: a lost session changes nothing
+    files = paths(entry["rank"])
+    rank = subprocess.Popen([sys.executable, "-u", "train.py", *entry["argv"]], stdin=subprocess.DEVNULL)
+    write_atomically(files["pid"], f"{rank.pid}\n")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a signal to the watcher is for the rank
+        signal.signal(sig, lambda signum, _: rank.send_signal(signum))
+    code = rank.wait()
+    write_atomically(files["exit"], f"{code}\n")
+    return None
+
+
+def write_atomically(path, text):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def follow(request):
+    """Print each rank's new log lines (`L RANK OFFSET TEXT`) and its end (`E RANK CODE`) until
+    every rank of `ranks` ({rank: offset}) has ended."""
+    offsets = {int(r): int(o) for r, o in request["ranks"].items()}
+    while offsets:
+        for rank in list(offsets):
+            ended = read_code(paths(rank)["exit"])  # (before the log: its last lines are written by then)
+            offsets[rank] = print_new_lines(rank, offsets[rank])
+            if ended is not None:
+                print(f"E {rank} {ended}", flush=True)
+                del offsets[rank]
+        time.sleep(FOLLOW_POLL)
+    return None
+
+
+def print_new_lines(rank, offset):
+    try:
+        with open(paths(rank)["log"], "rb") as log:
+            log.seek(offset)
+            for line in log:
+                if not line.endswith(b"\n"):
+                    break  # (a line still being written: next time)
+                offset += len(line)
+                text = line.decode(errors="replace").rstrip("\n")
+                print(f"L {rank} {offset} {text}", flush=True)
+    except FileNotFoundError:
+        pass
+    return offset
+
+
+def read_code(path):
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def signal_ranks(request):
+    """Send `signal` to the ranks of `ranks` still running here; {rank: sent}."""
+    sent = {}
+    for rank in request["ranks"]:
+        pid = read_code(paths(rank)["pid"])
+        sent[str(rank)] = pid is not None and read_code(paths(rank)["exit"]) is None and deliver(pid, request["signal"])
+    return sent
+
+
+def deliver(pid, signum):
+    """Signal `pid` if it is a rank of train.py (not a process that took a dead rank's pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"train.py" not in f.read():
+                return False
+        os.kill(pid, signum)
+        return True
+    except OSError:
+        return False
+
+
+COMMANDS = {"check": check, "key": key, "start": start, "run": run, "follow": follow, "signal": signal_ranks}
+
+
+def main(argv):
+    answer = COMMANDS[argv[0]](json.loads(argv[1]))
+    if answer is not None:
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

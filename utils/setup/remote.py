@@ -1,0 +1,309 @@
+"""`train.py --hosts node0,node1,...`: the whole job started from one terminal, over the user's own ssh.
+
+    launch_remote(config, argv, handoff, prog)   check every server, start every rank there, watch them
+
+1. Check, on every server at once (utils/setup/on_server.py `check`): ssh reaches it without a
+   prompt, the folder is there, its Python has torch, it runs this program (the digest the join
+   check uses) and every server the same torch; rank 0's port is free. Any problem: one line per
+   server, exit 2, nothing started anywhere.
+2. The job's key, made here, is written on every server over ssh (mode 600, beside the
+   checkpoint, where --join, --status and --stop find it) and here; ranks read it with --key-file,
+   so no secret crosses the rendezvous.
+3. Each rank starts detached on its server, as nohup would start it (on_server `start`), with
+   --rank, --world-size, --init-method (rank 0's address as this terminal reached it, the port
+   checked free there) and no card: each rank finds its own (the route to rank 0).
+4. Attached, each server's ranks are followed over ssh (`follow`): their lines, with their host,
+   and their exit codes, for the one supervisor (utils/setup/launch.py `supervise`). Ctrl-C asks
+   every rank to stop after the step, as SIGTERM does. --detach returns once all have started.
+The launcher going away (a closed laptop, a lost connection, kill -9) changes nothing in the job.
+"""
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from utils.elastic import key
+from utils.errors import UsageError
+from utils.setup import cli, stop
+from utils.setup.launch import exit_code, supervise
+from utils.setup.on_server import keep_key, paths
+from utils.setup.process import resume_command, say
+from utils.setup.program import ROOT, program_digest
+from utils.setup.servers import ranks_of
+from utils.setup.ssh import Ssh, trouble
+
+LAUNCHER_FLAGS = {"--hosts": 1, "--hostfile": 1, "--remote-dir": 1, "--python": 1, "--port": 1, "--detach": 0}
+RECONNECT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a server's ranks run: its host as ssh knows it, its folder, the Pythons to try there."""
+
+    host: str
+    folder: str
+    pythons: tuple
+    ranks: tuple
+
+
+def places_of(launch):
+    """[Place] of every server of Launch `launch`, in rank order."""
+    pythons = (launch.python,) if launch.python else (sys.executable, "python3")
+    ranks = ranks_of(launch.servers)
+    return [
+        Place(s.host, s.folder or launch.remote_dir or str(ROOT), pythons, tuple(r for t, r in ranks if t is s))
+        for s in launch.servers
+    ]
+
+
+def launch_remote(config, argv, handoff, prog):
+    """Start the job on every server of config.job.launch; the exit code (attached: the job's)."""
+    launch, ssh = config.job.launch, Ssh()
+    places = places_of(launch)
+    world = sum(len(p.ranks) for p in places)
+    address, port = settle(ssh, places, launch, config)
+    share_key(ssh, places, config)
+    base = [*rank_argv(argv), "--world-size", str(world), "--init-method", f"tcp://{address}:{port}"]
+    if not config.job.key_file:
+        base += ["--key-file", key.copy_path(config.outputs.checkpoint)]
+    handoff = handoff.replace(resume_command=resume_command(argv, handoff, prog))
+    started = start_all(ssh, places, base, handoff.environ({}))
+    where = f"{address}:{port}"
+    say_started(prog, places, where, world, launch.detach)
+    if launch.detach:
+        return 0
+    ranks = follow_all(ssh, places, started)
+    stop.install(prog)  # Ctrl-C: every rank stops after the same step, saved, as with SIGTERM
+    stop.forward_to(ranks)
+    outcome = supervise(ranks, grace=None)
+    return exit_code(outcome, config.job.recover, prog)
+
+
+def settle(ssh, places, launch, config):
+    """(rank 0's address, its port), once every server passed its checks; else every problem, one
+    line per server, and UsageError: nothing is started."""
+    given = launch.init_address
+    requests = [{"port": launch.port, "choose": launch.port is None} if i == 0 else {} for i in range(len(places))]
+    with ThreadPoolExecutor(len(places)) as pool:
+        answers = list(pool.map(lambda pr: check(ssh, *pr), zip(places, requests)))
+    problems = [p for a in answers for p in a["problems"]]
+    problems += mismatches(places, answers)
+    first = answers[0]
+    if not answers[0]["problems"] and first.get("port") is None:
+        problems.append(f"{places[0].host}: port {launch.port} is in use there; choose another: --port N")
+    if problems:
+        for line in problems:
+            say(f"train.py: {line}")
+        ready = len(places) - len({line.split(":")[0] for line in problems})
+        raise UsageError(f"{ready} of {len(places)} servers are ready; nothing was started")
+    return given or first["address"], first["port"]
+
+
+def check(ssh, place, request):
+    """One server's answer to on_server `check`, with its "problems" (lines)."""
+    code, out, err = ssh.run(place.host, place.folder, place.pythons, "check", request)
+    said = trouble(place.host, code, err, place.folder, place.pythons)
+    if said:
+        return {"problems": [said]}
+    try:
+        answer = json.loads(out.strip().splitlines()[-1])
+        assert isinstance(answer, dict)
+    except (ValueError, IndexError, AssertionError):
+        last = (err.strip().splitlines() or ["no answer"])[-1]
+        return {"problems": [f"{place.host}: its check failed: {last}"]}
+    if "missing" in answer:
+        python = place.pythons[0] if len(place.pythons) == 1 else "its python3"
+        need = f"{python} -m pip install -r {place.folder}/requirements.txt"
+        return {"problems": [f"{place.host}: no module {answer['missing']!r} for {python} there; install: {need}"]}
+    return dict(answer, problems=[])
+
+
+def mismatches(places, answers):
+    """Lines for servers whose program differs from this folder's, or whose torch from rank 0's."""
+    here, lines = program_digest(), []
+    torch0 = answers[0].get("identity", {}).get("torch")
+    for place, answer in zip(places, answers):
+        theirs = answer.get("identity")
+        if theirs is None:
+            continue
+        if theirs.get("program") != here:
+            lines.append(
+                f"{place.host}: {place.folder} holds another program (train.py and utils/: {theirs.get('program')}, "
+                f"here {here}); copy this one: rsync -a {shlex.quote(str(ROOT))}/ {place.host}:{place.folder}/"
+            )
+        elif torch0 and theirs.get("torch") != torch0:
+            lines.append(f"{place.host}: torch {theirs.get('torch')}, but {places[0].host} has {torch0}; install one")
+    return lines
+
+
+def share_key(ssh, places, config):
+    """The job's key: a new one, written on every server (once in a folder they share) and here."""
+    if config.job.key_file:
+        return
+    secret, path = key.new(), key.copy_path(config.outputs.checkpoint)
+    for place in places:
+        code, _, err = ssh.run(place.host, place.folder, place.pythons, "key", {"path": path}, stdin=secret)
+        if code != 0:
+            raise UsageError(f"could not write the job's key on {place.host}: {err.strip() or f'exit {code}'}")
+    keep_key(path, secret)  # (here too: --status and --stop from this terminal)
+
+
+def rank_argv(argv):
+    """The user's command line without the launcher's own flags (each rank gets its own placement)."""
+    out, skip = [], 0
+    for word in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = word.split("=", 1)[0]
+        if name in LAUNCHER_FLAGS or name in ("--init-method", "--init_method"):
+            skip = 0 if "=" in word else LAUNCHER_FLAGS.get(name, 1)
+            continue
+        out.append(word)
+    left = cli.parse_args(out)
+    if left.hosts or left.hostfile or left.remote_dir or left.python or left.port or left.detach:
+        raise UsageError("spell --hosts, --hostfile, --remote-dir, --python, --port and --detach out in full")
+    return out
+
+
+def start_all(ssh, places, base, env):
+    """Start every rank; {rank: offset of its log}. A server that fails: the others' ranks are killed."""
+
+    def start(place):
+        ranks = [{"rank": r, "argv": [*base, "--rank", str(r)]} for r in place.ranks]
+        code, out, err = ssh.run(place.host, place.folder, place.pythons, "start", {"ranks": ranks, "env": env})
+        try:
+            return {int(r): int(v["offset"]) for r, v in json.loads(out.strip().splitlines()[-1]).items()}
+        except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+            said = trouble(place.host, code, err, place.folder, place.pythons)
+            raise UsageError(said or f"{place.host}: could not start its ranks: {err.strip()}") from None
+
+    with ThreadPoolExecutor(len(places)) as pool:
+        futures = [pool.submit(start, p) for p in places]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        signal_all(ssh, places, signal.SIGKILL)
+        raise UsageError(f"{failed[0]}; stopped the ranks started elsewhere")
+    return {r: o for f in futures for r, o in f.result().items()}
+
+
+def signal_all(ssh, places, sig):
+    with ThreadPoolExecutor(len(places)) as pool:
+        for p in places:
+            pool.submit(ssh.run, p.host, p.folder, p.pythons, "signal", {"ranks": list(p.ranks), "signal": int(sig)})
+
+
+def say_started(prog, places, where, world, detached):
+    hosts = ", ".join(f"{p.host} ({len(p.ranks)})" if len(p.ranks) > 1 else p.host for p in places)
+    print(f"started {world} ranks on {hosts}; rank 0 at {where}; logs in runs/rank-N.log on each", flush=True)
+    if detached:
+        first = places[0]
+        print(f"  watch:  python {prog} --status {where}", flush=True)
+        print(f"  logs:   ssh {first.host} tail -f {shlex.quote(first.folder)}/{paths(0)['log']}", flush=True)
+        print(f"  stop:   python {prog} --stop {where}", flush=True)
+
+
+def follow_all(ssh, places, started):
+    """A RemoteRank for every rank: what supervise watches."""
+    ranks = []
+    for place in places:
+        follower = Follower(ssh, place, {r: started[r] for r in place.ranks})
+        ranks += [RemoteRank(follower, r) for r in place.ranks]
+    return ranks
+
+
+class Follower:
+    """One server's ranks, followed over ssh (on_server `follow`): their lines, printed with the
+    host, and their exit codes. A lost connection is made again from where it broke off."""
+
+    def __init__(self, ssh, place, offsets):
+        self.ssh, self.place, self.offsets, self.codes = ssh, place, dict(offsets), {}
+        self.closed, self.proc = False, None
+        self.lock = threading.Lock()
+        threading.Thread(target=self._follow, name=f"follow-{place.host}", daemon=True).start()
+
+    def _follow(self):
+        lost = False
+        while not self.closed and len(self.codes) < len(self.offsets):
+            left = {str(r): o for r, o in self.offsets.items() if r not in self.codes}
+            argv = self.ssh.on(self.place.host, self.place.folder, self.place.pythons, "follow", {"ranks": left})
+            with self.lock:
+                if self.closed:
+                    return
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            for line in self.proc.stdout:
+                self._take(line.decode(errors="replace").rstrip("\n"))
+                lost = False
+            self.proc.wait()
+            if len(self.codes) < len(self.offsets) and not self.closed:
+                if not lost:
+                    say(f"train.py: lost contact with {self.place.host}; its ranks go on; trying again")
+                lost = True
+                time.sleep(RECONNECT_SECONDS)
+
+    def _take(self, line):
+        """One line of on_server `follow`, checked before it is used."""
+        kind, _, rest = line.partition(" ")
+        rank, _, rest = rest.partition(" ")
+        if not rank.isdigit() or int(rank) not in self.offsets:
+            return
+        rank = int(rank)
+        if kind == "E" and rest.lstrip("-").isdigit():
+            self.codes[rank] = int(rest)
+        elif kind == "L":
+            offset, _, text = rest.partition(" ")
+            if offset.isdigit():
+                self.offsets[rank] = int(offset)
+                say(f"[{self.place.host} rank {rank}] {text}")
+
+    def close(self):
+        with self.lock:
+            self.closed = True
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+
+
+class RemoteRank:
+    """A rank on a server, as supervise watches a process: its exit code once its server's follower
+    has seen it; kill() only stops watching (the job is not the launcher's to end)."""
+
+    pid = stdout = stderr = None
+
+    def __init__(self, follower, rank):
+        self.follower, self.rank = follower, rank
+
+    @property
+    def returncode(self):
+        return self.follower.codes.get(self.rank)
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def kill(self):
+        self.follower.close()
+
+    def send_signal(self, sig):
+        place = self.follower.place
+        request = {"ranks": [self.rank], "signal": int(sig)}
+        subprocess.Popen(
+            self.follower.ssh.on(place.host, place.folder, place.pythons, "signal", request),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
