@@ -1,7 +1,8 @@
 """The server's side of `train.py --hosts`: what the launcher runs on each server over SSH.
 
     python -m utils.setup.on_server check  '{"port": 23456, "choose": false}'   can this folder run a rank here?
-    python -m utils.setup.on_server key    '{"path": "runs/checkpoint.pt.key"}' the job's key, from stdin, mode 600
+    python -m utils.setup.on_server key    '{"path": "runs/checkpoint.pt.key", "job": {...}}'  the key (stdin), mode 600
+    python -m utils.setup.on_server job    '{"path": "runs/checkpoint.pt.key"}' the running job's record and key
     python -m utils.setup.on_server start  '{"ranks": [...], "env": {...}}'    start ranks detached; their pids
     python -m utils.setup.on_server follow '{"ranks": {"0": 1234}}'            their logs and exit codes, as lines
     python -m utils.setup.on_server signal '{"ranks": [0, 1], "signal": 15}'   signal this server's ranks
@@ -25,6 +26,7 @@ import sys
 import time
 
 LOGS = "runs"  # each rank's files, in the job's folder: rank-N.log, rank-N.pid, rank-N.exit
+JOB = os.path.join(LOGS, "job.json")  # the job's record: rank 0's address, the world (for --join)
 FOLLOW_POLL = 0.2
 FIRST_PORT = 23456  # the port the original command names; another free one when it is taken
 
@@ -43,12 +45,25 @@ def check(request):
     except ImportError as e:
         answer["missing"] = e.name or str(e)
         return answer
+    answer["running"] = running_ranks()
     if request.get("port") is not None:
         port = request["port"]
         answer["port"] = port if port_free(port) else None
     elif request.get("choose"):
         answer["port"] = free_port()
     return answer
+
+
+def running_ranks():
+    """{rank: pid} of ranks a launcher started in this folder that are still running (another job)."""
+    found = {}
+    for name in os.listdir(LOGS) if os.path.isdir(LOGS) else ():
+        if name.startswith("rank-") and name.endswith(".pid") and name[5:-4].isdigit():
+            rank = int(name[5:-4])
+            pid = read_code(paths(rank)["pid"])
+            if pid is not None and read_code(paths(rank)["exit"]) is None and is_rank(pid):
+                found[str(rank)] = pid
+    return found
 
 
 def server_address():
@@ -76,8 +91,20 @@ def free_port():
 
 
 def key(request):
-    """The job's key (stdin), kept at `path` (see keep_key)."""
-    return {"written": keep_key(request["path"], sys.stdin.buffer.read().strip())}
+    """The job's key (stdin), kept at `path` (see keep_key; None: the user gave the servers one), and
+    the job's record (rank 0's address, the world) in runs/job.json, for a later --join."""
+    secret = sys.stdin.buffer.read().strip()
+    os.makedirs(LOGS, exist_ok=True)
+    write_atomically(JOB, json.dumps(request["job"]) + "\n")
+    return {"written": request["path"] is not None and keep_key(request["path"], secret)}
+
+
+def job(request):
+    """The running job's record and its key (at `path`), for a server that joins it (--join)."""
+    with open(JOB) as f:
+        record = json.load(f)
+    with open(request["path"], "rb") as f:
+        return {"job": record, "key": f.read().strip().decode()}
 
 
 def keep_key(path, secret):
@@ -189,16 +216,31 @@ def signal_ranks(request):
 def deliver(pid, signum):
     """Signal `pid` if it is a rank of train.py (not a process that took a dead rank's pid)."""
     try:
+        if is_rank(pid):
+            os.kill(pid, signum)
+            return True
+    except OSError:
+        pass
+    return False
+
+
+def is_rank(pid):
+    try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"train.py" not in f.read():
-                return False
-        os.kill(pid, signum)
-        return True
+            return b"train.py" in f.read()
     except OSError:
         return False
 
 
-COMMANDS = {"check": check, "key": key, "start": start, "run": run, "follow": follow, "signal": signal_ranks}
+COMMANDS = {
+    "check": check,
+    "key": key,
+    "job": job,
+    "start": start,
+    "run": run,
+    "follow": follow,
+    "signal": signal_ranks,
+}
 
 
 def main(argv):

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from utils.elastic import key
+from utils.elastic import key, status
 from utils.errors import UsageError
 from utils.setup import cli, stop
 from utils.setup.launch import exit_code, supervise
@@ -63,50 +63,84 @@ def places_of(launch):
 
 
 def launch_remote(config, argv, handoff, prog):
-    """Start the job on every server of config.job.launch; the exit code (attached: the job's)."""
-    launch, ssh = config.job.launch, Ssh()
-    places = places_of(launch)
+    """Start the job on every server of config.job.launch (with --join: on the servers past the
+    running job's); the exit code (attached: the job's)."""
+    ssh, places = Ssh(), places_of(config.job.launch)
     world = sum(len(p.ranks) for p in places)
-    address, port = settle(ssh, places, launch, config)
-    share_key(ssh, places, config)
-    base = [*rank_argv(argv), "--world-size", str(world), "--init-method", f"tcp://{address}:{port}"]
+    env = handoff.replace(resume_command=resume_command(argv, handoff, prog)).environ({})
+    plan = joining(ssh, places, config, world) if config.job.join is not None else starting(ssh, places, config, world)
+    places, secret, init_method = plan
+    base = [*rank_argv(argv), "--world-size", str(world), "--init-method", init_method]
     if not config.job.key_file:
         base += ["--key-file", key.copy_path(config.outputs.checkpoint)]
-    handoff = handoff.replace(resume_command=resume_command(argv, handoff, prog))
-    started = start_all(ssh, places, base, handoff.environ({}))
-    where = f"{address}:{port}"
-    say_started(prog, places, where, world, launch.detach)
-    if launch.detach:
+    try:
+        started = start_all(ssh, places, base, env)
+    except KeyboardInterrupt:
+        signal_all(ssh, places, signal.SIGKILL)
+        say(f"{prog}: interrupted while starting the job; stopped whatever had started")
+        return 130
+    return watch(ssh, places, started, config, secret, init_method[len("tcp://") :], prog)
+
+
+def starting(ssh, places, config, world):
+    """A new job: every server checked, the key shared; (places, key, init method)."""
+    address, port = settle(ssh, places, config.job.launch)
+    secret = None if config.job.key_file else key.new()  # (--key-file: the user's, on every server)
+    init_method = f"tcp://{address}:{port}"
+    share_key(ssh, places, config, secret, {"init_method": init_method, "world": world})
+    return places, secret, init_method
+
+
+def joining(ssh, places, config, world):
+    """--join: the servers past the running job's ranks, checked, given its key; (those, key, init method)."""
+    job, secret = running_job(ssh, places[0], config)
+    new = [p for p in places if min(p.ranks) >= job["world"]]
+    if not new:
+        raise UsageError(f"the job has {job['world']} ranks on these servers already; name one more to add it")
+    settle(ssh, new, config.job.launch, first_is_rank_0=False)
+    share_key(ssh, places, config, secret, dict(job, world=world))  # (the others have the key: the record changes)
+    return new, secret, job["init_method"]
+
+
+def watch(ssh, places, started, config, secret, where, prog):
+    """Attached: every rank's lines and exit code, Ctrl-C passed on as a stop; --detach: how to watch.
+    where: rank 0's HOST:PORT."""
+    detach = config.job.launch.detach
+    say_started(prog, places, where, detach)
+    if detach:
         return 0
     ranks = follow_all(ssh, places, started)
     stop.install(prog)  # Ctrl-C: every rank stops after the same step, saved, as with SIGTERM
     stop.forward_to(ranks)
-    outcome = supervise(ranks, grace=None)
+    window = StartWindow(ssh, places, where, secret, config.sync.timeout, prog)
+    outcome = supervise(ranks, grace=None, while_running=window)
     return exit_code(outcome, config.job.recover, prog)
 
 
-def settle(ssh, places, launch, config):
+def settle(ssh, places, launch, first_is_rank_0=True):
     """(rank 0's address, its port), once every server passed its checks; else every problem, one
-    line per server, and UsageError: nothing is started."""
+    line per server, and UsageError: nothing is started. first_is_rank_0=False: servers joining a job."""
     given = launch.init_address
-    requests = [{"port": launch.port, "choose": launch.port is None} if i == 0 else {} for i in range(len(places))]
+    rank_0 = {"port": launch.port, "choose": launch.port is None} if first_is_rank_0 else {}
+    requests = [rank_0, *[{}] * (len(places) - 1)]
     with ThreadPoolExecutor(len(places)) as pool:
-        answers = list(pool.map(lambda pr: check(ssh, *pr), zip(places, requests)))
+        answers = list(pool.map(lambda pr: check(ssh, *pr, joining=not first_is_rank_0), zip(places, requests)))
     problems = [p for a in answers for p in a["problems"]]
     problems += mismatches(places, answers)
     first = answers[0]
-    if not answers[0]["problems"] and first.get("port") is None:
+    if first_is_rank_0 and not answers[0]["problems"] and first.get("port") is None:
         problems.append(f"{places[0].host}: port {launch.port} is in use there; choose another: --port N")
     if problems:
         for line in problems:
             say(f"train.py: {line}")
         ready = len(places) - len({line.split(":")[0] for line in problems})
         raise UsageError(f"{ready} of {len(places)} servers are ready; nothing was started")
-    return given or first["address"], first["port"]
+    return given or first.get("address"), first.get("port")
 
 
-def check(ssh, place, request):
-    """One server's answer to on_server `check`, with its "problems" (lines)."""
+def check(ssh, place, request, joining=False):
+    """One server's answer to on_server `check`, with its "problems" (lines). A job running in its
+    folder is one, unless this server joins it with ranks that are not running there."""
     code, out, err = ssh.run(place.host, place.folder, place.pythons, "check", request)
     said = trouble(place.host, code, err, place.folder, place.pythons)
     if said:
@@ -117,6 +151,11 @@ def check(ssh, place, request):
     except (ValueError, IndexError, AssertionError):
         last = (err.strip().splitlines() or ["no answer"])[-1]
         return {"problems": [f"{place.host}: its check failed: {last}"]}
+    running = {int(r): pid for r, pid in answer.get("running", {}).items() if not joining or int(r) in place.ranks}
+    if running:
+        ranks = ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(running.items()))
+        said = f"{place.host}: a job is running in {place.folder} ({ranks}); stop it or use another folder"
+        return {"problems": [said]}
     if "missing" in answer:
         python = place.pythons[0] if len(place.pythons) == 1 else "its python3"
         need = f"{python} -m pip install -r {place.folder}/requirements.txt"
@@ -142,16 +181,31 @@ def mismatches(places, answers):
     return lines
 
 
-def share_key(ssh, places, config):
-    """The job's key: a new one, written on every server (once in a folder they share) and here."""
-    if config.job.key_file:
-        return
-    secret, path = key.new(), key.copy_path(config.outputs.checkpoint)
+def share_key(ssh, places, config, secret, job):
+    """Write the job's key (unless the user gave one: --key-file) and its record (rank 0's address,
+    the world) on every server (once in a folder they share) and here."""
+    path = None if config.job.key_file else key.copy_path(config.outputs.checkpoint)
     for place in places:
-        code, _, err = ssh.run(place.host, place.folder, place.pythons, "key", {"path": path}, stdin=secret)
+        request = {"path": path, "job": job}
+        code, _, err = ssh.run(place.host, place.folder, place.pythons, "key", request, stdin=secret or b"")
         if code != 0:
             raise UsageError(f"could not write the job's key on {place.host}: {err.strip() or f'exit {code}'}")
-    keep_key(path, secret)  # (here too: --status and --stop from this terminal)
+    if path:
+        keep_key(path, secret)  # (here too: --status and --stop from this terminal)
+
+
+def running_job(ssh, place, config):
+    """(record, key) of the job running on `place`, rank 0's server, for --join."""
+    path = config.job.key_file or key.copy_path(config.outputs.checkpoint)
+    code, out, err = ssh.run(place.host, place.folder, place.pythons, "job", {"path": path})
+    said = trouble(place.host, code, err, place.folder, place.pythons)
+    try:
+        answer = json.loads(out.strip().splitlines()[-1])
+        job, secret = answer["job"], answer["key"].encode()
+        assert isinstance(job["init_method"], str) and isinstance(job["world"], int)
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError, AssertionError):
+        raise UsageError(said or f"{place.host}: no job started by --hosts in {place.folder} to join") from None
+    return job, key.checked(secret, f"the job's key on {place.host}")
 
 
 def rank_argv(argv):
@@ -199,7 +253,8 @@ def signal_all(ssh, places, sig):
             pool.submit(ssh.run, p.host, p.folder, p.pythons, "signal", {"ranks": list(p.ranks), "signal": int(sig)})
 
 
-def say_started(prog, places, where, world, detached):
+def say_started(prog, places, where, detached):
+    world = sum(len(p.ranks) for p in places)
     hosts = ", ".join(f"{p.host} ({len(p.ranks)})" if len(p.ranks) > 1 else p.host for p in places)
     print(f"started {world} ranks on {hosts}; rank 0 at {where}; logs in runs/rank-N.log on each", flush=True)
     if detached:
@@ -207,6 +262,36 @@ def say_started(prog, places, where, world, detached):
         print(f"  watch:  python {prog} --status {where}", flush=True)
         print(f"  logs:   ssh {first.host} tail -f {shlex.quote(first.folder)}/{paths(0)['log']}", flush=True)
         print(f"  stop:   python {prog} --stop {where}", flush=True)
+
+
+class StartWindow:
+    """For supervise's while_running: until every rank is in the job (its members answer --status's
+    question) or `seconds` have passed, a rank that fails stops the others at once (SIGKILL): a
+    server that dies while the job starts leaves nothing running on the others."""
+
+    def __init__(self, ssh, places, where, secret, seconds, prog):
+        self.ssh, self.places, self.prog = ssh, places, prog
+        self.ends = time.monotonic() + seconds
+        self.world = sum(len(p.ranks) for p in places)
+        self.formed = threading.Event()
+        if secret is not None:
+            host, port = where.rsplit(":", 1)
+            threading.Thread(target=self._ask, args=(host.strip("[]"), int(port), secret), daemon=True).start()
+
+    def _ask(self, host, port, secret):
+        while not self.formed.is_set() and time.monotonic() < self.ends:
+            found = status.ask(host, port, secret, seconds=2.0)
+            if found is not None and len(found[1].members) >= self.world:
+                self.formed.set()
+
+    def __call__(self, ranks):
+        if self.formed.is_set() or time.monotonic() > self.ends:
+            return
+        failed = next((r for r in ranks if r.poll() not in (None, 0)), None)
+        if failed is not None:
+            self.formed.set()  # (once)
+            say(f"{self.prog}: rank {failed.rank} failed while the job started; stopping the others")
+            signal_all(self.ssh, self.places, signal.SIGKILL)
 
 
 def follow_all(ssh, places, started):
