@@ -186,11 +186,10 @@ class SshHosts:
         """ssh_command as one shell-quoted string, for the launcher's RING_SSH."""
         return shlex.join(self.ssh_command)
 
-    def ssh(self, host: int, command: str, timeout: float = 30, batch: bool = True) -> subprocess.CompletedProcess:
-        """Run `command` (a shell line) on `host` through ssh from the root namespace; text output."""
-        options = ["-o", "BatchMode=yes"] if batch else []
+    def ssh(self, host: int, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run `command` (a shell line) on `host` through a BatchMode ssh from the root namespace; text output."""
         return subprocess.run(
-            [*self.ssh_command, *options, self.names[host], command],
+            [*self.ssh_command, "-o", "BatchMode=yes", self.names[host], command],
             capture_output=True,
             text=True,
             timeout=timeout,
