@@ -1,6 +1,6 @@
 """Ranks on emulated servers (scripts/cluster.py): starting them, waiting for them, what was made.
-The helpers tests/cluster/test_multihost.py, test_recovery_multihost.py and test_resize.py share, and
-what is left of emulated hosts (test_slurm_cluster.py, test_ssh_hosts.py)."""
+The helpers tests/cluster/test_multihost.py, test_recovery_multihost.py, test_heal_cut.py and test_resize_hosts.py
+share, and what is left of emulated hosts (test_slurm_cluster.py, test_ssh_hosts.py)."""
 
 import subprocess
 import time
