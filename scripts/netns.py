@@ -6,7 +6,9 @@ its NIC differently (eth0, ens3, enp1s0, ...). To prove train.py works like that
 hardware, each emulated "host" is a network namespace with one veth NIC renamed to a
 server-like name and addressed in a private test subnet; the other ends of the veths hang off
 one Linux bridge, which plays the switch. Optionally each host's egress is capped with a tbf
-qdisc (netem is not available on every kernel; tbf is).
+qdisc (netem is not available on every kernel; tbf is). With ``gateway=True`` the bridge gets an
+address in the hosts' subnet too, so this machine's own (root) namespace reaches every host, as a
+user's laptop reaches its servers.
 
 ``Cluster`` is the context manager that builds and tears down one such cluster; scripts/cluster.py
 is its command line (train, exec, cleanup). Standard library only; shells out to ``ip`` and ``tc``
@@ -17,6 +19,7 @@ their owner's pid in their names and are removed by the next run (``cleanup_stal
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import re
@@ -24,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_NICS = ["eth0", "ens3", "enp1s0", "eno1", "eth1", "ens4", "enp2s0", "eno2"]
 PREFIX = "mnr"  # every namespace / bridge / veth we create starts with this
-SUBNET = "10.213"  # 10.213.X.0/24 per cluster; only ever configured inside our namespaces
+SUBNET = "10.213"  # 10.213.X.0/24 per cluster; inside our namespaces, and on the bridge of a gateway cluster
+GATEWAY_HOST = 254  # the bridge's address in a gateway cluster's subnet (hosts are .1 .. .253)
 IP_TIMEOUT = 15  # seconds for any single ip/tc call
 GRACE = 5.0  # seconds the other ranks get after one rank failed
 TBF_LATENCY = "50ms"  # tbf queue length, expressed as time at the capped rate
@@ -182,7 +187,13 @@ class Cluster:
     """
 
     def __init__(
-        self, hosts: int, rate: str | None = None, nics: list[str] | None = None, ranks_per_host: int = 1, starter=None
+        self,
+        hosts: int,
+        rate: str | None = None,
+        nics: list[str] | None = None,
+        ranks_per_host: int = 1,
+        starter=None,
+        gateway: bool = False,
     ):
         if not 1 <= hosts <= 253:
             raise ClusterError(f"hosts must be 1..253, got {hosts}")
@@ -204,7 +215,8 @@ class Cluster:
         with _counter_lock:
             seq = next(_counter)
         self.tag = f"{PREFIX}{_b36(os.getpid())}-{seq % 100}"
-        self.subnet = f"{SUBNET}.{seq % 256}"
+        self.subnet = f"{SUBNET}.{seq % 256}"  # a gateway cluster moves to a free one as it is made
+        self.gateway = gateway
         self.bridge = f"{self.tag}b"
         self.veths = [f"{self.tag}v{r}" for r in range(hosts)]  # bridge-side ends
         self.names = [f"{self.tag}h{r}" for r in range(hosts)]  # namespaces
@@ -217,6 +229,11 @@ class Cluster:
 
     def addr(self, host: int) -> str:
         return f"{self.subnet}.{host + 1}"
+
+    @property
+    def gateway_addr(self) -> str | None:
+        """The bridge's address, which this machine's root namespace reaches the hosts from (gateway=True)."""
+        return f"{self.subnet}.{GATEWAY_HOST}" if self.gateway else None
 
     def host_of(self, rank: int) -> int:
         """The host that runs `rank` (ranks are numbered host by host)."""
@@ -262,6 +279,8 @@ class Cluster:
     def _create(self) -> None:
         _cmd(["ip", "link", "add", self.bridge, "type", "bridge"])
         _cmd(["ip", "link", "set", self.bridge, "up"])
+        if self.gateway:
+            self._address_bridge()
         for r, (ns, veth, nic) in enumerate(zip(self.names, self.veths, self.nics)):
             _cmd(["ip", "netns", "add", ns])
             # the peer is created directly inside the namespace, so "eth0" cannot clash with ours
@@ -293,6 +312,24 @@ class Cluster:
                 )
         for r in range(self.hosts):
             self._wait_carrier(r)
+
+    def _address_bridge(self) -> None:
+        """Give the bridge GATEWAY_HOST in a subnet that no other interface of the root namespace has.
+
+        Clusters without a gateway keep their subnets inside their namespaces, so two may share one;
+        in the root namespace two bridges with one subnet would make routing a coin toss. Another
+        process may be choosing at the same moment: the choice and the address are made under a lock.
+        """
+        with open(os.path.join(tempfile.gettempdir(), f"{PREFIX}-gateway.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            routes = _cmd(["ip", "-o", "-4", "route", "show", "table", "all"], check=False)
+            taken = {int(m) for m in re.findall(rf"(?<![\d.]){re.escape(SUBNET)}\.(\d+)\.", routes)}
+            first = int(self.subnet.rsplit(".", 1)[1])
+            free = [x % 256 for x in range(first, first + 256) if x % 256 not in taken]
+            if not free:
+                raise ClusterError(f"no free {SUBNET}.X.0/24 subnet left in the root namespace")
+            self.subnet = f"{SUBNET}.{free[0]}"
+            _cmd(["ip", "addr", "add", f"{self.gateway_addr}/24", "dev", self.bridge])
 
     def _wait_carrier(self, rank: int, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout

@@ -7,9 +7,9 @@ Needs root and slurm-wlm + munge; in CI (CI=true) their absence is a failure, ne
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
+from hosts import processes_mentioning
 from slurm_cluster import ETC_NETNS, SlurmCluster, require_slurm
 
 pytestmark = pytest.mark.usefixtures("needs_root")  # tests/conftest.py
@@ -24,18 +24,6 @@ TASK_LINE = re.compile(r"^task (\S+) (\d+) (\d+) (\S+) \d+: (\S+)\s+inet (\d+\.\
 @pytest.fixture
 def slurm_installed():
     require_slurm()
-
-
-def processes_mentioning(text):
-    """Pids whose command line contains `text` (our daemons all name the temp dir in their arguments)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
 
 
 def namespaces():

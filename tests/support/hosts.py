@@ -1,8 +1,10 @@
 """Ranks on emulated servers (scripts/cluster.py): starting them, waiting for them, what was made.
-The helpers tests/cluster/test_multihost.py, test_recovery_multihost.py and test_resize.py share."""
+The helpers tests/cluster/test_multihost.py, test_recovery_multihost.py, test_heal_cut.py and test_resize_hosts.py
+share, and what is left of emulated hosts (test_slurm_cluster.py, test_ssh_hosts.py)."""
 
 import subprocess
 import time
+from pathlib import Path
 
 NICS = ["eth0", "ens3", "enp1s0"]
 ENV = {"OMP_NUM_THREADS": "1"}  # 2 cores shared by all ranks
@@ -26,6 +28,18 @@ def existing_names():
 
 def left_of(names):
     return sorted(set(names) & existing_names())
+
+
+def processes_mentioning(text):
+    """Pids whose command line contains `text` (daemons name their temporary directory in their arguments)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
 
 
 def start_ranks(c, argvs, logdir, env=ENV):
