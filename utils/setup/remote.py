@@ -98,7 +98,9 @@ def joining(ssh, places, config, world):
     if not new:
         raise UsageError(f"the job has {job['world']} ranks on these servers already; name one more to add it")
     settle(ssh, new, config.job.launch, first_is_rank_0=False)
-    share_key(ssh, places, config, secret, dict(job, world=world))  # (the others have the key: the record changes)
+    share_key(
+        ssh, places, config, secret, dict(job, world=world), tell=False
+    )  # (the others have the key: the record changes)
     return new, secret, job["init_method"]
 
 
@@ -181,17 +183,23 @@ def mismatches(places, answers):
     return lines
 
 
-def share_key(ssh, places, config, secret, job):
+def share_key(ssh, places, config, secret, job, tell=True):
     """Write the job's key (unless the user gave one: --key-file) and its record (rank 0's address,
     the world) on every server (once in a folder they share) and here."""
     path = None if config.job.key_file else key.copy_path(config.outputs.checkpoint)
+    found = []  # servers whose folder held the key already: one another's shares it
     for place in places:
         request = {"path": path, "job": job}
-        code, _, err = ssh.run(place.host, place.folder, place.pythons, "key", request, stdin=secret or b"")
+        code, out, err = ssh.run(place.host, place.folder, place.pythons, "key", request, stdin=secret or b"")
         if code != 0:
             raise UsageError(f"could not write the job's key on {place.host}: {err.strip() or f'exit {code}'}")
+        if path and '"written": false' in out:
+            found.append(place.host)
     if path:
         keep_key(path, secret)  # (here too: --status and --stop from this terminal)
+    if path and tell:
+        shared = f"; already there on {', '.join(found)} (a folder another server shares)" if found else ""
+        print(f"the job's key: {path} on every server, readable by you only{shared}", flush=True)
 
 
 def running_job(ssh, place, config):
