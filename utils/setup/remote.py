@@ -98,9 +98,8 @@ def joining(ssh, places, config, world):
     if not new:
         raise UsageError(f"the job has {job['world']} ranks on these servers already; name one more to add it")
     settle(ssh, new, config.job.launch, first_is_rank_0=False)
-    share_key(
-        ssh, places, config, secret, dict(job, world=world), tell=False
-    )  # (the others have the key: the record changes)
+    # (the job's servers have the key: only the record changes there)
+    share_key(ssh, places, config, secret, dict(job, world=world), tell=False)
     return new, secret, job["init_method"]
 
 
