@@ -110,11 +110,14 @@ def watch(ssh, places, started, config, secret, where, prog):
     say_started(prog, places, where, detach)
     if detach:
         return 0
-    ranks = follow_all(ssh, places, started)
+    lines = Lines()
+    ranks = follow_all(ssh, places, started, lines)
     stop.install(prog)  # Ctrl-C: every rank stops after the same step, saved, as with SIGTERM
     stop.forward_to(ranks)
     window = StartWindow(ssh, places, where, secret, config.sync.timeout, prog)
     outcome = supervise(ranks, grace=None, while_running=window)
+    if lines.resume:
+        say(f"{prog}: to resume the job: {lines.resume}")
     return exit_code(outcome, config.job.recover, prog)
 
 
@@ -301,11 +304,26 @@ class StartWindow:
             signal_all(self.ssh, self.places, signal.SIGKILL)
 
 
-def follow_all(ssh, places, started):
+class Lines:
+    """The ranks' lines as the launcher shows them: each with its host and rank, and the command that
+    resumes the job (every stopped rank ends its line with it) kept for one line of its own at the end."""
+
+    RESUME = "; to resume: "
+
+    def __init__(self):
+        self.resume = None
+
+    def show(self, host, rank, text):
+        text, _, command = text.partition(self.RESUME)
+        self.resume = command or self.resume
+        say(f"[{host} rank {rank}] {text}")
+
+
+def follow_all(ssh, places, started, lines):
     """A RemoteRank for every rank: what supervise watches."""
     ranks = []
     for place in places:
-        follower = Follower(ssh, place, {r: started[r] for r in place.ranks})
+        follower = Follower(ssh, place, {r: started[r] for r in place.ranks}, lines)
         ranks += [RemoteRank(follower, r) for r in place.ranks]
     return ranks
 
@@ -314,8 +332,8 @@ class Follower:
     """One server's ranks, followed over ssh (on_server `follow`): their lines, printed with the
     host, and their exit codes. A lost connection is made again from where it broke off."""
 
-    def __init__(self, ssh, place, offsets):
-        self.ssh, self.place, self.offsets, self.codes = ssh, place, dict(offsets), {}
+    def __init__(self, ssh, place, offsets, lines):
+        self.ssh, self.place, self.offsets, self.codes, self.lines = ssh, place, dict(offsets), {}, lines
         self.closed, self.proc = False, None
         self.lock = threading.Lock()
         threading.Thread(target=self._follow, name=f"follow-{place.host}", daemon=True).start()
@@ -358,7 +376,7 @@ class Follower:
             offset, _, text = rest.partition(" ")
             if offset.isdigit():
                 self.offsets[rank] = int(offset)
-                say(f"[{self.place.host} rank {rank}] {text}")
+                self.lines.show(self.place.host, rank, text)
 
     def close(self):
         with self.lock:
