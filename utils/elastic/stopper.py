@@ -41,7 +41,7 @@ def command(where, init_method, key_file, checkpoint):
     rank = next(r for r, m in enumerate(answer.members) if m["heard"] is None)
     print(
         f"rank {rank} of the job ({source[0]}:{source[1]}) took the stop: every rank stops after its current "
-        "step, rank 0 saves the checkpoint, and each exits with code 3 and the command that resumes the job",
+        "step, rank 0 saves the checkpoint, and each exits with code 3, printing the command that resumes the job",
         flush=True,
     )
 

@@ -28,18 +28,16 @@ import time
 from utils.elastic.checks import (
     HEX,
     MAX_ID,
-    PROGRESS,
     Rejected,
     address,
     entry,
     id_key,
     integer,
+    listed,
     member,
     members,
     need,
-    number,
     optional,
-    pid,
     position,
     progress,
     scalar,
@@ -168,19 +166,6 @@ class Ask:
     @classmethod
     def parse(cls, f):
         return cls(text(f.get("nonce"), 12, HEX))
-
-
-def listed(value):
-    """One member in a status answer: its id, seconds since the answering member heard it (None:
-    itself), its host and pid, its progress (None: no step reported yet)."""
-    need(type(value) is dict and set(value) == {"id", "heard", "host", "pid", "progress"}, "bad member")
-    return {
-        "id": member(value["id"]),
-        "heard": optional(number, value["heard"], 0.0, PROGRESS["seconds_left"][2]),
-        "host": text(value["host"], 255),
-        "pid": pid(value["pid"]),
-        "progress": optional(progress, value["progress"]),
-    }
 
 
 @dataclasses.dataclass(frozen=True)

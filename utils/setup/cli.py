@@ -2,6 +2,9 @@
 
 utils.setup.config.from_args turns what this parses into a Config; nothing else reads it. No torch here:
 a bad command line answers at once.
+
+Why this long: it is every flag with its help, in docs/flags.md's groups and order (which
+tests/unit/test_config.py holds it to); one list read beside that page, not parts of it elsewhere.
 """
 
 import argparse

@@ -96,7 +96,7 @@ def request(reason):
     as a first signal is, so it rides with the next sum and the job stops after that step, saved;
     `reason` ("train.py --stop from HOST") names it in the rank's last line. Before arm(), as a
     SIGUSR1: the first step stops. Only the first request counts: a repeat changes nothing (a
-    signal after it is a second signal, which stops at once)."""
+    signal a second or more after it is a second signal, which stops at once)."""
     global _first
     if _first is None and not _leaving and _forward is None:
         _first = (reason, time.monotonic())
