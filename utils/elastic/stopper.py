@@ -13,7 +13,7 @@ Two exchanges of control datagrams, both signed with the job's key (utils/elasti
 The member asks for the stop as a first SIGTERM to its rank would (utils/setup/stop.request, which
 train.py hands to its membership): the request rides with the next gradient sum, every rank stops
 after that step, rank 0 saves the checkpoint, and every rank exits 3 with the command that resumes
-it. No torch here: the stopper is done in a fraction of a second.
+it. No torch here, nor anything else heavy.
 """
 
 import os
