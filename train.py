@@ -9,25 +9,27 @@ Under torchrun:                             torchrun --nproc-per-node 2 train.py
 Under Slurm:                                sbatch scripts/slurm.sbatch   (its srun needs no rank flags)
 Evaluate a saved model:                     python train.py --eval --model_path model_state_dict.pth
 Ask a running job how it does:              python train.py --status 192.168.0.1:23456
+Stop it from any terminal with its key:     python train.py --stop 192.168.0.1:23456
 Every server from one terminal, over ssh:   python train.py --hosts node0,node1,node2 --epoch 1200
 
-Stop with SIGTERM or SIGINT (Ctrl-C) to any rank: every rank stops after the same step, rank 0
-saves the checkpoint, and every rank exits with code 3; --resume continues, on this number of
-servers or another. A NaN or an inf in the loss or the parameters stops every rank at the same
-step, nothing saved after it (exit 4; docs/stopping-and-resuming.md).
+Stop with SIGTERM or SIGINT (Ctrl-C) to any rank, or with --stop: every rank stops after the same
+step, rank 0 saves the checkpoint, and every rank exits with code 3; --resume continues, on this
+number of servers or another. A NaN or an inf in the loss or the parameters stops every rank at
+the same step, nothing saved after it (exit 4; docs/stopping-and-resuming.md).
 
 This file sets up: the command line becomes a utils.setup.config.Config; then main() runs one mode:
---status, the keeper (--restart, utils/setup/keeper.py), every rank here (utils/setup/launch.py),
---eval, or a rank, whose supervisor (utils/setup/lifecycle.py) starts, joins or waits for the job
-through the process group (utils/setup/distributed.py) and utils/run.py, which trains. Its end is one
-line and an exit code (utils/setup/process.py, utils/errors.py).
+--status, --stop, every server over ssh (--hosts, utils/setup/remote.py), the keeper (--restart,
+utils/setup/keeper.py), every rank here (utils/setup/launch.py), --eval, or a rank, whose supervisor (utils/setup/lifecycle.py) starts,
+joins or waits for the job through the process group (utils/setup/distributed.py) and
+utils/run.py, which trains. Its end is one line and an exit code (utils/setup/process.py,
+utils/errors.py).
 """
 
 import dataclasses
 import os
 import sys
 
-from utils.elastic import rejoin, status
+from utils.elastic import rejoin, status, stopper
 from utils.errors import EXIT_BAD_INPUT, NotFinite, PeerError, Stopped, UsageError, first_line
 from utils.learn.mnist import ensure_mnist
 from utils.observe.instruments import OFF, from_environ
@@ -83,7 +85,7 @@ class Rank:
 
         job, model = self.config.job, self.model
         config = dataclasses.replace(self.config, job=dataclasses.replace(job, join=job.join or ""))
-        membership, decision = join_running_job(config, model_name(model), self.instruments)
+        membership, decision = join_running_job(config, model_name(model), self.instruments, stop.request)
         stop.arm()
         train_rank(model, self.data, config, membership, None, None, self.instruments, decision)
         return True
@@ -164,7 +166,9 @@ def meet(config, model, resume_from, done, instruments):
             return None
         broadcast_parameters(model)  # (a resume's model: from the checkpoint, which every rank has now)
         hosts = hierarchical.discover(job.host_id)  # which ranks share a server: for the log and the hierarchical sum
-        membership = start_membership(config, model_name(model), instruments) if job.world_size > 1 else None
+        membership = None
+        if job.world_size > 1:  # (train.py --stop to a member: a stop as a first SIGTERM to its rank)
+            membership = start_membership(config, model_name(model), instruments, stop.request)
     except RuntimeError as e:
         raise PeerError(f"lost a peer during start-up: {first_line(e)}") from None
     say_starting(config, resume_from)
@@ -215,6 +219,11 @@ class Process(Ending):
         args = parse_args(self.argv)
         if args.status is not None:  # a question to a running job: no torch, no training
             status.command(args.status, args.init_method, args.key_file, args.checkpoint, args.json)
+            return 0
+        if args.stop is not None:  # a request to a running job: no torch either
+            if args.json:
+                raise UsageError("--json goes with --status")
+            stopper.command(args.stop, args.init_method, args.key_file, args.checkpoint)
             return 0
         self.config = config = from_args(args)
         job = config.job

@@ -40,7 +40,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # bench/common: harness, stats (run directly)
 import harness  # noqa: F401  (first: puts the repository's utils/ on the path)
 
-from utils.elastic.wire import KINDS, Alive, Ask, Decision, Envelope, FencedOut, Join, Refused, Rejected, Status
+from utils.elastic.wire import (
+    KINDS,
+    Alive,
+    Ask,
+    Decision,
+    Envelope,
+    FencedOut,
+    Join,
+    Refused,
+    Rejected,
+    Status,
+    Stop,
+    Stopping,
+)
 from utils.setup.launch import free_port, supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,6 +83,8 @@ SAMPLES = [
     Refused("ab" * 6, "the job has --lr 0.004, this server has 0.01"),
     Ask("ab" * 6),
     Status("ab" * 6, 2, "training", [{"id": 0, "heard": None, "host": "node1", "pid": 41, "progress": PROGRESS}]),
+    Stop("ab" * 6),
+    Stopping("ab" * 6),
 ]
 BAD_VALUES = (True, "x", -1, 2**40, 1.5, [], {}, [-1, -1], "y" * 70_000, [0] * 5000)
 

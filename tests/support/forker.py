@@ -59,7 +59,7 @@ def popen(argv, netns=None, **kwargs):
 def launcher_threads(args):
     """train.py's local launcher loads torch with its ranks' threads (utils.setup.launch.rank_threads);
     the threads as text for a launcher's command line `args`, else None."""
-    if {"--rank", "--eval", "--status", "-h", "--help"} & {a.split("=")[0] for a in args}:
+    if {"--rank", "--eval", "--status", "--stop", "-h", "--help"} & {a.split("=")[0] for a in args}:
         return None
     nproc = "2"
     for i, arg in enumerate(args):

@@ -68,7 +68,8 @@ def started_pair():
 def test_any_member_answers_for_every_member_and_a_wrong_key_gets_nothing():
     a, b = started_pair()
     time.sleep(1.2)  # a beat or two: each has the other's progress
-    source, answer = status.ask("127.0.0.1", a.address[1], KEY, seconds=3)
+    source, token, answer = status.ask("127.0.0.1", a.address[1], KEY, seconds=3)
+    assert token == "00ff"  # (what train.py --stop seals its Stop for)
     job = status.summary(source, answer)
     assert [m["rank"] for m in job["members"]] == [0, 1] and job["generation"] == 0
     assert [m["step"] for m in job["members"]] == [5, 6] and all(m["share"] == 0.5 for m in job["members"])

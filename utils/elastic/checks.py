@@ -115,3 +115,16 @@ def progress(value):
     """A member's progress record: exactly PROGRESS's fields, each checked (None where not known)."""
     need(type(value) is dict and set(value) == set(PROGRESS), "bad progress")
     return {name: optional(check, value[name], *args) for name, (check, *args) in PROGRESS.items()}
+
+
+def listed(value):
+    """One member in a status answer: its id, seconds since the answering member heard it (None:
+    itself), its host and pid, its progress (None: no step reported yet)."""
+    need(type(value) is dict and set(value) == {"id", "heard", "host", "pid", "progress"}, "bad member")
+    return {
+        "id": member(value["id"]),
+        "heard": optional(number, value["heard"], 0.0, PROGRESS["seconds_left"][2]),
+        "host": text(value["host"], 255),
+        "pid": pid(value["pid"]),
+        "progress": optional(progress, value["progress"]),
+    }

@@ -10,7 +10,8 @@ ends (break_()) when gloo reports an error, when a member falls silent, or when 
 generation has ended. Ending it shuts down every TCP connection of this process
 (cut_connections): gloo's waits on them fail at once, on this rank and on every peer blocked on
 it, so no rank waits out --timeout. A member of an older generation that speaks up is told it was
-fenced out (FencedOut).
+fenced out (FencedOut). A question from train.py --status is answered (Ask, Status), and a
+request from train.py --stop handed to the process (Stop, Stopping: request_stop).
 
 Every datagram is opened by utils/elastic/wire.py before anything reads it: one that fails a
 check is dropped and counted in `rejected`, by the check it failed. A table maps each kind to its
@@ -30,7 +31,7 @@ import time
 from utils.elastic import agreement, status
 from utils.elastic.agreement import Fenced, State
 from utils.elastic.sockets import cut_connections
-from utils.elastic.wire import Alive, Ask, Decision, Envelope, FencedOut, Rejected
+from utils.elastic.wire import Alive, Ask, Decision, Envelope, FencedOut, Rejected, Stop, Stopping
 from utils.errors import EXIT_LOST_PEER
 from utils.observe.instruments import OFF
 from utils.store.outputs import release
@@ -72,11 +73,13 @@ class Detector:
     shared with the agreement and the growth, and its lock); ballot: the agreement's state, which
     its beats carry while recovering and into which it puts what the others' beats report
     (utils/elastic/agreement.Ballot); key: the job's key (bytes); instruments: where a break is
-    logged (utils/observe/instruments.py); cpu: its threads' clocks (ThreadClocks)."""
+    logged (utils/observe/instruments.py); cpu: its threads' clocks (ThreadClocks); request_stop(reason):
+    what a Stop from train.py --stop asks of this process (utils.setup.stop.request; None: a Stop
+    is dropped)."""
 
-    def __init__(self, roster, ballot, heartbeat, address, key, port=0, instruments=OFF, cpu=None):
+    def __init__(self, roster, ballot, heartbeat, address, key, port=0, instruments=OFF, cpu=None, request_stop=None):
         self.roster, self.ballot, self.heartbeat = roster, ballot, heartbeat
-        self.instruments, self.cpu = instruments, cpu or ThreadClocks()
+        self.instruments, self.cpu, self.request_stop = instruments, cpu or ThreadClocks(), request_stop
         self.envelope = Envelope(key, roster.me)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:  # the job's port + this rank: where a joining server looks (utils/elastic/join.py)
@@ -259,6 +262,7 @@ class Detector:
 
     def _receive(self):
         handlers = {Alive: self._on_alive, Decision: self._on_decision, FencedOut: self._on_fenced}
+        answered = {Ask: self._on_ask, Stop: self._on_stop}
         while True:
             try:
                 datagram, source = self.sock.recvfrom(65536)
@@ -267,11 +271,11 @@ class Detector:
             try:
                 sender, job, message = self.envelope.open(datagram)
                 handler = handlers.get(type(message)) or self.routes.get(type(message))
-                if type(message) is Ask:  # (answered where it came from)
-                    self._on_ask(sender, message, source)
+                if type(message) in answered:  # (answered where it came from)
+                    answered[type(message)](sender, job, message, source)
                 elif handler is not None:
                     handler(sender, job, message)
-                else:  # a kind only a non-member takes (an answer to train.py --status)
+                else:  # a kind only a non-member takes (an answer to train.py --status or --stop)
                     self.rejected["not for a member"] += 1
             except Rejected as e:
                 self.rejected[str(e)] += 1
@@ -323,7 +327,7 @@ class Detector:
         if self.fenced_at is not None:
             self.break_("the job went on without this rank")
 
-    def _on_ask(self, sender, message, source):
+    def _on_ask(self, sender, _job, message, source):
         """train.py --status (utils/elastic/status.py): every member's progress, to the asker's address."""
         if sender != f"status-{message.nonce}":
             self.rejected["sender"] += 1
@@ -333,8 +337,25 @@ class Detector:
             if roster.me not in roster.members:  # a server still joining: a member answers instead
                 return
             answer = status.answer(message.nonce, roster, self.heard, self.progress_of, time.monotonic())
+        self._answer(answer, sender, source)
+
+    def _on_stop(self, sender, job, message, source):
+        """train.py --stop (utils/elastic/stopper.py): this process asks for the job's stop as on a
+        first SIGTERM (every rank stops after the same step, saved), and tells the stopper."""
+        if sender != f"stop-{message.nonce}":
+            self.rejected["sender"] += 1
+        elif job != self.roster.token:  # sealed for an earlier run of the job, and replayed
+            self.rejected["another job"] += 1
+        elif self.request_stop is None:
+            self.rejected["no stop here"] += 1
+        elif self.roster.me in self.roster.members:  # (a server still joining: no answer; it is not in the job yet)
+            self.request_stop(f"train.py --stop from {source[0]}")
+            self._answer(Stopping(message.nonce), sender, source)
+
+    def _answer(self, message, to, source):
+        """An answer to a non-member, at the address it came from."""
         try:
-            self.sock.sendto(self.envelope.seal(answer, to=sender), source)
+            self.sock.sendto(self.envelope.seal(message, to=to), source)
         except OSError:  # (too large for a datagram, or the asker's address is unreachable)
             self.rejected["answer not sent"] += 1
 

@@ -1,10 +1,11 @@
 """Who is in the job: this rank's membership at start-up, or a new server joining a running job.
 
-start_membership(config, model, instruments)   every rank of a job that starts (a collective)
-join_running_job(config, model, instruments)   a server started with --join
-report_dropped(membership)                     at the end: the control datagrams it dropped
+start_membership(config, model, instruments, request_stop)   every rank of a job that starts (a collective)
+join_running_job(config, model, instruments, request_stop)   a server started with --join
+report_dropped(membership)                                   at the end: the control datagrams it dropped
 
 instruments: utils/observe/instruments.py's (OFF: none); bound to this rank's id once it is known.
+request_stop(reason): what train.py --stop asks of this process (train.py hands in utils.setup.stop.request).
 """
 
 import hashlib
@@ -26,7 +27,7 @@ from utils.setup.program import identity
 from utils.store.outputs import job_pid
 
 
-def start_membership(config, model, instruments=OFF):
+def start_membership(config, model, instruments=OFF, request_stop=None):
     """This rank's Membership, on the card gloo uses, signing with the job's key; the ranks' control
     addresses and the key are exchanged through the default group (a collective). model: its name."""
     job = config.job
@@ -40,7 +41,8 @@ def start_membership(config, model, instruments=OFF):
     )
     given = key.given(job.key_file)
     address = card_address(job.ifname, toward.strip("[]"))
-    membership = Membership(job.rank, job.heartbeat, address, given, port + job.rank if port else 0, instruments)
+    own_port = port + job.rank if port else 0
+    membership = Membership(job.rank, job.heartbeat, address, given, own_port, instruments, request_stop)
     mine = {
         "entry": {"address": list(membership.address), "pid": job_pid(), "host": socket.gethostname()},
         "token": os.urandom(8).hex(),
@@ -85,7 +87,7 @@ def check_keys(fingerprints):
         raise UsageError(f"{why}; give every server the same key, or none")
 
 
-def join_running_job(config, model, instruments=OFF):
+def join_running_job(config, model, instruments=OFF, request_stop=None):
     """A server started with --join: ask a member of the running job to take it in, and join the
     group it decides (utils/elastic/membership.py). Returns (membership, decision). model: its name.
     It asks at --join's HOST:PORT (or --init-method's), and at every member this server knew."""
@@ -97,7 +99,8 @@ def join_running_job(config, model, instruments=OFF):
         os.environ["GLOO_SOCKET_IFNAME"] = job.ifname
     own_port = int(job.init_method.rsplit(":", 1)[1]) + job.rank  # where members listen (free if it is back)
     secret = key.for_joining(job.key_file, config.outputs.checkpoint)
-    membership = Membership(None, job.heartbeat, card_address(job.ifname, host), secret, own_port, instruments)
+    address = card_address(job.ifname, host)
+    membership = Membership(None, job.heartbeat, address, secret, own_port, instruments, request_stop)
     candidates = [(host, int(port) + i) for i in range(MAX_JOIN_CANDIDATES)]
     candidates += [a for a in known_members(config.outputs.checkpoint) if a not in candidates]
     for attempt in range(1, JOIN_ATTEMPTS + 1):

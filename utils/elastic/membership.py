@@ -47,12 +47,15 @@ class Membership:
     share the roster. me: the rank's id for the whole job (its rank in the first generation; None:
     a server that joins, until it is taken in); key: the job's key (bytes); port: where it listens
     (the job's port + its rank; any free port if taken); instruments: where the agreement's events
-    and a break are logged (utils/observe/instruments.py)."""
+    and a break are logged (utils/observe/instruments.py); request_stop(reason): what train.py --stop asks
+    of this process (utils.setup.stop.request, handed in by train.py; None: it is refused)."""
 
-    def __init__(self, me, heartbeat, address, key, port=0, instruments=OFF):
+    def __init__(self, me, heartbeat, address, key, port=0, instruments=OFF, request_stop=None):
         self.roster, self.ballot, self.cpu = Roster(me), Ballot(), ThreadClocks()
         self.instruments = instruments
-        self.detector = Detector(self.roster, self.ballot, heartbeat, address, key, port, instruments, self.cpu)
+        self.detector = Detector(
+            self.roster, self.ballot, heartbeat, address, key, port, instruments, self.cpu, request_stop
+        )
         self.growth = Growth(self.roster, self.detector)
         self.detector.route(Join, self.growth.on_join)
         self.detector.route(Refused, self.growth.on_refused)

@@ -4,6 +4,7 @@
     record.snapshot()                what its heartbeats carry (checks.PROGRESS), read by the beat thread
     answer(nonce, ...)               a member's Status: every member's last progress, in rank order
     ask(host, port, secret)          train.py --status: any member's answer, or None within 5 s
+    exchange(...)                    a question sent until its answer comes (--status's, --stop's)
     command(...)                     train.py --status [HOST:PORT] [--json]: prints it; the exit code
 
 Every member's heartbeat ("alive", utils/elastic/detector.py) carries its progress, so any member
@@ -102,19 +103,31 @@ def answer(nonce, roster, heard, progress_of, now):
 
 
 def ask(host, port, secret, seconds=ASK_SECONDS, more=()):
-    """(address that answered, its Status), from any member at `port` + 0..CANDIDATES-1 of `host`
-    or at an address of `more`, or None when none answered within `seconds` (no job there, or not
-    the job's key)."""
+    """(address that answered, its job's token, its Status), from any member at `port` + 0..CANDIDATES-1
+    of `host` or at an address of `more`, or None when none answered within `seconds` (no job there,
+    or not the job's key)."""
     nonce = os.urandom(6).hex()
     envelope = Envelope(secret, f"status-{nonce}")
     candidates = [(host, port + i) for i in range(CANDIDATES) if port + i <= 65535]
     candidates += [a for a in more if a not in candidates]
-    deadline = time.monotonic() + seconds
+    return exchange(
+        envelope,
+        lambda: envelope.seal(Ask(nonce)),
+        candidates,
+        lambda answer: type(answer) is Status and answer.nonce == nonce,
+        time.monotonic() + seconds,
+    )
+
+
+def exchange(envelope, sealed, candidates, answers, deadline):
+    """(address, job's token, message) of the first datagram sealed for `envelope`'s sender for which
+    answers(message) holds, or None at `deadline` (time.monotonic()). Meanwhile every ASK_AGAIN s it
+    sends sealed() to each address of `candidates`: sealed anew, as a member refuses a counter it has seen."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         while time.monotonic() < deadline:
-            for candidate in candidates:  # each sealed anew: a member refuses a counter it has seen
+            for candidate in candidates:
                 try:
-                    sock.sendto(envelope.seal(Ask(nonce)), candidate)
+                    sock.sendto(sealed(), candidate)
                 except OSError:
                     pass
             until = min(deadline, time.monotonic() + ASK_AGAIN)
@@ -122,11 +135,11 @@ def ask(host, port, secret, seconds=ASK_SECONDS, more=()):
                 sock.settimeout(wait)
                 try:
                     datagram, source = sock.recvfrom(65536)
-                    _, _, message = envelope.open(datagram)
+                    _, job, message = envelope.open(datagram)
                 except (OSError, Rejected):  # a timeout, an ICMP error, or a datagram that is not its answer
                     continue
-                if type(message) is Status and message.nonce == nonce:
-                    return source, message
+                if answers(message):
+                    return source, job, message
     return None
 
 
@@ -219,20 +232,21 @@ def command(where, init_method, key_file, checkpoint, as_json=False):
             f"{key_source(key_file, checkpoint)} (wrong address or key, the job is over, or a firewall on its "
             "UDP ports)"
         )
-    job = summary(*found)
+    source, _, answer = found
+    job = summary(source, answer)
     print(json.dumps(job) if as_json else "\n".join(table(job)), flush=True)
 
 
-def address_of(where, init_method):
-    """(IPv4 address, port) of --status HOST:PORT, or of --init-method tcp://HOST:PORT without it."""
+def address_of(where, init_method, mode="--status"):
+    """(IPv4 address, port) of --status (or `mode`) HOST:PORT, or of --init-method tcp://HOST:PORT without it."""
     if not where:
         if not init_method or not init_method.startswith("tcp://"):
             raise UsageError(
-                "--status needs HOST:PORT of the job (its --init-method's) or --init-method tcp://HOST:PORT"
+                f"{mode} needs HOST:PORT of the job (its --init-method's) or --init-method tcp://HOST:PORT"
             )
         where, flag = init_method[len("tcp://") :], "--init-method"
     else:
-        flag = "--status"
+        flag = mode
     match = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", where)
     if match is None or not 1 <= int(match.group(2)) <= 65535:
         raise UsageError(f"malformed {flag} {where!r}; expected HOST:PORT of the job, e.g. 192.168.0.1:23456")

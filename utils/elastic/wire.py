@@ -5,7 +5,8 @@
     body     = {"kind": ..., "job": token, "from": sender, "n": counter, ...the kind's fields}
 
 A member's sender is its id (its first rank); a joining server's is "join-<nonce>"; train.py
---status, which only asks (Ask) and is answered (Status), is "status-<nonce>". The counter
+--status, which only asks (Ask) and is answered (Status), is "status-<nonce>"; train.py --stop,
+which asks one member to stop the job (Stop) and is answered (Stopping), is "stop-<nonce>". The counter
 grows with every datagram a process sends (it starts from the clock, so a restarted server's
 counter is past its earlier one's): a receiver keeps the highest counter each sender reached and
 refuses anything at or below it, so a replayed datagram is refused as surely as a forged one.
@@ -27,18 +28,16 @@ import time
 from utils.elastic.checks import (
     HEX,
     MAX_ID,
-    PROGRESS,
     Rejected,
     address,
     entry,
     id_key,
     integer,
+    listed,
     member,
     members,
     need,
-    number,
     optional,
-    pid,
     position,
     progress,
     scalar,
@@ -51,6 +50,7 @@ TAG_BYTES = 32
 NAME = re.compile(r"\d{1,10}\.\d{1,4}\.[0-9a-f]{8}")  # a group's store prefix: generation.leader.random
 JOINER = re.compile(r"join-[0-9a-f]{12}")
 ASKER = re.compile(r"status-[0-9a-f]{12}")  # train.py --status: not a member, it only asks
+STOPPER = re.compile(r"stop-[0-9a-f]{12}")  # train.py --stop: not a member either
 STATES = ("training", "recovering", "growing", "fenced")
 MAX_SENDERS = 10_000  # counters kept; the oldest joiners' are forgotten past this
 
@@ -168,19 +168,6 @@ class Ask:
         return cls(text(f.get("nonce"), 12, HEX))
 
 
-def listed(value):
-    """One member in a status answer: its id, seconds since the answering member heard it (None:
-    itself), its host and pid, its progress (None: no step reported yet)."""
-    need(type(value) is dict and set(value) == {"id", "heard", "host", "pid", "progress"}, "bad member")
-    return {
-        "id": member(value["id"]),
-        "heard": optional(number, value["heard"], 0.0, PROGRESS["seconds_left"][2]),
-        "host": text(value["host"], 255),
-        "pid": pid(value["pid"]),
-        "progress": optional(progress, value["progress"]),
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class Status:
     """A member's answer to Ask, sealed for the asker: the generation, its state, every member in rank order."""
@@ -200,6 +187,30 @@ class Status:
         return status
 
 
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """train.py --stop asks a member to stop the job after a step (its sender is "stop-<nonce>").
+    Sealed for that member and its job's token, which the stopper read in the member's Status: a
+    Stop replayed to another member, or to a later run of the job (another token), is refused."""
+
+    nonce: str
+
+    @classmethod
+    def parse(cls, f):
+        return cls(text(f.get("nonce"), 12, HEX))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+    """A member's answer to Stop, sealed for the stopper: it asked the job to stop after a step."""
+
+    nonce: str
+
+    @classmethod
+    def parse(cls, f):
+        return cls(text(f.get("nonce"), 12, HEX))
+
+
 KINDS = {
     "alive": Alive,
     "decision": Decision,
@@ -208,6 +219,8 @@ KINDS = {
     "refused": Refused,
     "ask": Ask,
     "status": Status,
+    "stop": Stop,
+    "stopping": Stopping,
 }
 NAMES = {cls: name for name, cls in KINDS.items()}
 REQUIRED = {
@@ -217,10 +230,11 @@ REQUIRED = {
 
 
 def identity(name):
-    """A member's id, a joining server's name ("join-" and 12 hex digits) or an asker's ("status-")."""
+    """A member's id, a joining server's name ("join-" and 12 hex digits), an asker's ("status-") or a
+    stopper's ("stop-")."""
     if type(name) is int:
         return 0 <= name <= MAX_ID
-    return type(name) is str and (JOINER.fullmatch(name) is not None or ASKER.fullmatch(name) is not None)
+    return type(name) is str and any(p.fullmatch(name) is not None for p in (JOINER, ASKER, STOPPER))
 
 
 class Envelope:

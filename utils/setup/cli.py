@@ -2,6 +2,9 @@
 
 utils.setup.config.from_args turns what this parses into a Config; nothing else reads it. No torch here:
 a bad command line answers at once.
+
+Why this long: it is every flag with its help, in docs/flags.md's groups and order (which
+tests/unit/test_config.py holds it to); one list read beside that page, not parts of it elsewhere.
 """
 
 import argparse
@@ -299,13 +302,22 @@ def make_parser(prog="train.py"):
     )
 
     watching = p.add_argument_group("watching a running job (docs/watching.md)")
-    watching.add_argument(
+    question = watching.add_mutually_exclusive_group()
+    question.add_argument(
         "--status",
         nargs="?",
         const="",
         metavar="HOST:PORT",
         help="print the running job's members and their progress, asked of any member at HOST:PORT "
         "(default: --init-method's), with the job's key as --join finds it; then exit",
+    )
+    question.add_argument(
+        "--stop",
+        nargs="?",
+        const="",
+        metavar="HOST:PORT",
+        help="stop the running job at HOST:PORT (found as --status finds it) as a SIGTERM to a rank would: every "
+        "rank stops after its current step, rank 0 saves the checkpoint, each exits 3; then exit",
     )
     watching.add_argument("--json", action="store_true", help="with --status: one JSON object instead of a table")
 

@@ -1,10 +1,12 @@
-"""Stopping like a production job: SIGTERM, SIGINT or SIGUSR1 stops the job after a step, a second signal at once.
+"""Stopping like a production job: SIGTERM, SIGINT or SIGUSR1 stops the job after a step, a second signal at once;
+train.py --stop from another terminal stops it as a first signal does.
 
     stop.note_early()      first thing: a SIGUSR1 before install() is kept for it
     stop.take_early()      those kept, for the keeper (--restart), which passes them on to its child
     stop.install(label)    in a rank, before anything slow: from now on signals are handled here
     stop.arm()             training has begun: a first signal now only asks for a stop
-    stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1"), or None
+    stop.request(reason)   a stop asked for without a signal (train.py --stop): as a first signal
+    stop.signalled()       the first signal's name ("SIGTERM", "SIGINT", "SIGUSR1") or request's reason, or None
     stop.leaving()         the stop is done and this rank exits: signals from now on change nothing
     stop.forward_to(procs) in the local launcher: pass every signal on to its ranks
     stop.send_to_self(sig) a signal to this rank, returning once it has been dealt with (utils/observe/instruments.py)
@@ -87,6 +89,17 @@ def leaving():
 
 def signalled():
     return _first[0] if _first else None
+
+
+def request(reason):
+    """A stop asked for without a signal (train.py --stop, through utils/elastic/detector.py): noted
+    as a first signal is, so it rides with the next sum and the job stops after that step, saved;
+    `reason` ("train.py --stop from HOST") names it in the rank's last line. Before arm(), as a
+    SIGUSR1: the first step stops. Only the first request counts: a repeat changes nothing (a
+    signal a second or more after it is a second signal, which stops at once)."""
+    global _first
+    if _first is None and not _leaving and _forward is None:
+        _first = (reason, time.monotonic())
 
 
 def forward_to(procs):
