@@ -228,8 +228,8 @@ def launch_of(args):
         return None
     if args.rank is not None or args.world_size is not None:
         raise UsageError("--hosts places every rank itself: leave out --rank and --world-size")
-    if args.eval or args.status is not None:
-        raise UsageError("--hosts starts a job; --eval and --status run here")
+    if args.eval:
+        raise UsageError("--hosts starts a job on those servers; --eval runs here")
     if args.remote_dir is not None and not args.remote_dir.startswith("/"):
         raise UsageError(f"--remote-dir must be an absolute path, got {args.remote_dir!r}")
     address, port = None, args.port

@@ -291,7 +291,7 @@ class StartWindow:
     def _ask(self, host, port, secret):
         while not self.formed.is_set() and time.monotonic() < self.ends:
             found = status.ask(host, port, secret, seconds=2.0)
-            if found is not None and len(found[1].members) >= self.world:
+            if found is not None and len(found[-1].members) >= self.world:
                 self.formed.set()
 
     def __call__(self, ranks):
