@@ -2,7 +2,8 @@
 
 Each emulated server (tests/support/ssh_hosts.py) is a network namespace with its own card name and
 address, its own sshd and its own copy of the program's folder; the launcher runs in the root
-namespace, as from a laptop, with the tests' ssh config (RING_SSH). No flag is typed per server.
+namespace, as from a laptop, with a plain `ssh` whose system config (a drop-in the harness removes)
+knows the servers. No flag is typed per server.
 
 Needs root and openssh-server; in CI (CI=true) their absence is a failure, never a skip.
 """
@@ -31,7 +32,7 @@ class Launcher:
 
     def __init__(self, h, args, cwd, env=None):
         self.lines, self.started = [], time.monotonic()
-        env = dict(os.environ, RING_SSH=h.ring_ssh, **(env or {}))
+        env = dict(os.environ, **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "train.py"), *args],
             cwd=cwd,
@@ -86,7 +87,7 @@ def hostfile(tmp, h, folders, slots=None):
     path = tmp / "hostfile"
     slots = slots or [1] * len(folders)
     lines = ["# the servers, rank 0's first"]
-    lines += [f"{name} slots={n} dir={folder}" for name, n, folder in zip(h.names, slots, folders)]
+    lines += [f"{name} slots={n} dir={folder}" for name, n, folder in zip(h.ssh_names, slots, folders)]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -114,7 +115,7 @@ def three(tmp_path_factory):
     """3 servers, each with its own card name and address and its own copy of the folder."""
     require_ssh()
     tmp = tmp_path_factory.mktemp("three")
-    with SshHosts(3, tmp) as h:
+    with SshHosts(3, tmp, system_config=True) as h:
         yield h, h.program_folders(), tmp
 
 
@@ -122,9 +123,9 @@ def test_one_command_trains_on_three_servers_as_their_own_commands_do(three, tmp
     h, folders, tmp = three
     code, out = run(h, ["--hostfile", str(hostfile(tmp, h, folders)), *SHORT], tmp_path)
     assert code == 0, out
-    assert re.search(r"^started 3 ranks on h0, h1, h2; rank 0 at (\S+):(\d+)", out, re.M), out
+    assert re.search(rf"^started 3 ranks on {', '.join(h.ssh_names)}; rank 0 at (\S+):(\d+)", out, re.M), out
     world, digest = DIGEST.search(out).groups()
-    assert world == "3" and "[h0 rank 0]" in out
+    assert world == "3" and f"[{h.ssh_names[0]} rank 0]" in out
     for r, folder in enumerate(folders):  # each rank found its own card, and logged in its own folder
         log = (folder / "runs" / f"rank-{r}.log").read_text()
         assert h.nics[r] in log, log
@@ -223,7 +224,7 @@ def broken(tmp_path_factory):
     """h0, h1 ready; h2's sshd down; h3 takes passwords only."""
     require_ssh()
     tmp = tmp_path_factory.mktemp("broken")
-    with SshHosts(4, tmp, down=(2,), password_only=(3,)) as h:
+    with SshHosts(4, tmp, down=(2,), password_only=(3,), system_config=True) as h:
         yield h, h.program_folders()[:2], tmp
 
 
@@ -243,21 +244,23 @@ def refused(h, args, cwd, folders, *needles):
 def test_every_problem_is_said_before_anything_starts(broken, tmp_path):
     h, folders, tmp = broken
     both = hostfile(tmp, h, folders)  # h0 and h1, each in its own folder
-    refused(h, ["--hosts", "h0,h2", "--remote-dir", str(folders[0])], tmp_path, folders, "h2: ssh refused")
-    refused(h, ["--hosts", "h0,h3", "--remote-dir", str(folders[0])], tmp_path, folders, "h3: ssh asks for a password")
-    refused(h, ["--hosts", "h0,nosuch", "--remote-dir", str(folders[0])], tmp_path, folders, "nosuch: unknown host")
-    refused(h, ["--hosts", "h0,h1", "--remote-dir", str(folders[0])], tmp_path, folders, "h1: no folder")
-    lines = refused(h, ["--hosts", "h0,h2,h3", "--remote-dir", str(folders[0])], tmp_path, folders, "h2:", "h3:")
+    h0, h1, h2, h3 = h.ssh_names
+    at_h0 = ["--remote-dir", str(folders[0])]
+    refused(h, ["--hosts", f"{h0},{h2}", *at_h0], tmp_path, folders, f"{h2}: ssh refused")
+    refused(h, ["--hosts", f"{h0},{h3}", *at_h0], tmp_path, folders, f"{h3}: ssh asks for a password")
+    refused(h, ["--hosts", f"{h0},nosuch", *at_h0], tmp_path, folders, "nosuch: unknown host")
+    refused(h, ["--hosts", f"{h0},{h1}", *at_h0], tmp_path, folders, f"{h1}: no folder")
+    lines = refused(h, ["--hosts", f"{h0},{h2},{h3}", *at_h0], tmp_path, folders, f"{h2}:", f"{h3}:")
     assert "1 of 3 servers are ready" in lines[-1]
     changed = folders[1] / "utils" / "errors.py"
     original = changed.read_text()
     try:
         changed.write_text(original + "\n# changed\n")
-        refused(h, ["--hostfile", str(both)], tmp_path, folders, "h1: " + str(folders[1]) + " holds another program")
+        refused(h, ["--hostfile", str(both)], tmp_path, folders, f"{h1}: {folders[1]} holds another program")
     finally:
         changed.write_text(original)
     with taken_port(h, 0, 23999):
-        refused(h, ["--hostfile", str(both), "--port", "23999"], tmp_path, folders, "h0: port 23999 is in use")
+        refused(h, ["--hostfile", str(both), "--port", "23999"], tmp_path, folders, f"{h0}: port 23999 is in use")
 
 
 class taken_port:
@@ -280,7 +283,7 @@ def test_a_folder_every_server_shares_and_two_ranks_on_one(tmp_path):
     require_ssh()
     for laptop in ("laptop", "laptop2"):
         (tmp_path / laptop).mkdir()
-    with SshHosts(2, tmp_path) as h:
+    with SshHosts(2, tmp_path, system_config=True) as h:
         folders = h.program_folders(shared=True)
         shared = folders[0]
         listed = hostfile(tmp_path, h, folders, slots=[2, 1])
@@ -296,7 +299,7 @@ def test_a_folder_every_server_shares_and_two_ranks_on_one(tmp_path):
         finally:
             launcher.kill()
         out = launcher.text
-        assert "already there on h1 (a folder another server shares)" in out, out
+        assert f"already there on {h.ssh_names[1]} (a folder another server shares)" in out, out
         assert "2 hosts × 1-2 ranks (2+1)" in out, out
         assert [int((shared / "runs" / f"rank-{r}.exit").read_text()) for r in range(3)] == [3, 3, 3]
         assert sorted(p.name for p in (shared / "runs").glob("checkpoint.pt*")) == [

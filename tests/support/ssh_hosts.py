@@ -10,8 +10,10 @@ Nothing of the user's ssh setup is read or written: /root/.ssh is never touched 
 entry's home, not $HOME). A private temporary directory holds a client key, one host key per host, an
 authorized_keys, one sshd_config and one sshd log per host, a known_hosts that already knows every
 host's key (as after a user's first ssh to each) and a client config with one ``Host hN`` entry per
-host; ``ssh -F <that config> hN`` logs in as root by key. ``ssh_command`` is that command, ``ring_ssh``
-the same as one string (the launcher's RING_SSH, like GIT_SSH_COMMAND).
+host; ``ssh -F <that config> hN`` logs in as root by key. ``ssh_command`` is that command. With
+``system_config`` the same entries go to a drop-in of ssh's system config (/etc/ssh/ssh_config.d/,
+removed on the way out) under the hosts' namespace names (``ssh_names``, unique while tests run side
+by side), so that a plain ``ssh NAME``, as the launcher runs it, reaches them as a user's ~/.ssh/config would.
 
 Failure cases: a host may be ``down`` (no sshd: "Connection refused"), or ``password_only`` (its
 sshd takes no key, only passwords: a BatchMode ssh ends at once, exit 255, "Permission denied");
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import socket
 import subprocess
@@ -41,6 +42,7 @@ import netns
 
 REPO = Path(__file__).resolve().parents[2]
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by its absolute path
+SYSTEM_CONFIG_DIR = Path("/etc/ssh/ssh_config.d")  # system_config: ssh's own drop-ins (Debian includes *.conf)
 PRIVSEP_DIR = Path("/run/sshd")  # sshd refuses to start without it (the package's unit makes it at boot)
 TEMP_PREFIX = "ssh-emu-"
 PROGRAM = "mnist-ring"  # the name of the program's folder on a host
@@ -125,6 +127,9 @@ def _remove_orphans() -> None:
         tag = "-".join(d.name.removeprefix(TEMP_PREFIX).split("-")[:2])  # <tag>-<mkdtemp's random part>
         if not any(ns.startswith(f"{tag}h") for ns in live):
             shutil.rmtree(d, ignore_errors=True)
+    for conf in SYSTEM_CONFIG_DIR.glob(f"{netns.PREFIX}*.conf"):  # system_config's drop-ins
+        if not any(ns.startswith(f"{conf.stem}h") for ns in live):
+            conf.unlink(missing_ok=True)
 
 
 class SshHosts:
@@ -142,6 +147,7 @@ class SshHosts:
         down: tuple[int, ...] | list[int] = (),
         password_only: tuple[int, ...] | list[int] = (),
         ready_timeout: float = 10.0,
+        system_config: bool = False,
     ):
         self.cluster = netns.Cluster(n, nics=nics, gateway=True)
         self.n = n
@@ -153,6 +159,7 @@ class SshHosts:
                 f"down {sorted(self.down)} / password_only {sorted(self.password_only)}: hosts are 0..{n - 1}"
             )
         self.ready_timeout = ready_timeout
+        self.system_config = system_config
         self._workdir = workdir
         self.dir: Path | None = None  # the temporary directory, while up
         self.workdir: Path | None = None
@@ -180,11 +187,6 @@ class SshHosts:
     @property
     def ssh_command(self) -> list[str]:
         return ["ssh", "-F", str(self.config)]
-
-    @property
-    def ring_ssh(self) -> str:
-        """ssh_command as one shell-quoted string, for the launcher's RING_SSH."""
-        return shlex.join(self.ssh_command)
 
     def ssh(self, host: int, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run `command` (a shell line) on `host` through a BatchMode ssh from the root namespace; text output."""
@@ -220,6 +222,8 @@ class SshHosts:
             self.workdir = Path(self._workdir) if self._workdir else self.dir / "work"
             self._sshd_version = sshd_version()
             self._write_keys_and_configs()
+            if self.system_config:
+                self._system_config_path().write_text(self._system_config_text())
             PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
             for host in range(self.n):
                 if host not in self.down:
@@ -235,6 +239,8 @@ class SshHosts:
     def teardown(self) -> None:
         """Stop every sshd, kill everything left in the namespaces, delete them and the temp dir. Idempotent."""
         try:
+            if self.system_config:
+                self._system_config_path().unlink(missing_ok=True)
             for host in list(self._sshd):
                 self.stop(host)
         finally:
@@ -313,6 +319,30 @@ class SshHosts:
             (d / f"{name}.sshd_config").write_text(self._sshd_config_text(host))
         (d / "known_hosts").write_text("".join(known))
         self.config.write_text("".join(self._client_entry(host) for host in range(self.n)))
+
+    @property
+    def ssh_names(self) -> list[str]:
+        """The names a plain `ssh NAME` knows the hosts by: with system_config, their namespaces'
+        names (unique on this machine, while tests run side by side), else the names of `config`."""
+        return list(self.cluster.names) if self.system_config else list(self.names)
+
+    def _system_config_path(self) -> Path:
+        return SYSTEM_CONFIG_DIR / f"{self.cluster.tag}.conf"
+
+    def _system_config_text(self) -> str:
+        entries = [
+            self._client_entry(host).replace(f"Host {self.names[host]}\n", f"Host {self.ssh_names[host]}\n")
+            for host in range(self.n)
+        ]
+        known = self.dir / "known_hosts"
+        known.write_text(
+            known.read_text()
+            + "".join(
+                f"{self.ssh_names[h]} {line.split(' ', 1)[1]}"
+                for h, line in enumerate(known.read_text().splitlines(True))
+            )
+        )
+        return "".join(entries)
 
     def _sshd_config(self, host: int) -> str:
         return str(self.dir / f"{self.names[host]}.sshd_config")

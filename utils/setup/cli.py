@@ -36,12 +36,12 @@ from utils.setup.config import (
     momentum_value,
     non_negative_float,
     non_negative_int,
-    port_number,
     positive,
     seed_value,
     timeline_steps,
 )
 from utils.setup.precision import PRECISIONS
+from utils.setup.servers import port_number
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (utils/setup/cli.py)
 ON = argparse.BooleanOptionalAction

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from utils.balance.shares import parse_fixed
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.errors import UsageError
-from utils.setup.servers import servers_of
+from utils.setup.servers import Launch, launch_of
 from utils.setup.slurm import SlurmStep
 from utils.setup.slurm import step_from as slurm_step
 from utils.sync.flags import MAX_RANKS
@@ -109,18 +109,6 @@ class Outputs:
                 seen.add(os.path.realpath(path))
                 found.append((option, path))
         return found
-
-
-@dataclass(frozen=True)
-class Launch:
-    """train.py --hosts/--hostfile: this process starts the job on those servers (utils/setup/remote.py)."""
-
-    servers: tuple  # utils.setup.servers.Server, rank 0's first
-    remote_dir: str | None = None
-    python: str | None = None
-    port: int | None = None  # rank 0's port (None: 23456, or a free one)
-    init_address: str | None = None  # rank 0's address from --init-method (None: as ssh reached it)
-    detach: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,32 +203,6 @@ def as_given(args, kind, **resolved):
     command line's option of its name as given."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind) if f.name not in resolved}
     return kind(**given, **resolved)
-
-
-def launch_of(args):
-    """--hosts/--hostfile and their options as a Launch; None without them (their options are refused)."""
-    if not (args.hosts or args.hostfile):
-        for given, flag in ((args.remote_dir, "--remote-dir"), (args.python, "--python"), (args.port, "--port")):
-            if given is not None:
-                raise UsageError(f"{flag} goes with --hosts or --hostfile")
-        if args.detach:
-            raise UsageError("--detach goes with --hosts or --hostfile")
-        return None
-    if args.rank is not None or args.world_size is not None:
-        raise UsageError("--hosts places every rank itself: leave out --rank and --world-size")
-    if args.eval:
-        raise UsageError("--hosts starts a job on those servers; --eval runs here")
-    if args.remote_dir is not None and not args.remote_dir.startswith("/"):
-        raise UsageError(f"--remote-dir must be an absolute path, got {args.remote_dir!r}")
-    address, port = None, args.port
-    if args.init_method is not None:
-        check_init_method(args.init_method)
-        match = re.fullmatch(r"tcp://(.+):(\d+)", args.init_method)
-        if match is None:
-            raise UsageError("with --hosts, --init-method is tcp://HOST:PORT of rank 0's server, or leave it out")
-        address, port = match.group(1).strip("[]"), port or int(match.group(2))
-    servers = tuple(servers_of(args.hosts, args.hostfile))
-    return Launch(servers, args.remote_dir, args.python, port, address, args.detach)
 
 
 def check_placement(args, launch=None):
@@ -388,12 +350,6 @@ def check_init_method(url):
         raise UsageError(f"malformed --init-method {url!r}; expected tcp://HOST:PORT, e.g. tcp://192.168.0.1:23456")
     if not 1 <= int(match.group(2)) <= 65535:
         raise UsageError(f"port {match.group(2)} in --init-method is out of range (1-65535)")
-
-
-def port_number(text):
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port, 1-65535, got {text!r}")
-    return int(text)
 
 
 def check_interface(name):

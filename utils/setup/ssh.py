@@ -1,6 +1,6 @@
 """The user's own ssh, as `train.py --hosts` uses it: never a password prompt, never a host-key bypass.
 
-    Ssh()                                  the ssh command: $RING_SSH (like GIT_SSH_COMMAND), else `ssh`
+    Ssh()                                  the user's `ssh`, with their ~/.ssh/config
     ssh.on(server, python, command, ...)   the command line that runs utils/setup/on_server.py there
     ssh.run(server, python, command, ...)  run it; (exit code, stdout, stderr), within `timeout` seconds
     trouble(host, code, stderr)            what went wrong with ssh itself, in words, or None
@@ -12,7 +12,6 @@ key is refused as ssh refuses it, and the line says how to accept it the usual w
 """
 
 import json
-import os
 import shlex
 import subprocess
 
@@ -22,8 +21,8 @@ SSH_FAILED = 255
 
 
 class Ssh:
-    def __init__(self, environ=os.environ):
-        self.command = shlex.split(environ.get("RING_SSH") or "ssh")
+    def __init__(self, command=("ssh",)):
+        self.command = list(command)
 
     def on(self, host, folder, pythons, command, request):
         """argv of ssh running `python -m utils.setup.on_server COMMAND REQUEST` in `folder` on `host`,
