@@ -137,7 +137,7 @@ def make_parser(prog="train.py"):
     training.add_argument(
         "--model_path", "--model-path", dest="model_path", help="state dict to start from (rank 0 reads it)"
     )
-    training.add_argument("--data-dir", default=os.path.join(REPO, "data"), help="where MNIST lives (default ./data)")
+    training.add_argument("--data-dir", default=os.path.join(REPO, "data"), help="MNIST's folder (default %(default)s)")
     training.add_argument(
         "--precision",
         choices=PRECISIONS,
