@@ -28,3 +28,21 @@ def test_devices_get_no_lock_file(tmp_path):
         assert not os.path.exists("/dev/null.lock") and os.listdir(tmp_path) == ["c.pt.lock"]
     finally:
         outputs.release()
+
+
+def test_a_look_takes_a_shared_lock_that_a_holder_s_exclusive_one_refuses(tmp_path):
+    """A look (hold=False) takes LOCK_SH: an NFS client refuses LOCK_EX on the read-only file a look
+    opens (EBADF), which kept a job from starting where a killed job had left its lock file. A look
+    must still see a holder, and a reader's shared lock is no holder."""
+    import fcntl
+
+    o = Outputs(checkpoint=str(tmp_path / "c.pt"), save_path="/dev/null", metrics="")
+    lock = tmp_path / "c.pt.lock"
+    lock.write_text("pid 1 on elsewhere\n")
+    with open(lock) as reader:
+        fcntl.flock(reader, fcntl.LOCK_SH)  # another look, at the same moment
+        outputs.lock_outputs(o, hold=False)
+    with open(lock, "r+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(UsageError, match="is in use by another job"):
+            outputs.lock_outputs(o, hold=False)

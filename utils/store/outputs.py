@@ -76,7 +76,7 @@ def open_and_lock(lock_path, hold):
             fd = os.open(lock_path, (os.O_RDWR | os.O_CREAT) if hold else os.O_RDONLY, 0o666)
         except FileNotFoundError:  # only a look opens without creating: the holder just released it
             return os.open(os.devnull, os.O_RDONLY), True
-        locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0)
+        locked = try_lock(fd, patience=PROBE_SECONDS if hold else 0, shared=not hold)
         if not locked or same_file(fd, lock_path):
             return fd, locked
         os.close(fd)  # locked a file that is gone: its holder released it just now
@@ -100,12 +100,15 @@ def release():
             os.close(fd)
 
 
-def try_lock(fd, patience):
-    """flock(LOCK_EX) without blocking; retried for `patience` seconds."""
+def try_lock(fd, patience, shared=False):
+    """flock(LOCK_EX) without blocking; retried for `patience` seconds. shared: LOCK_SH, which a look
+    takes: it meets a holder's LOCK_EX all the same, and an NFS client grants it on a file opened
+    read-only (LOCK_EX there fails with EBADF: a job left a lock file could not start again)."""
     deadline = time.monotonic() + patience
+    kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
