@@ -1,14 +1,14 @@
 """The server's side of `train.py --hosts`: what the launcher runs on each server over SSH.
 
     python -m utils.setup.on_server check  '{"port": 23456, "choose": false}'   can this folder run a rank here?
-    python -m utils.setup.on_server key    '{"path": "runs/checkpoint.pt.key", "job": {...}}'  the key (stdin), mode 600
+    python -m utils.setup.on_server prepare '{"path": "runs/checkpoint.pt.key", "job": {...}}' key (stdin), MNIST
     python -m utils.setup.on_server job    '{"path": "runs/checkpoint.pt.key"}' the running job's record and key
     python -m utils.setup.on_server start  '{"ranks": [...], "env": {...}}'    start ranks detached; their pids
     python -m utils.setup.on_server follow '{"ranks": {"0": 1234}}'            their logs and exit codes, as lines
     python -m utils.setup.on_server signal '{"ranks": [0, 1], "signal": 15}'   signal this server's ranks
 
 The launcher's ssh runs it in the job's folder (cd there first), with the Python the ranks use. Each
-answers on stdout: one JSON object (check, key, start, signal) or lines `L RANK OFFSET TEXT` (a
+answers on stdout: one JSON object (check, prepare, job, start, signal) or lines `L RANK OFFSET TEXT` (a
 line of a rank's log, and where the next one starts), `E RANK CODE` (the rank ended) for follow.
 
 A rank starts as `nohup` would start it: in a session of its own, stdin from /dev/null, SIGHUP
@@ -90,12 +90,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def key(request):
-    """The job's key (stdin), kept at `path` (see keep_key; None: the user gave the servers one), and
-    the job's record (rank 0's address, the world) in runs/job.json, for a later --join."""
+def prepare(request):
+    """Before the ranks start, one server at a time: the job's key (stdin), kept at `path` (see
+    keep_key; None: the user gave the servers one); the job's record (rank 0's address, the world)
+    in runs/job.json, for a later --join; MNIST unpacked once (`data_dir`, None: the folder's data/),
+    not by ranks racing on a folder that servers share."""
+    from utils.learn.mnist import ensure_mnist
+    from utils.setup.cli import make_parser
+
     secret = sys.stdin.buffer.read().strip()
     os.makedirs(LOGS, exist_ok=True)
     write_atomically(JOB, json.dumps(request["job"]) + "\n")
+    ensure_mnist(request.get("data_dir") or make_parser().get_default("data_dir"))
     return {"written": request["path"] is not None and keep_key(request["path"], secret)}
 
 
@@ -234,7 +240,7 @@ def is_rank(pid):
 
 COMMANDS = {
     "check": check,
-    "key": key,
+    "prepare": prepare,
     "job": job,
     "start": start,
     "run": run,

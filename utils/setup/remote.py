@@ -65,8 +65,9 @@ def launch_remote(config, argv, handoff, prog):
     ssh, places = Ssh(), places_of(config.job.launch)
     world = sum(len(p.ranks) for p in places)
     env = handoff.replace(resume_command=resume_command(argv, handoff, prog)).environ({})
-    plan = joining(ssh, places, config, world) if config.job.join is not None else starting(ssh, places, config, world)
-    places, secret, init_method = plan
+    data_dir = config.job.data_dir if "--data-dir" in [w.split("=")[0] for w in argv] else None  # (else theirs)
+    begin = joining if config.job.join is not None else starting
+    places, secret, init_method = begin(ssh, places, config, world, data_dir)
     base = [*rank_argv(argv), "--world-size", str(world), "--init-method", init_method]
     if not config.job.key_file:
         base += ["--key-file", key.copy_path(config.outputs.checkpoint)]
@@ -79,16 +80,16 @@ def launch_remote(config, argv, handoff, prog):
     return watch(ssh, places, started, config, secret, init_method[len("tcp://") :], prog)
 
 
-def starting(ssh, places, config, world):
+def starting(ssh, places, config, world, data_dir):
     """A new job: every server checked, the key shared; (places, key, init method)."""
     address, port = settle(ssh, places, config.job.launch)
     secret = None if config.job.key_file else key.new()  # (--key-file: the user's, on every server)
     init_method = f"tcp://{address}:{port}"
-    share_key(ssh, places, config, secret, {"init_method": init_method, "world": world})
+    prepare(ssh, places, config, secret, {"init_method": init_method, "world": world}, data_dir)
     return places, secret, init_method
 
 
-def joining(ssh, places, config, world):
+def joining(ssh, places, config, world, data_dir):
     """--join: the servers past the running job's ranks, checked, given its key; (those, key, init method)."""
     job, secret = running_job(ssh, places[0], config)
     new = [p for p in places if min(p.ranks) >= job["world"]]
@@ -96,7 +97,7 @@ def joining(ssh, places, config, world):
         raise UsageError(f"the job has {job['world']} ranks on these servers already; name one more to add it")
     settle(ssh, new, config.job.launch, first_is_rank_0=False)
     # (the job's servers have the key: only the record changes there)
-    share_key(ssh, places, config, secret, dict(job, world=world), tell=False)
+    prepare(ssh, places, config, secret, dict(job, world=world), data_dir, tell=False)
     return new, secret, job["init_method"]
 
 
@@ -185,16 +186,18 @@ def mismatches(places, answers):
     return lines
 
 
-def share_key(ssh, places, config, secret, job, tell=True):
-    """Write the job's key (unless the user gave one: --key-file) and its record (rank 0's address,
-    the world) on every server (once in a folder they share) and here."""
+def prepare(ssh, places, config, secret, job, data_dir, tell=True):
+    """One server after another (utils/setup/on_server.py `prepare`): the job's key (unless the user
+    gave one: --key-file; once in a folder servers share; here too), its record (rank 0's address,
+    the world) and MNIST unpacked (data_dir: --data-dir as given, None: the folder's own)."""
     path = None if config.job.key_file else key.copy_path(config.outputs.checkpoint)
     found = []  # servers whose folder held the key already: one another's shares it
     for place in places:
-        request = {"path": path, "job": job}
-        code, out, err = ssh.run(place.host, place.folder, place.pythons, "key", request, stdin=secret or b"")
+        request = {"path": path, "job": job, "data_dir": data_dir}
+        code, out, err = ssh.run(place.host, place.folder, place.pythons, "prepare", request, stdin=secret or b"")
         if code != 0:
-            raise UsageError(f"could not write the job's key on {place.host}: {err.strip() or f'exit {code}'}")
+            said = (err.strip().splitlines() or [f"exit {code}"])[-1]
+            raise UsageError(f"could not prepare {place.host} for the job: {said}")
         if path and '"written": false' in out:
             found.append(place.host)
     if path:
