@@ -36,6 +36,7 @@ from utils.observe.instruments import OFF, from_environ
 
 # Only modules without torch here: a bad command line and the local launcher answer before torch loads.
 from utils.setup import cli, keeper, stop
+from utils.setup.card import with_card
 from utils.setup.config import check_share, from_args
 from utils.setup.handoff import Handoff
 from utils.setup.launch import launch_local, rank_threads
@@ -249,7 +250,10 @@ class Process(Ending):
 
     def train(self):
         """A rank of the job: trains it to its end (utils/setup/lifecycle.py: how it begins)."""
-        config = self.config
+        job, found = with_card(self.config.job)  # before the data loads: a host with no route fails at once
+        if found:
+            print(found, flush=True)
+        self.config = config = dataclasses.replace(self.config, job=job)
         stop.install(f"{PROG}: rank {self.rank}")
         data = load_data(config)
         instruments = from_environ(send_to_self=stop.send_to_self)

@@ -244,8 +244,9 @@ class Cluster:
         host = self.host_of(rank)
         return f"host{host} {self.nic(host)}" + (f" rank{rank}" if self.ranks_per_host > 1 else "")
 
-    def train_argv(self, rank: int, port: int, extra: list[str]) -> list[str]:
-        """Exactly the command the README tells users to run for `rank` on its server."""
+    def train_argv(self, rank: int, port: int, extra: list[str], card: bool = True) -> list[str]:
+        """Exactly the command the README tells users to run for `rank` on its server (card: with
+        --gloo_socket_ifname naming its host's NIC; False: the rank finds it)."""
         return [
             sys.executable,
             "-u",
@@ -256,8 +257,7 @@ class Cluster:
             str(rank),
             "--world-size",
             str(self.world_size),
-            "--gloo_socket_ifname",
-            self.nic(self.host_of(rank)),
+            *(["--gloo_socket_ifname", self.nic(self.host_of(rank))] if card else []),
             *extra,
         ]
 

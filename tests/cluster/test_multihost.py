@@ -60,63 +60,66 @@ def nic_bytes(c, rank, nic=None):
 # -- tests --------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
-def test_three_hosts_with_different_nics_train_to_identical_parameters(tmp_path):
-    """Also --timeline on rank 0 alone (one timeline on aligned clocks): every host records, rank 0 writes;
-    host 2's clock is 3 s ahead."""
+@pytest.mark.timeout(150)
+def test_three_hosts_with_different_nics_find_them_and_train_to_identical_parameters(tmp_path):
+    """Started without --gloo_socket_ifname, each rank finds its host's NIC (the route toward rank 0;
+    rank 0's own address: its NIC, not lo) and names it; the same job with the README's flags ends
+    with the same model file. Also --timeline on rank 0 alone (one timeline on aligned clocks):
+    every host records, rank 0 writes; host 2's clock is 3 s ahead."""
     from trace_checks import FIRST, LAST, check_trace
 
     subset, world, batch, trace = 1500, 3, 32, tmp_path / "timeline.json"
     saves = [tmp_path / f"host{r}" / "model.pth" for r in range(world)]  # one filesystem: a path each
-    window = ["--timeline", str(trace), "--timeline-steps", f"{FIRST}:{LAST}"]  # 16 steps: the window fits
+    given = tmp_path / "given"  # the run with --gloo_socket_ifname, in a folder of its own
+    given.mkdir()
     with remember(cluster.Cluster(world, nics=NICS, starter=popen)) as c:
         assert [c.nic(r) for r in range(world)] == NICS
-        argvs = [
-            c.train_argv(
-                r,
-                29500,
-                [
-                    "--epochs",
-                    "1",
-                    "--test-subset",
-                    "1000",
-                    "--train-subset",
-                    str(subset),
-                    "--batch-size",
-                    str(batch),
-                    "--metrics",
-                    "",
-                    "--save-path",
-                    str(saves[r]),
-                    "--timeout",
-                    "60",
-                    *(window if r == 0 else []),
-                ],
-            )
-            for r in range(world)
-        ]
+
+        def argvs(card, folder):
+            job = ["--epochs", "1", "--test-subset", "1000", "--train-subset", str(subset), "--batch-size", str(batch)]
+            outputs = ["--metrics", "", "--save-path", "model.pth", "--timeout", "60"]  # (in the host's folder)
+            window = [
+                "--timeline",
+                str(folder / trace.name),
+                "--timeline-steps",
+                f"{FIRST}:{LAST}",
+            ]  # 16 steps: it fits
+            return [c.train_argv(r, 29500, [*job, *outputs, *(window if r == 0 else [])], card) for r in range(world)]
+
         before = [nic_bytes(c, r) for r in range(world)]
         lo_before = [nic_bytes(c, r, "lo") for r in range(world)]
         skewed = {**ENV, "TIMELINE_TEST_CLOCK_SKEW_S": "0,0,-3"}
-        results = wait_ranks(c, start_ranks(c, argvs, tmp_path, env=skewed), tmp_path, timeout=90)
+        results = wait_ranks(c, start_ranks(c, argvs(False, tmp_path), tmp_path, env=skewed), tmp_path, timeout=90)
         after = [nic_bytes(c, r) for r in range(world)]
         lo_after = [nic_bytes(c, r, "lo") for r in range(world)]
+        with_flag = wait_ranks(c, start_ranks(c, argvs(True, given), given, env=skewed), given, timeout=90)
     assert left_of(_created[-(2 * world + 1) :]) == []
 
     assert [code for code, *_ in results] == [0] * world, report(results)
     out0 = results[0][1]
     for _code, out, err, _ in results:
         assert "Traceback" not in out + err, report(results)
-    assert [out for _, out, _, _ in results[1:]] == [""] * (world - 1), report(results)  # others stay quiet
+    rank_0 = c.addr(0)
+    assert (
+        out0.splitlines()[0] == f"rank 0: gloo over {c.nic(0)} ({rank_0}), the card holding rank 0's address {rank_0}"
+    )
+    assert [out for _, out, _, _ in results[1:]] == [  # the others say their card, and nothing else
+        f"rank {r}: gloo over {c.nic(r)} ({c.addr(r)}), the card toward rank 0 at {rank_0}\n" for r in (1, 2)
+    ], report(results)
 
     # bit-identical parameters on every rank: rank 0 compared all ranks' sha256; the file has them
     m = re.search(SHA_LINE.format(n=world), out0)
     assert m, out0
-    assert Path(m[1]) == saves[0]
+    assert Path(m[1]) == Path("model.pth")
     assert digest_of(saves[0]) == m[2]
     assert not saves[1].exists() and not saves[2].exists()  # only rank 0 writes
     assert f"timeline of steps {FIRST}-{LAST} written to {trace}" in out0
     check_trace(trace, world=world, buckets=2, overlap=True, lazy=False, skews=(0, 0, -3))
+    # the card changes no arithmetic: the README's command, with the flag, saves the same bits, and says no card
+    assert [code for code, *_ in with_flag] == [0] * world, report(with_flag)
+    assert "gloo over" not in "".join(out for _, out, _, _ in with_flag), report(with_flag)
+    assert re.search(SHA_LINE.format(n=world), with_flag[0][1])[2] == m[2], report(with_flag)
+    assert (given / "host0" / "model.pth").read_bytes() == saves[0].read_bytes()
 
     # well above chance (10 %), and the saved model scores exactly what rank 0 reported
     reported = re.findall(r"test accuracy ([\d.]+)%", out0)
@@ -295,6 +298,32 @@ def test_host_without_the_named_nic_fails_clearly_and_nobody_hangs(tmp_path):
         assert seconds <= timeout + 25, report(results)  # + start-up: importing torch, loading MNIST
         assert "Traceback" not in err, report(results)
     assert not any((tmp_path / f"host{r}" / "m.pth").exists() for r in range(world))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_with_no_route_or_name_for_rank_0_asks_for_the_card_in_one_line(tmp_path):
+    """A server whose only route is its own subnet (no default route): rank 0 elsewhere, or a name that
+    does not resolve, is one line and exit 2 before anything loads; with the card named it goes on
+    to the rendezvous (and gives up on it: nobody is there)."""
+    with remember(cluster.Cluster(1, nics=NICS, starter=popen)) as c:
+        base = [PY, str(REPO / "train.py"), "--rank", "1", "--world-size", "2", "--timeout", "2"]
+        results = {
+            host: c.run_on(0, [*base, "--init-method", f"tcp://{host}:29500"], timeout=40, text=True, cwd=tmp_path)
+            for host in ("203.0.113.9", "no-such-host.invalid")
+        }
+        named = [*base, "--init-method", "tcp://203.0.113.9:29500", "--gloo_socket_ifname", c.nic(0)]
+        named = c.run_on(
+            0, [*named, "--test-subset", "100", "--train-subset", "100"], timeout=60, text=True, cwd=tmp_path
+        )
+    assert left_of(_created[-3:]) == []
+    why = {"203.0.113.9": "Network is unreachable", "no-such-host.invalid": "it does not resolve"}
+    for host, r in results.items():
+        assert (r.returncode, r.stdout) == (2, ""), (host, r.returncode, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [
+            f"train.py: error: found no network card toward rank 0 at {host} ({why[host]}); "
+            "pass --gloo_socket_ifname CARD"
+        ], r.stderr
+    assert named.returncode == 2 and "could not reach rank 0 at tcp://203.0.113.9:29500" in named.stderr, named.stderr
 
 
 @pytest.mark.timeout(60)

@@ -44,17 +44,16 @@ creates every Hierarchy at the same point, in the same order (utils/sync/factory
 gradient bucket, so buckets never share connections; utils.comm.allreduce.Hierarchical owns it).
 """
 
-import fcntl
 import os
 import queue
 import socket
-import struct
 import threading
 
 import torch
 import torch.distributed as dist
 
 from utils.comm import ring
+from utils.elastic.sockets import ipv4_of
 from utils.exchange import all_gather_json
 
 PIECE_BYTES = 512 * 1024  # pipelining: about this much of the buffer per piece
@@ -77,18 +76,8 @@ def host_key(host_id=None):
     except OSError:
         parts.append("-")
     card = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    parts.append(f"{card}:{ipv4_address(card)}" if card else "-")
+    parts.append(f"{card}:{ipv4_of(card) or '-'}" if card else "-")
     return "/".join(parts)
-
-
-def ipv4_address(card):
-    """The IPv4 address of network card `card`, or '-' (none, or not Linux)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            request = struct.pack("256s", card.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
-        except OSError:
-            return "-"
 
 
 def discover(host_id=None):

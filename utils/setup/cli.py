@@ -60,9 +60,8 @@ def make_parser(prog="train.py"):
     where.add_argument(
         "--init-method", "--init_method", dest="init_method", help="rank 0's address, e.g. tcp://192.168.0.1:23456"
     )
-    where.add_argument(
-        "--gloo_socket_ifname", "--gloo-socket-ifname", dest="ifname", help="the network card gloo uses, e.g. eth0"
-    )
+    card = "the network card gloo uses, e.g. eth0 (default: $GLOO_SOCKET_IFNAME, else found from the route to rank 0)"
+    where.add_argument("--gloo_socket_ifname", "--gloo-socket-ifname", dest="ifname", help=card)
     where.add_argument(
         "--join",
         nargs="?",

@@ -116,7 +116,7 @@ class Job:
     rank: int | None = None  # None: the local launcher, which starts every rank here
     world_size: int = 2
     init_method: str | None = None
-    ifname: str | None = None
+    ifname: str | None = None  # gloo's card: given, or found toward rank 0 when a rank starts (utils/setup/card.py)
     torchrun: bool = False  # RANK etc. came from torchrun's environment
     nproc: int = 2
     data_dir: str = "data"
