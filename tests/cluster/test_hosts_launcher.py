@@ -10,6 +10,7 @@ Needs root and openssh-server; in CI (CI=true) their absence is a failure, never
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -83,8 +84,8 @@ def run(h, args, cwd, timeout=90):
     return launcher.wait(timeout), launcher.text
 
 
-def hostfile(tmp, h, folders, slots=None):
-    path = tmp / "hostfile"
+def hostfile(tmp, h, folders, slots=None, name="hostfile"):
+    path = tmp / name
     slots = slots or [1] * len(folders)
     lines = ["# the servers, rank 0's first"]
     lines += [f"{name} slots={n} dir={folder}" for name, n, folder in zip(h.ssh_names, slots, folders)]
@@ -123,7 +124,7 @@ def test_one_command_trains_on_three_servers_as_their_own_commands_do(three, tmp
     h, folders, tmp = three
     code, out = run(h, ["--hostfile", str(hostfile(tmp, h, folders)), *SHORT], tmp_path)
     assert code == 0, out
-    assert re.search(rf"^started 3 ranks on {', '.join(h.ssh_names)}; rank 0 at (\S+):(\d+)", out, re.M), out
+    assert re.search(rf"^started 3 ranks on {', '.join(h.ssh_names)}; rank 0 at ([^;\s]+):(\d+);", out, re.M), out
     world, digest = DIGEST.search(out).groups()
     assert world == "3" and f"[{h.ssh_names[0]} rank 0]" in out
     for r, folder in enumerate(folders):  # each rank found its own card, and logged in its own folder
@@ -138,20 +139,25 @@ def test_one_command_trains_on_three_servers_as_their_own_commands_do(three, tmp
 
 
 def by_hand(h, folders, args, port=23500):
-    """The final sha256 of the same job started with the original per-server commands."""
+    """The final sha256 of the same job started the original way: a person logs into each server
+    (ssh, so each rank has a server's own environment) and types its command there."""
     procs = []
     try:
         for r, folder in enumerate(folders):
             argv = [sys.executable, "-u", "train.py", *args, "--rank", str(r), "--world-size", "3"]
             argv += ["--init-method", f"tcp://{h.addrs[0]}:{port}", "--gloo_socket_ifname", h.nics[r]]
             argv += ["--checkpoint", "runs/by-hand.pt", "--save-path", "runs/by-hand.pth", "--metrics", ""]
-            procs.append(h.cluster.popen(r, argv, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            typed = f"cd {shlex.quote(str(folder))} && {shlex.join(argv)}"
+            procs.append(subprocess.Popen([*h.ssh_command, h.names[r], typed], **PIPED))
         outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
     finally:
         for p in procs:
-            h.cluster.kill(p)
+            p.kill()
     assert [p.returncode for p in procs] == [0, 0, 0], outputs
     return DIGEST.search(outputs[0]).group(2)
+
+
+PIPED = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def test_the_job_outlives_its_launcher_and_stops_and_resumes_from_any_terminal(three, tmp_path):
@@ -160,7 +166,7 @@ def test_the_job_outlives_its_launcher_and_stops_and_resumes_from_any_terminal(t
     launcher = Launcher(h, args, tmp_path)
     try:
         launcher.wait_for("epoch 1: ", timeout=90)
-        where = re.search(r"rank 0 at (\S+)", launcher.text).group(1)
+        where = re.search(r"rank 0 at ([^;\s]+)", launcher.text).group(1)
         secret = (tmp_path / "runs" / "checkpoint.pt.key").read_bytes().strip()
         assert not store_holds(where, secret)
     finally:
@@ -249,7 +255,8 @@ def test_every_problem_is_said_before_anything_starts(broken, tmp_path):
     refused(h, ["--hosts", f"{h0},{h2}", *at_h0], tmp_path, folders, f"{h2}: ssh refused")
     refused(h, ["--hosts", f"{h0},{h3}", *at_h0], tmp_path, folders, f"{h3}: ssh asks for a password")
     refused(h, ["--hosts", f"{h0},nosuch", *at_h0], tmp_path, folders, "nosuch: unknown host")
-    refused(h, ["--hosts", f"{h0},{h1}", *at_h0], tmp_path, folders, f"{h1}: no folder")
+    missing = hostfile(tmp, h, [folders[0], tmp / "not-here"], name="missing")
+    refused(h, ["--hostfile", str(missing)], tmp_path, folders, f"{h1}: no folder {tmp / 'not-here'} there")
     lines = refused(h, ["--hosts", f"{h0},{h2},{h3}", *at_h0], tmp_path, folders, f"{h2}:", f"{h3}:")
     assert "1 of 3 servers are ready" in lines[-1]
     changed = folders[1] / "utils" / "errors.py"
@@ -292,9 +299,8 @@ def test_a_folder_every_server_shares_and_two_ranks_on_one(tmp_path):
             launcher.wait_for("epoch 1: ", timeout=90)
             second, out = run(h, ["--hostfile", str(listed), *SHORT], tmp_path / "laptop2", timeout=60)
             assert second == 2 and f"a job is running in {shared}" in out, out
-            assert (
-                stop_command(re.search(r"rank 0 at (\S+)", launcher.text).group(1), tmp_path / "laptop").returncode == 0
-            )
+            where = re.search(r"rank 0 at ([^;\s]+)", launcher.text).group(1)
+            assert stop_command(where, tmp_path / "laptop").returncode == 0
             assert launcher.wait(90) == 3, launcher.text
         finally:
             launcher.kill()
@@ -302,7 +308,6 @@ def test_a_folder_every_server_shares_and_two_ranks_on_one(tmp_path):
         assert f"already there on {h.ssh_names[1]} (a folder another server shares)" in out, out
         assert "2 hosts × 1-2 ranks (2+1)" in out, out
         assert [int((shared / "runs" / f"rank-{r}.exit").read_text()) for r in range(3)] == [3, 3, 3]
-        assert sorted(p.name for p in (shared / "runs").glob("checkpoint.pt*")) == [
-            "checkpoint.pt",
-            "checkpoint.pt.key",
-        ]
+        written = sorted(p.name for p in (shared / "runs").glob("checkpoint.pt*"))  # (.members: every rank's, alike)
+        assert written == ["checkpoint.pt", "checkpoint.pt.key", "checkpoint.pt.members"], written
+        assert not list((shared / "runs").glob("*.lock"))  # rank 0's lock, released

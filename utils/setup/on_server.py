@@ -73,7 +73,10 @@ def server_address():
 
 
 def port_free(port):
+    """Whether the job's store could bind `port` here (as it does: SO_REUSEADDR, so a port an
+    earlier job left in TIME_WAIT is free)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
             return True
