@@ -160,10 +160,13 @@ def by_hand(h, folders, args, port=23500):
 PIPED = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def test_the_job_outlives_its_launcher_and_stops_and_resumes_from_any_terminal(three, tmp_path):
+def test_the_job_outlives_its_launcher_grows_and_stops_and_resumes_from_any_terminal(three, tmp_path):
+    """Started on 2 servers; the launcher killed -9; the third server added by the same command
+    with --join; --status and --stop from this terminal; the launcher command with --resume ends it."""
     h, folders, tmp = three
-    args = ["--hostfile", str(hostfile(tmp, h, folders)), *LONG]
-    launcher = Launcher(h, args, tmp_path)
+    long = [*LONG, "--epochs", "4"]  # (long enough to take a server in, ask, and stop it)
+    two = ["--hostfile", str(hostfile(tmp, h, folders[:2], name="two")), *long]
+    launcher = Launcher(h, two, tmp_path)
     try:
         launcher.wait_for("epoch 1: ", timeout=90)
         where = re.search(r"rank 0 at ([^;\s]+)", launcher.text).group(1)
@@ -171,8 +174,10 @@ def test_the_job_outlives_its_launcher_and_stops_and_resumes_from_any_terminal(t
         assert not store_holds(where, secret)
     finally:
         launcher.kill()  # kill -9: the job goes on
-    status = subprocess.run([sys.executable, str(REPO / "train.py"), "--status", where], cwd=tmp_path, **TEXT)
-    assert status.returncode == 0 and "3 members" in status.stdout, status.stdout + status.stderr
+    three_servers = ["--hostfile", str(hostfile(tmp, h, folders, name="three")), *long]
+    code, out = run(h, [*three_servers, "--join", "--detach"], tmp_path, timeout=60)
+    assert code == 0 and re.search(rf"^started 1 ranks? on {h.ssh_names[2]}", out, re.M), out
+    assert status_until(where, tmp_path, "3 members", timeout=60)
     wrong = tmp_path / "wrong.key"
     wrong.write_text("x" * 64)
     wrong.chmod(0o600)
@@ -182,8 +187,39 @@ def test_the_job_outlives_its_launcher_and_stops_and_resumes_from_any_terminal(t
     assert wait_for_exits(folders, timeout=60) == [3, 3, 3]
     assert (folders[0] / "runs" / "checkpoint.pt").exists()
     assert re.search(r"dropped \d+ .*signature", "".join(f.read_text() for f in logs(folders))), "wrong key not counted"
-    code, out = run(h, [*args, "--resume"], tmp_path, timeout=180)
-    assert code == 0 and "resuming" in out.lower() and DIGEST.search(out), out
+    code, out = run(h, [*three_servers, "--resume"], tmp_path, timeout=180)
+    assert code == 0 and "resuming" in out.lower() and DIGEST.search(out).group(1) == "3", out
+
+
+def status_until(where, cwd, needle, timeout):
+    """Whether --status from this terminal shows `needle` within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        asked = subprocess.run([sys.executable, str(REPO / "train.py"), "--status", where], cwd=cwd, **TEXT)
+        if asked.returncode == 0 and needle in asked.stdout:
+            return True
+        time.sleep(1)
+    return False
+
+
+def test_a_server_that_dies_while_the_job_starts_leaves_nothing_running(three, tmp_path):
+    h, folders, tmp = three
+    for f in folders:
+        (f / "runs" / "rank-2.pid").unlink(missing_ok=True)
+    launcher = Launcher(h, ["--hostfile", str(hostfile(tmp, h, folders)), *SHORT], tmp_path)
+    try:
+        pid_file = folders[2] / "runs" / "rank-2.pid"
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert time.monotonic() < deadline and launcher.proc.poll() is None, launcher.text
+            time.sleep(0.02)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)  # before the job has formed
+        code = launcher.wait(60)
+    finally:
+        launcher.kill()
+    assert code != 0 and "rank 2 failed while the job started; stopping the others" in launcher.text, launcher.text
+    time.sleep(1)
+    assert nothing_running(folders), [processes_mentioning(str(f)) for f in folders]
 
 
 TEXT = dict(capture_output=True, text=True, timeout=30)
