@@ -11,7 +11,6 @@ Evaluate a saved model:                     python train.py --eval --model_path 
 Ask a running job how it does:              python train.py --status 192.168.0.1:23456
 Stop it from any terminal with its key:     python train.py --stop 192.168.0.1:23456
 Every server from one terminal, over ssh:   python train.py --hosts node0,node1,node2 --epoch 1200
-
 Stop with SIGTERM or SIGINT (Ctrl-C) to any rank, or with --stop: every rank stops after the same
 step, rank 0 saves the checkpoint, and every rank exits with code 3; --resume continues, on this
 number of servers or another. A NaN or an inf in the loss or the parameters stops every rank at
@@ -19,10 +18,10 @@ the same step, nothing saved after it (exit 4; docs/stopping-and-resuming.md).
 
 This file sets up: the command line becomes a utils.setup.config.Config; then main() runs one mode:
 --status, --stop, every server over ssh (--hosts, utils/setup/remote.py), the keeper (--restart,
-utils/setup/keeper.py), every rank here (utils/setup/launch.py), --eval, or a rank, whose supervisor (utils/setup/lifecycle.py) starts,
-joins or waits for the job through the process group (utils/setup/distributed.py) and
-utils/run.py, which trains. Its end is one line and an exit code (utils/setup/process.py,
-utils/errors.py).
+utils/setup/keeper.py), every rank here (utils/setup/launch.py), --eval, or a rank, whose supervisor
+(utils/setup/lifecycle.py) starts, joins or waits for the job through the process group
+(utils/setup/distributed.py) and utils/run.py, which trains. Its end is one line and an exit code
+(utils/setup/process.py, utils/errors.py).
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ import torch
 from utils.comm import compress, hierarchical, ring
 from utils.learn import data, mnist
 from utils.learn.model import Net
-from utils.setup import config
+from utils.setup import values
 from utils.sync.buckets import flat_buffer, make_buckets, set_gradients
 from utils.sync.lazy import step_only
 
@@ -96,10 +96,10 @@ def test_compression_helpers():
 
 
 def test_timeline_steps_parse():
-    assert config.parse_steps("21:60") == (21, 60)
+    assert values.parse_steps("21:60") == (21, 60)
     for bad in ("60:21", "0:3", "x", "5"):
         with pytest.raises(ValueError):
-            config.parse_steps(bad)
+            values.parse_steps(bad)
 
 
 def test_mnist_is_read_as_torchvision_reads_it():

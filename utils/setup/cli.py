@@ -29,19 +29,21 @@ from utils.setup.config import (
     MAX_RESTARTS,
     MAX_SYNC_EVERY,
     MAX_TIMEOUT,
-    OneLineParser,
     balance_mode,
+)
+from utils.setup.precision import PRECISIONS
+from utils.setup.values import (
+    OneLineParser,
     chunk_count,
     host_id_text,
     momentum_value,
     non_negative_float,
     non_negative_int,
+    port_number,
     positive,
     seed_value,
     timeline_steps,
 )
-from utils.setup.precision import PRECISIONS
-from utils.setup.servers import port_number
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (utils/setup/cli.py)
 ON = argparse.BooleanOptionalAction

@@ -1,7 +1,7 @@
 """The run's settings: frozen dataclasses built from the command line in one place (from_args).
 
 Why this long: the settings, how each is resolved from the command line and its checks are read
-together; the argparse value types at the end could go to a module of their own.
+together (the argparse value types are in utils/setup/values.py).
 
     Recipe   what is trained: epochs, learning rate, batch, seed, data subsets
     Sync     how the gradients are summed: --allreduce, --chunks, --overlap, --compress, ...
@@ -18,7 +18,6 @@ these lists, so a new setting is checked once it is declared here. Defaults are 
 
 import argparse
 import dataclasses
-import math
 import os
 import re
 import socket
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from utils.balance.shares import parse_fixed
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.errors import UsageError
-from utils.setup.servers import Launch, launch_of
+from utils.setup.servers import Launch, servers_of
 from utils.setup.slurm import SlurmStep
 from utils.setup.slurm import step_from as slurm_step
 from utils.sync.flags import MAX_RANKS
@@ -205,6 +204,31 @@ def as_given(args, kind, **resolved):
     return kind(**given, **resolved)
 
 
+def launch_of(args):
+    """--hosts/--hostfile and their options as a Launch; None without them (their options are refused)."""
+    if not (args.hosts or args.hostfile):
+        for given, flag in ((args.remote_dir, "--remote-dir"), (args.python, "--python"), (args.port, "--port")):
+            if given is not None:
+                raise UsageError(f"{flag} goes with --hosts or --hostfile")
+        if args.detach:
+            raise UsageError("--detach goes with --hosts or --hostfile")
+        return None
+    if args.rank is not None or args.world_size is not None:
+        raise UsageError("--hosts places every rank itself: leave out --rank and --world-size")
+    if args.eval:
+        raise UsageError("--hosts starts a job on those servers; --eval runs here")
+    if args.remote_dir is not None and not args.remote_dir.startswith("/"):
+        raise UsageError(f"--remote-dir must be an absolute path, got {args.remote_dir!r}")
+    address, port = None, args.port
+    if args.init_method is not None:
+        match = re.fullmatch(r"tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", args.init_method)
+        if match is None or not 1 <= int(match.group(2)) <= 65535:
+            raise UsageError("with --hosts, --init-method is tcp://HOST:PORT of rank 0's server, or leave it out")
+        address, port = match.group(1).strip("[]"), port or int(match.group(2))
+    servers = tuple(servers_of(args.hosts, args.hostfile))
+    return Launch(servers, args.remote_dir, args.python, port, address, args.detach)
+
+
 def check_placement(args, launch=None):
     """--rank, --world-size, --init-method and --ifname, each well formed and given together."""
     if args.rank is not None or args.world_size is not None:
@@ -370,86 +394,3 @@ def check_share(train_images, world_size, global_batch=None):
             f"a global batch of {global_batch} image(s) cannot be shared by {world_size} ranks; "
             f"give --global-batch {world_size} or more"
         )
-
-
-# --- the command line's value types (train.parse_args): a bad value is one line, exit code 2 ----------
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
-def positive(kind, most=None):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a {'number' if kind is float else 'whole number'}, got {text!r}"
-            ) from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        if most is not None and value > most:
-            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text!r}")
-        return value
-
-    return parse
-
-
-def momentum_value(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text!r}")
-    return value
-
-
-def seed_value(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {text!r}")
-    return value
-
-
-def host_id_text(text):
-    """--host-id: a name of up to 255 printable characters."""
-    if not (0 < len(text) <= 255 and text.isprintable()):
-        raise argparse.ArgumentTypeError(f"expected a name of 1 to 255 printable characters, got {text[:300]!r}")
-    return text
-
-
-def non_negative_int(text):
-    return 0 if text.strip() == "0" else positive(int)(text)
-
-
-def non_negative_float(text):
-    return 0.0 if text.strip() in ("0", "0.0") else positive(float, MAX_TIMEOUT)(text)
-
-
-def chunk_count(text):
-    return "auto" if text == "auto" else positive(int, MAX_CHUNKS)(text)
-
-
-def parse_steps(text):
-    """'A:B' -> (A, B), 1 <= A <= B; ValueError with a message otherwise."""
-    first, sep, last = text.partition(":")
-    try:
-        first, last = int(first), int(last)
-    except ValueError:
-        raise ValueError(f"expected FIRST:LAST step numbers, e.g. 21:60, not {text!r}") from None
-    if not sep or first < 1 or last < first:
-        raise ValueError(f"expected FIRST:LAST with 1 <= FIRST <= LAST, not {text!r}")
-    return first, last
-
-
-def timeline_steps(text):
-    try:
-        return parse_steps(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None

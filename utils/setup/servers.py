@@ -1,6 +1,5 @@
 """The servers of `train.py --hosts` / `--hostfile`: who they are, how many ranks each, in which folder.
 
-    launch_of(args)               --hosts/--hostfile and their options as a Launch (None without them)
     servers_of(hosts, hostfile)   [Server], in rank order: rank 0 is the first host's first slot
     ranks_of(servers)             [(server, rank)] for every rank of the job
 
@@ -13,7 +12,6 @@
 No torch here: a bad host list is answered at once.
 """
 
-import argparse
 import re
 from dataclasses import dataclass
 
@@ -40,37 +38,6 @@ class Launch:
     port: int | None = None  # rank 0's port (None: 23456, or a free one)
     init_address: str | None = None  # rank 0's address from --init-method (None: as ssh reached it)
     detach: bool = False
-
-
-def launch_of(args):
-    """--hosts/--hostfile and their options as a Launch; None without them (their options are refused)."""
-    if not (args.hosts or args.hostfile):
-        for given, flag in ((args.remote_dir, "--remote-dir"), (args.python, "--python"), (args.port, "--port")):
-            if given is not None:
-                raise UsageError(f"{flag} goes with --hosts or --hostfile")
-        if args.detach:
-            raise UsageError("--detach goes with --hosts or --hostfile")
-        return None
-    if args.rank is not None or args.world_size is not None:
-        raise UsageError("--hosts places every rank itself: leave out --rank and --world-size")
-    if args.eval:
-        raise UsageError("--hosts starts a job on those servers; --eval runs here")
-    if args.remote_dir is not None and not args.remote_dir.startswith("/"):
-        raise UsageError(f"--remote-dir must be an absolute path, got {args.remote_dir!r}")
-    address, port = None, args.port
-    if args.init_method is not None:
-        match = re.fullmatch(r"tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", args.init_method)
-        if match is None or not 1 <= int(match.group(2)) <= 65535:
-            raise UsageError("with --hosts, --init-method is tcp://HOST:PORT of rank 0's server, or leave it out")
-        address, port = match.group(1).strip("[]"), port or int(match.group(2))
-    servers = tuple(servers_of(args.hosts, args.hostfile))
-    return Launch(servers, args.remote_dir, args.python, port, address, args.detach)
-
-
-def port_number(text):
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port, 1-65535, got {text!r}")
-    return int(text)
 
 
 def servers_of(hosts, hostfile):
