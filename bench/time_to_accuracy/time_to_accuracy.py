@@ -32,7 +32,7 @@ from time_to_accuracy_worker import worker
 
 from utils.comm.compress import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP
 from utils.comm.names import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTERS
-from utils.setup.config import momentum_value
+from utils.setup.values import momentum_value
 
 DEFAULTS = {
     "rate": "200mbit",

@@ -20,11 +20,13 @@ import time
 import pytest
 from hosts import processes_mentioning
 from ssh_hosts import REPO, SshHosts, require_ssh
+from throttle import CpuQuota
 
 pytestmark = pytest.mark.usefixtures("needs_root")
 
 SHORT = ["--epochs", "1", "--train-subset", "768", "--test-subset", "100", "--timeout", "60"]
-LONG = ["--epochs", "2", "--train-subset", "19200", "--test-subset", "100", "--timeout", "60"]
+LONG = ["--epochs", "1", "--train-subset", "19200", "--test-subset", "100", "--timeout", "60"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the servers' own setting: 3 ranks share this machine's 2 cores
 DIGEST = re.compile(r"parameters identical on all (\d+) ranks \(sha256 ([0-9a-f]{64})\)")
 
 
@@ -116,7 +118,7 @@ def three(tmp_path_factory):
     """3 servers, each with its own card name and address and its own copy of the folder."""
     require_ssh()
     tmp = tmp_path_factory.mktemp("three")
-    with SshHosts(3, tmp, system_config=True) as h:
+    with SshHosts(3, tmp, system_config=True, environment=ONE_THREAD) as h:
         yield h, h.program_folders(), tmp
 
 
@@ -162,29 +164,33 @@ PIPED = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess
 
 def test_the_job_outlives_its_launcher_grows_and_stops_and_resumes_from_any_terminal(three, tmp_path):
     """Started on 2 servers; the launcher killed -9; the third server added by the same command
-    with --join; --status and --stop from this terminal; the launcher command with --resume ends it."""
+    with --join; --status and --stop from this terminal; the launcher command with --resume ends it.
+    While they are asked, the job's ranks are held to a fifth of a core each (a real CPU quota), so
+    that it is still running whatever the machine's speed."""
     h, folders, tmp = three
-    long = [*LONG, "--epochs", "4"]  # (long enough to take a server in, ask, and stop it)
-    two = ["--hostfile", str(hostfile(tmp, h, folders[:2], name="two")), *long]
+    two = ["--hostfile", str(hostfile(tmp, h, folders[:2], name="two")), *LONG]
     launcher = Launcher(h, two, tmp_path)
-    try:
-        launcher.wait_for("epoch 1: ", timeout=90)
-        where = re.search(r"rank 0 at ([^;\s]+)", launcher.text).group(1)
-        secret = (tmp_path / "runs" / "checkpoint.pt.key").read_bytes().strip()
-        assert not store_holds(where, secret)
-    finally:
-        launcher.kill()  # kill -9: the job goes on
-    three_servers = ["--hostfile", str(hostfile(tmp, h, folders, name="three")), *long]
-    code, out = run(h, [*three_servers, "--join", "--detach"], tmp_path, timeout=60)
-    assert code == 0 and re.search(rf"^started 1 ranks? on {h.ssh_names[2]}", out, re.M), out
-    assert status_until(where, tmp_path, "3 members", timeout=60)
-    wrong = tmp_path / "wrong.key"
-    wrong.write_text("x" * 64)
-    wrong.chmod(0o600)
-    refused = stop_command(where, tmp_path, "--key-file", str(wrong))
-    assert refused.returncode == 2, refused.stderr
-    assert stop_command(where, tmp_path).returncode == 0
-    assert wait_for_exits(folders, timeout=60) == [3, 3, 3]
+    with CpuQuota("launcher-test") as quota:
+        try:
+            launcher.wait_for("epoch 1: ", timeout=90)
+            for r in (0, 1):
+                quota.add(int((folders[r] / "runs" / f"rank-{r}.pid").read_text()))
+            quota.set(0.2)
+            where = re.search(r"rank 0 at ([^;\s]+)", launcher.text).group(1)
+            assert not store_holds(where, (tmp_path / "runs" / "checkpoint.pt.key").read_bytes().strip())
+        finally:
+            launcher.kill()  # kill -9: the job goes on
+        three_servers = ["--hostfile", str(hostfile(tmp, h, folders, name="three")), *LONG]
+        code, out = run(h, [*three_servers, "--join", "--detach"], tmp_path, timeout=60)
+        assert code == 0 and re.search(rf"^started 1 ranks? on {h.ssh_names[2]}", out, re.M), out
+        assert status_until(where, tmp_path, "3 members", timeout=60)
+        wrong = tmp_path / "wrong.key"
+        wrong.write_text("x" * 64)
+        wrong.chmod(0o600)
+        refused = stop_command(where, tmp_path, "--key-file", str(wrong))
+        assert refused.returncode == 2, refused.stderr
+        assert stop_command(where, tmp_path).returncode == 0
+        assert wait_for_exits(folders, timeout=60) == [3, 3, 3]
     assert (folders[0] / "runs" / "checkpoint.pt").exists()
     assert re.search(r"dropped \d+ .*signature", "".join(f.read_text() for f in logs(folders))), "wrong key not counted"
     code, out = run(h, [*three_servers, "--resume"], tmp_path, timeout=180)
@@ -266,7 +272,7 @@ def broken(tmp_path_factory):
     """h0, h1 ready; h2's sshd down; h3 takes passwords only."""
     require_ssh()
     tmp = tmp_path_factory.mktemp("broken")
-    with SshHosts(4, tmp, down=(2,), password_only=(3,), system_config=True) as h:
+    with SshHosts(4, tmp, down=(2,), password_only=(3,), system_config=True, environment=ONE_THREAD) as h:
         yield h, h.program_folders()[:2], tmp
 
 
@@ -330,7 +336,7 @@ def test_a_folder_every_server_shares_and_two_ranks_on_one(tmp_path):
         folders = h.program_folders(shared=True)
         shared = folders[0]
         listed = hostfile(tmp_path, h, folders, slots=[2, 1])
-        launcher = Launcher(h, ["--hostfile", str(listed), *LONG, "--epochs", "1"], tmp_path / "laptop")
+        launcher = Launcher(h, ["--hostfile", str(listed), *LONG], tmp_path / "laptop")
         try:
             launcher.wait_for("epoch 1: ", timeout=90)
             second, out = run(h, ["--hostfile", str(listed), *SHORT], tmp_path / "laptop2", timeout=60)
@@ -342,7 +348,7 @@ def test_a_folder_every_server_shares_and_two_ranks_on_one(tmp_path):
             launcher.kill()
         out = launcher.text
         assert f"already there on {h.ssh_names[1]} (a folder another server shares)" in out, out
-        assert "2 hosts × 1-2 ranks (2+1)" in out, out
+        assert "2 hosts × 1-2 ranks (2+1), torch threads 1-2 per rank (a share of each server's cores)" in out, out
         assert [int((shared / "runs" / f"rank-{r}.exit").read_text()) for r in range(3)] == [3, 3, 3]
         written = sorted(p.name for p in (shared / "runs").glob("checkpoint.pt*"))  # (.members: every rank's, alike)
         assert written == ["checkpoint.pt", "checkpoint.pt.key", "checkpoint.pt.members"], written

@@ -137,6 +137,8 @@ class SshHosts:
 
     down: hosts whose sshd is not started (start() starts it); password_only: hosts whose sshd takes
     passwords and no key. workdir: where program_folders puts the copies (default: the temporary dir).
+    system_config: the hosts in a drop-in of ssh's system config (ssh_names). environment: variables
+    every session on every host has (sshd's SetEnv), as a server's own settings would give them.
     """
 
     def __init__(
@@ -148,6 +150,7 @@ class SshHosts:
         password_only: tuple[int, ...] | list[int] = (),
         ready_timeout: float = 10.0,
         system_config: bool = False,
+        environment: dict[str, str] | None = None,
     ):
         self.cluster = netns.Cluster(n, nics=nics, gateway=True)
         self.n = n
@@ -160,6 +163,7 @@ class SshHosts:
             )
         self.ready_timeout = ready_timeout
         self.system_config = system_config
+        self.environment = dict(environment or {})  # every session's, as a server's own environment
         self._workdir = workdir
         self.dir: Path | None = None  # the temporary directory, while up
         self.workdir: Path | None = None
@@ -369,7 +373,7 @@ UseDNS no
 PrintMotd no
 PrintLastLog no
 X11Forwarding no
-{penalties}"""
+{penalties}{"".join(f"SetEnv {k}={v}{chr(10)}" for k, v in self.environment.items())}"""
 
     def _client_entry(self, host: int) -> str:
         d = self.dir

@@ -17,8 +17,10 @@ waits for it and writes its exit code to runs/rank-N.exit. Nothing here depends 
 connection: the job goes on when the terminal, the connection or the launcher goes away.
 """
 
+import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +30,7 @@ import time
 LOGS = "runs"  # each rank's files, in the job's folder: rank-N.log, rank-N.pid, rank-N.exit
 JOB = os.path.join(LOGS, "job.json")  # the job's record: rank 0's address, the world (for --join)
 FOLLOW_POLL = 0.2
+NEEDED = ("torch", "torchvision", "numpy")  # what a rank imports (requirements.txt)
 FIRST_PORT = 23456  # the port the original command names; another free one when it is taken
 
 
@@ -37,14 +40,14 @@ def paths(rank):
 
 def check(request):
     """What the launcher checks before anything starts: torch and the program here, and rank 0's port."""
-    answer = {"host": socket.gethostname(), "address": server_address()}
-    try:
-        from utils.setup.program import identity
+    from utils.setup.program import program_digest
 
-        answer["identity"] = identity()
-    except ImportError as e:
-        answer["missing"] = e.name or str(e)
+    answer = {"host": socket.gethostname(), "address": server_address()}
+    missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+    if missing:
+        answer["missing"] = missing[0]
         return answer
+    answer["identity"] = {"torch": torch_version(), "program": program_digest()}
     answer["running"] = running_ranks()
     if request.get("port") is not None:
         port = request["port"]
@@ -64,6 +67,18 @@ def running_ranks():
             if pid is not None and read_code(paths(rank)["exit"]) is None and is_rank(pid):
                 found[str(rank)] = pid
     return found
+
+
+def torch_version():
+    """torch.__version__ as torch/version.py says it, without the seconds an import of torch takes."""
+    folder = importlib.util.find_spec("torch").submodule_search_locations[0]
+    try:
+        with open(os.path.join(folder, "version.py")) as f:
+            return re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M).group(1)
+    except (OSError, AttributeError):
+        import torch
+
+        return torch.__version__
 
 
 def server_address():
