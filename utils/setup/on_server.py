@@ -42,7 +42,7 @@ def check(request):
     """What the launcher checks before anything starts: torch and the program here, and rank 0's port."""
     from utils.setup.program import program_digest
 
-    answer = {"host": socket.gethostname(), "address": server_address()}
+    answer = {"host": socket.gethostname(), "address": server_address(), "python": sys.executable}
     missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
     if missing:
         answer["missing"] = missing[0]

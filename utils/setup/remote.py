@@ -162,9 +162,9 @@ def check(ssh, place, request, joining=False):
         said = f"{place.host}: a job is running in {place.folder} ({ranks}); stop it or use another folder"
         return {"problems": [said]}
     if "missing" in answer:
-        python = place.pythons[0] if len(place.pythons) == 1 else "its python3"
+        python = answer.get("python") or place.pythons[0]  # (the first of them that is there: ssh.Ssh.on)
         need = f"{python} -m pip install -r {place.folder}/requirements.txt"
-        return {"problems": [f"{place.host}: no module {answer['missing']!r} for {python} there; install: {need}"]}
+        return {"problems": [f"{place.host}: {python} has no module {answer['missing']}; install: {need}"]}
     return dict(answer, problems=[])
 
 
