@@ -22,8 +22,8 @@ alike. Per ratio and tree: both medians, the medians' ratio and the median of th
   shared_server              3 per-server commands on this machine over --nproc 3 (target <= 1.15; no root)
 
 Without root the emulated-cluster ratios are skipped (with a line saying so), except under CI=true,
-where that is an error. --short: ratios sync_every_hidden, default_vs_gloo_allreduce and
-shared_server on fewer images, 1 round, this tree only; it writes no files unless --results-dir.
+where that is an error. --short: ratios sync_every_hidden and default_vs_gloo_allreduce on fewer
+images, 1 round, this tree only; it writes no files unless --results-dir.
 Results: bench/results/regression/ (a .json and a .md a run, named after how it differs from the
 default: regression-against-COMMIT); method: bench/regression/NOTES.md.
 """
@@ -104,7 +104,8 @@ RATIOS = (
     Ratio("default_vs_gloo_allreduce", "our default sum keeps up with gloo's all_reduce", None, "local", "gloo"),
     Ratio("shared_server", "per-server commands share one machine as --nproc does", 1.15, "servers3", "nproc3"),
 )
-SHORT = ("sync_every_hidden", "default_vs_gloo_allreduce", "shared_server")
+# (the suite checks shared_server's rule itself: tests/world/test_per_server_threads.py)
+SHORT = ("sync_every_hidden", "default_vs_gloo_allreduce")
 NAMES = tuple(r.name for r in RATIOS)
 
 

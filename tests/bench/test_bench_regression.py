@@ -1,5 +1,5 @@
 """bench/regression/regression.py end to end, short (--short: 1 round of sync_every_hidden on emulated servers,
-default_vs_gloo_allreduce and shared_server over loopback, on fewer images): a row per ratio it ran, every
+default_vs_gloo_allreduce over loopback, on fewer images): a row per ratio it ran, every
 figure a finite positive number, the table shown in the suite's log; and bad arguments. Only that it runs
 and measures what it says: no speed targets are asserted (the figures are the benchmark's,
 bench/regression/NOTES.md).
@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO
 
 TOOL = f"{REPO}/bench/regression/regression.py"
-SHORT = ("sync_every_hidden", "default_vs_gloo_allreduce", "shared_server")
+SHORT = ("sync_every_hidden", "default_vs_gloo_allreduce")
 ROW = re.compile(r"^\| `(\w+)` \|(.*)\|$", re.M)
 
 

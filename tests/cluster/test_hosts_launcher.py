@@ -308,6 +308,17 @@ def test_every_problem_is_said_before_anything_starts(broken, tmp_path):
         refused(h, ["--hostfile", str(both)], tmp_path, folders, f"{h1}: {folders[1]} holds another program")
     finally:
         changed.write_text(original)
+    bare = tmp / "bare"  # a Python without torch
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
+    python = bare / "bin" / "python"
+    refused(
+        h,
+        ["--hostfile", str(both), "--python", str(python)],
+        tmp_path,
+        folders,
+        f"{h0}: {python} has no module torch",
+        f"{h1}: {python} has no module torch",
+    )
     with taken_port(h, 0, 23999):
         refused(h, ["--hostfile", str(both), "--port", "23999"], tmp_path, folders, f"{h0}: port 23999 is in use")
 

@@ -151,6 +151,7 @@ DRIVERS = (
     "fuzz/fuzz",
     "fuzz/control_cost",
     "heal/heal",
+    "launcher/first_step",
     "recovery/recovery",
     "recovery/recovery_soak",
     "regression/regression",
