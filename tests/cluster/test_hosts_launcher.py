@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hosts import processes_mentioning
@@ -250,21 +251,32 @@ def store_holds(where, secret):
     return any(secret in store.get(k) for k in keys)
 
 
-def test_ctrl_c_to_the_launcher_stops_every_rank_after_the_same_step(three, tmp_path):
+def test_a_keeper_brings_its_rank_back_and_ctrl_c_stops_every_rank_after_the_same_step(three, tmp_path):
+    """--restart on-failure through the launcher: rank 1's training killed -9, its server's keeper
+    starts it again and it joins; then Ctrl-C to the launcher stops all three after one step. The
+    other ranks are held to a fifth of a core meanwhile (a real CPU quota), so the job outlasts it."""
     h, folders, tmp = three
-    launcher = Launcher(h, ["--hostfile", str(hostfile(tmp, h, folders)), *LONG], tmp_path)
-    try:
-        launcher.wait_for("epoch 1: ", timeout=90)
-        os.kill(launcher.proc.pid, signal.SIGINT)
-        code = launcher.wait(60)
-    finally:
-        launcher.kill()
+    launcher = Launcher(h, ["--hostfile", str(hostfile(tmp, h, folders)), *LONG, "--restart", "on-failure"], tmp_path)
+    with CpuQuota("launcher-test") as quota:
+        try:
+            launcher.wait_for("epoch 1: ", timeout=90)
+            for r in (0, 2):
+                quota.add(int((folders[r] / "runs" / f"rank-{r}.pid").read_text()))
+            quota.set(0.2)
+            keeper = int((folders[1] / "runs" / "rank-1.pid").read_text())
+            os.kill(int(Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()[0]), signal.SIGKILL)
+            launcher.wait_for("rank 1: training killed by SIGKILL; starting it again", timeout=30)
+            launcher.wait_for("rank 1 joined after", timeout=60)
+            os.kill(launcher.proc.pid, signal.SIGINT)
+            code = launcher.wait(60)
+        finally:
+            launcher.kill()
     out = launcher.text
     assert code == 3, out
     steps = re.findall(r"stopped after epoch (\d+), step (\d+)/", out)
     assert len(steps) == 3 and len(set(steps)) == 1, out
     assert out.count("--resume") == 1 and re.search(r"to resume the job: .*--hostfile .*--resume$", out, re.M), out
-    assert exit_codes(folders[0], [0]) == {0: "3"}
+    assert exit_codes(folders[1], [1]) == {1: "3"}  # (the keeper's: it ends with its rank's stop)
 
 
 @pytest.fixture(scope="module")
