@@ -269,7 +269,8 @@ def signal_all(ssh, places, sig):
 def say_started(prog, places, where, detached):
     world = sum(len(p.ranks) for p in places)
     hosts = ", ".join(f"{p.host} ({len(p.ranks)})" if len(p.ranks) > 1 else p.host for p in places)
-    print(f"started {world} ranks on {hosts}; rank 0 at {where}; logs in runs/rank-N.log on each", flush=True)
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    print(f"started {ranks} on {hosts}; rank 0 at {where}; logs in runs/rank-N.log on each", flush=True)
     if detached:
         first = places[0]
         print(f"  watch:  python {prog} --status {where}", flush=True)
