@@ -187,24 +187,29 @@ def mismatches(places, answers):
 
 
 def prepare(ssh, places, config, secret, job, data_dir, tell=True):
-    """One server after another (utils/setup/on_server.py `prepare`): the job's key (unless the user
-    gave one: --key-file; once in a folder servers share; here too), its record (rank 0's address,
-    the world) and MNIST unpacked (data_dir: --data-dir as given, None: the folder's own)."""
+    """Each server (utils/setup/on_server.py `prepare`): the job's key (unless the user gave one:
+    --key-file; here too), its record (rank 0's address, the world) and MNIST unpacked (data_dir:
+    --data-dir as given, None: the folder's own). Rank 0's server first, then the others at once: a
+    folder they share with it has the key and MNIST already, so each is written once."""
     path = None if config.job.key_file else key.copy_path(config.outputs.checkpoint)
-    found = []  # servers whose folder held the key already: one another's shares it
-    for place in places:
-        request = {"path": path, "job": job, "data_dir": data_dir}
+    request = {"path": path, "job": job, "data_dir": data_dir}
+
+    def one(place):
         code, out, err = ssh.run(place.host, place.folder, place.pythons, "prepare", request, stdin=secret or b"")
         if code != 0:
             said = (err.strip().splitlines() or [f"exit {code}"])[-1]
             raise UsageError(f"could not prepare {place.host} for the job: {said}")
-        if path and '"written": false' in out:
-            found.append(place.host)
+        return bool(path) and '"written": false' in out  # (the key was there: a folder another server shares)
+
+    shared = [one(places[0])]
+    with ThreadPoolExecutor(max(1, len(places) - 1)) as pool:
+        shared += list(pool.map(one, places[1:]))
     if path:
         keep_key(path, secret)  # (here too: --status and --stop from this terminal)
     if path and tell:
-        shared = f"; already there on {', '.join(found)} (a folder another server shares)" if found else ""
-        print(f"the job's key: {path} on every server, readable by you only{shared}", flush=True)
+        found = [p.host for p, was in zip(places, shared) if was]
+        also = f"; already there on {', '.join(found)} (a folder another server shares)" if found else ""
+        print(f"the job's key: {path} on every server, readable by you only{also}", flush=True)
 
 
 def running_job(ssh, place, config):
