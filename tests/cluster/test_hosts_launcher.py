@@ -174,9 +174,7 @@ def test_the_job_outlives_its_launcher_grows_and_stops_and_resumes_from_any_term
     with CpuQuota("launcher-test") as quota:
         try:
             launcher.wait_for("epoch 1: ", timeout=90)
-            for r in (0, 1):
-                quota.add(int((folders[r] / "runs" / f"rank-{r}.pid").read_text()))
-            quota.set(0.2)
+            hold(quota, folders, (0, 1))
             where = re.search(r"rank 0 at ([^;\s]+)", launcher.text).group(1)
             assert not store_holds(where, (tmp_path / "runs" / "checkpoint.pt.key").read_bytes().strip())
         finally:
@@ -196,6 +194,13 @@ def test_the_job_outlives_its_launcher_grows_and_stops_and_resumes_from_any_term
     assert re.search(r"dropped \d+ .*signature", "".join(f.read_text() for f in logs(folders))), "wrong key not counted"
     code, out = run(h, [*three_servers, "--resume"], tmp_path, timeout=180)
     assert code == 0 and "resuming" in out.lower() and DIGEST.search(out).group(1) == "3", out
+
+
+def hold(quota, folders, ranks):
+    """These ranks (their processes, by their pid files) to a fifth of a core each, from now on."""
+    for r in ranks:
+        quota.add(int((folders[r] / "runs" / f"rank-{r}.pid").read_text()))
+    quota.set(0.2)
 
 
 def status_until(where, cwd, needle, timeout):
@@ -260,9 +265,7 @@ def test_a_keeper_brings_its_rank_back_and_ctrl_c_stops_every_rank_after_the_sam
     with CpuQuota("launcher-test") as quota:
         try:
             launcher.wait_for("epoch 1: ", timeout=90)
-            for r in (0, 2):
-                quota.add(int((folders[r] / "runs" / f"rank-{r}.pid").read_text()))
-            quota.set(0.2)
+            hold(quota, folders, (0, 2))
             keeper = int((folders[1] / "runs" / "rank-1.pid").read_text())
             os.kill(int(Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()[0]), signal.SIGKILL)
             launcher.wait_for("rank 1: training killed by SIGKILL; starting it again", timeout=30)

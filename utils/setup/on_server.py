@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from utils.store.files import write_file
+
 LOGS = "runs"  # each rank's files, in the job's folder: rank-N.log, rank-N.pid, rank-N.exit
 JOB = os.path.join(LOGS, "job.json")  # the job's record: rank 0's address, the world (for --join)
 FOLLOW_POLL = 0.2
@@ -118,7 +120,7 @@ def prepare(request):
 
     secret = sys.stdin.buffer.read().strip()
     os.makedirs(LOGS, exist_ok=True)
-    write_atomically(JOB, json.dumps(request["job"]) + "\n")
+    write_file(JOB, (json.dumps(request["job"]) + "\n").encode())
     ensure_mnist(request.get("data_dir") or make_parser().get_default("data_dir"))
     return {"written": request["path"] is not None and keep_key(request["path"], secret)}
 
@@ -134,7 +136,6 @@ def job(request):
 def keep_key(path, secret):
     """Write `secret` at `path`, readable by its user only, unless it is there already (a folder that
     servers share: written once); whether it wrote it."""
-    from utils.store.files import write_file
 
     try:
         with open(path, "rb") as f:
@@ -175,19 +176,12 @@ def run(entry):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: a lost session changes nothing
     files = paths(entry["rank"])
     rank = subprocess.Popen([sys.executable, "-u", "train.py", *entry["argv"]], stdin=subprocess.DEVNULL)
-    write_atomically(files["pid"], f"{rank.pid}\n")
+    write_file(files["pid"], f"{rank.pid}\n".encode())
     for sig in (signal.SIGTERM, signal.SIGINT):  # a signal to the watcher is for the rank
         signal.signal(sig, lambda signum, _: rank.send_signal(signum))
     code = rank.wait()
-    write_atomically(files["exit"], f"{code}\n")
+    write_file(files["exit"], f"{code}\n".encode())
     return None
-
-
-def write_atomically(path, text):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def follow(request):
